@@ -1,0 +1,232 @@
+"""
+A LLaMA-style decoder: token embedding -> n_layer x [RMSNorm -> grouped-query attention
+with rotary positions -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> head.
+
+Parameter names follow Meta's LLaMA / torchtitan (tok_embeddings, layers.{i}.attention.wq,
+..., norm, output), and the layers live in a ModuleDict keyed by their global index, so a
+pipeline stage that owns layers 4..7 still calls them layers.4 ... layers.7 and every
+checkpoint uses the same names whatever the layout. This file knows nothing of ranks.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    block_size: int = 256      # the longest sequence (rotary tables are built for it)
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4         # < n_head: grouped-query attention, each kv head serves n_head // n_kv_head query heads
+    n_embd: int = 128
+    ffn_dim: int = 0           # SwiGLU hidden width; 0: 8/3 * n_embd rounded up to a multiple of 32
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head_dim={self.n_embd // self.n_head} must be even for rotary embeddings")
+        if self.ffn_dim == 0:
+            self.ffn_dim = 32 * math.ceil(8 * self.n_embd / 3 / 32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in float32 even under bf16 autocast: the mean of squares loses too much in bf16
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim, block_size, theta):
+    """cos/sin of shape (block_size, head_dim) in the "rotate half" layout that Hugging Face's
+    LlamaForCausalLM uses: frequency j drives dims j and j + head_dim/2 (not interleaved pairs).
+    Using HF's layout means HF q/k weights load without a permutation."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)                                  # (T, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_head != self.n_head:
+            # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
+            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        # on CUDA with bf16 this dispatches to flash attention; on CPU to the math/flash-cpu kernel
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.n_embd, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.n_embd, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.n_embd, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin):
+        x = x + self.drop(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.drop(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        # not persistent: derived from the config, so checkpoints hold only learned weights
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        # GPT-2 style: N(0, 0.02) everywhere, and the two projections that write into the
+        # residual stream (wo, w2) scaled by 1/sqrt(2 * n_layer) so that the residual's
+        # variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, loss_mask=None):
+        """idx, targets, loss_mask: (B, T). Returns (logits (B, T, vocab), loss or None): the
+        loss is the mean cross-entropy over the target positions where loss_mask is 1 (all of
+        them without a mask)."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={self.cfg.block_size}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.drop(self.tok_embeddings(idx))  # (B, T, n_embd)
+        for block in self.layers.values():
+            if self.cfg.grad_ckpt and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.output(self.norm(x)).float()  # (B, T, vocab)
+        loss = None if targets is None else masked_cross_entropy(logits, targets, loss_mask)
+        return logits, loss
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B: 6 per
+        weight that takes part in a matmul (the embedding lookup is not a matmul; a tied
+        table is counted once, as the head), plus the attention scores and values
+        12 * n_layer * n_embd * T at full length T = block_size."""
+        n = self.num_params() - (0 if self.cfg.tie_embeddings else self.tok_embeddings.weight.numel())
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Appends max_new_tokens sampled tokens to idx (B, T). No KV cache: each step re-runs
+        the (cropped) context, which is plenty for samples from small models."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def masked_cross_entropy(logits, targets, loss_mask=None):
+    """Mean cross-entropy over positions whose mask is 1; without a mask, over all of them."""
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if loss_mask is None:
+        return loss.mean()
+    mask = loss_mask.flatten().to(loss.dtype)
+    # clamp: a micro-batch with no target tokens contributes 0, not NaN
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
+    """FLOP/s of a square matmul on this device: the achievable peak that MFU is measured
+    against when peak_flops is not given (on CPU, float32; nobody publishes a number for
+    your laptop)."""
+    g = torch.Generator(device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
+    a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.rand(n, n, device=device, dtype=dtype, generator=g)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a @ b  # warm up
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+        sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)

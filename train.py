@@ -1,0 +1,298 @@
+"""
+Train a LLaMA-style model. The whole run, top to bottom:
+
+    python train.py                                  # the default job: Python's stdlib, CPU-sized
+    python train.py config/tiny.py max_iters=50      # a config file, then key=value overrides
+    python train.py init_from=resume                 # continue from out_dir/ckpt/latest
+
+Every key below can be overridden; see README.md for what each one does.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+
+import configurator
+import data
+import parallel
+from model import ModelConfig, Transformer, measure_matmul_flops
+
+# ---------------------------------------------------------------------------------------
+# defaults: every one can be overridden by a config file or key=value
+# I/O
+out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
+init_from = "scratch"           # 'scratch': a new model; 'resume': continue from out_dir/ckpt/latest
+eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
+eval_iters = 10                 # global batches of val data per evaluation
+log_interval = 10               # print and append to metrics.jsonl every this many iterations
+ckpt_interval = 250             # save a checkpoint every this many iterations (and at the end)
+keep_ckpts = 2                  # keep the newest this many checkpoints (0: keep all)
+wandb_log = False               # also log to Weights & Biases (WANDB_MODE=offline works)
+wandb_project = "trainer"
+wandb_run_name = ""             # '' : the base name of out_dir
+# data
+dataset = "stdlib"              # a name under data/, or a directory holding train.bin/val.bin/meta.json
+data_source = ""                # what to prepare when the dataset is missing: '' = 'stdlib' for dataset 'stdlib';
+                                # else 'stdlib', a directory or glob of .txt files, or a .jsonl file
+tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
+vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
+batch_size = 16                 # sequences per micro-batch per rank
+grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
+block_size = 128                # tokens per sequence
+# model
+n_layer = 4
+n_head = 4
+n_kv_head = 2                   # < n_head: grouped-query attention
+n_embd = 128
+ffn_dim = 0                     # SwiGLU hidden width (0: 8/3 * n_embd, rounded up to a multiple of 32)
+dropout = 0.0
+tie_embeddings = False          # share the token embedding with the output head
+grad_ckpt = False               # activation checkpointing: recompute each block in backward
+# optimizer: AdamW, weight decay on 2-D weights only
+learning_rate = 2e-3            # peak learning rate
+max_iters = 1200
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping; the norm is logged anyway)
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+warmup_iters = 50
+lr_decay_iters = 0              # 0: = max_iters
+min_lr = 2e-4
+# system
+device = "auto"                 # 'auto': cuda if available, else cpu
+dtype = "auto"                  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; or 'float32' / 'bfloat16'
+compile = False                 # torch.compile the model
+seed = 1337                     # weights, data order and dropout all derive from it
+peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
+dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
+sample_tokens = 120             # tokens to generate at the end of the run (0: none)
+# ---------------------------------------------------------------------------------------
+
+sys.excepthook = configurator.excepthook  # a UserError prints one line, not a traceback
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+defaults = {k: globals()[k] for k in config_keys}
+overrides = configurator.configure(defaults, sys.argv[1:])
+globals().update(overrides)
+config = {k: globals()[k] for k in config_keys}
+
+# ---- setup ----------------------------------------------------------------------------
+mesh = parallel.setup(device, dist_timeout_s)
+if init_from not in ("scratch", "resume"):
+    raise configurator.UserError(f"init_from='{init_from}' is not 'scratch' or 'resume'")
+if grad_accum_steps % mesh.dp:
+    raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} is not divisible by the {mesh.dp} "
+                                 f"data-parallel ranks: use a multiple of {mesh.dp}")
+if dtype == "auto":
+    dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
+if dtype not in ("float32", "bfloat16"):
+    raise configurator.UserError(f"dtype='{dtype}' is not one of auto, float32, bfloat16")
+# weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
+autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
+if mesh.device.type == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+os.makedirs(out_dir, exist_ok=True)
+lr_decay_iters = lr_decay_iters or max_iters
+mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
+if mesh.master:
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+# ---- data -----------------------------------------------------------------------------
+data_dir = dataset if os.sep in dataset else os.path.join("data", dataset)
+if not os.path.exists(os.path.join(data_dir, "meta.json")):
+    source = data_source or ("stdlib" if dataset == "stdlib" else "")
+    if not source:
+        raise configurator.UserError(f"dataset '{dataset}' is not prepared ({data_dir}/meta.json missing): "
+                                     f"set data_source= to a directory, glob or .jsonl file to prepare it from")
+    if mesh.master:  # rank 0 prepares, the others wait at the barrier
+        mesh.print0(f"preparing {data_dir} from {source} (once)")
+        data.prepare(source, data_dir, tokenizer, vocab_size)
+    parallel.barrier(mesh)
+meta = data.load_meta(data_dir)
+if meta["tokenizer"] != tokenizer or meta["vocab_size"] != (vocab_size or meta["vocab_size"]):
+    raise configurator.UserError(
+        f"{data_dir} was prepared with tokenizer={meta['tokenizer']} vocab_size={meta['vocab_size']}, but this run "
+        f"has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another dataset")
+train_loader = data.Loader(data_dir, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+val_loader = data.Loader(data_dir, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
+
+# ---- model and optimizer --------------------------------------------------------------
+model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
+                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
+                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt)
+ckpt_path = parallel.latest_checkpoint(out_dir) if init_from == "resume" else None
+if init_from == "resume" and ckpt_path is None:
+    raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt/latest does not exist: "
+                                 f"use init_from=scratch, or the out_dir of the run to continue")
+ckpt = parallel.load_checkpoint(ckpt_path, ["model", "optimizer", "state"]) if ckpt_path else None
+if ckpt:
+    # the model's shape comes from the checkpoint; an explicit override that disagrees is a mistake
+    saved = ckpt["meta"]["model"]
+    for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size"):
+        if key in overrides and overrides[key] != saved[key]:
+            raise configurator.UserError(f"{key}={overrides[key]} but the checkpoint in {out_dir} has "
+                                         f"{key}={saved[key]}: drop the override, or use a new out_dir")
+    model_cfg = ModelConfig(**{**saved, "block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt})
+torch.manual_seed(seed)  # identical initial weights on every rank and every layout
+model = Transformer(model_cfg)
+if ckpt:
+    model.load_state_dict(ckpt["model"])
+model.to(mesh.device)
+mesh.print0(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP/token")
+
+decay = [p for p in model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
+no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm gains
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
+if ckpt:
+    optimizer.load_state_dict(ckpt["optimizer"])
+train_model = torch.compile(model) if compile else model
+
+
+def get_lr(it):
+    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / warmup_iters
+    if it >= lr_decay_iters:
+        return min_lr
+    progress = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+@torch.no_grad()
+def evaluate():
+    """Mean loss over eval_iters global batches of val data: the same batches every time."""
+    model.eval()
+    losses = []
+    for i in range(eval_iters):
+        x, y = val_loader.batch(i)
+        for k in range(x.size(0)):
+            with autocast:
+                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
+            losses.append(loss.item())
+    model.train()
+    return parallel.all_reduce_mean(sum(losses) / len(losses), mesh)
+
+
+# ---- resume state, logging ------------------------------------------------------------
+start_iter = 0
+run_id = None
+if ckpt:
+    start_iter = ckpt["meta"]["iter"]
+    run_id = ckpt["meta"].get("wandb_id")
+    torch.set_rng_state(ckpt["state"]["rng_cpu"][mesh.rank % len(ckpt["state"]["rng_cpu"])])
+    mesh.print0(f"resumed from {ckpt_path} at iteration {start_iter}")
+else:
+    torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks
+del ckpt
+metrics_path = os.path.join(out_dir, "metrics.jsonl")
+if mesh.master:
+    # keep exactly the history up to the checkpoint: lines a crashed run wrote after its last
+    # checkpoint are dropped, because this run recomputes (and re-logs) those iterations
+    # (train line "iter": k is step k, the (k+1)-th; val line "iter": k is after k steps)
+    old = []
+    if start_iter and os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            old = [json.loads(line) for line in f if line.strip()]
+        old = [r for r in old if r["iter"] < start_iter or ("val_loss" in r and r["iter"] == start_iter)]
+    with open(metrics_path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in old)
+    os.replace(metrics_path + ".tmp", metrics_path)
+    if wandb_log:
+        import wandb
+        run_id = run_id or wandb.util.generate_id()
+        wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
+                   id=run_id, resume="allow", config=config, dir=out_dir)
+
+
+def log(record):
+    if mesh.master:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if wandb_log:
+            wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+
+def save(it):
+    meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
+            "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world}
+    rng = [torch.get_rng_state()]
+    if mesh.master:
+        path = parallel.save_checkpoint(out_dir, it, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                                      "state": {"rng_cpu": rng}}, meta, keep_ckpts)
+        mesh.print0(f"saved checkpoint {path}")
+    parallel.barrier(mesh)
+
+
+peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+flops_per_iter = model.flops_per_token() * tokens_per_iter
+mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
+            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
+
+# ---- the loop -------------------------------------------------------------------------
+it = start_iter
+dt_avg = None
+while True:
+    if (it % eval_interval == 0 or it == max_iters) and not (ckpt_path and it == start_iter):
+        val_loss = evaluate()
+        mesh.print0(f"iter {it}: val loss {val_loss:.4f}")
+        log({"iter": it, "val_loss": val_loss})
+    if it > start_iter and (it % ckpt_interval == 0 or it == max_iters):
+        save(it)
+    if it >= max_iters:
+        break
+
+    t0 = time.perf_counter()
+    lr = get_lr(it)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
+    micro_steps = x.size(0)
+    loss_sum = torch.zeros((), device=mesh.device)
+    for k in range(micro_steps):
+        with autocast:
+            _, loss = train_model(x[k].to(mesh.device), y[k].to(mesh.device))
+        # backward adds each micro-step's gradient into .grad, so dividing each loss by the
+        # number of micro-steps makes the total the gradient of the mean over the whole batch
+        (loss / micro_steps).backward()
+        loss_sum += loss.detach()
+    # clip the global gradient norm (computed even when not clipping, for the log)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_mean = parallel.all_reduce_mean(loss_sum.item() / micro_steps, mesh)  # mean over the global batch
+    dt = time.perf_counter() - t0  # .item() above waited for the device
+    dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+
+    if it % log_interval == 0 or it == max_iters - 1:
+        tok_per_s = tokens_per_iter / dt
+        mfu = flops_per_iter / dt / (peak * mesh.world)
+        mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm.item():.3f}, "
+                    f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
+                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min")
+        log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(), "tokens": (it + 1) * tokens_per_iter,
+             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu})
+    it += 1
+
+# ---- the end --------------------------------------------------------------------------
+if mesh.master and sample_tokens > 0:
+    enc = data.get_tokenizer(tokenizer, vocab_size)
+    start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
+    with autocast:
+        out = model.generate(start, sample_tokens, temperature=0.8, top_k=50)
+    print("-" * 30 + " sample " + "-" * 30)
+    print(enc.decode(out[0, 1:].tolist()))
+    print("-" * 68, flush=True)
+if mesh.master and wandb_log:
+    wandb.finish()
+parallel.teardown(mesh)
