@@ -43,8 +43,8 @@ def _typed(key, value, default, where):
         return value
     if type(default) is float and type(value) is int:  # dropout=0
         return float(value)
-    raise UserError(f"{key}={value!r} {where} has type {type(value).__name__}, "
-                    f"but {key} is a {type(default).__name__} (default {default!r})")
+    raise UserError(f"{key}={value!r} {where} has type {type(value).__name__}, but {key} needs "
+                    f"{type(default).__name__} (default {default!r})")
 
 
 def _parse_value(raw, default):

@@ -175,6 +175,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     try:
         batch, batch_bytes = [], 0
         for doc_id, text, bad in iter_documents(kind, root, files, text_field):
+            if not text:
+                continue  # an empty document would be a lone <|endoftext|>
             n_replaced += bad
             files_with_replaced += bad > 0
             batch.append((doc_id, text))

@@ -98,12 +98,8 @@ autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "
 if mesh.device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-os.makedirs(out_dir, exist_ok=True)
 lr_decay_iters = lr_decay_iters or max_iters
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
-if mesh.master:
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
 
 # ---- data -----------------------------------------------------------------------------
 data_dir = dataset if os.sep in dataset else os.path.join("data", dataset)
@@ -197,6 +193,7 @@ else:
 del ckpt
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if mesh.master:
+    os.makedirs(out_dir, exist_ok=True)
     # keep exactly the history up to the checkpoint: lines a crashed run wrote after its last
     # checkpoint are dropped, because this run recomputes (and re-logs) those iterations
     # (train line "iter": k is step k, the (k+1)-th; val line "iter": k is after k steps)
@@ -208,6 +205,8 @@ if mesh.master:
     with open(metrics_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in old)
     os.replace(metrics_path + ".tmp", metrics_path)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
     if wandb_log:
         import wandb
         run_id = run_id or wandb.util.generate_id()

@@ -1,0 +1,59 @@
+import pytest
+
+from configurator import UserError, configure
+
+DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False, "out_dir": "out",
+            "init_from": "scratch", "n_embd": 128}
+
+
+def test_types_and_forms():
+    got = configure(DEFAULTS, ["n_layer=6", "--dropout=0", "learning_rate=1e-3", "compile=True",
+                               "out_dir=runs/a b", "init_from='resume'"])
+    assert got == {"n_layer": 6, "dropout": 0.0, "learning_rate": 1e-3, "compile": True,
+                   "out_dir": "runs/a b", "init_from": "resume"}
+    assert type(got["dropout"]) is float  # dropout=0 is accepted and becomes a float
+    assert configure(DEFAULTS, ["out_dir=123"]) == {"out_dir": "123"}  # a string key keeps the text
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("n_layer=2.5", "n_layer=2.5 on the command line has type float, but n_layer needs int"),
+    ("compile=1", "compile=1 on the command line has type int, but compile needs bool"),
+    ("n_layer=True", "has type bool, but n_layer needs int"),
+    ("dropout=high", "dropout='high' on the command line has type str"),
+])
+def test_wrong_types_are_errors(arg, message):
+    with pytest.raises(UserError, match=message):
+        configure(DEFAULTS, [arg])
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(UserError, match="unknown config key 'n_layers' on the command line: did you mean 'n_layer'"):
+        configure(DEFAULTS, ["n_layers=3"])
+    with pytest.raises(UserError, match="unknown config key 'zzz'.*see the defaults"):
+        configure(DEFAULTS, ["--zzz=3"])
+    with pytest.raises(UserError, match="is not key=value"):
+        configure(DEFAULTS, ["--n_layer"])
+
+
+def test_config_file(tmp_path):
+    good = tmp_path / "good.py"
+    good.write_text("# a config\nimport math\nn_layer = 2\nn_embd = 16 * n_layer\ndropout = 0\n_private = 5\n")
+    got = configure(DEFAULTS, [str(good), "n_layer=3"])  # the command line comes after the file and wins
+    assert got == {"n_layer": 3, "n_embd": 32, "dropout": 0.0}
+    typo = tmp_path / "typo.py"
+    typo.write_text("learning_rte = 1e-3\n")
+    with pytest.raises(UserError, match=r"unknown config key 'learning_rte' in .*typo.py: did you mean 'learning_rate'"):
+        configure(DEFAULTS, [str(typo)])
+    with pytest.raises(UserError, match="cannot read config file"):
+        configure(DEFAULTS, [str(tmp_path / "missing.py")])
+
+
+def test_command_line_values_are_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {marker}')"
+    assert configure(DEFAULTS, [f"out_dir={payload}"]) == {"out_dir": payload}  # just a string
+    with pytest.raises(UserError, match="has type str"):
+        configure(DEFAULTS, [f"n_layer={payload}"])
+    with pytest.raises(UserError):
+        configure(DEFAULTS, ["n_layer=(lambda: 1)()"])
+    assert not marker.exists()

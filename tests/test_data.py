@@ -1,0 +1,155 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from configurator import UserError
+
+TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
+         "    \t\n\n  trailing spaces   ", "<|endoftext|> is plain text here", "a" * 300 + " zzzqqq 12345678"]
+
+
+@pytest.mark.parametrize("vocab_size", [257, 512, 8192])
+def test_truncated_tokenizer_round_trips(vocab_size):
+    enc = data.get_tokenizer("cl100k_base", vocab_size)
+    assert enc.n_vocab == vocab_size and enc.eot_token == vocab_size - 1
+    for text in TEXTS:
+        ids = enc.encode_ordinary(text)
+        assert max(ids) < vocab_size - 1  # ordinary text never produces <|endoftext|>
+        assert enc.decode(ids) == text
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [vocab_size - 1]
+
+
+def test_truncated_tokenizer_is_a_prefix_of_the_full_one():
+    full, small = data.get_tokenizer("cl100k_base"), data.get_tokenizer("cl100k_base", 1000)
+    assert full.n_vocab == 100277
+    for i in range(999):
+        assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
+    # fewer merges: more (shorter) tokens for the same text
+    text = "".join(TEXTS)
+    assert len(small.encode_ordinary(text)) > len(full.encode_ordinary(text))
+    with pytest.raises(UserError, match="at least 257"):
+        data.get_tokenizer("cl100k_base", 100)
+
+
+def read_docs(out, split):
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
+    enc = data.get_tokenizer(meta["tokenizer"], meta["vocab_size"])
+    assert tokens[-1] == enc.eot_token
+    cuts = np.flatnonzero(tokens == enc.eot_token)
+    return [enc.decode(d.tolist()) for d in np.split(tokens, cuts + 1)[:-1] for d in [d[:-1]]]
+
+
+def test_prepare_directory_round_trip(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    texts = {f"sub/t{i}.txt" if i % 2 else f"t{i}.txt": f"document {i}: " + TEXTS[i % len(TEXTS)] for i in range(30)}
+    for name, text in texts.items():
+        (src / name).write_text(text, encoding="utf-8")
+    (src / "ignored.md").write_text("not a .txt file")
+    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 600, val_fraction=0.3, workers=2, verbose=False)
+    train, val = read_docs(tmp_path / "out", "train"), read_docs(tmp_path / "out", "val")
+    assert sorted(train + val) == sorted(texts.values())
+    assert sorted(val) == sorted(t for n, t in texts.items() if data.is_val(n, 0.3))
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 600
+    assert (meta["train_docs"], meta["val_docs"]) == (len(train), len(val)) and len(val) > 0
+    assert meta["train_tokens"] == os.path.getsize(tmp_path / "out" / "train.bin") // 2
+
+
+def test_prepare_jsonl_round_trip_and_uint32(tmp_path):
+    records = [{"text": f"line {i} " + TEXTS[i % len(TEXTS)], "id": i} for i in range(25)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
+    meta = data.prepare(str(path), str(tmp_path / "out"), "cl100k_base", 0, val_fraction=0.3, verbose=False)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277  # the full vocabulary does not fit uint16
+    docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")
+    assert sorted(docs) == sorted(r["text"] for r in records)
+
+
+def test_split_is_stable_when_files_are_added(tmp_path):
+    for n in (20, 40):
+        src = tmp_path / f"src{n}"
+        src.mkdir()
+        for i in range(n):
+            (src / f"f{i}.txt").write_text(f"file {i}")
+        data.prepare(str(src), str(tmp_path / f"out{n}"), "cl100k_base", 512, val_fraction=0.3, verbose=False)
+    small, large = read_docs(tmp_path / "out20", "val"), read_docs(tmp_path / "out40", "val")
+    assert set(small) <= set(large) and len(large) > len(small)
+
+
+def test_prepare_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        data.prepare(str(tmp_path / "missing"), str(tmp_path / "o"), "cl100k_base", 512)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    with pytest.raises(UserError, match="no documents"):
+        data.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+    (tmp_path / "nodocs").mkdir()
+    with pytest.raises(UserError, match="no .txt files"):
+        data.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:3: malformed JSON"):
+        data.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: no string field 'text'"):
+        data.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
+    assert not os.path.exists(tmp_path / "o" / "meta.json")  # nothing half-written looks complete
+
+
+def test_undecodable_bytes_are_replaced_and_counted(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"{i}.txt").write_bytes(b"caf\xe9 ok \xff\xfe end" if i == 3 else b"clean text %d" % i)
+    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, val_fraction=0.5)
+    assert meta["replaced_bytes"] == 3
+    assert "3 undecodable bytes in 1 documents were replaced" in capsys.readouterr().out
+    docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")
+    assert "caf\ufffd ok \ufffd\ufffd end" in docs
+
+
+def loader(dataset, **kw):
+    args = dict(block_size=16, batch_size=3, grad_accum_steps=4, seed=7)
+    return data.Loader(dataset, "train", **{**args, **kw})
+
+
+def test_loader_is_a_pure_function_of_seed_and_iteration(dataset):
+    a, b = loader(dataset), loader(dataset)
+    xs = [a.batch(it) for it in (0, 1, 2, 50)]
+    for it, (x, y) in zip((50, 2, 1, 0), reversed(xs)):  # any order, a fresh loader: the same batches
+        x2, y2 = b.batch(it)
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    x, y = xs[0]
+    assert x.shape == (4, 3, 16) and x.dtype == torch.int64
+    assert torch.equal(x[..., 1:], y[..., :-1])  # y is x shifted by one
+    assert not torch.equal(loader(dataset, seed=8).batch(0)[0], x)
+
+
+def test_each_epoch_visits_every_chunk_once(dataset):
+    ld = loader(dataset, batch_size=1, grad_accum_steps=1)
+    n = ld.n_chunks
+    assert n > 20
+    first = np.concatenate([ld.global_chunks(it).ravel() for it in range(n)])
+    second = np.concatenate([ld.global_chunks(it).ravel() for it in range(n, 2 * n)])
+    assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
+    assert not np.array_equal(first, second)  # a new order each epoch
+    big = loader(dataset, batch_size=5, grad_accum_steps=3)  # batches that straddle epoch ends
+    chunks = np.concatenate([big.global_chunks(it).ravel() for it in range(2 * n // 15 + 2)])
+    assert sorted(chunks[:n]) == list(range(n))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_rank_slices_are_disjoint_and_make_the_global_batch(dataset, dp):
+    whole_x, whole_y = loader(dataset).batch(3)
+    parts = [loader(dataset, dp_rank=r, dp=dp).batch(3) for r in range(dp)]
+    assert all(x.shape[0] == 4 // dp for x, _ in parts)
+    torch.testing.assert_close(torch.cat([x for x, _ in parts]), whole_x, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([y for _, y in parts]), whole_y, rtol=0, atol=0)
+    lds = [loader(dataset, dp_rank=r, dp=dp) for r in range(dp)]
+    mine = [set(ld.global_chunks(3)[ld.first_micro:ld.first_micro + ld.micro_steps].ravel()) for ld in lds]
+    assert sum(len(m) for m in mine) == len(set().union(*mine)) == 12  # disjoint, 12 sequences in all
