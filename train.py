@@ -56,7 +56,7 @@ tie_embeddings = False          # share the token embedding with the output head
 grad_ckpt = False               # activation checkpointing: recompute each block in backward
 # optimizer: AdamW, weight decay on 2-D weights only
 learning_rate = 2e-3            # peak learning rate
-max_iters = 1200
+max_iters = 600
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
