@@ -9,17 +9,26 @@ single: throughput of one process on the default model (train.py's defaults), wi
         without activation checkpointing: ms/iter, tokens/s, MFU against this machine's
         measured matmul rate, and peak memory. Each row runs in a fresh process so that its
         peak memory (max RSS on CPU) is its own.
+dp:     data parallel at 2 ranks (gloo on CPU, nccl on GPUs), the same model and global
+        batch: our naive and bucketed all-reduce against torch's DistributedDataParallel,
+        measured in interleaved rounds, plus how much of the bucketed all-reduce time is
+        hidden behind backward.
 """
 
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+import parallel
 from model import ModelConfig, Transformer, measure_matmul_flops
 
 # the default model and batch of train.py
@@ -82,7 +91,108 @@ def table_single():
           f"{rows[1]['ms_iter'] / rows[0]['ms_iter']:.2f}x the time (one more forward per block)")
 
 
-TABLES = {"single": table_single}
+def dp_worker(rank, world, port, bucket_sizes, out_path):
+    """One rank of the dp table: every implementation, interleaved round by round so that a
+    noisy neighbour hurts them all alike."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    mesh = parallel.setup("auto", 300)
+    dev = mesh.device
+    variants = [("naive", None), *[("bucketed", mb) for mb in bucket_sizes], ("torch", bucket_sizes[0])]
+    models = {}
+    for impl, mb in variants:
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**MODEL)).to(dev)
+        if impl == "torch":
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+        else:
+            ddp = parallel.DataParallel(model, mesh, mb or 0, naive=impl == "naive")
+        models[(impl, mb)] = (ddp, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    micro = ACCUM // world
+    x = torch.randint(0, MODEL["vocab_size"], (micro, BATCH, MODEL["block_size"] + 1), device=dev,
+                      generator=torch.Generator(dev).manual_seed(rank))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times = {v: [] for v in variants}
+    waits = {v: [] for v in variants}
+    for rnd in range(WARMUP + ITERS):
+        for v in variants:
+            ddp, opt = models[v]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(micro):
+                ddp.require_backward_grad_sync = k == micro - 1
+                _, loss = ddp(x[k, :, :-1], x[k, :, 1:])
+                (loss / micro).backward()
+            sync()
+            t1 = time.perf_counter()
+            if v[0] != "torch":
+                ddp.wait()  # what backward did not hide: naive's whole all-reduce, bucketed's last bucket(s)
+            sync()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            if rnd >= WARMUP:
+                times[v].append(time.perf_counter() - t0)
+                waits[v].append(t2 - t1)
+    # the all-reduce time alone: every bucket of the bucketed layout, synchronously, no backward
+    comm = {}
+    for v in variants:
+        if v[0] == "bucketed":
+            flats = [b.flat for b in models[v][0].buckets]
+            ts = []
+            for _ in range(ITERS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for f in flats:
+                    dist.all_reduce(f)
+                sync()
+                ts.append(time.perf_counter() - t0)
+            comm[v] = sorted(ts)[ITERS // 2]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    if rank == 0:
+        rows = [{"impl": impl, "bucket_mb": mb, "ms_iter": med(times[(impl, mb)]) * 1000,
+                 "wait_ms": med(waits[(impl, mb)]) * 1000, "comm_ms": comm.get((impl, mb), 0) * 1000,
+                 "buckets": len(models[(impl, mb)][0].buckets) if impl == "bucketed" else None}
+                for impl, mb in variants]
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    parallel.teardown(mesh)
+
+
+def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
+    tokens = ACCUM * BATCH * MODEL["block_size"]
+    n_params = Transformer(ModelConfig(**MODEL)).num_params()
+    print(f"\n## data parallel, {world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), same model, "
+          f"global batch {BATCH} x {ACCUM} micro-batches ({tokens} tokens/iter), {n_params * 4 / 2 ** 20:.1f} MB "
+          f"of fp32 gradients, median of {ITERS} interleaved rounds")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(dp_worker, args=(world, port, list(bucket_sizes), out), nprocs=world, start_method="spawn")
+        rows = json.load(open(out))
+    torch_ms = next(r["ms_iter"] for r in rows if r["impl"] == "torch")
+    bucketed_ms = rows[1]["ms_iter"]
+    print(f"{'implementation':<24} | {'ms/iter':>8} | {'tokens/s':>9} | {'vs torch':>8} | {'wait after bwd':>14} | "
+          f"{'all-reduce alone':>16} | {'hidden':>6}")
+    print("-" * 104)
+    for r in rows:
+        name = {"naive": "naive (per parameter)", "torch": f"torch DDP, {r['bucket_mb']:g} MB buckets"}.get(
+            r["impl"], f"bucketed, {r['bucket_mb']:g} MB ({r['buckets']} bkt)")
+        hidden = f"{max(0.0, 1 - r['wait_ms'] / r['comm_ms']):6.0%}" if r["comm_ms"] else f"{'':>6}"
+        comm = f"{r['comm_ms']:13.1f} ms" if r["comm_ms"] else f"{'':>16}"
+        wait = f"{r['wait_ms']:11.1f} ms" if r["impl"] != "torch" else f"{'(inside bwd)':>14}"
+        print(f"{name:<24} | {r['ms_iter']:8.1f} | {tokens / r['ms_iter'] * 1000:9,.0f} | "
+              f"{r['ms_iter'] / torch_ms:7.2f}x | {wait} | {comm} | {hidden}")
+    print(f"bucketed ({rows[1]['bucket_mb']:g} MB) / torch DDP: {bucketed_ms / torch_ms:.2f} (goal <= 1.05); "
+          f"naive / bucketed: {rows[0]['ms_iter'] / bucketed_ms:.2f}. 'hidden' = 1 - wait after backward / "
+          f"the same all-reduces run alone.")
+
+
+TABLES = {"single": table_single, "dp": table_dp}
 ROWS = {"single": single_row}
 
 if __name__ == "__main__":

@@ -24,9 +24,15 @@ class UserError(ValueError):
 
 def excepthook(kind, err, tb):
     # train.py, data.py and sample.py install this: a UserError prints one line naming
-    # the problem and the fix; anything else is a bug and keeps its full traceback.
+    # the problem and the fix; so does a collective that failed because a peer died or
+    # hung (gloo and NCCL raise a plain RuntimeError that names them). Anything else is a
+    # bug and keeps its full traceback.
     if isinstance(err, UserError):
         print(f"error: {err}", file=sys.stderr, flush=True)
+    elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
+        print(f"error: a collective failed ({str(err).strip().splitlines()[0][-160:]}): a peer process died or "
+              f"waited longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s "
+              f"if a rank is only slow (e.g. a long save)", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, err, tb)
 

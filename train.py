@@ -72,6 +72,10 @@ compile = False                 # torch.compile the model
 seed = 1337                     # weights, data order and dropout all derive from it
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
 dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
+backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
+ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
+                                # per parameter after backward) or 'torch' (DistributedDataParallel)
+ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
 sample_tokens = 120             # tokens to generate at the end of the run (0: none)
 # ---------------------------------------------------------------------------------------
 
@@ -83,9 +87,15 @@ globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 
 # ---- setup ----------------------------------------------------------------------------
-mesh = parallel.setup(device, dist_timeout_s)
+mesh = parallel.setup(device, dist_timeout_s, backend)
 if init_from not in ("scratch", "resume"):
     raise configurator.UserError(f"init_from='{init_from}' is not 'scratch' or 'resume'")
+if ddp_impl not in ("bucketed", "naive", "torch"):
+    raise configurator.UserError(f"ddp_impl='{ddp_impl}' is not one of bucketed, naive, torch")
+if grad_accum_steps < mesh.dp:
+    raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} micro-batches per iteration cannot be shared by "
+                                 f"{mesh.dp} data-parallel ranks: set grad_accum_steps to a multiple of {mesh.dp} "
+                                 f"(and lower batch_size to keep the global batch), or start fewer ranks")
 if grad_accum_steps % mesh.dp:
     raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} is not divisible by the {mesh.dp} "
                                  f"data-parallel ranks: use a multiple of {mesh.dp}")
@@ -139,20 +149,25 @@ if ckpt:
                                          f"{key}={saved[key]}: drop the override, or use a new out_dir")
     model_cfg = ModelConfig(**{**saved, "block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt})
 torch.manual_seed(seed)  # identical initial weights on every rank and every layout
-model = Transformer(model_cfg)
+raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
 if ckpt:
-    model.load_state_dict(ckpt["model"])
-model.to(mesh.device)
-mesh.print0(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP/token")
+    raw_model.load_state_dict(ckpt["model"])
+raw_model.to(mesh.device)
+mesh.print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, "
+            f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP/token; {mesh.world} ranks: dp={mesh.dp}")
+model = torch.compile(raw_model) if compile else raw_model
+if mesh.dp > 1 and ddp_impl == "torch":
+    model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
+elif mesh.dp > 1:
+    model = parallel.DataParallel(model, mesh, ddp_bucket_mb, naive=ddp_impl == "naive")
 
-decay = [p for p in model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
-no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm gains
+decay = [p for p in raw_model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
+no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
 if ckpt:
     optimizer.load_state_dict(ckpt["optimizer"])
-train_model = torch.compile(model) if compile else model
 
 
 def get_lr(it):
@@ -168,15 +183,15 @@ def get_lr(it):
 @torch.no_grad()
 def evaluate():
     """Mean loss over eval_iters global batches of val data: the same batches every time."""
-    model.eval()
+    raw_model.eval()
     losses = []
     for i in range(eval_iters):
         x, y = val_loader.batch(i)
         for k in range(x.size(0)):
             with autocast:
-                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
+                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device))
             losses.append(loss.item())
-    model.train()
+    raw_model.train()
     return parallel.all_reduce_mean(sum(losses) / len(losses), mesh)
 
 
@@ -225,16 +240,16 @@ def log(record):
 def save(it):
     meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world}
-    rng = [torch.get_rng_state()]
+    rng = parallel.all_gather_object(torch.get_rng_state(), mesh)  # each rank's dropout stream
     if mesh.master:
-        path = parallel.save_checkpoint(out_dir, it, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        path = parallel.save_checkpoint(out_dir, it, {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                                                       "state": {"rng_cpu": rng}}, meta, keep_ckpts)
         mesh.print0(f"saved checkpoint {path}")
     parallel.barrier(mesh)
 
 
 peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-flops_per_iter = model.flops_per_token() * tokens_per_iter
+flops_per_iter = raw_model.flops_per_token() * tokens_per_iter
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
@@ -259,14 +274,21 @@ while True:
     micro_steps = x.size(0)
     loss_sum = torch.zeros((), device=mesh.device)
     for k in range(micro_steps):
+        if mesh.dp > 1:
+            # data parallel: all-reduce only in the last micro-step's backward (no_sync before).
+            # The all-reduces are launched by hooks *during* backward, so the flag must be set
+            # before this micro-step's backward starts; we set it before its forward.
+            model.require_backward_grad_sync = k == micro_steps - 1
         with autocast:
-            _, loss = train_model(x[k].to(mesh.device), y[k].to(mesh.device))
+            _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
         # backward adds each micro-step's gradient into .grad, so dividing each loss by the
         # number of micro-steps makes the total the gradient of the mean over the whole batch
         (loss / micro_steps).backward()
         loss_sum += loss.detach()
+    if isinstance(model, parallel.DataParallel):
+        model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     # clip the global gradient norm (computed even when not clipping, for the log)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_mean = parallel.all_reduce_mean(loss_sum.item() / micro_steps, mesh)  # mean over the global batch
@@ -288,7 +310,7 @@ if mesh.master and sample_tokens > 0:
     enc = data.get_tokenizer(tokenizer, vocab_size)
     start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
     with autocast:
-        out = model.generate(start, sample_tokens, temperature=0.8, top_k=50)
+        out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)
     print("-" * 30 + " sample " + "-" * 30)
     print(enc.decode(out[0, 1:].tolist()))
     print("-" * 68, flush=True)

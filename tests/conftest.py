@@ -44,7 +44,8 @@ def dataset(tmp_path_factory, corpus):
 def run_train(args, cwd, check=True, timeout=300, script="train.py", env=None):
     """Runs train.py (or another script) as its own process, the way a user does."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
-    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=env,
+    cmd = script.split() if script.startswith("-m ") else [os.path.join(ROOT, script)]
+    p = subprocess.run([sys.executable, *cmd, *args], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -54,3 +55,41 @@ def run_train(args, cwd, check=True, timeout=300, script="train.py", env=None):
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, world, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    import torch
+    import parallel
+    torch.set_num_threads(1)
+    mesh = parallel.setup("cpu", dist_timeout_s=120)
+    try:
+        torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        parallel.teardown(mesh)
+
+
+def spawn(fn, world, *args):
+    """Runs fn(mesh, *args) on `world` real gloo processes; returns each rank's result (tensors,
+    dicts, lists, numbers). fn must live at module level so the spawned processes can import it."""
+    import tempfile
+    import torch
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+                           start_method="spawn")
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
+
+
+def torchrun(nproc, args, cwd, check=True, timeout=300):
+    """train.py under torchrun --standalone with nproc gloo ranks on CPU."""
+    return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
+                     cwd, check=check, timeout=timeout, script="-m torch.distributed.run")

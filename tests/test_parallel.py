@@ -1,0 +1,187 @@
+"""Data parallel on real gloo processes: the hand-written versions against the single-process
+run and against torch's DistributedDataParallel, then train.py under torchrun end to end."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import parallel
+from conftest import ROOT, TINY, free_port, read_metrics, run_train, spawn, torchrun
+from model import ModelConfig, Transformer
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+
+def global_batch(n_micro):
+    """n_micro micro-batches of 2 sequences: (n_micro, 2, block_size + 1)."""
+    return torch.randint(0, 64, (n_micro, 2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def single_process_grads(n_micro):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    data = global_batch(n_micro)
+    for k in range(n_micro):
+        _, loss = model(data[k, :, :-1], data[k, :, 1:])
+        (loss / n_micro).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def dp_step(mesh, impl, n_micro, bucket_mb):
+    """One optimizer step's gradient under data parallelism: this rank's share of the
+    micro-batches, sync only on the last one (the way train.py does it)."""
+    torch.manual_seed(0 if mesh.rank == 0 else 123)  # other ranks start wrong: the wrapper must broadcast
+    model = Transformer(ModelConfig(**CFG))
+    if impl == "torch":
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    else:
+        ddp = parallel.DataParallel(model, mesh, bucket_mb, naive=impl == "naive")
+    k_per = n_micro // mesh.dp
+    mine = global_batch(n_micro)[mesh.dp_rank * k_per:(mesh.dp_rank + 1) * k_per]
+    for k in range(k_per):
+        ddp.require_backward_grad_sync = k == k_per - 1
+        _, loss = ddp(mine[k, :, :-1], mine[k, :, 1:])
+        (loss / k_per).backward()
+    if impl != "torch":
+        ddp.wait()
+    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    if impl != "torch":
+        names = {p: n for n, p in model.named_parameters()}
+        out.update(launches=ddp.launches, n_buckets=len(ddp.buckets), n_params=len(ddp.params),
+                   first_bucket=[names[p] for p in ddp.buckets[0].params] if ddp.buckets else [])
+    return out
+
+
+def all_impls(mesh, n_micro, bucket_mb):
+    return {impl: dp_step(mesh, impl, n_micro, bucket_mb) for impl in ("naive", "bucketed", "torch")}
+
+
+def test_dp_gradients_equal_single_process_and_torch_ddp():
+    ranks = spawn(all_impls, 2, 2, 0.002)  # 2 ranks, one micro-batch each, ~500-float buckets
+    ref = single_process_grads(2)
+    for impl in ("naive", "bucketed", "torch"):
+        for rank in ranks:
+            for name, g in ref.items():
+                torch.testing.assert_close(rank[impl]["grads"][name], g, msg=f"{impl} {name}")
+        for name in ref:  # ours against torch's DDP directly, and every rank the same
+            torch.testing.assert_close(ranks[0][impl]["grads"][name], ranks[0]["torch"]["grads"][name])
+            torch.testing.assert_close(ranks[1][impl]["grads"][name], ranks[0][impl]["grads"][name], rtol=0, atol=0)
+
+
+def no_sync_steps(mesh, n_micro, bucket_mb):
+    out = {"bucketed": dp_step(mesh, "bucketed", n_micro, bucket_mb), "naive": dp_step(mesh, "naive", n_micro, bucket_mb)}
+    # forgetting no_sync on the earlier micro-steps is caught, not silently wrong
+    model = parallel.DataParallel(Transformer(ModelConfig(**CFG)), mesh, bucket_mb)
+    data = global_batch(2)
+    try:
+        for k in range(2):
+            model(data[k, :, :-1], data[k, :, 1:])[1].backward()
+        out["twice"] = ""
+    except RuntimeError as e:
+        out["twice"] = str(e)
+    return out
+
+
+def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket():
+    ranks = spawn(no_sync_steps, 2, 8, 0.005)  # 4 micro-steps per rank
+    ref = single_process_grads(8)
+    for rank in ranks:
+        for impl in ("bucketed", "naive"):
+            for name, g in ref.items():
+                torch.testing.assert_close(rank[impl]["grads"][name], g, msg=f"{impl} {name}")
+        b = rank["bucketed"]
+        assert b["n_buckets"] > 3
+        assert b["launches"] == b["n_buckets"]  # once per bucket per optimizer step, not per micro-step
+        assert rank["naive"]["launches"] == rank["naive"]["n_params"]
+        assert b["first_bucket"][0] == "output.weight"  # reverse order of use: the head's gradient comes first
+        assert "gradient sync ran twice" in rank["twice"]
+
+
+def assert_same_curve(a, b, exact=False):
+    """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
+    hold extra val lines: a run stopped early evaluates at its end, which is kept on resume."""
+    for key in ("loss", "grad_norm", "val_loss"):
+        la, lb = ({r["iter"]: r[key] for r in rows if key in r} for rows in (a, b))
+        assert la and (set(la) <= set(lb) if key == "val_loss" else set(la) == set(lb)), (key, sorted(la), sorted(lb))
+        va, vb = [la[i] for i in sorted(la)], [lb[i] for i in sorted(la)]
+        if exact:
+            assert va == vb, key
+        else:
+            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="module")
+def single_run(dataset, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("single") / "run")
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "grad_accum_steps=4", "max_iters=8"],
+              cwd=os.path.dirname(out))
+    return read_metrics(out)
+
+
+@pytest.mark.parametrize("nproc, impl", [(2, "bucketed"), (2, "naive"), (2, "torch"), (4, "bucketed")])
+def test_torchrun_gives_the_single_process_curve(nproc, impl, dataset, single_run, tmp_path):
+    out = str(tmp_path / "run")
+    p = torchrun(nproc, [*TINY, f"dataset={dataset}", f"out_dir={out}", "grad_accum_steps=4", "max_iters=8",
+                         f"ddp_impl={impl}", "ddp_bucket_mb=0.01"], cwd=tmp_path)
+    assert f"dp={nproc}" in p.stdout
+    assert_same_curve(single_run, read_metrics(out))
+
+
+def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
+    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=100", "ddp_bucket_mb=0.01"]
+    full, half, one = str(tmp_path / "full"), str(tmp_path / "half"), str(tmp_path / "one")
+    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path)
+    torchrun(2, [*common, f"out_dir={half}", "max_iters=6"], cwd=tmp_path)
+    shutil.copytree(half, one)  # the same checkpoint, continued by one process below
+    torchrun(2, [*common, f"out_dir={half}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
+    assert_same_curve(read_metrics(full), read_metrics(half), exact=True)
+    run_train([*common, f"out_dir={one}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
+    assert_same_curve(read_metrics(full), read_metrics(one))
+
+
+@pytest.mark.parametrize("nproc, accum, message", [
+    (4, 2, "grad_accum_steps=2 micro-batches per iteration cannot be shared by 4 data-parallel ranks"),
+    (2, 3, "grad_accum_steps=3 is not divisible by the 2 data-parallel ranks"),
+])
+def test_layout_errors(nproc, accum, message, dataset, tmp_path):
+    p = torchrun(nproc, [*TINY, f"dataset={dataset}", f"grad_accum_steps={accum}", "max_iters=2"],
+                 cwd=tmp_path, check=False)
+    assert p.returncode != 0 and message in p.stderr
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_the_run_within_the_timeout(fault, dataset, tmp_path):
+    """Two ranks started by hand (no torchrun to clean up): rank 1 is killed, or frozen with
+    SIGSTOP, mid-run. Rank 0 must exit with an error naming the timeout key, not hang."""
+    port, timeout_s = free_port(), 10
+    out = str(tmp_path / "run")
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), *TINY, f"dataset={dataset}", f"out_dir={out}",
+             "max_iters=100000", f"dist_timeout_s={timeout_s}", "eval_interval=1000"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.time() + 120
+        while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and len(read_metrics(out)) > 3):
+            assert time.time() < deadline and procs[0].poll() is None, "the run did not start"
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=timeout_s + 60)
+        assert procs[0].returncode != 0
+        assert time.time() - t0 < timeout_s + 30
+        assert "dist_timeout_s" in err.strip().splitlines()[-1], err[-2000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
