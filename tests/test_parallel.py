@@ -45,6 +45,9 @@ def dp_step(mesh, impl, n_micro, bucket_mb):
         ddp = parallel.DataParallel(model, mesh, bucket_mb, naive=impl == "naive")
     k_per = n_micro // mesh.dp
     mine = global_batch(n_micro)[mesh.dp_rank * k_per:(mesh.dp_rank + 1) * k_per]
+    in_flight = []  # all-reduces already launched when the embedding's gradient (the last one) arrives
+    if impl == "bucketed":
+        model.tok_embeddings.weight.register_hook(lambda g: in_flight.append(len(ddp.pending)))
     for k in range(k_per):
         ddp.require_backward_grad_sync = k == k_per - 1
         _, loss = ddp(mine[k, :, :-1], mine[k, :, 1:])
@@ -54,7 +57,7 @@ def dp_step(mesh, impl, n_micro, bucket_mb):
     out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     if impl != "torch":
         names = {p: n for n, p in model.named_parameters()}
-        out.update(launches=ddp.launches, n_buckets=len(ddp.buckets), n_params=len(ddp.params),
+        out.update(launches=ddp.launches, n_buckets=len(ddp.buckets), n_params=len(ddp.params), in_flight=in_flight,
                    first_bucket=[names[p] for p in ddp.buckets[0].params] if ddp.buckets else [])
     return out
 
@@ -101,6 +104,9 @@ def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket()
         assert b["launches"] == b["n_buckets"]  # once per bucket per optimizer step, not per micro-step
         assert rank["naive"]["launches"] == rank["naive"]["n_params"]
         assert b["first_bucket"][0] == "output.weight"  # reverse order of use: the head's gradient comes first
+        # overlap: only the last backward communicates, and it had launched all buckets but the
+        # embedding's before the embedding's gradient was computed
+        assert b["in_flight"] == [0, 0, 0, b["n_buckets"] - 1]
         assert "gradient sync ran twice" in rank["twice"]
 
 
