@@ -159,17 +159,23 @@ class Transformer(nn.Module):
     def forward(self, idx, targets=None, loss_mask=None):
         """idx, targets, loss_mask: (B, T). Returns (logits (B, T, vocab), loss or None): the
         loss is the mean cross-entropy over the target positions where loss_mask is 1 (all of
-        them without a mask)."""
-        B, T = idx.shape
+        them without a mask).
+
+        A pipeline stage (see make_stage) without the embedding takes the hidden states
+        (B, T, n_embd) of the previous stage as `idx`, and one without the head returns its
+        hidden states in place of the logits."""
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.drop(self.tok_embeddings(idx))  # (B, T, n_embd)
+        x = self.drop(self.tok_embeddings(idx)) if self.tok_embeddings is not None else idx  # (B, T, n_embd)
         for block in self.layers.values():
             if self.cfg.grad_ckpt and self.training:
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
+        if self.output is None:
+            return x, None
         logits = self.output(self.norm(x)).float()  # (B, T, vocab)
         loss = None if targets is None else masked_cross_entropy(logits, targets, loss_mask)
         return logits, loss
@@ -202,6 +208,32 @@ class Transformer(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def stage_layers(n_layer, pp, stage):
+    """The contiguous range of layer indices that pipeline stage `stage` of `pp` owns. Layers
+    are split as evenly as possible and the stages that get one more are the first ones:
+    the last stage also carries the head (a vocab x n_embd matmul), the first only the
+    embedding lookup. E.g. 10 layers on 4 stages: 3, 3, 2, 2."""
+    per, extra = divmod(n_layer, pp)
+    start = stage * per + min(stage, extra)
+    return range(start, start + per + (stage < extra))
+
+
+def make_stage(model, stage, pp):
+    """Cuts a full model down to pipeline stage `stage` of `pp`, in place: stage 0 keeps the
+    embedding, the last stage the final norm and the head, every stage its layer range.
+    Building the whole model first and dropping the rest gives every stage exactly the
+    weights the single-process model starts with (same seed, same names)."""
+    if pp == 1:
+        return model
+    keep = stage_layers(model.cfg.n_layer, pp, stage)
+    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in keep})
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < pp - 1:
+        model.norm = model.output = None
+    return model
 
 
 def masked_cross_entropy(logits, targets, loss_mask=None):

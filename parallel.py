@@ -11,7 +11,9 @@ import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
+import time
+from collections import deque
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -28,17 +30,37 @@ from configurator import UserError
 
 @dataclass
 class Mesh:
+    """Who this process is in the dp x pp rank grid. The grid is torch.arange(world).view(dp, pp):
+    rank = dp_rank * pp + pp_rank, so the stages of one pipeline are consecutive ranks (the
+    same node, where point-to-point traffic is cheapest) and a stage's data-parallel
+    replicas are pp ranks apart."""
     rank: int          # global rank, 0 .. world - 1
     local_rank: int    # rank on this node: picks the GPU
     world: int
-    dp: int            # data-parallel ranks
+    dp: int            # data-parallel replicas of the whole pipeline
+    pp: int            # pipeline stages
     dp_rank: int
+    pp_rank: int       # this rank's stage
     device: torch.device
     backend: str       # "gloo" | "nccl" | "" for a single process
+    dp_group: object = None  # the ranks holding the same stage: gradients are averaged here (None: all ranks)
+    pp_group: object = None  # the stages of this rank's pipeline
 
     @property
     def master(self):
         return self.rank == 0
+
+    @property
+    def first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self):
+        return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, stage):
+        """Global rank of stage `stage` in this rank's pipeline."""
+        return self.dp_rank * self.pp + stage
 
     def print0(self, *args, **kwargs):
         if self.master:
@@ -55,10 +77,11 @@ def pick_device(device):
     return torch.device(device)
 
 
-def setup(device="auto", dist_timeout_s=300, backend="auto"):
-    """Reads RANK / LOCAL_RANK / WORLD_SIZE from torchrun (absent: one process) and starts
-    the process group: nccl with one GPU per local rank, gloo on CPU. A collective that
-    waits longer than dist_timeout_s (a dead or hung peer) raises instead of hanging."""
+def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
+    """Reads RANK / LOCAL_RANK / WORLD_SIZE from torchrun (absent: one process), starts the
+    process group (nccl with one GPU per local rank, gloo on CPU) and builds the dp x pp
+    grid. A collective that waits longer than dist_timeout_s (a dead or hung peer) raises
+    instead of hanging."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -67,8 +90,11 @@ def setup(device="auto", dist_timeout_s=300, backend="auto"):
         raise UserError(f"backend={backend} is not one of auto, gloo, nccl")
     if backend == "nccl" and dev.type != "cuda":
         raise UserError(f"backend=nccl needs CUDA tensors but device is {dev.type}: use backend=gloo (or auto)")
+    if pp < 1 or world % pp:
+        raise UserError(f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
+                        f"processes (torchrun --nproc_per_node=N), or change pp")
     if world == 1 and "RANK" not in os.environ:
-        return Mesh(rank=0, local_rank=0, world=1, dp=1, dp_rank=0, device=dev, backend="")
+        return Mesh(rank=0, local_rank=0, world=1, dp=1, pp=1, dp_rank=0, pp_rank=0, device=dev, backend="")
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
@@ -79,7 +105,20 @@ def setup(device="auto", dist_timeout_s=300, backend="auto"):
         backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s), rank=rank, world_size=world,
                             device_id=dev if backend == "nccl" else None)
-    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=world, dp_rank=rank, device=dev, backend=backend)
+    dp = world // pp
+    grid = torch.arange(world).view(dp, pp)
+    mesh = Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // pp,
+                pp_rank=rank % pp, device=dev, backend=backend)
+    if pp > 1:  # every rank must create every group, in the same order
+        for s in range(pp):
+            group = dist.new_group(grid[:, s].tolist())
+            if s == mesh.pp_rank:
+                mesh.dp_group = group
+        for d in range(dp):
+            group = dist.new_group(grid[d, :].tolist())
+            if d == mesh.dp_rank:
+                mesh.pp_group = group
+    return mesh
 
 
 def teardown(mesh):
@@ -98,6 +137,15 @@ def all_gather_object(obj, mesh):
         return [obj]
     out = [None] * mesh.world
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to_master(obj, mesh):
+    """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere."""
+    if not mesh.backend:
+        return [obj]
+    out = [None] * mesh.world if mesh.master else None
+    dist.gather_object(obj, out, dst=0)
     return out
 
 
@@ -139,9 +187,9 @@ class DataParallel(nn.Module):
         self.module, self.mesh, self.naive = module, mesh, naive
         self.require_backward_grad_sync = True
         self.launches = 0  # all-reduce launches since the last wait(): the tests count them
-        with torch.no_grad():  # every rank starts from rank 0's weights
+        with torch.no_grad():  # every replica starts from the weights of dp rank 0
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=mesh.pp_rank, group=mesh.dp_group)  # global rank of grid[0, pp_rank]
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets, self.pending = [], []
         if naive:
@@ -194,7 +242,7 @@ class DataParallel(nn.Module):
             else:
                 bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
-        self.pending.append((bucket, dist.all_reduce(bucket.flat, async_op=True)))
+        self.pending.append((bucket, dist.all_reduce(bucket.flat, group=self.mesh.dp_group, async_op=True)))
         self.launches += 1
 
     def wait(self):
@@ -202,7 +250,7 @@ class DataParallel(nn.Module):
         if self.naive:
             for p in self.params:
                 if p.grad is not None:
-                    dist.all_reduce(p.grad)
+                    dist.all_reduce(p.grad, group=self.mesh.dp_group)
                     p.grad /= self.mesh.dp
                     self.launches += 1
             return
@@ -228,6 +276,201 @@ class Bucket:
         self.params = params
         self.ready = 0  # parameters whose gradient is final in this backward
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+
+
+# ---------------------------------------------------------------------------------------
+# pipeline parallel, by hand
+#
+# Stage s owns a contiguous range of layers (model.make_stage): stage 0 also the embedding,
+# the last stage the final norm, the head and the loss. A micro-batch's forward flows
+# stage 0 -> 1 -> ... -> pp-1 (activations sent forward); its backward flows back (the
+# gradients of those activations sent backward). Two schedules, each a plain function over
+# the micro-batches of one iteration:
+#   GPipe (all forward, then all backward): the reference. Every micro-batch's activations
+#         stay alive until the backwards start: m per stage.
+#   1F1B: a warmup of pp - stage - 1 forwards, then one forward / one backward in turn,
+#         then the backwards left over. At most pp - stage micro-batches are alive at once,
+#         with the same bubble as GPipe: (pp - 1) / (m + pp - 1) of the time idle.
+
+
+def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """One round of point-to-point traffic with the neighbouring stages of this pipeline.
+    send_*: a tensor to send; recv_*: a buffer to fill (shapes are known up front, so none
+    are exchanged). Everything is posted at once and then waited for (batch_isend_irecv), so
+    two neighbours sending to each other at the same moment cannot deadlock."""
+    nxt, prv = mesh.stage_rank(mesh.pp_rank + 1), mesh.stage_rank(mesh.pp_rank - 1)
+    ops = [dist.P2POp(op, t, peer) for op, t, peer in ((dist.isend, send_next, nxt), (dist.isend, send_prev, prv),
+                                                      (dist.irecv, recv_prev, prv), (dist.irecv, recv_next, nxt))
+           if t is not None]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None):
+    """This stage's share of one iteration: the forward and backward of each micro-batch
+    x[k], y[k] (x: (m, B, T) token ids, used by the first stage; y: targets, used by the
+    last), in the order `schedule` ('1f1b' or 'gpipe') gives. `stage` is the stage module, or
+    its DataParallel wrapper: then only the stage's last backward all-reduces gradients.
+    Returns (sum of the micro-batch losses on the last stage, 0 elsewhere; the most
+    micro-batches whose activations were alive at once). `trace`, a list, receives
+    (kind, micro-batch, start, end) per forward/backward."""
+    m, dev = x.size(0), mesh.device
+    alive = deque()  # (input, output) of the micro-batches whose backward is still to come
+    peak, done_bwd = 0, 0
+    loss_sum = torch.zeros((), device=dev)
+
+    def clock():
+        if trace is not None and dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def forward(k, inp):
+        nonlocal peak, loss_sum
+        t0 = clock()
+        if mesh.first_stage:
+            inp = x[k].to(dev)
+        else:
+            inp.requires_grad_()  # we need the gradient of the stage's input to send it back
+        with autocast:
+            out, loss = stage(inp, y[k].to(dev) if mesh.last_stage else None)
+        if mesh.last_stage:
+            out = loss / m  # as in the plain loop: the gradients of m micro-batches add up to the mean's
+            loss_sum += loss.detach()
+        alive.append((inp, out))
+        peak = max(peak, len(alive))
+        if trace is not None:
+            trace.append(("F", k, t0, clock()))
+        return out.detach()
+
+    def backward(grad_out):
+        nonlocal done_bwd
+        t0 = clock()
+        inp, out = alive.popleft()  # backwards run in the order the forwards did
+        if isinstance(stage, DataParallel):  # data parallel inside the stage: sync on its last backward only
+            stage.require_backward_grad_sync = done_bwd == m - 1
+        torch.autograd.backward(out, grad_out)  # last stage: out is the loss and grad_out None
+        if trace is not None:
+            trace.append(("B", done_bwd, t0, clock()))
+        done_bwd += 1
+        return None if mesh.first_stage else inp.grad
+
+    def buf():
+        return torch.empty(act_shape, device=dev)
+
+    # the point-to-point steps each schedule needs; on a first or last stage the missing
+    # neighbour's half is a no-op (nothing comes before stage 0, nothing after the last)
+    def recv_forward():
+        inp = None if mesh.first_stage else buf()
+        p2p(mesh, recv_prev=inp)
+        return inp
+
+    def send_forward(out):
+        p2p(mesh, send_next=None if mesh.last_stage else out)
+
+    def recv_backward():
+        grad = None if mesh.last_stage else buf()
+        p2p(mesh, recv_next=grad)
+        return grad
+
+    def send_backward(grad_in):
+        p2p(mesh, send_prev=grad_in)
+
+    def send_forward_recv_backward(out):
+        grad = None if mesh.last_stage else buf()
+        p2p(mesh, send_next=None if mesh.last_stage else out, recv_next=grad)
+        return grad
+
+    def send_backward_recv_forward(grad_in):
+        inp = None if mesh.first_stage else buf()
+        p2p(mesh, send_prev=grad_in, recv_prev=inp)
+        return inp
+
+    if schedule == "gpipe":
+        for k in range(m):
+            send_forward(forward(k, recv_forward()))
+        for k in range(m):
+            send_backward(backward(recv_backward()))
+    elif schedule == "1f1b":
+        warmup = min(mesh.pp - mesh.pp_rank - 1, m)  # forwards in flight before the first backward
+        steady = m - warmup
+        for k in range(warmup):  # warmup: forwards only
+            send_forward(forward(k, recv_forward()))
+        inp = recv_forward() if steady else None
+        for i in range(steady):  # steady state: one forward, one backward
+            grad = send_forward_recv_backward(forward(warmup + i, inp))
+            grad_in = backward(grad)
+            if i == steady - 1:
+                send_backward(grad_in)
+            else:
+                inp = send_backward_recv_forward(grad_in)
+        for _ in range(warmup):  # cooldown: the backwards of the warmup forwards
+            send_backward(backward(recv_backward()))
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    assert not alive and done_bwd == m
+    return loss_sum, peak
+
+
+@torch.no_grad()
+def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext()):
+    """Forward only, for evaluation: the sum of the micro-batch losses on the last stage."""
+    loss_sum = torch.zeros((), device=mesh.device)
+    for k in range(x.size(0)):
+        inp = x[k].to(mesh.device) if mesh.first_stage else torch.empty(act_shape, device=mesh.device)
+        if not mesh.first_stage:
+            p2p(mesh, recv_prev=inp)
+        with autocast:
+            out, loss = stage(inp, y[k].to(mesh.device) if mesh.last_stage else None)
+        if mesh.last_stage:
+            loss_sum += loss
+        else:
+            p2p(mesh, send_next=out)
+    return loss_sum
+
+
+def pipeline_timeline(traces, m, width=96):
+    """An ASCII picture of one pipeline's schedule from each stage's trace (list of
+    (kind, micro, start, end)), and the measured vs the theoretical bubble."""
+    t0 = min(e[2] for tr in traces for e in tr)
+    span = max(e[3] for tr in traces for e in tr) - t0
+    pp = len(traces)
+    lines = [f"pipeline schedule, {pp} stages x {m} micro-batches ({span * 1000:.0f} ms; "
+             f"Fk = forward of micro-batch k, Bk = its backward, . = idle)"]
+    idle = []
+    for s, tr in enumerate(traces):
+        row = ["."] * width
+        for kind, k, a, b in tr:
+            lo = int((a - t0) / span * width)
+            hi = max(lo + 1, int((b - t0) / span * width))
+            label = f"{kind}{k}" + ("-" if kind == "F" else "=") * width
+            row[lo:hi] = label[:hi - lo]
+        busy = sum(b - a for _, _, a, b in tr)
+        idle.append(1 - busy / span)
+        lines.append(f"stage {s} |{''.join(row)}| idle {idle[-1]:4.0%}")
+    measured, theory = sum(idle) / pp, (pp - 1) / (m + pp - 1)
+    lines.append(f"bubble: measured {measured:.1%} (mean idle share of the stages), theory (p-1)/(m+p-1) = {theory:.1%}")
+    return "\n".join(lines), measured
+
+
+def clip_grad_norm_(params, max_norm, mesh):
+    """Scales the gradients so that the norm over the *whole* model is at most max_norm
+    (0: only measure it); returns that norm. Pipeline stages hold different parameters, so
+    their squared norms are summed over the pipeline; data-parallel replicas hold the same
+    averaged gradients and are not counted again. (Clipping each stage by its own norm
+    would be a different, layout-dependent update.)"""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), device=mesh.device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    if mesh.pp > 1:
+        dist.all_reduce(sq, group=mesh.pp_group)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,6 +519,21 @@ def save_checkpoint(out_dir, it, tensors, meta, keep):
         if old != name:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
+
+
+def optimizer_state_by_name(model, optimizer):
+    """The optimizer's per-parameter state keyed by global parameter name rather than by
+    position, so that a stage's state lands on whichever stage owns that layer on resume."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+            for p, st in optimizer.state.items()}
+
+
+def load_optimizer_state_by_name(model, optimizer, state):
+    for name, p in model.named_parameters():
+        if name in state:  # AdamW keeps its step count on the CPU, the moments beside the weights
+            optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
+                                  for k, v in state[name].items()}
 
 
 def latest_checkpoint(out_dir):

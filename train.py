@@ -21,7 +21,7 @@ import torch
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer, measure_matmul_flops
+from model import ModelConfig, Transformer, make_stage, measure_matmul_flops, stage_layers
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -73,6 +73,9 @@ seed = 1337                     # weights, data order and dropout all derive fro
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
 dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
+pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // pp
+pp_schedule = "1f1b"            # '1f1b' or 'gpipe' (all forwards, then all backwards)
+pp_trace = False                # print the pipeline schedule as an ASCII timeline (second iteration)
 ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
                                 # per parameter after backward) or 'torch' (DistributedDataParallel)
 ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
@@ -87,11 +90,21 @@ globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 
 # ---- setup ----------------------------------------------------------------------------
-mesh = parallel.setup(device, dist_timeout_s, backend)
+mesh = parallel.setup(device, dist_timeout_s, backend, pp)
 if init_from not in ("scratch", "resume"):
     raise configurator.UserError(f"init_from='{init_from}' is not 'scratch' or 'resume'")
 if ddp_impl not in ("bucketed", "naive", "torch"):
     raise configurator.UserError(f"ddp_impl='{ddp_impl}' is not one of bucketed, naive, torch")
+if pp_schedule not in ("1f1b", "gpipe"):
+    raise configurator.UserError(f"pp_schedule='{pp_schedule}' is not '1f1b' or 'gpipe'")
+if pp > 1 and ddp_impl == "torch" and mesh.dp > 1:
+    raise configurator.UserError("ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether "
+                                 "to sync, and 1F1B interleaves forwards with backwards): use ddp_impl=bucketed or naive")
+if pp > n_layer:
+    raise configurator.UserError(f"pp={pp} stages but only n_layer={n_layer} layers: every stage needs at least one")
+if pp > 1 and tie_embeddings:
+    raise configurator.UserError("tie_embeddings=True with pp > 1: the embedding (first stage) and the head (last "
+                                 "stage) would be one tensor on two ranks; use tie_embeddings=False")
 if grad_accum_steps < mesh.dp:
     raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} micro-batches per iteration cannot be shared by "
                                  f"{mesh.dp} data-parallel ranks: set grad_accum_steps to a multiple of {mesh.dp} "
@@ -150,11 +163,16 @@ if ckpt:
     model_cfg = ModelConfig(**{**saved, "block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt})
 torch.manual_seed(seed)  # identical initial weights on every rank and every layout
 raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
-if ckpt:
-    raw_model.load_state_dict(ckpt["model"])
+flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
+raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
+if ckpt:  # checkpoints hold the whole model under global names; a stage takes its own
+    own = raw_model.state_dict()
+    raw_model.load_state_dict({k: v for k, v in ckpt["model"].items() if k in own})
 raw_model.to(mesh.device)
-mesh.print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, "
-            f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP/token; {mesh.world} ranks: dp={mesh.dp}")
+mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
+            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" +
+            "".join(f"; stage {s}: layers {r.start}-{r.stop - 1}" for s in range(mesh.pp) if mesh.pp > 1
+                    for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
@@ -167,7 +185,8 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
 if ckpt:
-    optimizer.load_state_dict(ckpt["optimizer"])
+    parallel.load_optimizer_state_by_name(raw_model, optimizer, ckpt["optimizer"])
+act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
 
 def get_lr(it):
@@ -184,15 +203,19 @@ def get_lr(it):
 def evaluate():
     """Mean loss over eval_iters global batches of val data: the same batches every time."""
     raw_model.eval()
-    losses = []
+    loss_sum = 0.0
     for i in range(eval_iters):
         x, y = val_loader.batch(i)
+        if mesh.pp > 1:
+            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast).item()
+            continue
         for k in range(x.size(0)):
             with autocast:
                 _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device))
-            losses.append(loss.item())
+            loss_sum += loss.item()
     raw_model.train()
-    return parallel.all_reduce_mean(sum(losses) / len(losses), mesh)
+    # only last stages hold losses: the mean over all ranks times pp is the mean over dp replicas
+    return parallel.all_reduce_mean(loss_sum / (eval_iters * val_loader.micro_steps), mesh) * mesh.pp
 
 
 # ---- resume state, logging ------------------------------------------------------------
@@ -238,18 +261,28 @@ def log(record):
 
 
 def save(it):
+    """One checkpoint of the whole model, whatever the layout: every rank sends its RNG state
+    and dp rank 0 of every stage its weights and optimizer state (by global name) to rank 0,
+    which writes them. So any layout can resume it."""
     meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world}
-    rng = parallel.all_gather_object(torch.get_rng_state(), mesh)  # each rank's dropout stream
+    mine = {"rng": torch.get_rng_state()}  # each rank's dropout stream
+    if mesh.dp_rank == 0:
+        mine["model"] = {k: v.cpu() for k, v in raw_model.state_dict().items()}
+        mine["optimizer"] = parallel.optimizer_state_by_name(raw_model, optimizer)
+    parts = parallel.gather_to_master(mine, mesh)
     if mesh.master:
-        path = parallel.save_checkpoint(out_dir, it, {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                                                      "state": {"rng_cpu": rng}}, meta, keep_ckpts)
+        tensors = {"model": {}, "optimizer": {}, "state": {"rng_cpu": [p["rng"] for p in parts]}}
+        for p in parts:
+            for key in ("model", "optimizer"):
+                tensors[key].update(p.get(key, {}))
+        path = parallel.save_checkpoint(out_dir, it, tensors, meta, keep_ckpts)
         mesh.print0(f"saved checkpoint {path}")
     parallel.barrier(mesh)
 
 
 peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-flops_per_iter = raw_model.flops_per_token() * tokens_per_iter
+flops_per_iter = flops_per_token * tokens_per_iter
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
@@ -272,26 +305,41 @@ while True:
         group["lr"] = lr
     x, y = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
     micro_steps = x.size(0)
-    loss_sum = torch.zeros((), device=mesh.device)
-    for k in range(micro_steps):
-        if mesh.dp > 1:
-            # data parallel: all-reduce only in the last micro-step's backward (no_sync before).
-            # The all-reduces are launched by hooks *during* backward, so the flag must be set
-            # before this micro-step's backward starts; we set it before its forward.
-            model.require_backward_grad_sync = k == micro_steps - 1
-        with autocast:
-            _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
-        # backward adds each micro-step's gradient into .grad, so dividing each loss by the
-        # number of micro-steps makes the total the gradient of the mean over the whole batch
-        (loss / micro_steps).backward()
-        loss_sum += loss.detach()
+    if mesh.pp == 1:
+        # plain: one micro-step after the other, each a whole forward and backward
+        loss_sum = torch.zeros((), device=mesh.device)
+        for k in range(micro_steps):
+            if mesh.dp > 1:
+                # data parallel: all-reduce only in the last micro-step's backward (no_sync before).
+                # The all-reduces are launched by hooks *during* backward, so the flag must be set
+                # before this micro-step's backward starts; we set it before its forward.
+                model.require_backward_grad_sync = k == micro_steps - 1
+            with autocast:
+                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
+            # backward adds each micro-step's gradient into .grad, so dividing each loss by the
+            # number of micro-steps makes the total the gradient of the mean over the whole batch
+            (loss / micro_steps).backward()
+            loss_sum += loss.detach()
+    else:
+        # pipeline: this stage runs its part of every micro-batch's forward and backward in the
+        # schedule's order (loss / micro_steps inside, as above), sending activations to the
+        # next stage and their gradients to the previous one; with dp, the stage's gradients
+        # are all-reduced in its last backward only. The loss exists on the last stage only.
+        trace = [] if pp_trace and it == start_iter + 1 else None
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace)
+        if trace is not None:
+            traces = parallel.all_gather_object(trace, mesh)[:mesh.pp]  # the stages of pipeline 0
+            mesh.print0(parallel.pipeline_timeline(traces, micro_steps)[0])
     if isinstance(model, parallel.DataParallel):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
-    # clip the global gradient norm (computed even when not clipping, for the log)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    # clip by the norm of the whole model's gradient, across pipeline stages (computed even
+    # when not clipping, for the log)
+    grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_mean = parallel.all_reduce_mean(loss_sum.item() / micro_steps, mesh)  # mean over the global batch
+    # the mean over the global batch: with pp only last stages hold losses, so the mean over
+    # all ranks times pp is the mean over the dp replicas
+    loss_mean = parallel.all_reduce_mean(loss_sum.item() / micro_steps, mesh) * mesh.pp
     dt = time.perf_counter() - t0  # .item() above waited for the device
     dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
 
@@ -309,6 +357,10 @@ while True:
 if mesh.master and sample_tokens > 0:
     enc = data.get_tokenizer(tokenizer, vocab_size)
     start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
+    if mesh.pp > 1:  # rank 0 holds only the first stage: rebuild the whole model from the checkpoint
+        raw_model = Transformer(model_cfg).to(mesh.device)
+        raw_model.load_state_dict(parallel.load_checkpoint(parallel.latest_checkpoint(out_dir), ["model"])["model"])
+    raw_model.eval()
     with autocast:
         out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)
     print("-" * 30 + " sample " + "-" * 30)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -14,6 +15,10 @@ import data  # noqa: E402
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
         "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5", "log_interval=1",
         "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9", "sample_tokens=0"]
+
+
+# the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches
+REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8"]
 
 
 def write_corpus(root, n_docs=40, chars=3000):
@@ -64,27 +69,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _rank_entry(rank, world, port, fn, args, out_dir):
+def _rank_entry(rank, world, port, fn, args, out_dir, pp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     import torch
     import parallel
     torch.set_num_threads(1)
-    mesh = parallel.setup("cpu", dist_timeout_s=120)
+    mesh = parallel.setup("cpu", dist_timeout_s=120, pp=pp)
     try:
         torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         parallel.teardown(mesh)
 
 
-def spawn(fn, world, *args):
-    """Runs fn(mesh, *args) on `world` real gloo processes; returns each rank's result (tensors,
-    dicts, lists, numbers). fn must live at module level so the spawned processes can import it."""
+def spawn(fn, world, *args, pp=1):
+    """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp grid); returns each rank's
+    result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
+    processes can import it."""
     import tempfile
     import torch
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp), nprocs=world,
                            start_method="spawn")
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
 
@@ -93,3 +99,24 @@ def torchrun(nproc, args, cwd, check=True, timeout=300):
     """train.py under torchrun --standalone with nproc gloo ranks on CPU."""
     return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
                      cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
+
+
+@pytest.fixture(scope="session")
+def reference_run(dataset, tmp_path_factory):
+    """metrics.jsonl of the REFERENCE config trained by one plain process."""
+    out = str(tmp_path_factory.mktemp("reference") / "run")
+    run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out))
+    return read_metrics(out)
+
+
+def assert_same_curve(a, b, exact=False):
+    """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
+    hold extra val lines: a run stopped early evaluates at its end, which is kept on resume."""
+    for key in ("loss", "grad_norm", "val_loss"):
+        la, lb = ({r["iter"]: r[key] for r in rows if key in r} for rows in (a, b))
+        assert la and (set(la) <= set(lb) if key == "val_loss" else set(la) == set(lb)), (key, sorted(la), sorted(lb))
+        va, vb = [la[i] for i in sorted(la)], [lb[i] for i in sorted(la)]
+        if exact:
+            assert va == vb, key
+        else:
+            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5, msg=key)

@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import parallel
-from conftest import ROOT, TINY, free_port, read_metrics, run_train, spawn, torchrun
+from conftest import REFERENCE, ROOT, TINY, assert_same_curve, free_port, read_metrics, run_train, spawn, torchrun
 from model import ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
@@ -110,34 +110,13 @@ def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket()
         assert "gradient sync ran twice" in rank["twice"]
 
 
-def assert_same_curve(a, b, exact=False):
-    """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
-    hold extra val lines: a run stopped early evaluates at its end, which is kept on resume."""
-    for key in ("loss", "grad_norm", "val_loss"):
-        la, lb = ({r["iter"]: r[key] for r in rows if key in r} for rows in (a, b))
-        assert la and (set(la) <= set(lb) if key == "val_loss" else set(la) == set(lb)), (key, sorted(la), sorted(lb))
-        va, vb = [la[i] for i in sorted(la)], [lb[i] for i in sorted(la)]
-        if exact:
-            assert va == vb, key
-        else:
-            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5, msg=key)
-
-
-@pytest.fixture(scope="module")
-def single_run(dataset, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("single") / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "grad_accum_steps=4", "max_iters=8"],
-              cwd=os.path.dirname(out))
-    return read_metrics(out)
-
-
 @pytest.mark.parametrize("nproc, impl", [(2, "bucketed"), (2, "naive"), (2, "torch"), (4, "bucketed")])
-def test_torchrun_gives_the_single_process_curve(nproc, impl, dataset, single_run, tmp_path):
+def test_torchrun_gives_the_single_process_curve(nproc, impl, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
-    p = torchrun(nproc, [*TINY, f"dataset={dataset}", f"out_dir={out}", "grad_accum_steps=4", "max_iters=8",
-                         f"ddp_impl={impl}", "ddp_bucket_mb=0.01"], cwd=tmp_path)
-    assert f"dp={nproc}" in p.stdout
-    assert_same_curve(single_run, read_metrics(out))
+    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01"],
+                 cwd=tmp_path)
+    assert f"dp={nproc} x pp=1" in p.stdout
+    assert_same_curve(reference_run, read_metrics(out))
 
 
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):

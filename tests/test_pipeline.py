@@ -1,0 +1,142 @@
+"""Pipeline parallel on real gloo processes: the schedules against the single-process model
+and torch.distributed.pipelining, activation counts, and train.py under torchrun."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parallel
+from conftest import REFERENCE, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from model import ModelConfig, Transformer, make_stage, stage_layers
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
+B = 2
+
+
+def micro_batches(m):
+    data = torch.randint(0, 64, (m, B, 17), generator=torch.Generator().manual_seed(0))
+    return data[..., :-1], data[..., 1:]
+
+
+def single_process(m):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    x, y = micro_batches(m)
+    total = 0.0
+    for k in range(m):
+        _, loss = model(x[k], y[k])
+        (loss / m).backward()
+        total += loss.item()
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+def stage_of(mesh):
+    torch.manual_seed(0)
+    return make_stage(Transformer(ModelConfig(**CFG)), mesh.pp_rank, mesh.pp)
+
+
+def run_schedules(mesh, m):
+    """Our GPipe and 1F1B, then torch's Schedule1F1B, on the same stage module."""
+    x, y = micro_batches(m)
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        stage = stage_of(mesh)
+        loss, peak = parallel.pipeline_step(schedule, stage, mesh, x, y, (B, 16, 32))
+        out[schedule] = {"loss": loss.item(), "peak": peak,
+                         "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+
+    if m < mesh.pp:  # torch's Schedule1F1B refuses fewer micro-batches than stages; ours runs them
+        return out
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    class Logits(nn.Module):  # torch's stages return one tensor; ours return (output, loss)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inp):
+            return self.inner(inp)[0]
+
+    stage = stage_of(mesh)
+    pipe = PipelineStage(Logits(stage), mesh.pp_rank, mesh.pp, mesh.device)
+    sched = Schedule1F1B(pipe, m, loss_fn=lambda logits, tgt: F.cross_entropy(logits.flatten(0, 1), tgt.flatten()))
+    losses = []
+    if mesh.first_stage:
+        sched.step(x.reshape(m * B, 16))
+    elif mesh.last_stage:
+        sched.step(target=y.reshape(m * B, 16), losses=losses)
+    else:
+        sched.step()
+    out["torch"] = {"loss": sum(l.item() for l in losses),
+                    "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+    return out
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 3)])
+def test_schedules_equal_single_process_and_torch_1f1b(pp, m):
+    ranks = spawn(run_schedules, pp, m, pp=pp)
+    ref_loss, ref_grads = single_process(m)
+    seen = set()
+    schedules = ("gpipe", "1f1b", "torch") if m >= pp else ("gpipe", "1f1b")
+    for stage, r in enumerate(ranks):
+        for schedule in schedules:
+            for name, g in r[schedule]["grads"].items():
+                torch.testing.assert_close(g, ref_grads[name], msg=f"stage {stage} {schedule} {name}")
+                seen.add(name)
+        # activations alive at once: m for GPipe, pp - stage for 1F1B (or m, if fewer)
+        assert r["gpipe"]["peak"] == m
+        assert r["1f1b"]["peak"] == min(pp - stage, m)
+    assert seen == set(ref_grads)  # the stages together own every parameter
+    last = ranks[-1]
+    for schedule in schedules:
+        assert abs(last[schedule]["loss"] - ref_loss) < 1e-4, schedule
+
+
+def test_stage_layers_split_evenly_earliest_first():
+    assert [len(stage_layers(10, 4, s)) for s in range(4)] == [3, 3, 2, 2]
+    assert [list(stage_layers(4, 2, s)) for s in range(2)] == [[0, 1], [2, 3]]
+    for n, pp in [(7, 3), (8, 8), (5, 2)]:
+        assert [i for s in range(pp) for i in stage_layers(n, pp, s)] == list(range(n))
+    torch.manual_seed(0)
+    last = make_stage(Transformer(ModelConfig(**CFG)), 1, 2)
+    assert last.tok_embeddings is None and last.output is not None
+    assert sorted(last.state_dict())[0].startswith("layers.2.")  # global names survive
+
+
+@pytest.mark.parametrize("nproc, pp, schedule", [(2, 2, "1f1b"), (2, 2, "gpipe"), (4, 4, "1f1b"), (4, 4, "gpipe"),
+                                                 (4, 2, "1f1b"), (4, 2, "gpipe")])
+def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, dataset, reference_run, tmp_path):
+    out = str(tmp_path / "run")
+    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"pp={pp}", f"pp_schedule={schedule}",
+                         "pp_trace=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
+    assert f"dp={nproc // pp} x pp={pp}" in p.stdout
+    assert "bubble: measured" in p.stdout and "stage 1 |" in p.stdout  # the timeline was drawn
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+def test_save_at_pp2_resume_at_pp1_and_pp4(dataset, tmp_path):
+    common = [*REFERENCE, f"dataset={dataset}", "lr_decay_iters=8", "ckpt_interval=100"]
+    common = [a for a in common if not a.startswith("max_iters=")]
+    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    run_train([*common, f"out_dir={full}", "max_iters=8"], cwd=tmp_path)
+    torchrun(2, [*common, f"out_dir={half}", "max_iters=4", "pp=2"], cwd=tmp_path)
+    shutil.copytree(half, str(tmp_path / "half4"))
+    run_train([*common, f"out_dir={half}", "max_iters=8", "init_from=resume"], cwd=tmp_path)
+    assert_same_curve(read_metrics(full), read_metrics(half))
+    torchrun(4, [*common, f"out_dir={tmp_path / 'half4'}", "max_iters=8", "init_from=resume", "pp=4"], cwd=tmp_path)
+    assert_same_curve(read_metrics(full), read_metrics(str(tmp_path / "half4")))
+
+
+@pytest.mark.parametrize("nproc, args, message", [
+    (2, ["pp=3"], "pp=3 pipeline stages do not divide the 2 ranks"),
+    (2, ["pp=2", "n_layer=1"], "pp=2 stages but only n_layer=1 layers"),
+    (2, ["pp=2", "tie_embeddings=True"], "tie_embeddings=True with pp > 1"),
+    (2, ["pp=2", "pp_schedule=zb"], "pp_schedule='zb' is not '1f1b' or 'gpipe'"),
+])
+def test_pipeline_layout_errors(nproc, args, message, dataset, tmp_path):
+    p = torchrun(nproc, [*TINY, f"dataset={dataset}", "max_iters=2", *args], cwd=tmp_path, check=False)
+    assert p.returncode != 0 and message in p.stderr, p.stderr[-2000:]
