@@ -13,6 +13,11 @@ dp:     data parallel at 2 ranks (gloo on CPU, nccl on GPUs), the same model and
         batch: our naive and bucketed all-reduce against torch's DistributedDataParallel,
         measured in interleaved rounds, plus how much of the bucketed all-reduce time is
         hidden behind backward.
+pp:     pipeline parallel with 2 and 4 stages (one process per stage) and m = 4 and 8
+        micro-batches: our GPipe and 1F1B against torch.distributed.pipelining's
+        Schedule1F1B on the same stage modules, the measured bubble against (p-1)/(m+p-1),
+        and the peak activation memory per stage (micro-batches alive at once x the bytes
+        autograd saves for one micro-batch, counted with saved_tensors_hooks).
 """
 
 import json
@@ -199,7 +204,129 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
           f"hidden = 1 - wait after backward / alone;\nexposed comm = ms/iter - compute only, which also counts compute slowed by the communication threads.")
 
 
-TABLES = {"single": table_single, "dp": table_dp}
+def pp_worker(rank, world, port, ms, out_path):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from model import make_stage
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    mesh = parallel.setup("auto", 300, pp=world)
+    dev, T, V = mesh.device, MODEL["block_size"], MODEL["vocab_size"]
+
+    def new_stage():
+        torch.manual_seed(0)
+        return make_stage(Transformer(ModelConfig(**MODEL)), mesh.pp_rank, mesh.pp).to(dev)
+
+    class Logits(torch.nn.Module):  # torch's stages return one tensor; ours return (output, loss)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inp):
+            return self.inner(inp)[0]
+
+    rows = []
+    for m in ms:
+        data = torch.randint(0, V, (m, PP_BATCH, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
+        x, y = data[..., :-1], data[..., 1:]
+        act = (PP_BATCH, T, MODEL["n_embd"])
+        ours = {s: new_stage() for s in ("gpipe", "1f1b")}
+        tstage = new_stage()
+        loss_fn = lambda logits, tgt: torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())  # noqa: E731
+        sched = Schedule1F1B(PipelineStage(Logits(tstage), mesh.pp_rank, mesh.pp, dev), m, loss_fn=loss_fn)
+
+        def torch_step():
+            if mesh.first_stage:
+                sched.step(x.reshape(m * PP_BATCH, T))
+            elif mesh.last_stage:
+                sched.step(target=y.reshape(m * PP_BATCH, T))
+            else:
+                sched.step()
+
+        times = {"gpipe": [], "1f1b": [], "torch": []}
+        peaks, bubbles = {}, {"gpipe": [], "1f1b": []}
+        for rnd in range(WARMUP + ITERS):
+            for name in times:
+                dist.barrier()
+                t0 = time.perf_counter()
+                trace = [] if name != "torch" else None
+                if name == "torch":
+                    torch_step()
+                else:
+                    _, peaks[name] = parallel.pipeline_step(name, ours[name], mesh, x, y, act, trace=trace)
+                dist.barrier()
+                if rnd >= WARMUP:
+                    times[name].append(time.perf_counter() - t0)
+                    if trace is not None:
+                        traces = parallel.all_gather_object(trace, mesh)
+                        bubbles[name].append(parallel.pipeline_timeline(traces, m)[1])
+                for p in (ours[name].parameters() if name != "torch" else tstage.parameters()):
+                    p.grad = None
+        # bytes autograd keeps for one micro-batch's forward on this stage
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+        stage = ours["1f1b"]
+        inp = x[0] if mesh.first_stage else torch.randn(act, device=dev, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage(inp, y[0] if mesh.last_stage else None)
+        per_micro = sum(saved)
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        mine = {"stage": mesh.pp_rank, "per_micro_mb": per_micro / 2 ** 20, "peak": peaks}
+        every = parallel.all_gather_object(mine, mesh)
+        if mesh.master:
+            rows.append({"pp": mesh.pp, "m": m, "ms": {k: med(v) * 1000 for k, v in times.items()},
+                         "bubble": {k: med(v) for k, v in bubbles.items()}, "stages": every})
+        # one traced 1F1B iteration to draw
+        trace = []
+        parallel.pipeline_step("1f1b", ours["1f1b"], mesh, x, y, act, trace=trace)
+        traces = parallel.all_gather_object(trace, mesh)
+        if mesh.master:
+            rows[-1]["text"] = parallel.pipeline_timeline(traces, m, width=100)[0]
+    if mesh.master:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    parallel.teardown(mesh)
+
+
+PP_BATCH = 8
+
+
+def table_pp(stages=(2, 4), ms=(4, 8)):
+    print(f"\n## pipeline parallel ({'nccl' if torch.cuda.is_available() else 'gloo'}), one process per stage, "
+          f"micro-batches of {PP_BATCH} x {MODEL['block_size']} tokens, layers split evenly, median of {ITERS} "
+          f"interleaved rounds")
+    rows = []
+    for pp in stages:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            mp.start_processes(pp_worker, args=(pp, port, list(ms), out), nprocs=pp, start_method="spawn")
+            rows += json.load(open(out))
+    print(f"{'pp':>2} {'m':>2} | {'GPipe ms':>8} | {'1F1B ms':>8} | {'torch 1F1B':>10} | {'ours/torch':>10} | "
+          f"{'bubble GPipe':>12} | {'bubble 1F1B':>11} | {'theory':>6} | {'act. mem 1F1B/GPipe per stage (pp/m)':<40}")
+    print("-" * 132)
+    for r in rows:
+        pp, m = r["pp"], r["m"]
+        ratio = " ".join(f"{st['peak']['1f1b'] / st['peak']['gpipe']:.2f}" for st in r["stages"])
+        mem = f"{ratio}  ({pp / m:.2f})"
+        print(f"{pp:>2} {m:>2} | {r['ms']['gpipe']:8.1f} | {r['ms']['1f1b']:8.1f} | {r['ms']['torch']:10.1f} | "
+              f"{r['ms']['1f1b'] / r['ms']['torch']:9.2f}x | {r['bubble']['gpipe']:12.1%} | {r['bubble']['1f1b']:11.1%} | "
+              f"{(pp - 1) / (m + pp - 1):6.1%} | {mem:<40}")
+    for r in rows:
+        st = r["stages"][0]
+        print(f"pp={r['pp']} m={r['m']}: stage 0 keeps {st['per_micro_mb']:.1f} MB of activations per micro-batch; "
+              f"peak {st['peak']['1f1b'] * st['per_micro_mb']:.1f} MB with 1F1B, {st['peak']['gpipe'] * st['per_micro_mb']:.1f} MB with GPipe")
+    print()
+    print(rows[-1]["text"])
+
+
+TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp}
 ROWS = {"single": single_row}
 
 if __name__ == "__main__":
