@@ -19,7 +19,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from configurator import UserError
 
@@ -45,6 +51,7 @@ class Mesh:
     backend: str       # "gloo" | "nccl" | "" for a single process
     dp_group: object = None  # the ranks holding the same stage: gradients are averaged here (None: all ranks)
     pp_group: object = None  # the stages of this rank's pipeline
+    dp_mesh: object = None   # dp_group as a DeviceMesh, for FSDP2
 
     @property
     def master(self):
@@ -106,19 +113,12 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
     dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s), rank=rank, world_size=world,
                             device_id=dev if backend == "nccl" else None)
     dp = world // pp
-    grid = torch.arange(world).view(dp, pp)
-    mesh = Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // pp,
-                pp_rank=rank % pp, device=dev, backend=backend)
-    if pp > 1:  # every rank must create every group, in the same order
-        for s in range(pp):
-            group = dist.new_group(grid[:, s].tolist())
-            if s == mesh.pp_rank:
-                mesh.dp_group = group
-        for d in range(dp):
-            group = dist.new_group(grid[d, :].tolist())
-            if d == mesh.dp_rank:
-                mesh.pp_group = group
-    return mesh
+    # the grid torch.arange(world).view(dp, pp), row-major as Mesh's docstring says: its
+    # columns are the dp groups, its rows the pipelines
+    grid = init_device_mesh(dev.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // pp,
+                pp_rank=rank % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
+                pp_group=grid.get_group("pp"), dp_mesh=grid["dp"])
 
 
 def teardown(mesh):
@@ -279,6 +279,60 @@ class Bucket:
 
 
 # ---------------------------------------------------------------------------------------
+# FSDP2: fully sharded data parallel (ZeRO-3) with torch's fully_shard
+#
+# Each dp rank keeps 1/dp of every parameter, of its gradient and of its optimizer state.
+# A block's full weights exist only while it runs: all-gathered before its forward (and
+# again before its backward, if resharded after forward), and its gradients are
+# reduce-scattered back to shards after its backward. Wrapping each block separately is
+# what bounds the memory: only one block is whole at a time, and the next block's
+# all-gather overlaps the current block's compute.
+
+
+def fully_shard_model(model, mesh, reshard_after_forward=True, bf16=False):
+    """Shards `model` (a whole model or a pipeline stage) over mesh.dp_mesh, in place: each
+    transformer block, then the root (embedding, final norm, head). bf16: compute in bf16
+    with fp32 gradient reduction (CUDA); otherwise everything stays fp32."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+          if bf16 else MixedPrecisionPolicy())
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
+
+
+def set_grad_sync(model, sync):
+    """Gradient accumulation without communication: with sync=False a backward only adds
+    into the local gradients. DataParallel and torch DDP take a flag, FSDP2 a method."""
+    model = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    elif isinstance(model, (DataParallel, DistributedDataParallel)):
+        model.require_backward_grad_sync = sync
+
+
+def reshard(model):
+    """Frees gathered FSDP weights. With reshard_after_forward=False a forward leaves them
+    gathered for its backward; after a forward without backward (evaluation) nothing else
+    would free them, and the parameters would not be the optimizer's shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def memory_bytes(model, optimizer):
+    """Bytes this rank holds of parameters, gradients and optimizer state (shards under FSDP)."""
+    size = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
+    return {"params": size(model.parameters()),
+            "grads": size(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer": size(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))}
+
+
+# ---------------------------------------------------------------------------------------
 # pipeline parallel, by hand
 #
 # Stage s owns a contiguous range of layers (model.make_stage): stage 0 also the embedding,
@@ -311,7 +365,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
     """This stage's share of one iteration: the forward and backward of each micro-batch
     x[k], y[k] (x: (m, B, T) token ids, used by the first stage; y: targets, used by the
     last), in the order `schedule` ('1f1b' or 'gpipe') gives. `stage` is the stage module, or
-    its DataParallel wrapper: then only the stage's last backward all-reduces gradients.
+    its DataParallel / FSDP form: then only the stage's last backward syncs gradients.
     Returns (sum of the micro-batch losses on the last stage, 0 elsewhere; the most
     micro-batches whose activations were alive at once). `trace`, a list, receives
     (kind, micro-batch, start, end) per forward/backward."""
@@ -347,8 +401,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
         nonlocal done_bwd
         t0 = clock()
         inp, out = alive.popleft()  # backwards run in the order the forwards did
-        if isinstance(stage, DataParallel):  # data parallel inside the stage: sync on its last backward only
-            stage.require_backward_grad_sync = done_bwd == m - 1
+        set_grad_sync(stage, done_bwd == m - 1)  # data parallel inside the stage: sync on its last backward only
         torch.autograd.backward(out, grad_out)  # last stage: out is the loss and grad_out None
         if trace is not None:
             trace.append(("B", done_bwd, t0, clock()))
@@ -456,20 +509,23 @@ def pipeline_timeline(traces, m, width=96):
 def clip_grad_norm_(params, max_norm, mesh):
     """Scales the gradients so that the norm over the *whole* model is at most max_norm
     (0: only measure it); returns that norm. Pipeline stages hold different parameters, so
-    their squared norms are summed over the pipeline; data-parallel replicas hold the same
-    averaged gradients and are not counted again. (Clipping each stage by its own norm
+    their squared norms are summed over the pipeline, and so are FSDP's gradient shards over
+    the dp ranks; plain data-parallel replicas hold the same averaged gradients and are not
+    counted again. (Clipping each stage by its own norm
     would be a different, layout-dependent update.)"""
     grads = [p.grad for p in params if p.grad is not None]
     sq = torch.zeros((), device=mesh.device)
     for g in grads:
-        sq += g.float().pow(2).sum()
+        sq += _local(g).float().pow(2).sum()
+    if any(isinstance(g, DTensor) for g in grads):  # FSDP: each dp rank holds a different shard
+        dist.all_reduce(sq, group=mesh.dp_group)
     if mesh.pp > 1:
         dist.all_reduce(sq, group=mesh.pp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
-            g.mul_(coef)
+            _local(g).mul_(coef)
     return norm
 
 
@@ -494,46 +550,58 @@ def _write_atomic(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir, it, tensors, meta, keep):
-    """Writes {name}.pt for each entry of `tensors` (state dicts for torch.save) and meta.json
-    into ckpt/.tmp_iter_XXXXXXX, renames it to ckpt/iter_XXXXXXX, then points ckpt/latest at
-    it and deletes all but the newest `keep`. A crash at any point leaves `latest` naming a
-    complete checkpoint. Returns the checkpoint's path."""
+def train_state(model, optimizer):
+    """What a checkpoint stores of the training state, keyed by global parameter names:
+    {"model": name -> weight, "optim": "name.exp_avg" -> ...}. Under FSDP the values are
+    DTensor shards; torch.distributed.checkpoint writes each rank's shards and can read them
+    back into any other sharding. Positions in the optimizer (what optimizer.state_dict()
+    uses) would differ between pipeline stages; names do not."""
+    reshard(model)
+    names = {p: n for n, p in model.named_parameters()}
+    optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
+    return {"model": model.state_dict(), "optim": optim}
+
+
+def init_adamw_state(model, optimizer):
+    """Empty AdamW state for every parameter, for a checkpoint to be loaded into (torch
+    creates it lazily at the first step, and DCP loads into existing tensors)."""
+    for p in model.parameters():
+        step_device = p.device if optimizer.defaults.get("fused") else "cpu"
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def save_checkpoint(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
+    """Called by every rank. Each rank writes its own part of the model and optimizer
+    (torch.distributed.checkpoint: replicated tensors once, shards by their owners) into
+    ckpt/.tmp_iter_XXXXXXX; rank 0 adds state.pt (run_state: RNG states) and meta.json,
+    renames the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but
+    the newest `keep`. A crash at any point leaves `latest` naming a complete checkpoint.
+    Several nodes need out_dir on a shared filesystem."""
     root = os.path.join(out_dir, "ckpt")
     name = f"iter_{it:07d}"
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died half-way
-    os.makedirs(tmp)
-    for key, obj in tensors.items():
-        _write_atomic(os.path.join(tmp, f"{key}.pt"), lambda f: torch.save(obj, f))
-    _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    _fsync_dir(tmp)
-    if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
-    _fsync_dir(root)
-    done = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
-    for old in done[:-keep] if keep > 0 else []:
-        if old != name:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    if mesh.master:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died half-way
+        os.makedirs(tmp)
+    barrier(mesh)
+    dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
+    if mesh.master:
+        _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
+        _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
+        _fsync_dir(root)
+        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
+        for old in done[:-keep] if keep > 0 else []:
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    barrier(mesh)
     return final
-
-
-def optimizer_state_by_name(model, optimizer):
-    """The optimizer's per-parameter state keyed by global parameter name rather than by
-    position, so that a stage's state lands on whichever stage owns that layer on resume."""
-    names = {p: n for n, p in model.named_parameters()}
-    return {names[p]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
-            for p, st in optimizer.state.items()}
-
-
-def load_optimizer_state_by_name(model, optimizer, state):
-    for name, p in model.named_parameters():
-        if name in state:  # AdamW keeps its step count on the CPU, the moments beside the weights
-            optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
-                                  for k, v in state[name].items()}
 
 
 def latest_checkpoint(out_dir):
@@ -550,15 +618,35 @@ def latest_checkpoint(out_dir):
     return ckpt
 
 
-def load_checkpoint(path, names, device="cpu"):
-    """meta.json and the {name}.pt files of a checkpoint directory. weights_only=True: a
-    checkpoint is data, never code."""
+def _unreadable(path, e):
+    return UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
+                     f"point ckpt/latest at an intact checkpoint, or use init_from=scratch")
+
+
+def read_checkpoint_meta(path):
+    """meta.json (iteration, config, model shape) and state.pt (RNG states) of a checkpoint.
+    weights_only=True: a checkpoint is data, never code."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            out = {"meta": json.load(f)}
-        for name in names:
-            out[name] = torch.load(os.path.join(path, f"{name}.pt"), map_location=device, weights_only=True)
+            meta = json.load(f)
+        state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]}): "
-                        f"point ckpt/latest at an intact checkpoint, or use init_from=scratch") from None
-    return out
+        raise _unreadable(path, e) from None
+    return meta, state
+
+
+def load_checkpoint(path, model, optimizer=None, no_dist=False):
+    """Reads a checkpoint's weights (and optimizer state) into `model` in place, whatever
+    layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
+    (it takes its own names), or FSDP shards. Every rank calls it, unless no_dist: then one
+    process reads on its own (a whole model, for sampling or export)."""
+    if optimizer is not None:
+        init_adamw_state(model, optimizer)
+        state = train_state(model, optimizer)
+    else:
+        state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
+        raise _unreadable(path, e) from None
+    model.load_state_dict(state["model"])

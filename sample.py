@@ -1,7 +1,11 @@
 """
-Generate text from the latest checkpoint of a run:
+Generate text from the latest checkpoint of a run, or export its weights to one file:
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
+    python sample.py out_dir=out export=model.pt     # {name: tensor}, for torch.load(weights_only=True)
+
+Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
+into one whole model here.
 """
 
 import os
@@ -23,6 +27,7 @@ temperature = 0.8           # 0: greedy
 top_k = 50                  # 0: sample from the whole distribution
 seed = 1337
 device = "auto"
+export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
 
 sys.excepthook = configurator.excepthook
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
@@ -31,16 +36,22 @@ globals().update(configurator.configure(defaults, sys.argv[1:]))
 path = ckpt or parallel.latest_checkpoint(out_dir)
 if path is None:
     raise configurator.UserError(f"no checkpoint in {out_dir}/ckpt: train first, or pass ckpt=path/to/iter_XXXXXXX")
-loaded = parallel.load_checkpoint(path, ["model"])
-cfg = loaded["meta"]["config"]
+meta, _ = parallel.read_checkpoint_meta(path)
+cfg = meta["config"]
 dev = parallel.pick_device(device)
-model = Transformer(ModelConfig(**loaded["meta"]["model"]))
-model.load_state_dict(loaded["model"])
+model = Transformer(ModelConfig(**meta["model"]))
+parallel.load_checkpoint(path, model, no_dist=True)
+if export:
+    tmp = export + ".tmp"
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, export)
+    print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {export}")
+    sys.exit(0)
 model.to(dev).eval()
 enc = data.get_tokenizer(cfg["tokenizer"], cfg["vocab_size"])
 start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token]
 torch.manual_seed(seed)
-print(f"{os.path.relpath(path)}: iteration {loaded['meta']['iter']}")
+print(f"{os.path.relpath(path)}: iteration {meta['iter']}")
 for _ in range(num_samples):
     out = model.generate(torch.tensor([start], device=dev), max_new_tokens, temperature, top_k or None)
     print(enc.decode(out[0].tolist() if prompt else out[0, 1:].tolist()))

@@ -79,6 +79,8 @@ pp_trace = False                # print the pipeline schedule as an ASCII timeli
 ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
                                 # per parameter after backward) or 'torch' (DistributedDataParallel)
 ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
+fsdp = False                    # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
+reshard_after_forward = True    # fsdp: free each block's gathered weights after its forward (gather again for backward)
 sample_tokens = 120             # tokens to generate at the end of the run (0: none)
 # ---------------------------------------------------------------------------------------
 
@@ -152,10 +154,10 @@ ckpt_path = parallel.latest_checkpoint(out_dir) if init_from == "resume" else No
 if init_from == "resume" and ckpt_path is None:
     raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt/latest does not exist: "
                                  f"use init_from=scratch, or the out_dir of the run to continue")
-ckpt = parallel.load_checkpoint(ckpt_path, ["model", "optimizer", "state"]) if ckpt_path else None
-if ckpt:
+ckpt_meta, ckpt_state = parallel.read_checkpoint_meta(ckpt_path) if ckpt_path else (None, None)
+if ckpt_path:
     # the model's shape comes from the checkpoint; an explicit override that disagrees is a mistake
-    saved = ckpt["meta"]["model"]
+    saved = ckpt_meta["model"]
     for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size"):
         if key in overrides and overrides[key] != saved[key]:
             raise configurator.UserError(f"{key}={overrides[key]} but the checkpoint in {out_dir} has "
@@ -165,18 +167,18 @@ torch.manual_seed(seed)  # identical initial weights on every rank and every lay
 raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
-if ckpt:  # checkpoints hold the whole model under global names; a stage takes its own
-    own = raw_model.state_dict()
-    raw_model.load_state_dict({k: v for k, v in ckpt["model"].items() if k in own})
 raw_model.to(mesh.device)
+use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
             f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" +
             "".join(f"; stage {s}: layers {r.start}-{r.stop - 1}" for s in range(mesh.pp) if mesh.pp > 1
                     for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
+if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
+    parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16")
 model = torch.compile(raw_model) if compile else raw_model
-if mesh.dp > 1 and ddp_impl == "torch":
+if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
-elif mesh.dp > 1:
+elif mesh.dp > 1 and not use_fsdp:
     model = parallel.DataParallel(model, mesh, ddp_bucket_mb, naive=ddp_impl == "naive")
 
 decay = [p for p in raw_model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
@@ -184,8 +186,8 @@ no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
-if ckpt:
-    parallel.load_optimizer_state_by_name(raw_model, optimizer, ckpt["optimizer"])
+if ckpt_path:  # weights and AdamW state, into whatever layout this run has
+    parallel.load_checkpoint(ckpt_path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
 
@@ -214,6 +216,7 @@ def evaluate():
                 _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device))
             loss_sum += loss.item()
     raw_model.train()
+    parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
     # only last stages hold losses: the mean over all ranks times pp is the mean over dp replicas
     return parallel.all_reduce_mean(loss_sum / (eval_iters * val_loader.micro_steps), mesh) * mesh.pp
 
@@ -221,14 +224,13 @@ def evaluate():
 # ---- resume state, logging ------------------------------------------------------------
 start_iter = 0
 run_id = None
-if ckpt:
-    start_iter = ckpt["meta"]["iter"]
-    run_id = ckpt["meta"].get("wandb_id")
-    torch.set_rng_state(ckpt["state"]["rng_cpu"][mesh.rank % len(ckpt["state"]["rng_cpu"])])
+if ckpt_path:
+    start_iter = ckpt_meta["iter"]
+    run_id = ckpt_meta.get("wandb_id")
+    torch.set_rng_state(ckpt_state["rng_cpu"][mesh.rank % len(ckpt_state["rng_cpu"])])
     mesh.print0(f"resumed from {ckpt_path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks
-del ckpt
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if mesh.master:
     os.makedirs(out_dir, exist_ok=True)
@@ -261,24 +263,14 @@ def log(record):
 
 
 def save(it):
-    """One checkpoint of the whole model, whatever the layout: every rank sends its RNG state
-    and dp rank 0 of every stage its weights and optimizer state (by global name) to rank 0,
-    which writes them. So any layout can resume it."""
+    """Every rank writes its part (weights and AdamW state under global names: the whole
+    model once, whatever the layout, so any layout can resume it); rank 0 adds every rank's
+    RNG state and the run's metadata."""
     meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world}
-    mine = {"rng": torch.get_rng_state()}  # each rank's dropout stream
-    if mesh.dp_rank == 0:
-        mine["model"] = {k: v.cpu() for k, v in raw_model.state_dict().items()}
-        mine["optimizer"] = parallel.optimizer_state_by_name(raw_model, optimizer)
-    parts = parallel.gather_to_master(mine, mesh)
-    if mesh.master:
-        tensors = {"model": {}, "optimizer": {}, "state": {"rng_cpu": [p["rng"] for p in parts]}}
-        for p in parts:
-            for key in ("model", "optimizer"):
-                tensors[key].update(p.get(key, {}))
-        path = parallel.save_checkpoint(out_dir, it, tensors, meta, keep_ckpts)
-        mesh.print0(f"saved checkpoint {path}")
-    parallel.barrier(mesh)
+    rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
+    path = parallel.save_checkpoint(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, meta, mesh, keep_ckpts)
+    mesh.print0(f"saved checkpoint {path}")
 
 
 peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
@@ -309,11 +301,11 @@ while True:
         # plain: one micro-step after the other, each a whole forward and backward
         loss_sum = torch.zeros((), device=mesh.device)
         for k in range(micro_steps):
-            if mesh.dp > 1:
-                # data parallel: all-reduce only in the last micro-step's backward (no_sync before).
-                # The all-reduces are launched by hooks *during* backward, so the flag must be set
-                # before this micro-step's backward starts; we set it before its forward.
-                model.require_backward_grad_sync = k == micro_steps - 1
+            # data parallel (DataParallel / DDP all-reduce, FSDP reduce-scatter): sync only in the
+            # last micro-step's backward (no_sync before). The communication is launched by
+            # hooks *during* backward, so the flag must be set before this micro-step's
+            # backward starts; we set it before its forward.
+            parallel.set_grad_sync(model, k == micro_steps - 1)
             with autocast:
                 _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
             # backward adds each micro-step's gradient into .grad, so dividing each loss by the
@@ -336,6 +328,10 @@ while True:
     # when not clipping, for the log)
     grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh)
     optimizer.step()
+    if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
+        mem = parallel.memory_bytes(raw_model, optimizer)
+        mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) +
+                    (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else ""))
     optimizer.zero_grad(set_to_none=True)
     # the mean over the global batch: with pp only last stages hold losses, so the mean over
     # all ranks times pp is the mean over the dp replicas
@@ -357,9 +353,9 @@ while True:
 if mesh.master and sample_tokens > 0:
     enc = data.get_tokenizer(tokenizer, vocab_size)
     start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
-    if mesh.pp > 1:  # rank 0 holds only the first stage: rebuild the whole model from the checkpoint
+    if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
         raw_model = Transformer(model_cfg).to(mesh.device)
-        raw_model.load_state_dict(parallel.load_checkpoint(parallel.latest_checkpoint(out_dir), ["model"])["model"])
+        parallel.load_checkpoint(parallel.latest_checkpoint(out_dir), raw_model, no_dist=True)
     raw_model.eval()
     with autocast:
         out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)

@@ -26,7 +26,7 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     ckpt = os.path.join(out, "ckpt")
     assert sorted(os.listdir(ckpt)) == ["iter_0000020", "iter_0000030", "latest"]  # keep_ckpts=2 pruned iter 10
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000030"
-    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == ["meta.json", "model.pt", "optimizer.pt", "state.pt"]
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == [".metadata", "__0_0.distcp", "meta.json", "state.pt"]
     assert json.load(open(os.path.join(out, "config.json")))["max_iters"] == 30
     assert "sample" in p.stdout
     s = run_train([f"out_dir={out}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path, script="sample.py")
@@ -116,9 +116,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
     out = str(tmp_path / "run")
     run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=tmp_path)
-    model_pt = os.path.join(out, "ckpt", "iter_0000002", "model.pt")
-    data_ = open(model_pt, "rb").read()
-    open(model_pt, "wb").write(data_[: len(data_) // 2])
+    shard = os.path.join(out, "ckpt", "iter_0000002", "__0_0.distcp")
+    data_ = open(shard, "rb").read()
+    open(shard, "wb").write(data_[: len(data_) // 2])
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=4"],
                   cwd=tmp_path, check=False)
     assert p.returncode != 0 and "Traceback" not in p.stderr
