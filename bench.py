@@ -18,6 +18,9 @@ pp:     pipeline parallel with 2 and 4 stages (one process per stage) and m = 4 
         Schedule1F1B on the same stage modules, the measured bubble against (p-1)/(m+p-1),
         and the peak activation memory per stage (micro-batches alive at once x the bytes
         autograd saves for one micro-batch, counted with saved_tensors_hooks).
+memory: the default model at 1, 2 and 4 ranks as dp, fsdp and pp, the same global batch:
+        per-rank bytes of parameters, gradients and optimizer state, the peak memory
+        (max RSS above the process's size before the model was built, on CPU), and ms/iter.
 """
 
 import json
@@ -326,7 +329,83 @@ def table_pp(stages=(2, 4), ms=(4, 8)):
     print(rows[-1]["text"])
 
 
-TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp}
+def layout_worker(rank, world, port, layout, out_path):
+    from model import make_stage
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    with open("/proc/self/statm") as f:
+        base_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    mesh = parallel.setup("auto", 300, pp=world if layout == "pp" else 1)
+    dev = mesh.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = make_stage(Transformer(ModelConfig(**MODEL)), mesh.pp_rank, mesh.pp).to(dev)
+    if layout == "fsdp":
+        parallel.fully_shard_model(model, mesh)
+    wrapped = parallel.DataParallel(model, mesh, 4.0) if layout == "dp" and world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    micro = MEM_ACCUM // mesh.dp
+    x = torch.randint(0, MODEL["vocab_size"], (micro, MEM_BATCH, MODEL["block_size"] + 1), device=dev,
+                      generator=torch.Generator(dev).manual_seed(mesh.dp_rank))
+    times, mem = [], None
+    for i in range(WARMUP + ITERS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if layout == "pp":
+            parallel.pipeline_step("1f1b", wrapped, mesh, x[..., :-1], x[..., 1:],
+                                   (MEM_BATCH, MODEL["block_size"], MODEL["n_embd"]))
+        else:
+            for k in range(micro):
+                parallel.set_grad_sync(wrapped, k == micro - 1)
+                (wrapped(x[k, :, :-1], x[k, :, 1:])[1] / micro).backward()
+            if isinstance(wrapped, parallel.DataParallel):
+                wrapped.wait()
+        parallel.clip_grad_norm_(model.parameters(), 1.0, mesh)
+        opt.step()
+        mem = parallel.memory_bytes(model, opt)
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb)
+    row = {**{k: v / 2 ** 20 for k, v in mem.items()}, "peak_mb": peak, "ms": sorted(times[WARMUP:])[ITERS // 2] * 1000}
+    rows = parallel.all_gather_object(row, mesh)
+    if mesh.master:
+        with open(out_path, "w") as f:
+            json.dump({k: max(r[k] for r in rows) for k in row}, f)  # the busiest rank
+    parallel.teardown(mesh)
+
+
+MEM_BATCH, MEM_ACCUM = 8, 4
+
+
+def table_memory(layouts=(("dp", 1), ("dp", 2), ("dp", 4), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
+    tokens = MEM_BATCH * MEM_ACCUM * MODEL["block_size"]
+    print(f"\n## memory and speed per layout: the default model ({Transformer(ModelConfig(**MODEL)).num_params() / 1e6:.2f}M "
+          f"parameters, fp32), global batch {MEM_BATCH} x {MEM_ACCUM} micro-batches ({tokens} tokens/iter), "
+          f"one core per rank; the most loaded rank's numbers")
+    print(f"{'layout':<8} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | "
+          f"{'peak MB':>7} | {'ms/iter':>8} | {'tokens/s':>8}")
+    print("-" * 92)
+    for layout, world in layouts:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            mp.start_processes(layout_worker, args=(world, port, layout, out), nprocs=world, start_method="spawn")
+            r = json.load(open(out))
+        total = r["params"] + r["grads"] + r["optimizer"]
+        print(f"{layout:<8} {world:>5} | {r['params']:9.2f} | {r['grads']:8.2f} | {r['optimizer']:8.2f} | {total:6.1f} | "
+              f"{r['peak_mb']:7.0f} | {r['ms']:8.1f} | {tokens / r['ms'] * 1000:8,.0f}")
+    print("fsdp at N ranks holds 1/N of params, grads and optimizer state; pp holds the busiest stage's share "
+          "(the last stage carries the head). Peak is max RSS above the process size before the model on CPU "
+          "(activations, buffers, allocator slack included), max_memory_allocated on GPU.")
+
+
+TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "memory": table_memory}
 ROWS = {"single": single_row}
 
 if __name__ == "__main__":
