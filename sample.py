@@ -33,7 +33,7 @@ sys.excepthook = configurator.excepthook
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
 globals().update(configurator.configure(defaults, sys.argv[1:]))
 
-path = ckpt or parallel.latest_checkpoint(out_dir)
+path = ckpt or parallel.find_checkpoint(out_dir, None)
 if path is None:
     raise configurator.UserError(f"no checkpoint in {out_dir}/ckpt: train first, or pass ckpt=path/to/iter_XXXXXXX")
 meta, _ = parallel.read_checkpoint_meta(path)

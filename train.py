@@ -3,7 +3,7 @@ Train a LLaMA-style model. The whole run, top to bottom:
 
     python train.py                                  # the default job: Python's stdlib, CPU-sized
     python train.py config/tiny.py max_iters=50      # a config file, then key=value overrides
-    python train.py init_from=resume                 # continue from out_dir/ckpt/latest
+    python train.py                                  # run again: continues from out_dir's latest checkpoint
 
 Every key below can be overridden; see README.md for what each one does.
 """
@@ -11,6 +11,7 @@ Every key below can be overridden; see README.md for what each one does.
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -27,7 +28,8 @@ from model import ModelConfig, Transformer, make_stage, measure_matmul_flops, st
 # defaults: every one can be overridden by a config file or key=value
 # I/O
 out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
-init_from = "scratch"           # 'scratch': a new model; 'resume': continue from out_dir/ckpt/latest
+init_from = "auto"              # 'auto': resume if out_dir has a checkpoint, else start fresh; 'resume': must resume;
+                                # 'scratch': a new model (refused if out_dir already has checkpoints)
 eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
 eval_iters = 10                 # global batches of val data per evaluation
 log_interval = 10               # print and append to metrics.jsonl every this many iterations
@@ -65,6 +67,11 @@ grad_clip = 1.0                 # clip the global gradient norm to this (0: no c
 warmup_iters = 50
 lr_decay_iters = 0              # 0: = max_iters
 min_lr = 2e-4
+# faults
+nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step; after this many in a row ...
+nan_action = "rollback"         # ... 'rollback' to the latest checkpoint and step over the bad batches, or 'stop'
+fault_nan_at = -1               # testing the guard: poison the gradients of this iteration (-1: never) ...
+fault_nan_steps = 1             # ... and of the ones after it, this many in all
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
 dtype = "auto"                  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; or 'float32' / 'bfloat16'
@@ -93,8 +100,10 @@ config = {k: globals()[k] for k in config_keys}
 
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp)
-if init_from not in ("scratch", "resume"):
-    raise configurator.UserError(f"init_from='{init_from}' is not 'scratch' or 'resume'")
+if init_from not in ("auto", "scratch", "resume"):
+    raise configurator.UserError(f"init_from='{init_from}' is not 'auto', 'scratch' or 'resume'")
+if nan_action not in ("rollback", "stop"):
+    raise configurator.UserError(f"nan_action='{nan_action}' is not 'rollback' or 'stop'")
 if ddp_impl not in ("bucketed", "naive", "torch"):
     raise configurator.UserError(f"ddp_impl='{ddp_impl}' is not one of bucketed, naive, torch")
 if pp_schedule not in ("1f1b", "gpipe"):
@@ -150,10 +159,14 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt)
-ckpt_path = parallel.latest_checkpoint(out_dir) if init_from == "resume" else None
+# the newest intact checkpoint in out_dir (corrupt ones are reported and skipped), or None
+ckpt_path = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
 if init_from == "resume" and ckpt_path is None:
-    raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt/latest does not exist: "
-                                 f"use init_from=scratch, or the out_dir of the run to continue")
+    raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt has no checkpoint: "
+                                 f"use init_from=auto (or scratch), or the out_dir of the run to continue")
+if init_from == "scratch" and ckpt_path:
+    raise configurator.UserError(f"init_from=scratch but {out_dir} holds checkpoints of an earlier run: continue it "
+                                 f"with init_from=auto, or pick a new out_dir (or delete {out_dir}/ckpt)")
 ckpt_meta, ckpt_state = parallel.read_checkpoint_meta(ckpt_path) if ckpt_path else (None, None)
 if ckpt_path:
     # the model's shape comes from the checkpoint; an explicit override that disagrees is a mistake
@@ -201,19 +214,24 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
+def to_dev(mask, k):
+    """Micro-batch k of a loss mask (SFT data), or None (plain text: every target counts)."""
+    return None if mask is None else mask[k].to(mesh.device)
+
+
 @torch.no_grad()
 def evaluate():
     """Mean loss over eval_iters global batches of val data: the same batches every time."""
     raw_model.eval()
     loss_sum = 0.0
     for i in range(eval_iters):
-        x, y = val_loader.batch(i)
+        x, y, mask = val_loader.batch(i)
         if mesh.pp > 1:
-            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast).item()
+            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast, mask).item()
             continue
         for k in range(x.size(0)):
             with autocast:
-                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device))
+                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k))
             loss_sum += loss.item()
     raw_model.train()
     parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
@@ -222,29 +240,40 @@ def evaluate():
 
 
 # ---- resume state, logging ------------------------------------------------------------
+metrics_path = os.path.join(out_dir, "metrics.jsonl")
+
+
+def truncate_metrics(upto):
+    """Keep exactly the history up to a checkpoint at iteration `upto`: lines written after it
+    (by a run that crashed, or before a rollback) are dropped, because those iterations are
+    computed and logged again. (A train line's "iter" k is step k, the (k+1)-th; a val
+    line's "iter" k comes after k steps.)"""
+    if not mesh.master:
+        return
+    old = []
+    if upto and os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            old = [json.loads(line) for line in f if line.strip()]
+        old = [r for r in old if r["iter"] < upto or ("val_loss" in r and r["iter"] == upto)]
+    with open(metrics_path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in old)
+    os.replace(metrics_path + ".tmp", metrics_path)
+
+
 start_iter = 0
 run_id = None
+skip_iters = set()  # iterations whose batch gave non-finite values: stepped over after a rollback
 if ckpt_path:
     start_iter = ckpt_meta["iter"]
     run_id = ckpt_meta.get("wandb_id")
+    skip_iters = set(ckpt_meta.get("skip_iters", []))
     torch.set_rng_state(ckpt_state["rng_cpu"][mesh.rank % len(ckpt_state["rng_cpu"])])
     mesh.print0(f"resumed from {ckpt_path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks
-metrics_path = os.path.join(out_dir, "metrics.jsonl")
 if mesh.master:
     os.makedirs(out_dir, exist_ok=True)
-    # keep exactly the history up to the checkpoint: lines a crashed run wrote after its last
-    # checkpoint are dropped, because this run recomputes (and re-logs) those iterations
-    # (train line "iter": k is step k, the (k+1)-th; val line "iter": k is after k steps)
-    old = []
-    if start_iter and os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            old = [json.loads(line) for line in f if line.strip()]
-        old = [r for r in old if r["iter"] < start_iter or ("val_loss" in r and r["iter"] == start_iter)]
-    with open(metrics_path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in old)
-    os.replace(metrics_path + ".tmp", metrics_path)
+    truncate_metrics(start_iter)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     if wandb_log:
@@ -267,7 +296,8 @@ def save(it):
     model once, whatever the layout, so any layout can resume it); rank 0 adds every rank's
     RNG state and the run's metadata."""
     meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
-            "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world}
+            "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
+            "skip_iters": sorted(skip_iters)}
     rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
     path = parallel.save_checkpoint(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, meta, mesh, keep_ckpts)
     mesh.print0(f"saved checkpoint {path}")
@@ -278,24 +308,50 @@ flops_per_iter = flops_per_token * tokens_per_iter
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
+signals = []  # SIGTERM / SIGUSR1 (preemption notice) / Ctrl-C received
+
+
+def on_signal(signum, frame):
+    # finish the step in progress, checkpoint and exit 0: the stop is agreed by all ranks at
+    # the end of the step, in the same all-reduce as the loss. A second Ctrl-C exits at once.
+    if signum == signal.SIGINT and signals:
+        os._exit(130)
+    signals.append(signum)
+    print(f"rank {mesh.rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+
+
+for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    signal.signal(sig, on_signal)
+
 # ---- the loop -------------------------------------------------------------------------
 it = start_iter
+evaluated_at = start_iter if ckpt_path else None  # its val loss is already in metrics.jsonl
+saved_at = start_iter  # the checkpoint of this iteration exists (or it is iteration 0)
 dt_avg = None
+stop = False       # a signal asked this run to stop (agreed by all ranks)
+bad_streak = 0     # consecutive iterations with a non-finite loss or gradient norm
 while True:
-    if (it % eval_interval == 0 or it == max_iters) and not (ckpt_path and it == start_iter):
+    if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
         val_loss = evaluate()
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}")
         log({"iter": it, "val_loss": val_loss})
-    if it > start_iter and (it % ckpt_interval == 0 or it == max_iters):
+    if it != saved_at and (it % ckpt_interval == 0 or it == max_iters or stop):
         save(it)
-    if it >= max_iters:
+        saved_at = it
+    if it >= max_iters or stop:
         break
+    if it in skip_iters:  # its batch gave non-finite values before a rollback: step over it
+        mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
+        log({"iter": it, "loss": None, "grad_norm": None, "skipped": "known bad batch"})
+        it += 1
+        continue
 
     t0 = time.perf_counter()
     lr = get_lr(it)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    x, y = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
+    x, y, mask = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
     micro_steps = x.size(0)
     if mesh.pp == 1:
         # plain: one micro-step after the other, each a whole forward and backward
@@ -307,7 +363,7 @@ while True:
             # backward starts; we set it before its forward.
             parallel.set_grad_sync(model, k == micro_steps - 1)
             with autocast:
-                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device))
+                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k))
             # backward adds each micro-step's gradient into .grad, so dividing each loss by the
             # number of micro-steps makes the total the gradient of the mean over the whole batch
             (loss / micro_steps).backward()
@@ -318,44 +374,83 @@ while True:
         # next stage and their gradients to the previous one; with dp, the stage's gradients
         # are all-reduced in its last backward only. The loss exists on the last stage only.
         trace = [] if pp_trace and it == start_iter + 1 else None
-        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace)
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace, mask)
         if trace is not None:
             traces = parallel.all_gather_object(trace, mesh)[:mesh.pp]  # the stages of pipeline 0
             mesh.print0(parallel.pipeline_timeline(traces, micro_steps)[0])
     if isinstance(model, parallel.DataParallel):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
-    # clip by the norm of the whole model's gradient, across pipeline stages (computed even
-    # when not clipping, for the log)
-    grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh)
-    optimizer.step()
+    if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
+        for p in raw_model.parameters():
+            p.grad.fill_(float("nan"))
+    # one all-reduce for the loss (the mean over the global batch: with pp only last stages
+    # hold losses, so the sum over ranks / dp is the mean over replicas) and for the stop flag
+    flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
+    totals = parallel.all_reduce_sum(torch.stack([loss_sum / micro_steps, flag]).double(), mesh)
+    loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
+    # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
+    # (computed even when not clipping, for the log); every rank gets the same norm
+    grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh).item()
+    finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
+    if finite:
+        optimizer.step()
+        bad_streak = 0
+    else:  # NaN / Inf guard: no update from this batch
+        bad_streak += 1
+        skip_iters.add(it)
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mem = parallel.memory_bytes(raw_model, optimizer)
         mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) +
                     (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else ""))
     optimizer.zero_grad(set_to_none=True)
-    # the mean over the global batch: with pp only last stages hold losses, so the mean over
-    # all ranks times pp is the mean over the dp replicas
-    loss_mean = parallel.all_reduce_mean(loss_sum.item() / micro_steps, mesh) * mesh.pp
     dt = time.perf_counter() - t0  # .item() above waited for the device
     dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+
+    if not finite:
+        mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
+                    f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
+        log({"iter": it, "loss": None, "grad_norm": None, "skipped": "non-finite loss or grad norm"})
+        if bad_streak >= nan_max_consecutive:
+            back = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
+            if nan_action == "stop" or back is None:
+                raise configurator.UserError(
+                    f"{bad_streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
+                    f"{'' if back else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
+                    f"check the data around these iterations, or raise nan_max_consecutive")
+            # roll back: weights, AdamW state and RNG of the latest checkpoint; the bad
+            # iterations stay in skip_iters, so their batches are stepped over this time
+            back_meta, back_state = parallel.read_checkpoint_meta(back)
+            parallel.load_checkpoint(back, raw_model, optimizer)
+            torch.set_rng_state(back_state["rng_cpu"][mesh.rank % len(back_state["rng_cpu"])])
+            it = evaluated_at = saved_at = back_meta["iter"]
+            skip_iters |= set(back_meta.get("skip_iters", []))
+            truncate_metrics(it)
+            bad_streak = 0
+            mesh.print0(f"rolled back to {back}: continuing from iteration {it}, stepping over "
+                        f"{sorted(i for i in skip_iters if i >= it)}")
+            continue
+        it += 1
+        continue
 
     if it % log_interval == 0 or it == max_iters - 1:
         tok_per_s = tokens_per_iter / dt
         mfu = flops_per_iter / dt / (peak * mesh.world)
-        mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm.item():.3f}, "
+        mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
                     f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                     f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min")
-        log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm.item(), "tokens": (it + 1) * tokens_per_iter,
+        log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
              "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu})
     it += 1
 
 # ---- the end --------------------------------------------------------------------------
-if mesh.master and sample_tokens > 0:
+if stop:
+    mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
+if mesh.master and sample_tokens > 0 and not stop:
     enc = data.get_tokenizer(tokenizer, vocab_size)
     start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
     if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
         raw_model = Transformer(model_cfg).to(mesh.device)
-        parallel.load_checkpoint(parallel.latest_checkpoint(out_dir), raw_model, no_dist=True)
+        parallel.load_checkpoint(parallel.find_checkpoint(out_dir, None), raw_model, no_dist=True)
     raw_model.eval()
     with autocast:
         out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)

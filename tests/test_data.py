@@ -121,10 +121,11 @@ def loader(dataset, **kw):
 def test_loader_is_a_pure_function_of_seed_and_iteration(dataset):
     a, b = loader(dataset), loader(dataset)
     xs = [a.batch(it) for it in (0, 1, 2, 50)]
-    for it, (x, y) in zip((50, 2, 1, 0), reversed(xs)):  # any order, a fresh loader: the same batches
-        x2, y2 = b.batch(it)
+    for it, (x, y, _) in zip((50, 2, 1, 0), reversed(xs)):  # any order, a fresh loader: the same batches
+        x2, y2, mask = b.batch(it)
         assert torch.equal(x, x2) and torch.equal(y, y2)
-    x, y = xs[0]
+        assert mask is None  # a text dataset: every target counts
+    x, y, _ = xs[0]
     assert x.shape == (4, 3, 16) and x.dtype == torch.int64
     assert torch.equal(x[..., 1:], y[..., :-1])  # y is x shifted by one
     assert not torch.equal(loader(dataset, seed=8).batch(0)[0], x)
@@ -145,11 +146,11 @@ def test_each_epoch_visits_every_chunk_once(dataset):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_rank_slices_are_disjoint_and_make_the_global_batch(dataset, dp):
-    whole_x, whole_y = loader(dataset).batch(3)
+    whole_x, whole_y, _ = loader(dataset).batch(3)
     parts = [loader(dataset, dp_rank=r, dp=dp).batch(3) for r in range(dp)]
-    assert all(x.shape[0] == 4 // dp for x, _ in parts)
-    torch.testing.assert_close(torch.cat([x for x, _ in parts]), whole_x, rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat([y for _, y in parts]), whole_y, rtol=0, atol=0)
+    assert all(x.shape[0] == 4 // dp for x, _, _ in parts)
+    torch.testing.assert_close(torch.cat([x for x, _, _ in parts]), whole_x, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([y for _, y, _ in parts]), whole_y, rtol=0, atol=0)
     lds = [loader(dataset, dp_rank=r, dp=dp) for r in range(dp)]
     mine = [set(ld.global_chunks(3)[ld.first_micro:ld.first_micro + ld.micro_steps].ravel()) for ld in lds]
     assert sum(len(m) for m in mine) == len(set().union(*mine)) == 12  # disjoint, 12 sequences in all

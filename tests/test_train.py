@@ -26,7 +26,8 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     ckpt = os.path.join(out, "ckpt")
     assert sorted(os.listdir(ckpt)) == ["iter_0000020", "iter_0000030", "latest"]  # keep_ckpts=2 pruned iter 10
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000030"
-    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == [".metadata", "__0_0.distcp", "meta.json", "state.pt"]
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == [".metadata", "__0_0.distcp", "manifest.json",
+                                                                   "meta.json", "state.pt"]
     assert json.load(open(os.path.join(out, "config.json")))["max_iters"] == 30
     assert "sample" in p.stdout
     s = run_train([f"out_dir={out}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path, script="sample.py")
@@ -81,13 +82,15 @@ BAD = {
     "unknown key": (["n_layers=3"], "unknown config key 'n_layers' on the command line: did you mean 'n_layer'"),
     "wrong type": (["max_iters=1.5"], "max_iters=1.5 on the command line has type float"),
     "bad init_from": (["init_from=pretrained"], "init_from='pretrained' is not"),
+    "scratch over a run": (["init_from=scratch", "@saved"], "init_from=scratch but"),
+    "bad nan_action": (["nan_action=ignore"], "nan_action='ignore' is not"),
     "bad dtype": (["dtype=float16"], "dtype='float16' is not one of"),
     "no gpu": (["device=cuda"], "CUDA is not available here"),
     "dataset not prepared": (["dataset=nope"], "dataset 'nope' is not prepared"),
     "missing source": (["dataset=nope", "data_source=/no/such/dir"], "data source '/no/such/dir' not found"),
     "vocab mismatch": (["vocab_size=1024"], "was prepared with tokenizer=cl100k_base vocab_size=512"),
     "block too long": (["block_size=100000"], "fewer than block_size + 1"),
-    "resume nothing": (["init_from=resume", "out_dir=empty"], "empty/ckpt/latest does not exist"),
+    "resume nothing": (["init_from=resume", "out_dir=empty"], "empty/ckpt has no checkpoint"),
     "resume other shape": (["init_from=resume", "n_layer=3", "@saved"], "n_layer=3 but the checkpoint in"),
 }
 
@@ -122,4 +125,4 @@ def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=4"],
                   cwd=tmp_path, check=False)
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "checkpoint" in p.stderr and "iter_0000002 is unreadable" in p.stderr
+    assert "no intact checkpoint" in p.stderr and "iter_0000002: __0_0.distcp has" in p.stderr

@@ -1,0 +1,170 @@
+"""Faults: non-finite steps, signals, killed ranks under torchrun restarts, half-written and
+corrupted checkpoints, failed saves. Real processes on CPU."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train
+
+# long enough to be interrupted mid-run (a few seconds), with a checkpoint every 5 iterations
+LONG = [*TINY, "max_iters=60", "lr_decay_iters=60", "ckpt_interval=5", "eval_interval=20", "keep_ckpts=3"]
+
+
+def trained(rows):
+    """{iter: (loss, grad_norm)} of the steps that updated the weights."""
+    return {r["iter"]: (r["loss"], r["grad_norm"]) for r in rows if r.get("loss") is not None}
+
+
+def skipped(rows):
+    return sorted(r["iter"] for r in rows if r.get("skipped"))
+
+
+def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
+    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=8"]
+    before, poisoned = str(tmp_path / "before"), str(tmp_path / "poisoned")
+    run_train([*common, f"out_dir={before}", "max_iters=3"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4", "fault_nan_at=3"], cwd=tmp_path)
+    assert "iter 3: non-finite" in p.stdout and "step skipped" in p.stdout
+    rows = read_metrics(poisoned)
+    assert skipped(rows) == [3] and sorted(trained(rows)) == [0, 1, 2, 4, 5, 6, 7]  # and the run went on
+    # the weights after iterations 0-3 (iteration 3 skipped) are those after 0-2, bit for bit
+    for out, it in ((before, 3), (poisoned, 4)):
+        run_train([f"ckpt={out}/ckpt/iter_{it:07d}", f"export={out}/w.pt"], cwd=tmp_path, script="sample.py")
+    a, b = (torch.load(f"{out}/w.pt", weights_only=True) for out in (before, poisoned))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_path):
+    common = [*TINY, f"dataset={dataset}", "max_iters=14", "lr_decay_iters=14", "ckpt_interval=4",
+              "fault_nan_at=5", "fault_nan_steps=3"]
+    p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3"], cwd=tmp_path)
+    assert "rolled back to" in p.stdout and "iter_0000004" in p.stdout
+    # the same bad window without a rollback (only skips): a rollback must not change the curve
+    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path)
+    a, b = read_metrics(str(tmp_path / "rollback")), read_metrics(str(tmp_path / "skips"))
+    assert skipped(a) == skipped(b) == [5, 6, 7]
+    assert trained(a) == trained(b) and sorted(trained(a)) == [i for i in range(14) if i not in (5, 6, 7)]
+    p = run_train([*common, f"out_dir={tmp_path / 'stop'}", "nan_max_consecutive=2", "nan_action=stop"],
+                  cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: 2 iterations in a row (up to 6) had a non-finite")
+
+
+def rank_pids(out_dir):
+    """pid -> RANK of the train.py processes writing to out_dir."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(c.endswith(b"train.py") for c in cmd) and f"out_dir={out_dir}".encode() in cmd:
+            ranks = [e[5:] for e in env if e.startswith(b"RANK=")]
+            if ranks:
+                pids[int(pid)] = int(ranks[0])
+    return pids
+
+
+def start_torchrun(args, cwd, extra=()):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             *extra, os.path.join(ROOT, "train.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_iter(out_dir, it, proc, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if os.path.exists(path) and any(r.get("iter", -1) >= it and "loss" in r for r in read_metrics(out_dir)):
+            return
+        assert time.time() < deadline and proc.poll() is None, "the run ended or stalled before iteration %d" % it
+        time.sleep(0.05)
+
+
+def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}"], tmp_path)
+    try:
+        wait_for_iter(out, 7, proc)
+        rank1 = [pid for pid, rank in rank_pids(out).items() if rank == 1]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    with open(os.path.join(out, "ckpt", "latest")) as f:
+        stopped = int(f.read().strip()[5:])
+    assert 7 < stopped < 60 and "got SIGTERM" in err
+    assert max(r["iter"] for r in read_metrics(out) if "loss" in r) == stopped - 1  # stopped right after that step
+    # run again: it continues, and the curve is the uninterrupted one
+    full = str(tmp_path / "full")
+    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "train.py"), *LONG, f"dataset={dataset}", f"out_dir={out}"],
+                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert p.returncode == 0 and f"resumed from {out}/ckpt/iter_{stopped:07d}" in p.stdout, p.stderr[-2000:]
+    assert_same_curve(read_metrics(full), read_metrics(out))
+
+
+def test_sigkill_under_torchrun_restarts_resumes_and_completes(dataset, tmp_path):
+    out, full = str(tmp_path / "run"), str(tmp_path / "full")
+    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}"], tmp_path, extra=["--max-restarts=1"])
+    try:
+        wait_for_iter(out, 12, proc)  # past the checkpoint at 10
+        victim = [pid for pid, rank in rank_pids(out).items() if rank == 1]
+        os.kill(victim[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path)
+    rows = read_metrics(out)
+    assert max(r["iter"] for r in rows if "loss" in r) == 59
+    assert_same_curve(read_metrics(full), rows)
+
+
+def test_partial_and_corrupt_checkpoints_are_skipped(dataset, tmp_path):
+    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=4", "keep_ckpts=3"]
+    full, out = str(tmp_path / "full"), str(tmp_path / "run")
+    run_train([*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path)
+    run_train([*common, f"out_dir={out}", "max_iters=8"], cwd=tmp_path)
+    ckpt = os.path.join(out, "ckpt")
+    # a save killed half-way: its temporary directory, and a directory without a manifest
+    shutil.copytree(os.path.join(ckpt, "iter_0000008"), os.path.join(ckpt, ".tmp_iter_0000012"))
+    shutil.copytree(os.path.join(ckpt, "iter_0000008"), os.path.join(ckpt, "iter_0000011"))
+    os.remove(os.path.join(ckpt, "iter_0000011", "manifest.json"))
+    # and the newest complete one corrupted (same size, one byte flipped)
+    shard = os.path.join(ckpt, "iter_0000008", "__0_0.distcp")
+    blob = bytearray(open(shard, "rb").read())
+    blob[len(blob) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(blob))
+    p = run_train([*common, f"out_dir={out}", "max_iters=12"], cwd=tmp_path)
+    assert "iter_0000008 is corrupt (__0_0.distcp does not match its checksum" in p.stdout
+    assert "iter_0000011 is corrupt (manifest.json is missing" in p.stdout
+    assert f"resumed from {ckpt}/iter_0000004" in p.stdout
+    assert_same_curve(read_metrics(full), read_metrics(out))
+
+
+def test_a_failed_save_is_reported_and_keeps_the_earlier_checkpoints(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=8", "ckpt_interval=4"]
+    run_train([*common, "max_iters=4"], cwd=tmp_path)
+    # the temporary directory of the next save cannot be created (a file is in the way; as
+    # root, permissions would not stop us, so this stands in for a full or read-only disk)
+    open(os.path.join(out, "ckpt", ".tmp_iter_0000008"), "w").close()
+    p = run_train([*common, "max_iters=8"], cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: saving checkpoint iter_0000008 failed")
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == [".tmp_iter_0000008", "iter_0000004", "latest"]
+    os.remove(os.path.join(out, "ckpt", ".tmp_iter_0000008"))
+    p = run_train([*common, "max_iters=8"], cwd=tmp_path)  # the earlier checkpoint still resumes
+    assert f"resumed from {out}/ckpt/iter_0000004" in p.stdout

@@ -1,0 +1,315 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from configurator import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
+         "    \t\n\n  trailing spaces   ", "a" * 300 + " zzzqqq 12345678", "<tool> <|tool|x> |tool|> almost"]
+EXTRA = ["<|tool|>", "<|result|>"]
+
+
+# ---------------------------------------------------------------------------------------
+# vocabulary expansion
+
+
+@pytest.mark.parametrize("vocab_size", [512, 0])
+def test_expansion_keeps_old_ids_and_appends_new_ones(vocab_size):
+    base = data.get_tokenizer("cl100k_base", vocab_size)
+    big = data.get_tokenizer("cl100k_base", vocab_size, EXTRA)
+    assert big.n_vocab == base.n_vocab + 2  # 512 -> 514; cl100k_base's 100277 -> 100279
+    assert [big.encode_single_token(t) for t in EXTRA] == [base.n_vocab, base.n_vocab + 1]
+    assert big.eot_token == base.eot_token and big._special_tokens[data.EOT] == base.eot_token
+    for text in TEXTS:  # text without the new tokens: exactly the old ids
+        assert data.encode(big, text) == data.encode(base, text) == base.encode_ordinary(text)
+    assert data.encode_batch(big, TEXTS, 2) == base.encode_ordinary_batch(TEXTS)
+    for i in sorted(base._mergeable_ranks.values())[::97] + list(base._special_tokens.values()):
+        assert big.decode_single_token_bytes(i) == base.decode_single_token_bytes(i)
+
+
+def test_new_tokens_encode_to_their_ids_anywhere():
+    enc = data.get_tokenizer("cl100k_base", 512, EXTRA)
+    tool, result = 512, 513
+    text = "call<|tool|>now\nline <|result|>end<|tool|><|tool|>"
+    o = enc.encode_ordinary
+    want = o("call") + [tool] + o("now\nline ") + [result] + o("end") + [tool, tool]
+    assert data.encode(enc, text) == want
+    assert data.encode_batch(enc, [text, "plain"], 2) == [want, o("plain")]
+    assert enc.decode(want) == text
+    for t in TEXTS:
+        assert enc.decode(data.encode(enc, t)) == t
+    # without the expansion the same string is just text
+    small = data.get_tokenizer("cl100k_base", 512)
+    assert max(data.encode(small, text)) < 511 and small.decode(data.encode(small, text)) == text
+
+
+def test_endoftext_and_other_specials_in_text_stay_text():
+    enc = data.get_tokenizer("cl100k_base", 0, EXTRA)  # the full vocabulary has fim_* specials too
+    text = "a <|endoftext|> b <|fim_prefix|> c <|endofprompt|> <|tool|>"
+    ids = data.encode(enc, text)
+    specials = set(enc._special_tokens.values())
+    assert [i for i in ids if i in specials] == [enc.encode_single_token("<|tool|>")]
+    assert ids[:-1] == enc.encode_ordinary(text[:-len("<|tool|>")])
+    assert enc.decode(ids) == text
+    plain = data.get_tokenizer("cl100k_base", 0)  # no extra tokens: encode_ordinary exactly
+    assert data.encode(plain, text) == plain.encode_ordinary(text)
+
+
+def test_extra_token_errors_and_file(tmp_path):
+    for bad, match in ([["<|a|>", "<|a|>"], "listed twice"], [[data.EOT], "already a special"], [[""], "non-empty"]):
+        with pytest.raises(UserError, match=match):
+            data.get_tokenizer("cl100k_base", 512, bad)
+    path = tmp_path / "tokens.txt"
+    path.write_text("<|tool|>\n\n  <|result|>  \n<|tool|>\n<|x|>\n", encoding="utf-8")
+    assert data.load_extra_tokens(str(path)) == ["<|tool|>", "<|result|>", "<|x|>"]
+    with pytest.raises(UserError, match="not found"):
+        data.load_extra_tokens(str(tmp_path / "missing.txt"))
+    path.write_text("\n \n")
+    with pytest.raises(UserError, match="has no tokens"):
+        data.load_extra_tokens(str(path))
+
+
+def test_text_dataset_with_extra_tokens(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"doc {i}: call <|tool|> then <|result|>{i} <|endoftext|> stays text" for i in range(20)]
+    for i, t in enumerate(texts):
+        (src / f"{i}.txt").write_text(t)
+    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, 0.3, extra_tokens=EXTRA, verbose=False)
+    assert meta["vocab_size"] == 514 and meta["base_vocab_size"] == 512 and meta["extra_tokens"] == EXTRA
+    assert meta["format"] == "text" and meta["chat_tokens"] == []
+    assert not os.path.exists(tmp_path / "out" / "train.mask.bin")
+    tokens = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
+    assert (tokens == 512).sum() == (tokens == 513).sum() == 20
+    assert (tokens == 511).sum() == 20  # one <|endoftext|> per document: the literal one is text
+    enc = data.tokenizer_from_meta(meta)
+    cuts = np.flatnonzero(tokens == enc.eot_token)
+    assert sorted(enc.decode(d[:-1].tolist()) for d in np.split(tokens, cuts + 1)[:-1]) == sorted(texts)
+    ld = data.Loader(str(tmp_path / "out"), "train", 8, 2, 1, seed=0)
+    assert ld.batch(0)[2] is None
+
+
+# ---------------------------------------------------------------------------------------
+# the chat template and its loss mask
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hi. Quote <|end|> and <|assistant|> literally."},
+    {"role": "assistant", "content": "Hi. <|end|> <|assistant|>"},
+    {"role": "user", "content": "Again, with a <|tool|>?"},
+    {"role": "assistant", "content": "Hi again <|tool|>"},
+]
+
+
+def chat_tokenizer():
+    return data.get_tokenizer("cl100k_base", 512, data.CHAT_TOKENS + EXTRA)
+
+
+def masked_runs(ids, mask):
+    """The runs of consecutive masked tokens, as token lists."""
+    runs, run = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            run.append(i)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs + ([run] if run else [])
+
+
+def test_render_chat_masks_exactly_the_assistant_replies():
+    enc = chat_tokenizer()
+    ids, mask = data.render_chat(enc, CONVERSATION)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    assert enc.decode(ids) == "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in CONVERSATION)
+    end = enc.encode_single_token("<|end|>")
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    runs = masked_runs(ids, mask)
+    assert [enc.decode(r) for r in runs] == [r + "<|end|>" for r in replies]
+    assert all(r[-1] == end for r in runs)  # the model learns to stop
+    # the template's tokens quoted in a message stay text (one <|end|> id per message),
+    # the user's extra tokens become their ids
+    assert ids.count(end) == len(CONVERSATION)
+    assert ids.count(enc.encode_single_token("<|assistant|>")) == 2
+    assert ids.count(enc.encode_single_token("<|tool|>")) == 2
+    # every role token, and everything but the replies, is unmasked
+    roles = {enc.encode_single_token(t) for t in data.CHAT_TOKENS[:3]}
+    assert all(m == 0 for i, m in zip(ids, mask) if i in roles)
+    assert sum(mask) == sum(len(data.encode_chat_contents(enc, [[m]])[0][0]) + 1 for m in CONVERSATION
+                            if m["role"] == "assistant")
+    with pytest.raises(UserError, match="no chat tokens"):
+        data.render_chat(data.get_tokenizer("cl100k_base", 512), CONVERSATION)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def conversations(n):
+    """n records, alternately in the messages and the prompt/response form."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append({"prompt": f"What is {i} squared?", "response": f"{i} squared is {i * i}."})
+        else:
+            out.append({"messages": [{"role": "system", "content": "Answer briefly."},
+                                     {"role": "user", "content": f"Name number {i}."},
+                                     {"role": "assistant", "content": f"Number {i} <|tool|>."},
+                                     {"role": "user", "content": "Thanks"},
+                                     {"role": "assistant", "content": "You're welcome."}]})
+    return out
+
+
+def as_messages(record):
+    if "messages" in record:
+        return record["messages"]
+    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+
+
+def test_prompt_response_is_one_user_and_one_assistant_turn():
+    enc = chat_tokenizer()
+    ids, mask = data.render_chat(enc, as_messages({"prompt": "2+2?", "response": "4"}))
+    assert enc.decode(ids) == "<|user|>2+2?<|end|><|assistant|>4<|end|>"
+    assert [enc.decode(r) for r in masked_runs(ids, mask)] == ["4<|end|>"]
+
+
+@pytest.fixture(scope="module")
+def chat_dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    records = conversations(60)
+    src = write_jsonl(root / "sft.jsonl", [records[0], "", *records[1:]])  # a blank line is skipped
+    tokens_file = root / "tokens.txt"
+    tokens_file.write_text("<|tool|>\n<|result|>\n<|user|>\n")  # a chat token listed again is not added twice
+    meta = data.prepare(src, str(root / "out"), "cl100k_base", 512, val_fraction=0.2,
+                        extra_tokens=str(tokens_file), verbose=False)
+    return str(root / "out"), meta, records
+
+
+def read_split(out, meta, split):
+    tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
+    mask = np.fromfile(os.path.join(out, f"{split}.mask.bin"), dtype=np.uint8)
+    return tokens, mask
+
+
+def test_chat_dataset_round_trips(chat_dataset):
+    out, meta, records = chat_dataset
+    assert meta["format"] == "chat" and meta["chat_tokens"] == data.CHAT_TOKENS
+    assert meta["extra_tokens"] == data.CHAT_TOKENS + EXTRA and meta["vocab_size"] == 512 + 6
+    assert json.load(open(os.path.join(out, "meta.json"))) == meta
+    enc = data.tokenizer_from_meta(meta)
+    assert enc.encode_single_token("<|tool|>") == 516
+    lines = [i + 1 + (i > 0) for i in range(len(records))]  # doc ids are sft.jsonl:LINE
+    for split in ("train", "val"):
+        tokens, mask = read_split(out, meta, split)
+        assert len(mask) == len(tokens) == meta[f"{split}_tokens"]  # one mask byte per token
+        assert mask.sum() == meta[f"{split}_loss_tokens"] > 0
+        cuts = np.flatnonzero(tokens == enc.eot_token) + 1
+        got = [(t.tolist(), m.tolist()) for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts)[:-1])]
+        want = [data.render_chat(enc, as_messages(r)) for r, line in zip(records, lines)
+                if data.is_val(f"sft.jsonl:{line}", 0.2) == (split == "val")]
+        assert got == [(ids + [enc.eot_token], m + [0]) for ids, m in want]
+        assert meta[f"{split}_docs"] == len(want) > 0
+
+
+def test_loader_returns_the_mask_of_the_targets(chat_dataset):
+    out, meta, _ = chat_dataset
+    tokens, mask = read_split(out, meta, "train")
+    T = 64
+    ld = data.Loader(out, "train", T, batch_size=3, grad_accum_steps=2, seed=1)
+    x, y, loss_mask = ld.batch(5)
+    assert loss_mask.dtype == torch.float32 and loss_mask.shape == y.shape == (2, 3, T)
+    for c, xr, yr, mr in zip(ld.global_chunks(5).ravel(), x.reshape(-1, T), y.reshape(-1, T), loss_mask.reshape(-1, T)):
+        assert xr.tolist() == tokens[c * T:c * T + T].tolist() and yr.tolist() == tokens[c * T + 1:c * T + T + 1].tolist()
+        assert mr.tolist() == mask[c * T + 1:c * T + T + 1].tolist()  # the mask of the token y predicts
+    eot = meta["eot_token"]
+    assert max(int((r == eot).sum()) for r in x.reshape(-1, T)) >= 2  # several conversations per sequence
+    assert 0 < loss_mask.sum() < loss_mask.numel()
+    # rank slices carry their masks, and a batch is a pure function of (seed, it)
+    parts = [data.Loader(out, "train", T, 3, 2, seed=1, dp_rank=r, dp=2).batch(5) for r in range(2)]
+    assert torch.equal(torch.cat([p[2] for p in parts]), loss_mask)
+    assert torch.equal(data.Loader(out, "train", T, 3, 2, seed=1).batch(5)[2], loss_mask)
+
+
+def test_chat_dataset_checks_its_mask_files(chat_dataset, tmp_path):
+    out, meta, _ = chat_dataset
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("train.bin", "val.bin", "meta.json", "val.mask.bin"):
+        (broken / name).write_bytes(open(os.path.join(out, name), "rb").read())
+    (broken / "train.mask.bin").write_bytes(b"\x01" * 10)
+    with pytest.raises(UserError, match="train.mask.bin is missing or not one byte per token"):
+        data.Loader(str(broken), "train", 16, 2, 1, seed=0)
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"messages": "hello"}', "'messages' is not a list"),
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "message 1 has role 'bot': use system, user or assistant"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}',
+     "message 2's content is int, not a string"),
+    ('{"messages": []}', "empty conversation"),
+    ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message"),
+    ('{"prompt": "q", "response": null}', "'prompt' and 'response' must both be strings"),
+    ('{"text": "plain text"}', "not a chat record"),
+    ('{"messages": [}', "malformed JSON"),
+])
+def test_bad_chat_records_name_file_and_line(tmp_path, line, match):
+    good = json.dumps({"prompt": "q", "response": "a"})
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, "", line])
+    with pytest.raises(UserError, match=rf"bad.jsonl:4: .*{match}"):
+        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+    assert os.listdir(tmp_path / "o") == []  # no partial files, no meta.json
+
+
+def test_format_detection_and_mixing(tmp_path):
+    text = json.dumps({"text": "hello"})
+    chat = json.dumps({"prompt": "q", "response": "a"})
+    path = write_jsonl(tmp_path / "mix.jsonl", [text, chat])
+    with pytest.raises(UserError, match=r"mix.jsonl:2: a chat record in a text source"):
+        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+    with pytest.raises(UserError, match=r"mix.jsonl:1: not a chat record"):
+        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, format="chat", verbose=False)
+    files = [path]
+    assert data.detect_format("jsonl", files) == "text"
+    write_jsonl(tmp_path / "mix.jsonl", ["", chat, text])
+    assert data.detect_format("jsonl", files) == "chat"
+    assert data.detect_format("jsonl", files, format="text") == "text"
+    with pytest.raises(UserError, match="format=chat needs .jsonl"):
+        data.detect_format("text", ["a.txt"], format="chat")
+    with pytest.raises(UserError, match="format='sft' is unknown"):
+        data.detect_format("jsonl", files, format="sft")
+
+
+def test_doc_ids():
+    E = 9
+    x = torch.tensor([[5, 6, E, 7, E, E, 8, 8],
+                      [E, 1, 2, 3, 4, 5, 6, 7]])
+    assert data.doc_ids(x, E).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3],
+                                           [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert data.doc_ids(x, E).dtype == torch.long
+    stacked = torch.stack([x, x.flip(-1)])  # (M, B, T): rows stay independent
+    assert data.doc_ids(stacked, E)[0].tolist() == data.doc_ids(x, E).tolist()
+    assert data.doc_ids(stacked, E)[1].tolist() == [[0, 0, 0, 1, 2, 2, 3, 3], [0] * 8]
+
+
+def test_cli_prepares_chat_with_extra_tokens(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", conversations(30))
+    (tmp_path / "t.txt").write_text("<|tool|>\n")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), src, "--out", str(tmp_path / "out"),
+                        "--vocab_size", "512", "--val_fraction", "0.3", "--extra_tokens", str(tmp_path / "t.txt"),
+                        "--format", "chat"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    meta = json.load(open(tmp_path / "out" / "meta.json"))
+    assert meta["format"] == "chat" and meta["extra_tokens"] == data.CHAT_TOKENS + ["<|tool|>"]
+    assert "assistant replies" in p.stdout
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), src, "--extra_tokens", "nope.txt"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "error: extra tokens file 'nope.txt' not found: give a text file with one token per line"]
