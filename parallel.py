@@ -379,7 +379,15 @@ def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
             work.wait()
 
 
-def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None, loss_mask=None):
+def _micro_args(mesh, k, y, loss_mask, doc_ids):
+    """What a stage's forward takes of micro-batch k besides its input: targets and loss mask
+    (the last stage only: it computes the loss) and document ids (every stage has attention)."""
+    on = lambda t: None if t is None else t[k].to(mesh.device)  # noqa: E731
+    return (on(y), on(loss_mask), on(doc_ids)) if mesh.last_stage else (None, None, on(doc_ids))
+
+
+def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None, loss_mask=None,
+                  doc_ids=None):
     """This stage's share of one iteration: the forward and backward of each micro-batch
     x[k], y[k] (x: (m, B, T) token ids, used by the first stage; y: targets, used by the
     last), in the order `schedule` ('1f1b' or 'gpipe') gives. `stage` is the stage module, or
@@ -387,14 +395,9 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
     Returns (sum of the micro-batch losses on the last stage, 0 elsewhere; the most
     micro-batches whose activations were alive at once). `trace`, a list, receives
     (kind, micro-batch, start, end) per forward/backward; loss_mask (m, B, T), if given,
-    selects the targets that count (SFT)."""
+    selects the targets that count (SFT); doc_ids (m, B, T), if given, keeps attention
+    inside documents (every stage needs them: every stage has attention)."""
     m, dev = x.size(0), mesh.device
-
-    def last_stage_args(k):  # the targets (and loss mask) of micro-batch k, which only the last stage needs
-        if not mesh.last_stage:
-            return ()
-        return y[k].to(dev), None if loss_mask is None else loss_mask[k].to(dev)
-
     alive = deque()  # (input, output) of the micro-batches whose backward is still to come
     peak, done_bwd = 0, 0
     loss_sum = torch.zeros((), device=dev)
@@ -412,7 +415,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
         else:
             inp.requires_grad_()  # we need the gradient of the stage's input to send it back
         with autocast:
-            out, loss = stage(inp, *last_stage_args(k))
+            out, loss = stage(inp, *_micro_args(mesh, k, y, loss_mask, doc_ids))
         if mesh.last_stage:
             out = loss / m  # as in the plain loop: the gradients of m micro-batches add up to the mean's
             loss_sum += loss.detach()
@@ -491,7 +494,7 @@ def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext()
 
 
 @torch.no_grad()
-def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext(), loss_mask=None):
+def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext(), loss_mask=None, doc_ids=None):
     """Forward only, for evaluation: the sum of the micro-batch losses on the last stage."""
     loss_sum = torch.zeros((), device=mesh.device)
     for k in range(x.size(0)):
@@ -499,8 +502,7 @@ def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext(), loss_
         if not mesh.first_stage:
             p2p(mesh, recv_prev=inp)
         with autocast:
-            out, loss = stage(inp, *(() if not mesh.last_stage else
-                                     (y[k].to(mesh.device), None if loss_mask is None else loss_mask[k].to(mesh.device))))
+            out, loss = stage(inp, *_micro_args(mesh, k, y, loss_mask, doc_ids))
         if mesh.last_stage:
             loss_sum += loss
         else:

@@ -3,6 +3,7 @@ Generate text from the latest checkpoint of a run, or export its weights to one 
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
     python sample.py out_dir=out export=model.pt     # {name: tensor}, for torch.load(weights_only=True)
+    python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory (config.json + model.safetensors)
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here.
@@ -16,7 +17,7 @@ import torch
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, save_hf_llama
 
 out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
 ckpt = ""
@@ -28,6 +29,7 @@ top_k = 50                  # 0: sample from the whole distribution
 seed = 1337
 device = "auto"
 export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
+export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
 
 sys.excepthook = configurator.excepthook
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
@@ -46,9 +48,13 @@ if export:
     torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
     os.replace(tmp, export)
     print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {export}")
+if export_hf:
+    save_hf_llama(export_hf, model.state_dict(), model.cfg)
+    print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {export_hf}")
+if export or export_hf:
     sys.exit(0)
 model.to(dev).eval()
-enc = data.get_tokenizer(cfg["tokenizer"], cfg["vocab_size"])
+enc = data.get_tokenizer(cfg["tokenizer"], cfg["vocab_size"], meta.get("extra_tokens", []))
 start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token]
 torch.manual_seed(seed)
 print(f"{os.path.relpath(path)}: iteration {meta['iter']}")

@@ -22,14 +22,17 @@ import torch
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer, make_stage, measure_matmul_flops, stage_layers
+from model import (ModelConfig, Transformer, grow_vocab, load_hf_llama, make_stage, measure_matmul_flops, save_hf_llama,
+                   stage_layers)
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
 # I/O
 out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
 init_from = "auto"              # 'auto': resume if out_dir has a checkpoint, else start fresh; 'resume': must resume;
-                                # 'scratch': a new model (refused if out_dir already has checkpoints)
+                                # 'scratch': a new model (refused if out_dir already has checkpoints); or a path:
+                                # a Hugging Face LLaMA directory, or another run's out_dir, to start from its weights
+export_hf = ""                  # at the end, also write the model as a Hugging Face LLaMA directory here
 eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
 eval_iters = 10                 # global batches of val data per evaluation
 log_interval = 10               # print and append to metrics.jsonl every this many iterations
@@ -44,6 +47,8 @@ data_source = ""                # what to prepare when the dataset is missing: '
                                 # else 'stdlib', a directory or glob of .txt files, or a .jsonl file
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
+extra_tokens = ""               # a file of domain strings (one per line) to add to the tokenizer when preparing data
+val_fraction = 0.01             # share of documents that go to val when preparing data
 batch_size = 16                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
 block_size = 128                # tokens per sequence
@@ -56,6 +61,8 @@ ffn_dim = 0                     # SwiGLU hidden width (0: 8/3 * n_embd, rounded 
 dropout = 0.0
 tie_embeddings = False          # share the token embedding with the output head
 grad_ckpt = False               # activation checkpointing: recompute each block in backward
+doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
+neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
 # optimizer: AdamW, weight decay on 2-D weights only
 learning_rate = 2e-3            # peak learning rate
 max_iters = 600
@@ -100,8 +107,10 @@ config = {k: globals()[k] for k in config_keys}
 
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp)
-if init_from not in ("auto", "scratch", "resume"):
-    raise configurator.UserError(f"init_from='{init_from}' is not 'auto', 'scratch' or 'resume'")
+init_path = "" if init_from in ("auto", "scratch", "resume") else init_from  # start from these weights
+if init_path and not os.path.isdir(init_path):
+    raise configurator.UserError(f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (a Hugging "
+                                 f"Face LLaMA with config.json, or a run's out_dir)")
 if nan_action not in ("rollback", "stop"):
     raise configurator.UserError(f"nan_action='{nan_action}' is not 'rollback' or 'stop'")
 if ddp_impl not in ("bucketed", "naive", "torch"):
@@ -144,12 +153,13 @@ if not os.path.exists(os.path.join(data_dir, "meta.json")):
                                      f"set data_source= to a directory, glob or .jsonl file to prepare it from")
     if mesh.master:  # rank 0 prepares, the others wait at the barrier
         mesh.print0(f"preparing {data_dir} from {source} (once)")
-        data.prepare(source, data_dir, tokenizer, vocab_size)
+        data.prepare(source, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or ())
     parallel.barrier(mesh)
 meta = data.load_meta(data_dir)
-if meta["tokenizer"] != tokenizer or meta["vocab_size"] != (vocab_size or meta["vocab_size"]):
+base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
+if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
     raise configurator.UserError(
-        f"{data_dir} was prepared with tokenizer={meta['tokenizer']} vocab_size={meta['vocab_size']}, but this run "
+        f"{data_dir} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this run "
         f"has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another dataset")
 train_loader = data.Loader(data_dir, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
 val_loader = data.Loader(data_dir, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
@@ -158,7 +168,9 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 # ---- model and optimizer --------------------------------------------------------------
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
-                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt)
+                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
+run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}
+shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
 # the newest intact checkpoint in out_dir (corrupt ones are reported and skipped), or None
 ckpt_path = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
 if init_from == "resume" and ckpt_path is None:
@@ -168,16 +180,39 @@ if init_from == "scratch" and ckpt_path:
     raise configurator.UserError(f"init_from=scratch but {out_dir} holds checkpoints of an earlier run: continue it "
                                  f"with init_from=auto, or pick a new out_dir (or delete {out_dir}/ckpt)")
 ckpt_meta, ckpt_state = parallel.read_checkpoint_meta(ckpt_path) if ckpt_path else (None, None)
+init_weights = None  # {name: tensor} to start from (init_from=path, when not resuming)
 if ckpt_path:
-    # the model's shape comes from the checkpoint; an explicit override that disagrees is a mistake
-    saved = ckpt_meta["model"]
-    for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size"):
-        if key in overrides and overrides[key] != saved[key]:
-            raise configurator.UserError(f"{key}={overrides[key]} but the checkpoint in {out_dir} has "
-                                         f"{key}={saved[key]}: drop the override, or use a new out_dir")
-    model_cfg = ModelConfig(**{**saved, "block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt})
+    saved, where = ckpt_meta["model"], f"the checkpoint in {out_dir}"
+elif init_path and os.path.exists(os.path.join(init_path, "config.json")):  # a Hugging Face LLaMA
+    saved, init_weights = load_hf_llama(init_path)
+    where = f"the Hugging Face model in {init_path}"
+elif init_path:  # another run of ours: its newest checkpoint's weights, a fresh optimizer
+    init_ckpt = parallel.find_checkpoint(init_path, mesh, warn=mesh.print0)
+    if init_ckpt is None:
+        raise configurator.UserError(f"init_from={init_path} has neither config.json (Hugging Face) nor ckpt/ (a run "
+                                     f"of ours): point it at one of those")
+    saved, where = parallel.read_checkpoint_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
+if ckpt_path or init_path:
+    # the model's shape comes from there; an explicit override that disagrees is a mistake
+    for key in shape_keys:
+        if key in overrides and key in saved and overrides[key] != saved[key]:
+            raise configurator.UserError(f"{key}={overrides[key]} but {where} has {key}={saved[key]}: "
+                                         f"drop the override, or use a new out_dir")
+    model_cfg = ModelConfig(**{**saved, **run_keys})
 torch.manual_seed(seed)  # identical initial weights on every rank and every layout
 raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
+if init_weights is not None:
+    if model_cfg.tie_embeddings:  # one tensor under two names
+        init_weights.setdefault("output.weight", init_weights["tok_embeddings.weight"])
+    raw_model.load_state_dict(init_weights)
+elif init_path and not ckpt_path:
+    parallel.load_checkpoint(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
+if model_cfg.vocab_size < meta["vocab_size"]:
+    # vocabulary expansion: the data has tokens the model has never seen (extra and chat
+    # tokens); new embedding and head rows start at the mean of the existing ones
+    mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
+    grow_vocab(raw_model, meta["vocab_size"])
+    model_cfg = raw_model.cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
 raw_model.to(mesh.device)
@@ -214,9 +249,14 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def to_dev(mask, k):
-    """Micro-batch k of a loss mask (SFT data), or None (plain text: every target counts)."""
-    return None if mask is None else mask[k].to(mesh.device)
+def to_dev(t, k):
+    """Micro-batch k of a loss mask or document ids, on the device; None stays None."""
+    return None if t is None else t[k].to(mesh.device)
+
+
+def docs(x):
+    """doc_mask: which document each position belongs to (attention stays inside it)."""
+    return data.doc_ids(x, meta["eot_token"]) if doc_mask else None
 
 
 @torch.no_grad()
@@ -227,11 +267,12 @@ def evaluate():
     for i in range(eval_iters):
         x, y, mask = val_loader.batch(i)
         if mesh.pp > 1:
-            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast, mask).item()
+            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast, mask, docs(x)).item()
             continue
+        d = docs(x)
         for k in range(x.size(0)):
             with autocast:
-                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k))
+                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k), to_dev(d, k))
             loss_sum += loss.item()
     raw_model.train()
     parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
@@ -295,11 +336,11 @@ def save(it):
     """Every rank writes its part (weights and AdamW state under global names: the whole
     model once, whatever the layout, so any layout can resume it); rank 0 adds every rank's
     RNG state and the run's metadata."""
-    meta = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
+    info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-            "skip_iters": sorted(skip_iters)}
+            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
     rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
-    path = parallel.save_checkpoint(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, meta, mesh, keep_ckpts)
+    path = parallel.save_checkpoint(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
     mesh.print0(f"saved checkpoint {path}")
 
 
@@ -352,6 +393,7 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     x, y, mask = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
+    doc = docs(x)  # doc_mask: (micro_steps, batch_size, block_size) document ids, else None
     micro_steps = x.size(0)
     if mesh.pp == 1:
         # plain: one micro-step after the other, each a whole forward and backward
@@ -363,7 +405,7 @@ while True:
             # backward starts; we set it before its forward.
             parallel.set_grad_sync(model, k == micro_steps - 1)
             with autocast:
-                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k))
+                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k), to_dev(doc, k))
             # backward adds each micro-step's gradient into .grad, so dividing each loss by the
             # number of micro-steps makes the total the gradient of the mean over the whole batch
             (loss / micro_steps).backward()
@@ -374,7 +416,7 @@ while True:
         # next stage and their gradients to the previous one; with dp, the stage's gradients
         # are all-reduced in its last backward only. The loss exists on the last stage only.
         trace = [] if pp_trace and it == start_iter + 1 else None
-        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace, mask)
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace, mask, doc)
         if trace is not None:
             traces = parallel.all_gather_object(trace, mesh)[:mesh.pp]  # the stages of pipeline 0
             mesh.print0(parallel.pipeline_timeline(traces, micro_steps)[0])
@@ -445,13 +487,17 @@ while True:
 # ---- the end --------------------------------------------------------------------------
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
-if mesh.master and sample_tokens > 0 and not stop:
-    enc = data.get_tokenizer(tokenizer, vocab_size)
-    start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
+if mesh.master and (sample_tokens > 0 or export_hf) and not stop:
     if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
         raw_model = Transformer(model_cfg).to(mesh.device)
         parallel.load_checkpoint(parallel.find_checkpoint(out_dir, None), raw_model, no_dist=True)
     raw_model.eval()
+if mesh.master and export_hf and not stop:
+    save_hf_llama(export_hf, {k: v.cpu() for k, v in raw_model.state_dict().items()}, model_cfg)
+    print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
+if mesh.master and sample_tokens > 0 and not stop:
+    enc = data.tokenizer_from_meta(meta)
+    start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
     with autocast:
         out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)
     print("-" * 30 + " sample " + "-" * 30)

@@ -1,0 +1,296 @@
+"""Hugging Face LLaMA import/export against the real peer (transformers), the hand-written
+safetensors reader/writer, packed-document attention, NEFTune and vocabulary growth."""
+
+import json
+import os
+
+import pytest
+import safetensors.torch  # a dependency of transformers: the reference implementation of the format
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from configurator import UserError
+from model import (ModelConfig, Transformer, grow_vocab, hf_config_to_ours, load_hf_llama, make_stage,
+                   read_safetensors, save_hf_llama, write_safetensors)
+
+HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0)
+CASES = {"gqa": {}, "tied": dict(tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5)}
+
+
+def hf_llama(**kw):
+    """A tiny random LlamaForCausalLM. Norm gains are randomised too (HF starts them at 1),
+    so that mixing up the two norms of a layer shows in the logits."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**HF, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def ids(B=2, T=24, seed=1):
+    return torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def ours_from(path):
+    cfg, sd = load_hf_llama(path)
+    model = Transformer(ModelConfig(**cfg, block_size=64)).eval()
+    model.load_state_dict(sd, strict=not cfg["tie_embeddings"])  # tied: output.weight is the embedding
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_checkpoint_gives_the_same_logits(tmp_path, case):
+    hf = hf_llama(**CASES[case])
+    hf.save_pretrained(tmp_path)
+    cfg, sd = load_hf_llama(tmp_path)
+    assert cfg["n_kv_head"] == 2 and cfg["ffn_dim"] == 160 and cfg["tie_embeddings"] == (case == "tied")
+    assert cfg["rope_theta"] == CASES[case].get("rope_theta", 10000.0)
+    assert ("output.weight" in sd) == (case != "tied")
+    model = ours_from(tmp_path)
+    if case == "tied":
+        assert model.output.weight is model.tok_embeddings.weight
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], hf(x).logits)
+    if case == "tied":  # a tied head saved anyway (some exporters do) is the embedding: skipped
+        weights = tmp_path / "model.safetensors"
+        write_safetensors(weights, {**read_safetensors(weights), "lm_head.weight": torch.zeros(512, 64)})
+        assert "output.weight" not in load_hf_llama(tmp_path)[1]
+
+
+def test_sharded_checkpoint_loads_through_the_index(tmp_path):
+    hf = hf_llama()
+    hf.save_pretrained(tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = [f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors" not in shards
+    _, one = load_hf_llama(tmp_path / "one")
+    _, sharded = load_hf_llama(tmp_path / "sharded")
+    assert sharded.keys() == one.keys()
+    for name in one:
+        torch.testing.assert_close(sharded[name], one[name], rtol=0, atol=0, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(ours_from(tmp_path / "sharded")(ids())[0], hf(ids()).logits)
+    os.remove(tmp_path / "sharded" / shards[0])
+    with pytest.raises(UserError, match=f"shard {shards[0]} .* is missing"):
+        load_hf_llama(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                      rope_theta=20000.0, norm_eps=1e-6, tie_embeddings=tied)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # the temp directory is gone
+    assert ("lm_head.weight" in read_safetensors(tmp_path / "hf" / "model.safetensors")) == (not tied)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.num_key_value_heads == 2 and hf.config.max_position_embeddings == 32
+    x = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x)[0])
+    with pytest.raises(UserError, match="already exists"):  # never overwrites
+        save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg)
+
+
+@pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+                                          ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
+                                          ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
+                                          ("head_dim", 32), ("model_type", "mistral"), ("vocab_size", None)])
+def test_unsupported_hf_configs_are_refused(field, value):
+    hf = {**HF, "model_type": "llama", field: value}
+    with pytest.raises(UserError, match=f"config.json: {field}="):
+        hf_config_to_ours(hf)
+    assert hf_config_to_ours({**HF, "model_type": "llama", "head_dim": 16})["n_embd"] == 64  # the implied one is fine
+
+
+def test_broken_hf_directories_are_named(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        load_hf_llama(tmp_path)
+    hf_llama().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    good = read_safetensors(weights)
+
+    def broken(tensors, match):
+        write_safetensors(weights, tensors)
+        with pytest.raises(UserError, match=match):
+            load_hf_llama(tmp_path)
+
+    broken({**good, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)},
+           r"unknown tensor 'model\.layers\.0\.self_attn\.rotary_emb\.inv_freq'")
+    broken({**good, "model.layers.2.mlp.up_proj.weight": torch.ones(160, 64)}, r"unknown tensor 'model\.layers\.2\.")
+    broken({k: v for k, v in good.items() if k != "model.layers.1.mlp.up_proj.weight"},
+           r"missing tensors model\.layers\.1\.mlp\.up_proj\.weight")
+    broken({**good, "model.norm.weight": torch.ones(32)}, r"'model\.norm\.weight' has shape \(32,\), .* \(64,\)")
+    os.remove(weights)
+    with pytest.raises(UserError, match="no model.safetensors"):
+        load_hf_llama(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="config.json holds a JSON list, not an object"):
+        load_hf_llama(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        load_hf_llama(tmp_path)
+
+
+# ------------------------------------------------------------------------- packed documents
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+
+
+def test_doc_ids_keep_documents_apart():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [4] * 16])  # row 0: two documents; row 1: one
+    changed = idx.clone()
+    changed[0, 1:6] = (changed[0, 1:6] + 1) % 97  # edit document 0 of row 0
+    a, _ = model(idx, doc_ids=doc_ids)
+    b, _ = model(changed, doc_ids=doc_ids)
+    torch.testing.assert_close(b[0, 6:], a[0, 6:], rtol=0, atol=0)  # document 1 never saw it
+    assert (a[0, 1:6] - b[0, 1:6]).abs().max() > 1e-4
+    plain_a, plain_b = model(idx)[0], model(changed)[0]
+    assert (plain_a[0, 6:] - plain_b[0, 6:]).abs().max() > 1e-4  # without doc_ids it leaks across
+    torch.testing.assert_close(a[1], plain_a[1])  # one document: plain causal attention
+    # rotary scores see relative positions only: document 1 at offset 6 is document 1 alone
+    torch.testing.assert_close(a[0, 6:], model(idx[:1, 6:])[0][0], rtol=1e-4, atol=1e-5)
+
+
+def test_doc_ids_in_pipeline_stages_and_with_grad_ckpt():
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    full, _ = tiny()(idx, doc_ids=doc_ids)
+    first, last = make_stage(tiny(), 0, 2), make_stage(tiny(), 1, 2)
+    h, _ = first(idx, doc_ids=doc_ids)
+    torch.testing.assert_close(last(h, doc_ids=doc_ids)[0], full, rtol=0, atol=0)
+    assert (last(h)[0] - full).abs().max() > 1e-4  # the stage without the embedding uses them too
+    grads = []
+    for ckpt in (False, True):
+        model = tiny(grad_ckpt=ckpt).train()
+        _, loss = model(idx, idx, doc_ids=doc_ids)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g1, g0)
+
+
+def test_neftune_noise_in_training_only():
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    plain, noisy = tiny(), tiny(neftune_alpha=5.0)
+    torch.testing.assert_close(noisy(idx)[0], plain(idx)[0], rtol=0, atol=0)  # eval: untouched
+    plain.train(), noisy.train()
+    torch.testing.assert_close(plain(idx)[0], plain.eval()(idx)[0], rtol=0, atol=0)  # no dropout: train == eval
+    assert (noisy(idx)[0] - plain.train()(idx)[0]).abs().max() > 1e-3
+    # the noise is U(-1, 1) * alpha / sqrt(T * n_embd) on the embeddings: capture them
+    seen = []
+    noisy.layers["0"].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    noisy(idx)
+    noise = seen[0] - noisy.tok_embeddings(idx)
+    bound = 5.0 / (16 * 32) ** 0.5
+    assert noise.abs().max() <= bound and noise.abs().max() > 0.9 * bound
+
+
+def test_grow_vocab():
+    model = tiny()
+    emb, out = model.tok_embeddings.weight.detach().clone(), model.output.weight.detach().clone()
+    grow_vocab(model, 120)
+    assert model.cfg.vocab_size == 120 and model.tok_embeddings.weight.shape == (120, 32)
+    torch.testing.assert_close(model.tok_embeddings.weight[:97], emb, rtol=0, atol=0)
+    torch.testing.assert_close(model.output.weight[:97], out, rtol=0, atol=0)
+    torch.testing.assert_close(model.tok_embeddings.weight[97:], emb.mean(0).expand(23, -1))
+    torch.testing.assert_close(model.output.weight[97:], out.mean(0).expand(23, -1))
+    assert model(torch.tensor([[119, 3]]))[0].shape == (1, 2, 120)
+    grow_vocab(model, 120)  # no-op
+    assert model.tok_embeddings.weight.shape == (120, 32)
+    with pytest.raises(ValueError, match="smaller"):
+        grow_vocab(model, 100)
+    tied = grow_vocab(tiny(tie_embeddings=True), 100)
+    assert tied.output.weight is tied.tok_embeddings.weight and tied.output.weight.shape == (100, 32)
+    head = make_stage(tiny(), 1, 2)  # the last pipeline stage: a head, no embedding
+    grow_vocab(head, 100)
+    torch.testing.assert_close(head.output.weight[97:], out.mean(0).expand(3, -1))
+
+
+# ------------------------------------------------------------------------- safetensors
+
+SAMPLE = {"f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).bfloat16(), "f16": torch.randn(7).half(),
+          "f64": torch.randn(2, 2).double(), "i64": torch.arange(6).view(2, 3), "i32": torch.arange(3).int(),
+          "i16": torch.arange(3).short(), "i8": torch.tensor([-1, 2], dtype=torch.int8),
+          "u8": torch.tensor([255, 0], dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
+          "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6).t()}
+
+
+def test_safetensors_round_trip_with_the_reference_implementation(tmp_path):
+    ours, theirs = str(tmp_path / "ours.safetensors"), str(tmp_path / "theirs.safetensors")
+    write_safetensors(ours, SAMPLE, {"format": "pt"})
+    header_len = int.from_bytes(open(ours, "rb").read(8), "little")
+    assert header_len % 8 == 0
+    loaded = safetensors.torch.load_file(ours)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in SAMPLE.items()}, theirs, {"format": "pt"})
+    back = read_safetensors(theirs)
+    assert loaded.keys() == back.keys() == SAMPLE.keys()
+    for name, t in SAMPLE.items():
+        for got in (loaded[name], back[name], read_safetensors(ours)[name]):
+            assert got.dtype == t.dtype and got.shape == t.shape, name
+            torch.testing.assert_close(got, t, rtol=0, atol=0, msg=name)
+    # our layout: names sorted, tensors back to back, the header padded with spaces
+    raw = open(ours, "rb").read()
+    header = json.loads(raw[8:8 + header_len])
+    assert header.pop("__metadata__") == {"format": "pt"} and list(header) == sorted(SAMPLE)
+    ends = [0] + [header[name]["data_offsets"][1] for name in header]
+    assert [header[name]["data_offsets"][0] for name in header] == ends[:-1]
+    assert ends[-1] == len(raw) - 8 - header_len
+    assert sorted(os.listdir(tmp_path)) == ["ours.safetensors", "theirs.safetensors"]  # no temp file left
+
+
+def raw_file(path, header, data=b"", header_len=None):
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write((len(raw) if header_len is None else header_len).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def huge_header(path):
+    with open(path, "wb") as f:
+        f.write((100 * 2 ** 20 + 8).to_bytes(8, "little"))
+        f.truncate(101 * 2 ** 20)  # sparse: a 101 MB file that takes no disk
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: open(p, "wb").write(b"\x10\x00\x00"), "only 3 bytes, too short"),
+    (lambda p: raw_file(p, {}, header_len=10 ** 6), "header length 1000000 is larger than the file"),
+    (lambda p: raw_file(p, {}, header_len=2 ** 63), "header length .* larger than the file"),
+    (lambda p: huge_header(p), "header length 104857608 is above the 100 MB limit"),
+    (lambda p: raw_file(p, {"w": {"dtype": ["F32"], "shape": [], "data_offsets": [0, 4]}}, b"\0" * 4),
+     r"tensor 'w' has dtype \['F32'\], which this reader does not support"),
+    (lambda p: open(p, "wb").write((4).to_bytes(8, "little") + b"{x: "), "header is not valid UTF-8 JSON"),
+    (lambda p: raw_file(p, [1, 2]), "header is a JSON list, not an object"),
+    (lambda p: raw_file(p, {"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0"),
+     "tensor 'w' has dtype 'F8_E4M3', which this reader does not support"),
+    (lambda p: raw_file(p, {"w": {"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 8]}}, b"\0" * 8),
+     r"tensor 'w' has shape \[2, -1\], not a list of non-negative ints"),
+    (lambda p: raw_file(p, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+     r"tensor 'w' has data_offsets \[0, 16\], not \[begin, end\] within the 8 data bytes"),
+    (lambda p: raw_file(p, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, "8"]}}, b"\0" * 8),
+     r"tensor 'w' has data_offsets \[0, '8'\]"),
+    (lambda p: raw_file(p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+     r"tensor 'w' spans 8 bytes, but F32 \[3\] needs 12"),
+])
+def test_malformed_safetensors_are_one_line_errors(tmp_path, make, match):
+    path = str(tmp_path / "bad.safetensors")
+    make(path)
+    with pytest.raises(UserError, match=match) as err:
+        read_safetensors(path)
+    assert str(err.value).startswith(path) and "\n" not in str(err.value)
