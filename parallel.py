@@ -124,6 +124,9 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
 
 def teardown(mesh):
     if mesh.backend:
+        # every rank gets here before any destroys its groups: a rank that tears down while a
+        # peer is still finishing (rank 0 sampling, say) can abort in gloo's worker threads
+        dist.barrier()
         dist.destroy_process_group()
 
 

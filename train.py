@@ -2,6 +2,7 @@
 Train a LLaMA-style model. The whole run, top to bottom:
 
     python train.py                                  # the default job: Python's stdlib, CPU-sized
+    torchrun --standalone --nproc_per_node=2 train.py    # the same on 2 data-parallel ranks (pp=, fsdp= for more)
     python train.py config/tiny.py max_iters=50      # a config file, then key=value overrides
     python train.py                                  # run again: continues from out_dir's latest checkpoint
 
