@@ -99,12 +99,32 @@ def table_single():
           f"{rows[1]['ms_iter'] / rows[0]['ms_iter']:.2f}x the time (one more forward per block)")
 
 
-def dp_worker(rank, world, port, bucket_sizes, out_path):
-    """One rank of the dp table: every implementation, interleaved round by round so that a
-    noisy neighbour hurts them all alike."""
+def run_ranks(worker, world, *args):
+    """Runs worker(*args) on `world` spawned ranks (gloo on CPU, nccl on GPUs) and returns what
+    rank 0's call returned (JSON-able)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_rank_main, args=(world, port, worker, args, out), nprocs=world, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _rank_main(rank, world, port, worker, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores, shared out
+    result = worker(*args)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def dp_worker(bucket_sizes):
+    """One rank of the dp table: every implementation, interleaved round by round so that a
+    noisy neighbour hurts them all alike."""
     mesh = parallel.setup("auto", 300)
     dev = mesh.device
     variants = [("none", None), ("naive", None), *[("bucketed", mb) for mb in bucket_sizes], ("torch", bucket_sizes[0])]
@@ -161,14 +181,12 @@ def dp_worker(rank, world, port, bucket_sizes, out_path):
                 ts.append(time.perf_counter() - t0)
             comm[v] = sorted(ts)[ITERS // 2]
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    if rank == 0:
-        rows = [{"impl": impl, "bucket_mb": mb, "ms_iter": med(times[(impl, mb)]) * 1000,
-                 "wait_ms": med(waits[(impl, mb)]) * 1000, "comm_ms": comm.get((impl, mb), 0) * 1000,
-                 "buckets": len(models[(impl, mb)][0].buckets) if impl == "bucketed" else None}
-                for impl, mb in variants]
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+    rows = [{"impl": impl, "bucket_mb": mb, "ms_iter": med(times[(impl, mb)]) * 1000,
+             "wait_ms": med(waits[(impl, mb)]) * 1000, "comm_ms": comm.get((impl, mb), 0) * 1000,
+             "buckets": len(models[(impl, mb)][0].buckets) if impl == "bucketed" else None}
+            for impl, mb in variants]
     parallel.teardown(mesh)
+    return rows
 
 
 def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
@@ -177,13 +195,7 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
     print(f"\n## data parallel, {world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), same model, "
           f"global batch {BATCH} x {ACCUM} micro-batches ({tokens} tokens/iter), {n_params * 4 / 2 ** 20:.1f} MB "
           f"of fp32 gradients, median of {ITERS} interleaved rounds")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.start_processes(dp_worker, args=(world, port, list(bucket_sizes), out), nprocs=world, start_method="spawn")
-        rows = json.load(open(out))
+    rows = run_ranks(dp_worker, world, list(bucket_sizes))
     ms = {(r["impl"], r["bucket_mb"]): r["ms_iter"] for r in rows}
     torch_ms, floor = ms[("torch", bucket_sizes[0])], ms[("none", None)]
     bucketed_ms = ms[("bucketed", bucket_sizes[0])]
@@ -207,14 +219,11 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
           f"hidden = 1 - wait after backward / alone;\nexposed comm = ms/iter - compute only, which also counts compute slowed by the communication threads.")
 
 
-def pp_worker(rank, world, port, ms, out_path):
+def pp_worker(ms):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from model import make_stage
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    mesh = parallel.setup("auto", 300, pp=world)
+    mesh = parallel.setup("auto", 300, pp=int(os.environ["WORLD_SIZE"]))
     dev, T, V = mesh.device, MODEL["block_size"], MODEL["vocab_size"]
 
     def new_stage():
@@ -289,10 +298,8 @@ def pp_worker(rank, world, port, ms, out_path):
         traces = parallel.all_gather_object(trace, mesh)
         if mesh.master:
             rows[-1]["text"] = parallel.pipeline_timeline(traces, m, width=100)[0]
-    if mesh.master:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
     parallel.teardown(mesh)
+    return rows
 
 
 PP_BATCH = 8
@@ -304,13 +311,7 @@ def table_pp(stages=(2, 4), ms=(4, 8)):
           f"interleaved rounds")
     rows = []
     for pp in stages:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rows.json")
-            mp.start_processes(pp_worker, args=(pp, port, list(ms), out), nprocs=pp, start_method="spawn")
-            rows += json.load(open(out))
+        rows += run_ranks(pp_worker, pp, list(ms))
     print(f"{'pp':>2} {'m':>2} | {'GPipe ms':>8} | {'1F1B ms':>8} | {'torch 1F1B':>10} | {'ours/torch':>10} | "
           f"{'bubble GPipe':>12} | {'bubble 1F1B':>11} | {'theory':>6} | {'act. mem 1F1B/GPipe per stage (pp/m)':<40}")
     print("-" * 132)
@@ -329,10 +330,9 @@ def table_pp(stages=(2, 4), ms=(4, 8)):
     print(rows[-1]["text"])
 
 
-def layout_worker(rank, world, port, layout, out_path):
+def layout_worker(layout):
     from model import make_stage
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     with open("/proc/self/statm") as f:
         base_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
@@ -372,10 +372,8 @@ def layout_worker(rank, world, port, layout, out_path):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb)
     row = {**{k: v / 2 ** 20 for k, v in mem.items()}, "peak_mb": peak, "ms": sorted(times[WARMUP:])[ITERS // 2] * 1000}
     rows = parallel.all_gather_object(row, mesh)
-    if mesh.master:
-        with open(out_path, "w") as f:
-            json.dump({k: max(r[k] for r in rows) for k in row}, f)  # the busiest rank
     parallel.teardown(mesh)
+    return {k: max(r[k] for r in rows) for k in row}  # the busiest rank
 
 
 MEM_BATCH, MEM_ACCUM = 8, 4
@@ -390,13 +388,7 @@ def table_memory(layouts=(("dp", 1), ("dp", 2), ("dp", 4), ("fsdp", 2), ("fsdp",
           f"{'peak MB':>7} | {'ms/iter':>8} | {'tokens/s':>8}")
     print("-" * 92)
     for layout, world in layouts:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "row.json")
-            mp.start_processes(layout_worker, args=(world, port, layout, out), nprocs=world, start_method="spawn")
-            r = json.load(open(out))
+        r = run_ranks(layout_worker, world, layout)
         total = r["params"] + r["grads"] + r["optimizer"]
         print(f"{layout:<8} {world:>5} | {r['params']:9.2f} | {r['grads']:8.2f} | {r['optimizer']:8.2f} | {total:6.1f} | "
               f"{r['peak_mb']:7.0f} | {r['ms']:8.1f} | {tokens / r['ms'] * 1000:8,.0f}")

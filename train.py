@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -320,7 +321,7 @@ if mesh.master:
         json.dump(config, f, indent=1)
     if wandb_log:
         import wandb
-        run_id = run_id or wandb.util.generate_id()
+        run_id = run_id or uuid.uuid4().hex[:8]  # kept in checkpoints: a resumed run logs to the same wandb run
         wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
                    id=run_id, resume="allow", config=config, dir=out_dir)
 
@@ -349,6 +350,26 @@ peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype =
 flops_per_iter = flops_per_token * tokens_per_iter
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
+
+def rollback(streak, it):
+    """The NaN guard's last resort: reload the latest checkpoint (weights, AdamW state, RNG)
+    and return its iteration. The bad iterations stay in skip_iters, so this time their
+    batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
+    back = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
+    if nan_action == "stop" or back is None:
+        raise configurator.UserError(
+            f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
+            f"{'' if back else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
+            f"check the data around these iterations, or raise nan_max_consecutive")
+    back_meta, back_state = parallel.read_checkpoint_meta(back)
+    parallel.load_checkpoint(back, raw_model, optimizer)
+    torch.set_rng_state(back_state["rng_cpu"][mesh.rank % len(back_state["rng_cpu"])])
+    skip_iters.update(back_meta.get("skip_iters", []))
+    truncate_metrics(back_meta["iter"])
+    mesh.print0(f"rolled back to {back}: continuing from iteration {back_meta['iter']}, stepping over "
+                f"{sorted(i for i in skip_iters if i >= back_meta['iter'])}")
+    return back_meta["iter"]
+
 
 signals = []  # SIGTERM / SIGUSR1 (preemption notice) / Ctrl-C received
 
@@ -453,24 +474,9 @@ while True:
         mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
         log({"iter": it, "loss": None, "grad_norm": None, "skipped": "non-finite loss or grad norm"})
-        if bad_streak >= nan_max_consecutive:
-            back = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
-            if nan_action == "stop" or back is None:
-                raise configurator.UserError(
-                    f"{bad_streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
-                    f"{'' if back else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
-                    f"check the data around these iterations, or raise nan_max_consecutive")
-            # roll back: weights, AdamW state and RNG of the latest checkpoint; the bad
-            # iterations stay in skip_iters, so their batches are stepped over this time
-            back_meta, back_state = parallel.read_checkpoint_meta(back)
-            parallel.load_checkpoint(back, raw_model, optimizer)
-            torch.set_rng_state(back_state["rng_cpu"][mesh.rank % len(back_state["rng_cpu"])])
-            it = evaluated_at = saved_at = back_meta["iter"]
-            skip_iters |= set(back_meta.get("skip_iters", []))
-            truncate_metrics(it)
+        if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
+            it = evaluated_at = saved_at = rollback(bad_streak, it)
             bad_streak = 0
-            mesh.print0(f"rolled back to {back}: continuing from iteration {it}, stepping over "
-                        f"{sorted(i for i in skip_iters if i >= it)}")
             continue
         it += 1
         continue

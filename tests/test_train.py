@@ -86,6 +86,7 @@ BAD = {
     "bad nan_action": (["nan_action=ignore"], "nan_action='ignore' is not"),
     "bad dtype": (["dtype=float16"], "dtype='float16' is not one of"),
     "no gpu": (["device=cuda"], "CUDA is not available here"),
+    "nccl on cpu": (["device=cpu", "backend=nccl"], "backend=nccl needs CUDA tensors but device is cpu"),
     "dataset not prepared": (["dataset=nope"], "dataset 'nope' is not prepared"),
     "missing source": (["dataset=nope", "data_source=/no/such/dir"], "data source '/no/such/dir' not found"),
     "vocab mismatch": (["vocab_size=1024"], "was prepared with tokenizer=cl100k_base vocab_size=512"),
@@ -126,3 +127,14 @@ def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
                   cwd=tmp_path, check=False)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "no intact checkpoint" in p.stderr and "iter_0000002: __0_0.distcp has" in p.stderr
+
+
+def test_wandb_offline(dataset, tmp_path):
+    out = str(tmp_path / "run")
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "wandb_log=True"], cwd=tmp_path,
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    runs = [d for d in os.listdir(os.path.join(out, "wandb")) if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    run_id = runs[0].rsplit("-", 1)[1]
+    meta = json.load(open(os.path.join(out, "ckpt", "iter_0000002", "meta.json")))
+    assert meta["wandb_id"] == run_id  # a resumed run continues this wandb run
