@@ -139,9 +139,9 @@ def dp_worker(bucket_sizes):
         else:
             ddp = parallel.DataParallel(model, mesh, mb or 0, naive=impl == "naive")
         models[(impl, mb)] = (ddp, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    micro = ACCUM // world
+    micro = ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, BATCH, MODEL["block_size"] + 1), device=dev,
-                      generator=torch.Generator(dev).manual_seed(rank))
+                      generator=torch.Generator(dev).manual_seed(mesh.rank))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = {v: [] for v in variants}
     waits = {v: [] for v in variants}

@@ -1,7 +1,6 @@
 """FSDP2 on real gloo processes: the single-process curve, sharded checkpoints that any
 layout resumes, export to one file, and per-rank memory."""
 
-import os
 import shutil
 
 import pytest

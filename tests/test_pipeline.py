@@ -1,7 +1,6 @@
 """Pipeline parallel on real gloo processes: the schedules against the single-process model
 and torch.distributed.pipelining, activation counts, and train.py under torchrun."""
 
-import os
 import shutil
 
 import pytest
