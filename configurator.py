@@ -15,6 +15,7 @@ int is accepted where the default is a float, so `dropout=0` works.
 
 import ast
 import difflib
+import os
 import sys
 
 
@@ -35,6 +36,12 @@ def excepthook(kind, err, tb):
               f"if a rank is only slow (e.g. a long save)", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, err, tb)
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        # leave now: the interpreter's shutdown with a live process group (gloo's threads
+        # still holding work) can hang or abort, which would stall torchrun's restart
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _unknown(key, defaults, where):

@@ -111,8 +111,15 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s), rank=rank, world_size=world,
-                            device_id=dev if backend == "nccl" else None)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # under torchrun the store outlives a restart of the workers (--max-restarts): prefix
+        # our keys with the attempt, or the new workers can read the dead ones' addresses
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+            timeout=timedelta(seconds=dist_timeout_s)))
+    dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s), rank=rank,
+                            world_size=world, device_id=dev if backend == "nccl" else None)
     dp = world // pp
     # the grid torch.arange(world).view(dp, pp), row-major as Mesh's docstring says: its
     # columns are the dp groups, its rows the pipelines
