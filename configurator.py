@@ -17,6 +17,7 @@ import ast
 import difflib
 import os
 import sys
+import traceback
 
 
 class UserError(ValueError):
@@ -27,20 +28,22 @@ def excepthook(kind, err, tb):
     # train.py, data.py and sample.py install this: a UserError prints one line naming
     # the problem and the fix; so does a collective that failed because a peer died or
     # hung (gloo and NCCL raise a plain RuntimeError that names them). Anything else is a
-    # bug and keeps its full traceback.
+    # bug and keeps its full traceback. We write to the real stderr: under torchrun,
+    # torch.distributed wraps this hook and captures sys.stderr to prefix it with the rank.
+    out = sys.__stderr__
     if isinstance(err, UserError):
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {err}", file=out, flush=True)
     elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
         print(f"error: a collective failed ({str(err).strip().splitlines()[0][-160:]}): a peer process died or "
               f"waited longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s "
-              f"if a rank is only slow (e.g. a long save)", file=sys.stderr, flush=True)
+              f"if a rank is only slow (e.g. a long save)", file=out, flush=True)
     else:
-        sys.__excepthook__(kind, err, tb)
+        traceback.print_exception(kind, err, tb, file=out)
     if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
         # leave now: the interpreter's shutdown with a live process group (gloo's threads
         # still holding work) can hang or abort, which would stall torchrun's restart
+        out.flush()
         sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(1)
 
 
