@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from configurator import UserError
+from test_model import tiny  # the same small model the model tests use
 from model import (ModelConfig, Transformer, grow_vocab, hf_config_to_ours, load_hf_llama, make_stage,
                    read_safetensors, save_hf_llama, write_safetensors)
 
@@ -144,12 +145,6 @@ def test_broken_hf_directories_are_named(tmp_path):
 
 
 # ------------------------------------------------------------------------- packed documents
-
-def tiny(**kw):
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
-    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
-
 
 def test_doc_ids_keep_documents_apart():
     model = tiny()
