@@ -14,10 +14,11 @@ import sys
 
 import torch
 
+import checkpoint
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer, save_hf_llama
+from model import ModelConfig, Transformer
 
 out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
 ckpt = ""
@@ -35,21 +36,21 @@ sys.excepthook = configurator.excepthook
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
 globals().update(configurator.configure(defaults, sys.argv[1:]))
 
-path = ckpt or parallel.find_checkpoint(out_dir, None)
+path = ckpt or checkpoint.find(out_dir, None)
 if path is None:
     raise configurator.UserError(f"no checkpoint in {out_dir}/ckpt: train first, or pass ckpt=path/to/iter_XXXXXXX")
-meta, _ = parallel.read_checkpoint_meta(path)
+meta, _ = checkpoint.read_meta(path)
 cfg = meta["config"]
 dev = parallel.pick_device(device)
 model = Transformer(ModelConfig(**meta["model"]))
-parallel.load_checkpoint(path, model, no_dist=True)
+checkpoint.load(path, model, no_dist=True)
 if export:
     tmp = export + ".tmp"
     torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
     os.replace(tmp, export)
     print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {export}")
 if export_hf:
-    save_hf_llama(export_hf, model.state_dict(), model.cfg)
+    checkpoint.save_hf_llama(export_hf, model.state_dict(), model.cfg)
     print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {export_hf}")
 if export or export_hf:
     sys.exit(0)

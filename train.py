@@ -21,11 +21,11 @@ from dataclasses import asdict
 
 import torch
 
+import checkpoint
 import configurator
 import data
 import parallel
-from model import (ModelConfig, Transformer, grow_vocab, load_hf_llama, make_stage, measure_matmul_flops, save_hf_llama,
-                   stage_layers)
+from model import ModelConfig, Transformer, grow_vocab, make_stage, measure_matmul_flops, stage_layers
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -174,26 +174,26 @@ model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_
 run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}
 shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
 # the newest intact checkpoint in out_dir (corrupt ones are reported and skipped), or None
-ckpt_path = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
+ckpt_path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
 if init_from == "resume" and ckpt_path is None:
     raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt has no checkpoint: "
                                  f"use init_from=auto (or scratch), or the out_dir of the run to continue")
 if init_from == "scratch" and ckpt_path:
     raise configurator.UserError(f"init_from=scratch but {out_dir} holds checkpoints of an earlier run: continue it "
                                  f"with init_from=auto, or pick a new out_dir (or delete {out_dir}/ckpt)")
-ckpt_meta, ckpt_state = parallel.read_checkpoint_meta(ckpt_path) if ckpt_path else (None, None)
+ckpt_meta, ckpt_state = checkpoint.read_meta(ckpt_path) if ckpt_path else (None, None)
 init_weights = None  # {name: tensor} to start from (init_from=path, when not resuming)
 if ckpt_path:
     saved, where = ckpt_meta["model"], f"the checkpoint in {out_dir}"
 elif init_path and os.path.exists(os.path.join(init_path, "config.json")):  # a Hugging Face LLaMA
-    saved, init_weights = load_hf_llama(init_path)
+    saved, init_weights = checkpoint.load_hf_llama(init_path)
     where = f"the Hugging Face model in {init_path}"
 elif init_path:  # another run of ours: its newest checkpoint's weights, a fresh optimizer
-    init_ckpt = parallel.find_checkpoint(init_path, mesh, warn=mesh.print0)
+    init_ckpt = checkpoint.find(init_path, mesh, warn=mesh.print0)
     if init_ckpt is None:
         raise configurator.UserError(f"init_from={init_path} has neither config.json (Hugging Face) nor ckpt/ (a run "
                                      f"of ours): point it at one of those")
-    saved, where = parallel.read_checkpoint_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
+    saved, where = checkpoint.read_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
 if ckpt_path or init_path:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
     for key in shape_keys:
@@ -208,7 +208,7 @@ if init_weights is not None:
         init_weights.setdefault("output.weight", init_weights["tok_embeddings.weight"])
     raw_model.load_state_dict(init_weights)
 elif init_path and not ckpt_path:
-    parallel.load_checkpoint(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
+    checkpoint.load(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
 if model_cfg.vocab_size < meta["vocab_size"]:
     # vocabulary expansion: the data has tokens the model has never seen (extra and chat
     # tokens); new embedding and head rows start at the mean of the existing ones
@@ -237,7 +237,7 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
 if ckpt_path:  # weights and AdamW state, into whatever layout this run has
-    parallel.load_checkpoint(ckpt_path, raw_model, optimizer)
+    checkpoint.load(ckpt_path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
 
@@ -342,7 +342,7 @@ def save(it):
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
             "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
     rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
-    path = parallel.save_checkpoint(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
+    path = checkpoint.save(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
     mesh.print0(f"saved checkpoint {path}")
 
 
@@ -355,14 +355,14 @@ def rollback(streak, it):
     """The NaN guard's last resort: reload the latest checkpoint (weights, AdamW state, RNG)
     and return its iteration. The bad iterations stay in skip_iters, so this time their
     batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
-    back = parallel.find_checkpoint(out_dir, mesh, warn=mesh.print0)
+    back = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or back is None:
         raise configurator.UserError(
             f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
             f"{'' if back else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
             f"check the data around these iterations, or raise nan_max_consecutive")
-    back_meta, back_state = parallel.read_checkpoint_meta(back)
-    parallel.load_checkpoint(back, raw_model, optimizer)
+    back_meta, back_state = checkpoint.read_meta(back)
+    checkpoint.load(back, raw_model, optimizer)
     torch.set_rng_state(back_state["rng_cpu"][mesh.rank % len(back_state["rng_cpu"])])
     skip_iters.update(back_meta.get("skip_iters", []))
     truncate_metrics(back_meta["iter"])
@@ -497,10 +497,10 @@ if stop:
 if mesh.master and (sample_tokens > 0 or export_hf) and not stop:
     if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
         raw_model = Transformer(model_cfg).to(mesh.device)
-        parallel.load_checkpoint(parallel.find_checkpoint(out_dir, None), raw_model, no_dist=True)
+        checkpoint.load(checkpoint.find(out_dir, None), raw_model, no_dist=True)
     raw_model.eval()
 if mesh.master and export_hf and not stop:
-    save_hf_llama(export_hf, {k: v.cpu() for k, v in raw_model.state_dict().items()}, model_cfg)
+    checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in raw_model.state_dict().items()}, model_cfg)
     print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
 if mesh.master and sample_tokens > 0 and not stop:
     enc = data.tokenizer_from_meta(meta)

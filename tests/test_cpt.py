@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import data
-import parallel
+import checkpoint
 from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 from model import ModelConfig, Transformer
 
@@ -42,7 +42,7 @@ def test_continual_pretraining_from_hf_on_two_ranks(hf_dir, dataset, tmp_path):
     assert abs(first["loss"] - want.item()) < 1e-4
     # the export at the end loads into transformers and gives our final model's logits
     ours = Transformer(ModelConfig(**json.load(open(f"{out}/ckpt/iter_0000003/meta.json"))["model"]))
-    parallel.load_checkpoint(f"{out}/ckpt/iter_0000003", ours, no_dist=True)
+    checkpoint.load(f"{out}/ckpt/iter_0000003", ours, no_dist=True)
     back = LlamaForCausalLM.from_pretrained(export).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(x[0]).logits, ours.eval()(x[0])[0], rtol=1e-4, atol=1e-4)

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from configurator import UserError
 from test_model import tiny  # the same small model the model tests use
-from model import (ModelConfig, Transformer, grow_vocab, hf_config_to_ours, load_hf_llama, make_stage,
-                   read_safetensors, save_hf_llama, write_safetensors)
+from checkpoint import hf_config_to_ours, load_hf_llama, read_safetensors, save_hf_llama, write_safetensors
+from model import ModelConfig, Transformer, grow_vocab, make_stage
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0)

@@ -1,0 +1,501 @@
+"""
+Files: our own checkpoints and the foreign formats, in one place.
+
+Our checkpoints: out_dir/ckpt/iter_XXXXXXX/ written by every rank through
+torch.distributed.checkpoint (DCP), keyed by global parameter names so that any layout can
+load any other; atomic (a temp directory renamed into place), a manifest of sizes and
+sha256 sums, `latest`, pruning, and a reader that never runs code from the files.
+
+Foreign formats: safetensors (read and written by hand), Hugging Face LLaMA directories
+(config.json + model.safetensors, name table, config mapping), for continual pretraining.
+
+This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from configurator import UserError
+from model import ModelConfig, Transformer
+from parallel import all_reduce_sum, broadcast_object, reshard
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoints: out_dir/ckpt/iter_XXXXXXX/ is complete or absent, ckpt/latest names the newest
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path, write):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def train_state(model, optimizer):
+    """What a checkpoint stores of the training state, keyed by global parameter names:
+    {"model": name -> weight, "optim": "name.exp_avg" -> ...}. Under FSDP the values are
+    DTensor shards; torch.distributed.checkpoint writes each rank's shards and can read them
+    back into any other sharding. Positions in the optimizer (what optimizer.state_dict()
+    uses) would differ between pipeline stages; names do not."""
+    reshard(model)
+    names = {p: n for n, p in model.named_parameters()}
+    optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
+    return {"model": model.state_dict(), "optim": optim}
+
+
+def init_adamw_state(model, optimizer):
+    """Empty AdamW state for every parameter, for a checkpoint to be loaded into (torch
+    creates it lazily at the first step, and DCP loads into existing tensors)."""
+    for p in model.parameters():
+        step_device = p.device if optimizer.defaults.get("fused") else "cpu"
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(path):
+    """manifest.json: the size and sha256 of every file of the checkpoint, written last."""
+    files = {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+             for n in sorted(os.listdir(path))}
+    _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
+
+
+def verify(path):
+    """None if every file the manifest lists is there with its size and checksum, else
+    what is wrong, in a few words."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "manifest.json is missing or unreadable (a save that did not finish?)"
+    for name, want in files.items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != want["bytes"]:
+            return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
+        if _sha256(p) != want["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def _agree(ok, mesh):
+    """True on every rank iff ok is True on every rank."""
+    flag = all_reduce_sum(torch.tensor(0.0 if ok else 1.0), mesh)
+    return flag.item() == 0
+
+
+def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
+    """Called by every rank. Each rank writes its own part of the model and optimizer
+    (torch.distributed.checkpoint: replicated tensors once, shards by their owners) into
+    ckpt/.tmp_iter_XXXXXXX; rank 0 adds state.pt (run_state: RNG states), meta.json and,
+    last, manifest.json (size and sha256 of every file), renames the directory to
+    ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the newest `keep`.
+    A crash at any point leaves `latest` naming a complete checkpoint; a failed save (disk
+    full, permissions) raises on every rank and leaves the earlier checkpoints as they were.
+    Several nodes need out_dir on a shared filesystem."""
+    root = os.path.join(out_dir, "ckpt")
+    name = f"iter_{it:07d}"
+    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
+    error = None
+    if mesh.master:
+        try:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)  # a leftover of a save that died half-way
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
+    if _agree(error is None, mesh):
+        try:
+            dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
+        except (Exception, CheckpointException) as e:  # collective: every rank raises if one failed
+            error = e
+    if error is None and mesh.master:
+        try:
+            _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
+            _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            _write_manifest(tmp)
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
+            _fsync_dir(root)
+        except OSError as e:
+            error = e
+    if not _agree(error is None, mesh):
+        if mesh.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}" if error else "on another rank"
+        raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
+                        f"free disk space or fix the permissions of {out_dir}, then restart (init_from=auto resumes)")
+    if mesh.master:
+        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
+        for old in done[:-keep] if keep > 0 else []:
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+def find(out_dir, mesh, warn=print):
+    """The checkpoint to resume from: the one ckpt/latest names if it verifies against its
+    manifest, else the newest ckpt/iter_XXXXXXX that does. None when out_dir has no
+    checkpoint at all. A checkpoint that fails verification is reported by name and
+    skipped; if none is intact that is an error (starting over would overwrite the run).
+    Rank 0 decides and tells the others, so every rank resumes from the same one."""
+    choice = None
+    if mesh is None or mesh.master:  # mesh None: a lone process (sample.py)
+        root = os.path.join(out_dir, "ckpt")
+        names = sorted((d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d)), reverse=True) \
+            if os.path.isdir(root) else []
+        try:
+            with open(os.path.join(root, "latest")) as f:
+                latest = f.read().strip()
+            if latest in names:  # latest first, then the others, newest first
+                names.remove(latest)
+                names.insert(0, latest)
+        except OSError:
+            pass
+        problems = []
+        for n in names:
+            problem = verify(os.path.join(root, n))
+            if problem is None:
+                choice = os.path.join(root, n)
+                break
+            problems.append(f"{n}: {problem}")
+            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an older one")
+        if names and choice is None:
+            choice = UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or start "
+                               f"over with init_from=scratch and a new out_dir")
+    if mesh is not None:
+        choice = broadcast_object(choice, mesh)
+    if isinstance(choice, UserError):
+        raise choice
+    return choice
+
+
+def _unreadable(path, e):
+    return UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
+                     f"point ckpt/latest at an intact checkpoint, or use init_from=scratch")
+
+
+def read_meta(path):
+    """meta.json (iteration, config, model shape) and state.pt (RNG states) of a checkpoint.
+    weights_only=True: a checkpoint is data, never code."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise _unreadable(path, e) from None
+    return meta, state
+
+
+def load(path, model, optimizer=None, no_dist=False):
+    """Reads a checkpoint's weights (and optimizer state) into `model` in place, whatever
+    layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
+    (it takes its own names), or FSDP shards. Every rank calls it, unless no_dist: then one
+    process reads on its own (a whole model, for sampling or export)."""
+    if optimizer is not None:
+        init_adamw_state(model, optimizer)
+        state = train_state(model, optimizer)
+    else:
+        state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
+        raise _unreadable(path, e) from None
+    model.load_state_dict(state["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, by hand: 8 bytes little-endian header length N, N bytes of JSON
+# {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then the
+# raw little-endian bytes, offsets relative to the start of that data. No pickle: loading a
+# file cannot run code.
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # a header is kilobytes; more is a corrupt length, not a file to parse
+
+
+def read_safetensors(path):
+    """{name: tensor} of a .safetensors file, on CPU. A malformed file is a UserError naming
+    the file and the problem; nothing is read beyond what the header describes. Assumes a
+    little-endian machine, like every GPU host."""
+    def corrupt(problem):
+        return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: "
+                         f"copy or download it again")
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 8:
+            raise corrupt(f"only {size} bytes, too short for the 8-byte header length")
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            raise corrupt(f"header length {n} is larger than the file ({size} bytes)")
+        if n > MAX_HEADER_BYTES:
+            raise corrupt(f"header length {n} is above the 100 MB limit")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise corrupt(f"header is not valid UTF-8 JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise corrupt(f"header is a JSON {type(header).__name__}, not an object")
+        header.pop("__metadata__", None)
+        start, data_size = 8 + n, size - 8 - n
+        tensors = {}
+        for name, info in header.items():
+            if not isinstance(info, dict):
+                raise corrupt(f"tensor '{name}' has no dtype/shape/data_offsets entry")
+            dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
+            if dtype is None:
+                raise UserError(f"{path}: tensor '{name}' has dtype {info.get('dtype')!r}, which this reader "
+                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
+            shape, offsets = info.get("shape"), info.get("data_offsets")
+            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                raise corrupt(f"tensor '{name}' has shape {shape!r}, not a list of non-negative ints")
+            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1] <= data_size):
+                raise corrupt(f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] within the "
+                              f"{data_size} data bytes")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if offsets[1] - offsets[0] != nbytes:
+                raise corrupt(f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
+                              f"{shape} needs {nbytes}")
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            f.seek(start + offsets[0])
+            if f.readinto(buf.numpy()) != nbytes:  # the file shrank while we read it
+                raise corrupt(f"tensor '{name}' ends early")
+            tensors[name] = buf.view(dtype).reshape(shape)
+    return tensors
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor} as a .safetensors file that the reference implementation (and
+    read_safetensors) loads: names sorted, data contiguous, the header padded with spaces to a
+    multiple of 8 so the data starts aligned. Atomic: a temp file renamed into place, so a
+    crash never leaves half a file under `path`."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+    data, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in names:
+            raise ValueError(f"write_safetensors: tensor '{name}' has dtype {t.dtype}, which safetensors "
+                             f"here does not support")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        data.append(t.reshape(-1).view(torch.uint8))  # its raw bytes, no copy
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for b in data:
+                f.write(b.numpy())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face LLaMA checkpoints (LlamaForCausalLM, save_pretrained's directory layout).
+# Hugging Face name -> ours; {i} is the layer index. Our RoPE uses HF's rotate-half layout
+# (see rope_tables), so q_proj/k_proj load as they are: no permutation of their rows (that
+# permutation is what converting Meta's original interleaved checkpoints to HF needs).
+HF_LLAMA_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wq.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wk.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",  # absent from HF files with tie_word_embeddings
+}
+
+
+def rename(name, table):
+    """`name` through a table like HF_LLAMA_NAMES (or its inverse); None if it has no entry."""
+    m = re.fullmatch(r"(.*layers\.)(\d+)(\..*)", name)
+    key = f"{m[1]}{{i}}{m[3]}" if m else name
+    return table[key].format(i=m[2] if m else None) if key in table else None
+
+
+def hf_config_to_ours(hf):
+    """ModelConfig kwargs (all but block_size) from a Hugging Face LLaMA config.json dict.
+    Refuses what this model does not implement rather than load it and compute something else."""
+    def refuse(field, why):
+        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only plain LLaMA models "
+                         f"(LlamaForCausalLM without those variants) can be loaded")
+
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if type(hf.get(field)) is not int:
+            raise refuse(field, "missing or not an int")
+    if hf.get("model_type") != "llama":
+        raise refuse("model_type", "not a LLaMA model")
+    if hf.get("rope_scaling") is not None:
+        raise refuse("rope_scaling", "scaled rotary positions are not implemented")
+    # transformers >= 5 writes rope_theta (and rope_type, its rope_scaling) under rope_parameters
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise refuse("rope_parameters", "scaled rotary positions are not implemented")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise refuse("attention_bias" if hf.get("attention_bias") else "mlp_bias", "biases are not implemented")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", "only silu (SwiGLU) is implemented")
+    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") is not None and hf["head_dim"] != n_embd // n_head:
+        raise refuse("head_dim", f"only head_dim = hidden_size // num_attention_heads = {n_embd // n_head} "
+                                 f"is implemented")
+    return dict(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
+                n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
+                ffn_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def expected_shapes(cfg):
+    """{our name: shape} of every weight a checkpoint of this config holds (a tied head is the
+    embedding, not a weight of its own). Built on the meta device: no memory, no init."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        del shapes["output.weight"]
+    return shapes
+
+
+def load_hf_llama(path):
+    """(ModelConfig kwargs, state dict in our names) of the Hugging Face LLaMA model that
+    save_pretrained wrote into directory `path`: config.json and model.safetensors, or
+    model.safetensors.index.json and the shards its weight_map names. Tensors keep the dtype
+    of the file; load_state_dict converts them to the model's."""
+    def read_json(file):
+        try:
+            with open(os.path.join(path, file)) as f:
+                obj = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}/{file} is not valid JSON ({e}): copy or download it again") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{path}/{file} holds a JSON {type(obj).__name__}, not an object: "
+                            f"copy or download it again")
+        return obj
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{path}: no config.json; point at a Hugging Face model directory "
+                        f"(what save_pretrained writes)")
+    kwargs = hf_config_to_ours(read_json("config.json"))
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        weight_map = read_json("model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserError(f"{path}/model.safetensors.index.json has no weight_map of file names: "
+                            f"copy or download it again")
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors weights "
+                        f"are read: re-save the model with save_pretrained(..., safe_serialization=True)")
+    hf_tensors = {}
+    for file in files:
+        if not os.path.isfile(os.path.join(path, file)):
+            raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is missing: "
+                            f"copy or download it")
+        hf_tensors.update(read_safetensors(os.path.join(path, file)))
+
+    try:
+        cfg = ModelConfig(**kwargs)
+    except ValueError as e:
+        raise UserError(f"{path}/config.json: {e}") from None
+    expected = expected_shapes(cfg)
+    sd = {}
+    for name, t in hf_tensors.items():
+        ours = rename(name, HF_LLAMA_NAMES)
+        if ours == "output.weight" and cfg.tie_embeddings:
+            continue  # a tied head that was saved anyway: it is the embedding
+        if ours not in expected:
+            raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; the checkpoint is "
+                            f"not a plain LlamaForCausalLM, or config.json does not match its weights")
+        if tuple(t.shape) != expected[ours]:
+            raise UserError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, but config.json implies "
+                            f"{expected[ours]}; config.json does not match the weights")
+        sd[ours] = t
+    missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) for n in expected if n not in sd]
+    if missing:
+        raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+                        f"the checkpoint is incomplete (a shard missing from weight_map?): copy or download it again")
+    return kwargs, sd
+
+
+def save_hf_llama(path, state_dict, cfg):
+    """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
+    LLaMA directory that LlamaForCausalLM.from_pretrained loads: config.json and
+    model.safetensors (float32; no lm_head when the embeddings are tied). Written into a temp
+    directory renamed into place at the end; `path` must not exist or be empty, so nothing
+    of the user's is ever overwritten."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
+    expected, to_hf = expected_shapes(cfg), {v: k for k, v in HF_LLAMA_NAMES.items()}
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise ValueError(f"save_hf_llama: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
+    tensors = {rename(name, to_hf): state_dict[name].detach().to("cpu", torch.float32) for name in expected}
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False,
+    }
+    tmp = f"{os.path.normpath(path)}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+        os.replace(tmp, path)  # replaces an empty directory too
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
