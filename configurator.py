@@ -15,7 +15,6 @@ int is accepted where the default is a float, so `dropout=0` works.
 
 import ast
 import difflib
-import os
 import sys
 import traceback
 
@@ -25,26 +24,15 @@ class UserError(ValueError):
 
 
 def excepthook(kind, err, tb):
-    # train.py, data.py and sample.py install this: a UserError prints one line naming
-    # the problem and the fix; so does a collective that failed because a peer died or
-    # hung (gloo and NCCL raise a plain RuntimeError that names them). Anything else is a
-    # bug and keeps its full traceback. We write to the real stderr: under torchrun,
-    # torch.distributed wraps this hook and captures sys.stderr to prefix it with the rank.
+    # data.py and sample.py install this (train.py installs parallel.excepthook, which adds
+    # the process-group cases): a UserError prints one line naming the problem and the fix;
+    # anything else is a bug and keeps its full traceback. We write to the real stderr:
+    # under torchrun, torch.distributed wraps this hook and captures sys.stderr.
     out = sys.__stderr__
     if isinstance(err, UserError):
         print(f"error: {err}", file=out, flush=True)
-    elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
-        print(f"error: a collective failed ({str(err).strip().splitlines()[0][-160:]}): a peer process died or "
-              f"waited longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s "
-              f"if a rank is only slow (e.g. a long save)", file=out, flush=True)
     else:
         traceback.print_exception(kind, err, tb, file=out)
-    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
-        # leave now: the interpreter's shutdown with a live process group (gloo's threads
-        # still holding work) can hang or abort, which would stall torchrun's restart
-        out.flush()
-        sys.stdout.flush()
-        os._exit(1)
 
 
 def _unknown(key, defaults, where):
@@ -94,7 +82,12 @@ def configure(defaults, argv):
                                 f"file such as config/tiny.py, or key=value") from None
             scope = {k: overrides.get(k, v) for k, v in defaults.items()}
             before = dict(scope)
-            exec(compile(source, arg, "exec"), scope)
+            try:
+                exec(compile(source, arg, "exec"), scope)
+            except Exception as e:  # the user's own file: name the line, not our traceback
+                lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+                line = e.lineno if isinstance(e, SyntaxError) else (lines or ["?"])[-1]
+                raise UserError(f"config file {arg}:{line}: {type(e).__name__}: {e}: fix that line") from None
             for key, value in scope.items():
                 if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
                     continue

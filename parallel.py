@@ -8,6 +8,7 @@ Works as a plain single process (`python train.py`) and under torchrun.
 """
 
 import os
+import sys
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from configurator import UserError
+from configurator import excepthook as configurator_excepthook
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,6 +125,26 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
                 pp_group=grid.get_group("pp"), dp_mesh=grid["dp"])
 
 
+def excepthook(kind, err, tb):
+    """train.py's sys.excepthook: configurator's (a UserError is one line, a bug keeps its
+    traceback) plus the two cases only a process group has. A collective that failed
+    because a peer died or hung (gloo and NCCL raise a plain RuntimeError that names them)
+    is one line too, with the backend's own first line, whole: it names the cause. And
+    with a live process group we leave at once: the interpreter's shutdown with gloo's
+    threads still holding work can hang or abort, which would stall torchrun's restart."""
+    out = sys.__stderr__
+    if isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
+        print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process died or waited "
+              f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
+              f"only slow (e.g. a long save)", file=out, flush=True)
+    else:
+        configurator_excepthook(kind, err, tb)
+    if dist.is_initialized():
+        out.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def teardown(mesh):
     if mesh.backend:
         # every rank gets here before any destroys its groups: a rank that tears down while a
@@ -163,11 +185,11 @@ def broadcast_object(obj, mesh):
     return box[0]
 
 
-def all_reduce_sum(t, mesh):
-    """Sum of a tensor over all ranks (a copy; the input is left alone)."""
+def all_reduce_sum(t, mesh, group=None):
+    """Sum of a tensor over all ranks, or over `group` (a copy; the input is left alone)."""
     t = t.to(mesh.device, copy=True)
     if mesh.backend:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return t
 
 

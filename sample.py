@@ -6,11 +6,12 @@ Generate text from the latest checkpoint of a run, or export its weights to one 
     python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory (config.json + model.safetensors)
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
-into one whole model here.
+into one whole model here. train.py's end-of-run sample and export use the functions below.
 """
 
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -20,46 +21,65 @@ import data
 import parallel
 from model import ModelConfig, Transformer
 
-out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
-ckpt = ""
-prompt = ""                 # '' : start from <|endoftext|>, i.e. the beginning of a document
-num_samples = 2
-max_new_tokens = 200
-temperature = 0.8           # 0: greedy
-top_k = 50                  # 0: sample from the whole distribution
-seed = 1337
-device = "auto"
-export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
-export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
 
-sys.excepthook = configurator.excepthook
-defaults = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
-globals().update(configurator.configure(defaults, sys.argv[1:]))
+def load_model(path):
+    """(whole model on CPU, checkpoint meta) of the checkpoint directory `path`, read by this
+    process alone."""
+    meta, _ = checkpoint.read_meta(path)
+    model = Transformer(ModelConfig(**meta["model"]))
+    checkpoint.load(path, model, no_dist=True)
+    return model, meta
 
-path = ckpt or checkpoint.find(out_dir, None)
-if path is None:
-    raise configurator.UserError(f"no checkpoint in {out_dir}/ckpt: train first, or pass ckpt=path/to/iter_XXXXXXX")
-meta, _ = checkpoint.read_meta(path)
-cfg = meta["config"]
-dev = parallel.pick_device(device)
-model = Transformer(ModelConfig(**meta["model"]))
-checkpoint.load(path, model, no_dist=True)
-if export:
-    tmp = export + ".tmp"
-    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
-    os.replace(tmp, export)
-    print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {export}")
-if export_hf:
-    checkpoint.save_hf_llama(export_hf, model.state_dict(), model.cfg)
-    print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {export_hf}")
-if export or export_hf:
-    sys.exit(0)
-model.to(dev).eval()
-enc = data.get_tokenizer(cfg["tokenizer"], cfg["vocab_size"], meta.get("extra_tokens", []))
-start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token]
-torch.manual_seed(seed)
-print(f"{os.path.relpath(path)}: iteration {meta['iter']}")
-for _ in range(num_samples):
-    out = model.generate(torch.tensor([start], device=dev), max_new_tokens, temperature, top_k or None)
-    print(enc.decode(out[0].tolist() if prompt else out[0, 1:].tolist()))
-    print("-" * 60)
+
+def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_k=50, autocast=None):
+    """One sample from `model` (on its device, in eval mode) as text. An empty prompt starts
+    from <|endoftext|>, i.e. the beginning of a document, which is not printed."""
+    start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token]
+    idx = torch.tensor([start], device=next(model.parameters()).device)
+    with autocast or nullcontext():
+        out = model.generate(idx, max_new_tokens, temperature, top_k or None)
+    return enc.decode(out[0].tolist() if prompt else out[0, 1:].tolist())
+
+
+def main(argv):
+    out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
+    ckpt = ""
+    prompt = ""                 # '' : start from <|endoftext|>, i.e. the beginning of a document
+    num_samples = 2
+    max_new_tokens = 200
+    temperature = 0.8           # 0: greedy
+    top_k = 50                  # 0: sample from the whole distribution
+    seed = 1337
+    device = "auto"
+    export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
+    export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
+    defaults = dict(locals())
+    cfg = {**defaults, **configurator.configure(defaults, argv)}
+
+    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
+    if path is None:
+        raise configurator.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
+                                     f"ckpt=path/to/iter_XXXXXXX")
+    model, meta = load_model(path)
+    if cfg["export"]:
+        tmp = cfg["export"] + ".tmp"
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+        os.replace(tmp, cfg["export"])
+        print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
+    if cfg["export_hf"]:
+        checkpoint.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg)
+        print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {cfg['export_hf']}")
+    if cfg["export"] or cfg["export_hf"]:
+        return
+    model.to(parallel.pick_device(cfg["device"])).eval()
+    enc = data.get_tokenizer(meta["config"]["tokenizer"], meta["config"]["vocab_size"], meta.get("extra_tokens", []))
+    torch.manual_seed(cfg["seed"])
+    print(f"{os.path.relpath(path)}: iteration {meta['iter']}")
+    for _ in range(cfg["num_samples"]):
+        print(sample_text(model, enc, cfg["prompt"], cfg["max_new_tokens"], cfg["temperature"], cfg["top_k"]))
+        print("-" * 60)
+
+
+if __name__ == "__main__":
+    sys.excepthook = configurator.excepthook
+    main(sys.argv[1:])

@@ -25,6 +25,7 @@ import checkpoint
 import configurator
 import data
 import parallel
+import sample
 from model import ModelConfig, Transformer, grow_vocab, make_stage, measure_matmul_flops, stage_layers
 
 # ---------------------------------------------------------------------------------------
@@ -100,44 +101,78 @@ reshard_after_forward = True    # fsdp: free each block's gathered weights after
 sample_tokens = 120             # tokens to generate at the end of the run (0: none)
 # ---------------------------------------------------------------------------------------
 
-sys.excepthook = configurator.excepthook  # a UserError prints one line, not a traceback
+
+sys.excepthook = parallel.excepthook  # a UserError (and a dead peer) prints one line, not a traceback
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
 overrides = configurator.configure(defaults, sys.argv[1:])
 globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 
+
+# ---- check the config: all of it, before anything touches the disk or a process group --
+
+
+def check(ok, problem):
+    """A mistake in the config: one line that names it and the fix, and nothing touched yet."""
+    if not ok:
+        raise configurator.UserError(problem)
+
+
+world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
+for key, choices in (("nan_action", ("rollback", "stop")), ("ddp_impl", ("bucketed", "naive", "torch")),
+                     ("pp_schedule", ("1f1b", "gpipe")), ("dtype", ("auto", "float32", "bfloat16")),
+                     ("backend", ("auto", "gloo", "nccl"))):
+    check(config[key] in choices, f"{key}={config[key]!r} is not one of {', '.join(choices)}")
+for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
+            "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp"):
+    check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
+for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
+            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens"):
+    check(config[key] >= 0, f"{key}={config[key]} must not be negative")
+for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1)):
+    check(lo <= config[key] < hi, f"{key}={config[key]} must be in [{lo}, {hi})")
+check(dist_timeout_s > 0 and ddp_bucket_mb > 0, "dist_timeout_s and ddp_bucket_mb must be positive")
+check(n_embd % n_head == 0, f"n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head")
+check(n_head % n_kv_head == 0, f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each key/value head "
+                               f"serves a whole group of query heads; use a divisor of n_head")
+check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
+                                 f"rotate pairs of features; change n_embd or n_head")
+# the layout: dp x pp over the world
+check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp processes "
+                       f"(torchrun --nproc_per_node=N), or change pp")
+dp = world // pp
+check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers: every stage needs at least one")
+check(pp == 1 or not tie_embeddings, "tie_embeddings=True with pp > 1: the embedding (first stage) and the head "
+                                     "(last stage) would be one tensor on two ranks; use tie_embeddings=False")
+check(grad_accum_steps % dp == 0, f"grad_accum_steps={grad_accum_steps} micro-batches per iteration cannot be shared "
+                                  f"evenly by {dp} data-parallel ranks: use a multiple of {dp} (and lower batch_size "
+                                  f"to keep the global batch), or start fewer ranks")
+check(not (pp > 1 and dp > 1 and ddp_impl == "torch"),
+      "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
+      "interleaves forwards with backwards): use ddp_impl=bucketed or naive")
+check(not (fsdp and "ddp_impl" in overrides), f"fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be "
+                                              f"ignored: drop one of the two")
+# the files: where the weights come from and where the run writes
+check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
+      f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
+      f"Hugging Face LLaMA directory)")
+check(out_dir.strip() != "", "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
+check(not os.path.exists(out_dir) or os.path.isdir(out_dir), f"out_dir={out_dir} is a file, not a directory: "
+                                                             f"pick another out_dir")
+writable = os.path.abspath(out_dir)
+while not os.path.exists(writable):  # the nearest directory that exists is where out_dir will be made
+    writable = os.path.dirname(writable)
+check(os.access(writable, os.W_OK | os.X_OK), f"out_dir={out_dir} is not writable ({writable} is read-only to "
+                                              f"this user): fix its permissions or pick another out_dir")
+check(not export_hf or not os.path.exists(export_hf) or (os.path.isdir(export_hf) and not os.listdir(export_hf)),
+      f"export_hf={export_hf} already exists and is not an empty directory: remove it or export elsewhere (checked "
+      f"now rather than after the run has trained)")
+
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp)
-init_path = "" if init_from in ("auto", "scratch", "resume") else init_from  # start from these weights
-if init_path and not os.path.isdir(init_path):
-    raise configurator.UserError(f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (a Hugging "
-                                 f"Face LLaMA with config.json, or a run's out_dir)")
-if nan_action not in ("rollback", "stop"):
-    raise configurator.UserError(f"nan_action='{nan_action}' is not 'rollback' or 'stop'")
-if ddp_impl not in ("bucketed", "naive", "torch"):
-    raise configurator.UserError(f"ddp_impl='{ddp_impl}' is not one of bucketed, naive, torch")
-if pp_schedule not in ("1f1b", "gpipe"):
-    raise configurator.UserError(f"pp_schedule='{pp_schedule}' is not '1f1b' or 'gpipe'")
-if pp > 1 and ddp_impl == "torch" and mesh.dp > 1:
-    raise configurator.UserError("ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether "
-                                 "to sync, and 1F1B interleaves forwards with backwards): use ddp_impl=bucketed or naive")
-if pp > n_layer:
-    raise configurator.UserError(f"pp={pp} stages but only n_layer={n_layer} layers: every stage needs at least one")
-if pp > 1 and tie_embeddings:
-    raise configurator.UserError("tie_embeddings=True with pp > 1: the embedding (first stage) and the head (last "
-                                 "stage) would be one tensor on two ranks; use tie_embeddings=False")
-if grad_accum_steps < mesh.dp:
-    raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} micro-batches per iteration cannot be shared by "
-                                 f"{mesh.dp} data-parallel ranks: set grad_accum_steps to a multiple of {mesh.dp} "
-                                 f"(and lower batch_size to keep the global batch), or start fewer ranks")
-if grad_accum_steps % mesh.dp:
-    raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} is not divisible by the {mesh.dp} "
-                                 f"data-parallel ranks: use a multiple of {mesh.dp}")
 if dtype == "auto":
     dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
-if dtype not in ("float32", "bfloat16"):
-    raise configurator.UserError(f"dtype='{dtype}' is not one of auto, float32, bfloat16")
 # weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
 autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
 if mesh.device.type == "cuda":
@@ -167,47 +202,52 @@ train_loader = data.Loader(data_dir, "train", block_size, batch_size, grad_accum
 val_loader = data.Loader(data_dir, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
-# ---- model and optimizer --------------------------------------------------------------
+# ---- the model: where its weights come from -------------------------------------------
+# One of four places, first match wins: (1) this run's own newest intact checkpoint (resume:
+# weights, AdamW state, RNG and iteration; loaded below, once the layout exists); (2)
+# init_from= another run of ours (its newest checkpoint's weights, a fresh optimizer); (3)
+# init_from= a Hugging Face LLaMA directory; (4) fresh random weights from the seed.
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
-run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}
-shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
-# the newest intact checkpoint in out_dir (corrupt ones are reported and skipped), or None
-ckpt_path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
-if init_from == "resume" and ckpt_path is None:
-    raise configurator.UserError(f"init_from=resume but {out_dir}/ckpt has no checkpoint: "
-                                 f"use init_from=auto (or scratch), or the out_dir of the run to continue")
-if init_from == "scratch" and ckpt_path:
-    raise configurator.UserError(f"init_from=scratch but {out_dir} holds checkpoints of an earlier run: continue it "
-                                 f"with init_from=auto, or pick a new out_dir (or delete {out_dir}/ckpt)")
-ckpt_meta, ckpt_state = checkpoint.read_meta(ckpt_path) if ckpt_path else (None, None)
-init_weights = None  # {name: tensor} to start from (init_from=path, when not resuming)
-if ckpt_path:
+ckpt_path = checkpoint.find(out_dir, mesh, warn=mesh.print0)  # corrupt ones are reported and skipped
+check(not (init_from == "resume" and ckpt_path is None), f"init_from=resume but {out_dir}/ckpt has no checkpoint: "
+                                                         f"use init_from=auto (or scratch), or the out_dir of the "
+                                                         f"run to continue")
+check(not (init_from == "scratch" and ckpt_path), f"init_from=scratch but {out_dir} holds checkpoints of an earlier "
+                                                  f"run: continue it with init_from=auto, or pick a new out_dir (or "
+                                                  f"delete {out_dir}/ckpt)")
+init_path = "" if init_from in ("auto", "scratch", "resume") else init_from
+init_ckpt = init_weights = saved = None
+if ckpt_path:                                                    # (1) resume
+    ckpt_meta, ckpt_state = checkpoint.read_meta(ckpt_path)
     saved, where = ckpt_meta["model"], f"the checkpoint in {out_dir}"
-elif init_path and os.path.exists(os.path.join(init_path, "config.json")):  # a Hugging Face LLaMA
+elif init_path and os.path.isdir(os.path.join(init_path, "ckpt")):  # (2) a run of ours
+    init_ckpt = checkpoint.find(init_path, mesh, warn=mesh.print0)
+    check(init_ckpt is not None, f"init_from={init_path} is a run directory with no checkpoint in ckpt/: "
+                                 f"train it first, or point at another run or a Hugging Face model")
+    saved, where = checkpoint.read_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
+elif init_path:                                                  # (3) Hugging Face
     saved, init_weights = checkpoint.load_hf_llama(init_path)
     where = f"the Hugging Face model in {init_path}"
-elif init_path:  # another run of ours: its newest checkpoint's weights, a fresh optimizer
-    init_ckpt = checkpoint.find(init_path, mesh, warn=mesh.print0)
-    if init_ckpt is None:
-        raise configurator.UserError(f"init_from={init_path} has neither config.json (Hugging Face) nor ckpt/ (a run "
-                                     f"of ours): point it at one of those")
-    saved, where = checkpoint.read_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
-if ckpt_path or init_path:
+if saved is not None:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
+    shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
     for key in shape_keys:
-        if key in overrides and key in saved and overrides[key] != saved[key]:
-            raise configurator.UserError(f"{key}={overrides[key]} but {where} has {key}={saved[key]}: "
-                                         f"drop the override, or use a new out_dir")
+        check(key not in overrides or key not in saved or overrides[key] == saved[key],
+              f"{key}={overrides.get(key)} but {where} has {key}={saved.get(key)}: drop the override, or use a "
+              f"new out_dir")
+    run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}
     model_cfg = ModelConfig(**{**saved, **run_keys})
-torch.manual_seed(seed)  # identical initial weights on every rank and every layout
+    check(mesh.pp <= model_cfg.n_layer, f"pp={mesh.pp} stages but {where} has n_layer={model_cfg.n_layer}: "
+                                        f"use at most that many stages")
+torch.manual_seed(seed)  # (4), and the starting point of (1)-(3): identical weights on every rank and layout
 raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
 if init_weights is not None:
     if model_cfg.tie_embeddings:  # one tensor under two names
         init_weights.setdefault("output.weight", init_weights["tok_embeddings.weight"])
     raw_model.load_state_dict(init_weights)
-elif init_path and not ckpt_path:
+elif init_ckpt is not None:
     checkpoint.load(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
 if model_cfg.vocab_size < meta["vocab_size"]:
     # vocabulary expansion: the data has tokens the model has never seen (extra and chat
@@ -216,6 +256,10 @@ if model_cfg.vocab_size < meta["vocab_size"]:
     grow_vocab(raw_model, meta["vocab_size"])
     model_cfg = raw_model.cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
+
+# ---- parallelism, applied from outside, and the optimizer -----------------------------
+# In this order: cut the pipeline stage, move to the device, shard (FSDP), compile, then wrap
+# for data parallel (whose hooks must see the compiled module's parameters).
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
 raw_model.to(mesh.device)
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
@@ -236,7 +280,7 @@ no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
-if ckpt_path:  # weights and AdamW state, into whatever layout this run has
+if ckpt_path:  # (1) weights and AdamW state, into whatever layout this run has
     checkpoint.load(ckpt_path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
@@ -251,39 +295,63 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def to_dev(t, k):
-    """Micro-batch k of a loss mask or document ids, on the device; None stays None."""
-    return None if t is None else t[k].to(mesh.device)
+def micro_batches(x, y, mask):
+    """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device]: the unit that the plain
+    loop and the pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None."""
+    doc = data.doc_ids(x, meta["eot_token"]) if doc_mask else None
+    return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc)) for k in range(x.size(0))]
 
 
-def docs(x):
-    """doc_mask: which document each position belongs to (attention stays inside it)."""
-    return data.doc_ids(x, meta["eot_token"]) if doc_mask else None
+def token_weights(y, mask):
+    """Each of this rank's micro-batches' weight in the mean over ALL target tokens of the
+    global batch: n_k * dp / N, where n_k counts micro-batch k's target tokens (its loss-mask
+    ones; without a mask, all) and N those of every micro-batch of every dp rank. A model's
+    loss is the mean over its micro-batch, so loss_k * n_k is its token sum; the dp average
+    divides by dp, which the factor dp undoes. Without masks every n_k is the same and the
+    weight is 1 / micro_steps, the classic recipe."""
+    n = mask.sum(dim=(1, 2)).double() if mask is not None else torch.full((y.size(0),), float(y[0].numel()),
+                                                                            dtype=torch.float64)
+    total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
+    return (n * mesh.dp / max(total, 1.0)).tolist()
 
 
 @torch.no_grad()
 def evaluate():
-    """Mean loss over eval_iters global batches of val data: the same batches every time."""
+    """Mean loss over the target tokens of eval_iters global batches of val data (the same
+    batches every time), weighted by tokens exactly like the training loss."""
     raw_model.eval()
-    loss_sum = 0.0
-    for i in range(eval_iters):
-        x, y, mask = val_loader.batch(i)
-        if mesh.pp > 1:
-            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast, mask, docs(x)).item()
-            continue
-        d = docs(x)
-        for k in range(x.size(0)):
+    batches = [val_loader.batch(i) for i in range(eval_iters)]
+    x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches]) for j in range(3))
+    micro, weights = micro_batches(x, y, mask), token_weights(y, mask)
+    if mesh.pp > 1:
+        loss_sum = parallel.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights)
+    else:
+        loss_sum = torch.zeros((), device=mesh.device)
+        for (xk, yk, mk, dk), w in zip(micro, weights):
             with autocast:
-                _, loss = raw_model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k), to_dev(d, k))
-            loss_sum += loss.item()
+                _, loss = raw_model(xk, yk, mk, dk)
+            loss_sum += loss * w
     raw_model.train()
     parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
-    # only last stages hold losses: the mean over all ranks times pp is the mean over dp replicas
-    return parallel.all_reduce_mean(loss_sum / (eval_iters * val_loader.micro_steps), mesh) * mesh.pp
+    # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold losses)
+    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / mesh.dp
 
 
-# ---- resume state, logging ------------------------------------------------------------
+# ---- run state, logging, checkpoints --------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
+
+
+def rng_states():
+    """This rank's random streams (dropout, NEFTune): the CPU one, and the GPU's where there is one."""
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if mesh.device.type == "cuda" else {})}
+
+
+def set_rng_states(state):
+    """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved it)."""
+    r = mesh.rank % len(state["rng_cpu"])
+    torch.set_rng_state(state["rng_cpu"][r])
+    if mesh.device.type == "cuda" and "rng_cuda" in state:
+        torch.cuda.set_rng_state(state["rng_cuda"][r])
 
 
 def truncate_metrics(upto):
@@ -310,10 +378,10 @@ if ckpt_path:
     start_iter = ckpt_meta["iter"]
     run_id = ckpt_meta.get("wandb_id")
     skip_iters = set(ckpt_meta.get("skip_iters", []))
-    torch.set_rng_state(ckpt_state["rng_cpu"][mesh.rank % len(ckpt_state["rng_cpu"])])
+    set_rng_states(ckpt_state)
     mesh.print0(f"resumed from {ckpt_path} at iteration {start_iter}")
 else:
-    torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks
+    torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks (on CPU and GPU)
 if mesh.master:
     os.makedirs(out_dir, exist_ok=True)
     truncate_metrics(start_iter)
@@ -337,19 +405,15 @@ def log(record):
 def save(it):
     """Every rank writes its part (weights and AdamW state under global names: the whole
     model once, whatever the layout, so any layout can resume it); rank 0 adds every rank's
-    RNG state and the run's metadata."""
+    RNG states and the run's metadata."""
     info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
             "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
-    rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
-    path = checkpoint.save(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
+    rngs = parallel.gather_to_master(rng_states(), mesh)  # each rank's dropout streams
+    state = None if rngs is None else {f"rng_{k}": [r[k] for r in rngs] for k in rngs[0]}
+    path = checkpoint.save(out_dir, it, raw_model, optimizer, state, info, mesh, keep_ckpts)
     mesh.print0(f"saved checkpoint {path}")
 
-
-peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-flops_per_iter = flops_per_token * tokens_per_iter
-mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
-            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
 def rollback(streak, it):
     """The NaN guard's last resort: reload the latest checkpoint (weights, AdamW state, RNG)
@@ -363,7 +427,7 @@ def rollback(streak, it):
             f"check the data around these iterations, or raise nan_max_consecutive")
     back_meta, back_state = checkpoint.read_meta(back)
     checkpoint.load(back, raw_model, optimizer)
-    torch.set_rng_state(back_state["rng_cpu"][mesh.rank % len(back_state["rng_cpu"])])
+    set_rng_states(back_state)
     skip_iters.update(back_meta.get("skip_iters", []))
     truncate_metrics(back_meta["iter"])
     mesh.print0(f"rolled back to {back}: continuing from iteration {back_meta['iter']}, stepping over "
@@ -386,6 +450,11 @@ def on_signal(signum, frame):
 
 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
     signal.signal(sig, on_signal)
+
+peak = peak_flops or measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+flops_per_iter = flops_per_token * tokens_per_iter
+mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
+            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
 # ---- the loop -------------------------------------------------------------------------
 it = start_iter
@@ -410,47 +479,50 @@ while True:
         it += 1
         continue
 
+    # ================================ TRAINING SECTION BEGIN ================================
     t0 = time.perf_counter()
     lr = get_lr(it)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
     x, y, mask = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
-    doc = docs(x)  # doc_mask: (micro_steps, batch_size, block_size) document ids, else None
-    micro_steps = x.size(0)
+    micro = micro_batches(x, y, mask)    # [(x, y, loss_mask, doc_ids) of micro-batch k]
+    # The objective is the mean cross-entropy over every target token of the global batch.
+    # backward() adds each micro-step's gradient into .grad and data parallel averages over
+    # the dp ranks, so micro-batch k's loss (a mean over its own n_k tokens) is weighted by
+    # n_k * dp / N (N: target tokens of the whole global batch). The classic recipe, loss /
+    # micro_steps, is the same only when every micro-batch has as many target tokens; with
+    # loss masks (SFT) it would weigh a micro-batch with 3 target tokens like one with 300.
+    weights = token_weights(y, mask)
+    trace = [] if pp_trace and mesh.pp > 1 and it == start_iter + 1 else None
     if mesh.pp == 1:
         # plain: one micro-step after the other, each a whole forward and backward
         loss_sum = torch.zeros((), device=mesh.device)
-        for k in range(micro_steps):
+        for k, (xk, yk, mk, dk) in enumerate(micro):
             # data parallel (DataParallel / DDP all-reduce, FSDP reduce-scatter): sync only in the
             # last micro-step's backward (no_sync before). The communication is launched by
             # hooks *during* backward, so the flag must be set before this micro-step's
             # backward starts; we set it before its forward.
-            parallel.set_grad_sync(model, k == micro_steps - 1)
+            parallel.set_grad_sync(model, k == len(micro) - 1)
             with autocast:
-                _, loss = model(x[k].to(mesh.device), y[k].to(mesh.device), to_dev(mask, k), to_dev(doc, k))
-            # backward adds each micro-step's gradient into .grad, so dividing each loss by the
-            # number of micro-steps makes the total the gradient of the mean over the whole batch
-            (loss / micro_steps).backward()
-            loss_sum += loss.detach()
+                _, loss = model(xk, yk, mk, dk)
+            (loss * weights[k]).backward()
+            loss_sum += loss.detach() * weights[k]
     else:
         # pipeline: this stage runs its part of every micro-batch's forward and backward in the
-        # schedule's order (loss / micro_steps inside, as above), sending activations to the
-        # next stage and their gradients to the previous one; with dp, the stage's gradients
-        # are all-reduced in its last backward only. The loss exists on the last stage only.
-        trace = [] if pp_trace and it == start_iter + 1 else None
-        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace, mask, doc)
-        if trace is not None:
-            traces = parallel.all_gather_object(trace, mesh)[:mesh.pp]  # the stages of pipeline 0
-            mesh.print0(parallel.pipeline_timeline(traces, micro_steps)[0])
+        # schedule's order (the same weights inside), sending activations to the next stage and
+        # their gradients to the previous one; with dp, the stage's gradients are all-reduced
+        # in its last backward only. The loss exists on the last stage only.
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights)
     if isinstance(model, parallel.DataParallel):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
         for p in raw_model.parameters():
             p.grad.fill_(float("nan"))
-    # one all-reduce for the loss (the mean over the global batch: with pp only last stages
-    # hold losses, so the sum over ranks / dp is the mean over replicas) and for the stop flag
+    # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
+    # evaluate) and for the stop flag
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
-    totals = parallel.all_reduce_sum(torch.stack([loss_sum / micro_steps, flag]).double(), mesh)
+    totals = parallel.all_reduce_sum(torch.stack([loss_sum.double(), flag.double()]), mesh)
     loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
     # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
     # (computed even when not clipping, for the log); every rank gets the same norm
@@ -462,14 +534,16 @@ while True:
     else:  # NaN / Inf guard: no update from this batch
         bad_streak += 1
         skip_iters.add(it)
+    dt = time.perf_counter() - t0  # .item() above waited for the device
+    # ================================ TRAINING SECTION END ==================================
+    # everything that follows now is diagnostics, logging and the NaN guard's decision
+    dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+    if trace is not None:
+        parallel.print_pipeline_timeline(trace, mesh, len(micro))
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mem = parallel.memory_bytes(raw_model, optimizer)
         mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) +
                     (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else ""))
-    optimizer.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0  # .item() above waited for the device
-    dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-
     if not finite:
         mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
@@ -480,7 +554,6 @@ while True:
             continue
         it += 1
         continue
-
     if it % log_interval == 0 or it == max_iters - 1:
         tok_per_s = tokens_per_iter / dt
         mfu = flops_per_iter / dt / (peak * mesh.world)
@@ -494,22 +567,16 @@ while True:
 # ---- the end --------------------------------------------------------------------------
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
-if mesh.master and (sample_tokens > 0 or export_hf) and not stop:
-    if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
-        raw_model = Transformer(model_cfg).to(mesh.device)
-        checkpoint.load(checkpoint.find(out_dir, None), raw_model, no_dist=True)
-    raw_model.eval()
-if mesh.master and export_hf and not stop:
-    checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in raw_model.state_dict().items()}, model_cfg)
-    print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
-if mesh.master and sample_tokens > 0 and not stop:
-    enc = data.tokenizer_from_meta(meta)
-    start = torch.tensor([[enc.eot_token]], device=mesh.device)  # a sample from the start of a document
-    with autocast:
-        out = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=50)
-    print("-" * 30 + " sample " + "-" * 30)
-    print(enc.decode(out[0, 1:].tolist()))
-    print("-" * 68, flush=True)
 if mesh.master and wandb_log:
     wandb.finish()
-parallel.teardown(mesh)
+whole = mesh.pp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage or shards)
+parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
+if mesh.master and not stop and (export_hf or sample_tokens > 0):
+    final = raw_model if whole else sample.load_model(checkpoint.find(out_dir, None))[0].to(mesh.device)
+    final.eval()
+    if export_hf:
+        checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg)
+        print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
+    if sample_tokens > 0:
+        text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
+        print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
