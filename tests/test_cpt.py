@@ -111,9 +111,29 @@ def test_sft_loss_counts_only_assistant_tokens_and_neftune_only_trains(chat_data
     assert 0 < mask.mean() < 1
     with torch.no_grad():
         losses = [model(x[k], y[k], mask[k], data.doc_ids(x[k], meta["eot_token"]))[1] for k in range(4)]
-    assert abs(sft_single[1]["loss"] - sum(losses).item() / 4) < 1e-5
+    counts = mask.sum(dim=(1, 2))
+    assert len(set(counts.tolist())) > 1  # micro-batches with different numbers of target tokens
+    # token-weighted: the mean over every assistant token of the global batch, not the mean of
+    # the four micro-batch means
+    weighted = sum(loss * n for loss, n in zip(losses, counts)).item() / counts.sum().item()
+    assert abs(sft_single[1]["loss"] - weighted) < 1e-5
+    assert abs(sum(losses).item() / 4 - weighted) > 1e-3  # the two differ on this data: the test can tell
     out = str(tmp_path / "neft")
     run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "neftune_alpha=5"], cwd=tmp_path)
     neft = read_metrics(out)
     assert neft[0] == sft_single[0]  # the val loss before training: evaluation has no noise
     assert neft[1]["loss"] != sft_single[1]["loss"]  # training forward does
+
+
+def test_sft_loss_and_grad_norm_do_not_depend_on_the_micro_batch_split(chat_dataset, tmp_path):
+    """The same 16 sequences per iteration, cut 16x1, 4x4, 2x8 and 1x16 (batch_size x
+    grad_accum_steps): one objective (the mean over all target tokens of the global batch), so
+    the same losses and gradient norms at iteration 0 and after 5 steps, and the same val loss."""
+    curves = []
+    for b, g in ((16, 1), (4, 4), (2, 8), (1, 16)):
+        out = str(tmp_path / f"split{b}x{g}")
+        run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", f"batch_size={b}", f"grad_accum_steps={g}",
+                   "max_iters=6", "eval_interval=6"], cwd=tmp_path)
+        curves.append(read_metrics(out))
+    for other in curves[1:]:
+        assert_same_curve(curves[0], other)

@@ -2,10 +2,14 @@
 
 import json
 import os
+import runpy
+import sys
 
 import pytest
+import torch
 
-from conftest import TINY, read_metrics, run_train
+from configurator import UserError
+from conftest import ROOT, TINY, read_metrics, run_train, torchrun
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
 
@@ -48,6 +52,24 @@ def test_resume_is_bit_exact(dataset, tmp_path):
     a, b = read_metrics(full), read_metrics(half)
     strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]  # noqa: E731
     assert strip(b) == strip(a)  # == on floats: bit for bit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on CUDA dropout draws from the GPU's "
+                    "generator, whose state per rank this checks is saved and restored (CPU: the test above)")
+def test_resume_is_exact_on_gpu_with_dropout_on_two_ranks(dataset, tmp_path):
+    # two ranks on one GPU (gloo over CUDA tensors would need nccl: one process per GPU is the
+    # usual setup, so this runs dp=1 when there is one GPU and dp=2 when there are two)
+    nproc = min(2, torch.cuda.device_count())
+    common = [*TINY, f"dataset={dataset}", "device=cuda", "dtype=float32", "dropout=0.1", "neftune_alpha=5",
+              "lr_decay_iters=20", "ckpt_interval=100"]
+    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    torchrun(nproc, [*common, f"out_dir={full}", "max_iters=20"], cwd=tmp_path)
+    torchrun(nproc, [*common, f"out_dir={half}", "max_iters=10"], cwd=tmp_path)
+    torchrun(nproc, [*common, f"out_dir={half}", "max_iters=20"], cwd=tmp_path)
+    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "val_loss") if k in r} for r in rows]  # noqa: E731
+    assert strip(read_metrics(half)) == strip(read_metrics(full))
+    state = torch.load(os.path.join(half, "ckpt", "iter_0000020", "state.pt"), weights_only=True)
+    assert len(state["rng_cuda"]) == nproc
 
 
 def test_config_file_and_resume_keeps_the_model_shape(dataset, tmp_path):
@@ -93,13 +115,17 @@ BAD = {
     "block too long": (["block_size=100000"], "fewer than block_size + 1"),
     "resume nothing": (["init_from=resume", "out_dir=empty"], "empty/ckpt has no checkpoint"),
     "resume other shape": (["init_from=resume", "n_layer=3", "@saved"], "n_layer=3 but the checkpoint in"),
+    "rejected key on a run": (["log_interval=0", "@saved"], "log_interval=0 must be at least 1"),
+    "config file syntax": (["@badcfg"], "bad.py:2: SyntaxError"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gives_one_clear_line(case, dataset, saved_run, tmp_path):
     args, message = BAD[case]
-    args = [a for a in args if a != "@saved"] + ([f"out_dir={saved_run}"] if "@saved" in args else [])
+    (tmp_path / "bad.py").write_text("n_layer = 2\nn_embd = (\n")
+    args = [str(tmp_path / "bad.py") if a == "@badcfg" else a for a in args if a != "@saved"]
+    args += [f"out_dir={saved_run}"] if "@saved" in BAD[case][0] else []
     before = snapshot(saved_run)
     p = run_train([*TINY, f"dataset={dataset}", "max_iters=2", *args], cwd=tmp_path, check=False)
     assert p.returncode != 0
@@ -138,3 +164,40 @@ def test_wandb_offline(dataset, tmp_path):
     run_id = runs[0].rsplit("-", 1)[1]
     meta = json.load(open(os.path.join(out, "ckpt", "iter_0000002", "meta.json")))
     assert meta["wandb_id"] == run_id  # a resumed run continues this wandb run
+
+
+# config mistakes caught by train.py's check pass, before the process group, the data or
+# out_dir: run in this process (runpy) because there are many and each fails in milliseconds
+MISTAKES = {
+    "n_embd=30": "n_embd=30 is not divisible by n_head=4",
+    "n_kv_head=3": "n_head=4 is not divisible by n_kv_head=3",
+    "n_head=0": "n_head=0 must be at least 1",
+    "block_size=0": "block_size=0 must be at least 1",
+    "batch_size=-2": "batch_size=-2 must be at least 1",
+    "eval_interval=0": "eval_interval=0 must be at least 1",
+    "log_interval=0": "log_interval=0 must be at least 1",
+    "eval_iters=0": "eval_iters=0 must be at least 1",
+    "dropout=1.0": "dropout=1.0 must be in [0, 1)",
+    "dropout=-0.1": "dropout=-0.1 must be in [0, 1)",
+    "max_iters=-1": "max_iters=-1 must not be negative",
+    "out_dir=''": "out_dir='' names no directory",
+    "out_dir=@file": "is a file, not a directory",
+    "fsdp=True ddp_impl=torch": "fsdp=True shards with FSDP2, so ddp_impl=torch would be ignored",
+    "pp=3": "pp=3 pipeline stages do not divide the 1 ranks",
+    "export_hf=@full": "already exists and is not an empty directory",
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, saved_run, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in case.split()]
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py installs its own
+    before = snapshot(saved_run)
+    with pytest.raises(UserError) as e:
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+    assert MISTAKES[case] in str(e.value)
+    assert snapshot(saved_run) == before and (tmp_path / "full" / "keep.txt").read_text() == "mine"
