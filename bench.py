@@ -36,12 +36,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import configurator
 import parallel
 from model import ModelConfig, Transformer, measure_matmul_flops
 
-# the default model and batch of train.py
-MODEL = dict(vocab_size=8192, block_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=128)
-BATCH, ACCUM, WARMUP, ITERS = 16, 2, 3, 10
+# the default model and batch of train.py, read from its defaults block
+TRAIN = configurator.script_defaults(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
+MODEL = {k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+BATCH, ACCUM = TRAIN["batch_size"], TRAIN["grad_accum_steps"]
+WARMUP, ITERS = 3, 10
 
 
 def peak_memory_mb(device):

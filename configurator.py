@@ -104,3 +104,18 @@ def configure(defaults, argv):
             value = _parse_value(raw, defaults[key])
             overrides[key] = _typed(key, value, defaults[key], "on the command line")
     return overrides
+
+
+def script_defaults(path):
+    """{key: value} of the literal top-level assignments of a script such as train.py, read
+    without running it (bench.py takes the default model and batch from here)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass  # computed, not a default
+    return out

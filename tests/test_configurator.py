@@ -57,3 +57,14 @@ def test_command_line_values_are_never_executed(tmp_path):
     with pytest.raises(UserError):
         configure(DEFAULTS, ["n_layer=(lambda: 1)()"])
     assert not marker.exists()
+
+
+def test_script_defaults_reads_literals_without_running_the_script(tmp_path):
+    import os
+    from conftest import ROOT
+    from configurator import script_defaults
+    script = tmp_path / "s.py"
+    script.write_text("import sys\na = 1\nb = 'x'  # note\nc = a * 2\nsys.exit(3)\n")
+    assert script_defaults(str(script)) == {"a": 1, "b": "x"}
+    d = script_defaults(os.path.join(ROOT, "train.py"))
+    assert {"n_layer", "batch_size", "grad_accum_steps", "vocab_size", "out_dir"} <= set(d)
