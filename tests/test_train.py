@@ -201,3 +201,13 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
     assert MISTAKES[case] in str(e.value)
     assert snapshot(saved_run) == before and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_a_dead_peer_is_one_line_that_keeps_the_cause(capfd):
+    import parallel
+    cause = "Connection reset by peer [127.0.0.1]:45678"
+    err = RuntimeError(f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: {cause}"
+                       f"{' while waiting for the peer of the all-reduce in process group 0' * 4}\nmore lines")
+    parallel.excepthook(RuntimeError, err, None)
+    line = capfd.readouterr().err.strip()
+    assert line.startswith("error: a collective failed") and cause in line and "\n" not in line
