@@ -211,3 +211,12 @@ def test_a_dead_peer_is_one_line_that_keeps_the_cause(capfd):
     parallel.excepthook(RuntimeError, err, None)
     line = capfd.readouterr().err.strip()
     assert line.startswith("error: a collective failed") and cause in line and "\n" not in line
+
+
+def test_a_slow_end_of_run_sample_does_not_time_out_the_other_ranks(dataset, tmp_path):
+    # rank 0 samples (and exports) after the process group is gone: the other rank does not
+    # wait for it inside a collective, so a sample far longer than dist_timeout_s is fine
+    out = str(tmp_path / "run")
+    p = torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "dist_timeout_s=4",
+                     "sample_tokens=4000", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path)
+    assert "sample" in p.stdout and os.path.isfile(tmp_path / "hf" / "model.safetensors")
