@@ -219,7 +219,7 @@ class DataParallelBase(nn.Module):
         super().__init__()
         self.module, self.mesh = module, mesh
         self.require_backward_grad_sync = True  # off: backward only accumulates into the local .grad
-        self.launches = 0  # gradient all-reduces launched since the last wait(): the tests count them
+        self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=mesh.pp_rank, group=mesh.dp_group)  # global rank of grid[0, pp_rank]
@@ -245,7 +245,8 @@ class DataParallelBase(nn.Module):
 
 
 class NaiveDataParallel(DataParallelBase):
-    """Data parallelism with one blocking all-reduce per parameter after backward."""
+    """Data parallelism with one blocking all-reduce per parameter in wait(), after the last
+    backward. Nothing is sent during backward, so the sync flag and no_sync() change nothing here."""
 
     def wait(self):
         """Averages the gradients: after this every rank holds the same mean gradient."""
@@ -314,9 +315,10 @@ class DataParallel(DataParallelBase):
         # gradients from no_sync micro-steps only) go now, still in bucket order
         while self.launched < len(self.buckets):
             self._launch(self.buckets[self.launched])
-        used = dict(zip(self.params, self._used_anywhere()))
-        for bucket, work in self.pending:
+        for _, work in self.pending:  # the buckets first: a dead peer's missing all-reduce times out here
             work.wait()
+        used = dict(zip(self.params, self._used_anywhere()))
+        for bucket, _ in self.pending:
             bucket.flat /= self.mesh.dp  # all_reduce summed; we want the mean (gloo has no AVG)
             offset = 0
             for p in bucket.params:
