@@ -140,7 +140,7 @@ def dp_worker(bucket_sizes):
         elif impl == "torch":
             ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
         else:
-            ddp = parallel.DataParallel(model, mesh, mb or 0, naive=impl == "naive")
+            ddp = parallel.NaiveDataParallel(model, mesh) if impl == "naive" else parallel.DataParallel(model, mesh, mb)
         models[(impl, mb)] = (ddp, torch.optim.AdamW(model.parameters(), lr=1e-4))
     micro = ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, BATCH, MODEL["block_size"] + 1), device=dev,
@@ -363,7 +363,7 @@ def layout_worker(layout):
             for k in range(micro):
                 parallel.set_grad_sync(wrapped, k == micro - 1)
                 (wrapped(x[k, :, :-1], x[k, :, 1:])[1] / micro).backward()
-            if isinstance(wrapped, parallel.DataParallel):
+            if isinstance(wrapped, parallel.DataParallelBase):
                 wrapped.wait()
         parallel.clip_grad_norm_(model.parameters(), 1.0, mesh)
         opt.step()

@@ -1,10 +1,17 @@
 """
-Everything that knows about processes: setup from the torchrun environment, the rank grid
-(one explicit Mesh object, passed to whoever needs it: no hidden global), hand-written data
-parallelism (naive and bucketed all-reduce, no_sync), small collectives for logging, and
-checkpoint files (atomic directories, `latest`, pruning).
+Everything that knows about processes, in the order train.py uses it:
 
-Works as a plain single process (`python train.py`) and under torchrun.
+- setup: the process group from the torchrun environment, the dp x pp rank grid (one
+  explicit Mesh object, passed to whoever needs it: no hidden global), the error hook that
+  turns a dead peer into one line, small collectives;
+- data parallel by hand: NaiveDataParallel (one all-reduce per parameter) beside the
+  bucketed, overlapped DataParallel, both with no_sync();
+- FSDP2: fully_shard_model wraps torch's fully_shard per block;
+- pipeline parallel by hand: point-to-point helpers and the GPipe and 1F1B schedules;
+- global-norm gradient clipping across pipeline stages and FSDP shards, memory accounting.
+
+Checkpoint files live in checkpoint.py. Works as a plain single process (`python train.py`)
+and under torchrun.
 """
 
 import os
@@ -209,38 +216,87 @@ def all_reduce_mean(x, mesh):
 #
 # Every dp rank holds the whole model and runs its own micro-batches; before the optimizer
 # step the gradients are averaged over the ranks, so every rank takes the same step and the
-# weights stay identical. Two ways to average, side by side:
-#   naive:    after backward, one all-reduce per parameter. Simple, and the test oracle.
-#   bucketed: parameters are grouped into buckets of ~bucket_mb, in reverse order of use
-#             (backward produces the last layer's gradients first). A hook on each
-#             parameter fires when its gradient is final; when a bucket's last gradient
-#             arrives, the bucket is copied into one flat buffer and all-reduced
-#             asynchronously while backward goes on computing earlier layers. wait()
-#             collects everything before the optimizer step.
+# weights stay identical. Two ways to average, side by side, with one interface
+# (forward, no_sync() or the require_backward_grad_sync flag, wait()):
+#   NaiveDataParallel: after backward, one all-reduce per parameter, in wait(). Simple,
+#             and the test oracle.
+#   DataParallel (bucketed): parameters are grouped into buckets of ~bucket_mb, in reverse
+#             order of use (backward produces the last layer's gradients first). A hook on
+#             each parameter fires when its gradient is final; a complete bucket is copied
+#             into one flat buffer and all-reduced asynchronously while backward goes on
+#             computing earlier layers. wait() collects everything before the optimizer step.
+#
+# Collectives pair up by their order on each rank, so both wrappers make the same calls in
+# the same order on every rank, whatever each rank's graph did:
+# - buckets launch in bucket order (as torch DDP does). A bucket that completes before an
+#   earlier one waits in line; otherwise a rank whose graph skipped a parameter would pair
+#   its bucket 2 with another rank's bucket 1.
+# - unused parameters: every trainable parameter that got a gradient on *some* dp rank is
+#   reduced on every rank, a missing .grad counting as zeros. So a parameter unused on rank
+#   1 only gets (g0 + 0) / dp, what torch DDP(find_unused_parameters=True) gives. A
+#   parameter unused on every rank keeps grad None, so AdamW leaves it alone (no momentum,
+#   no decay), again as torch DDP does. Knowing "unused everywhere" costs one small
+#   all-reduce of a used-flag per parameter in wait().
+# Frozen parameters (requires_grad=False) are neither hooked nor reduced.
 
 
-class DataParallel(nn.Module):
-    """Wraps a model for data parallelism over mesh.dp ranks (naive or bucketed all-reduce).
+class DataParallelBase(nn.Module):
+    """What both data-parallel wrappers share: the same start on every replica, the forward,
+    and the sync flag. Subclasses average the gradients; call wait() before clipping."""
 
-    Gradient accumulation: set `require_backward_grad_sync = False` (or use `no_sync()`) for
-    every micro-step but the last, so that only the last backward communicates. Then call
-    wait() before clipping and the optimizer step."""
-
-    def __init__(self, module, mesh, bucket_mb=25.0, naive=False):
+    def __init__(self, module, mesh):
         super().__init__()
-        self.module, self.mesh, self.naive = module, mesh, naive
-        self.require_backward_grad_sync = True
-        self.launches = 0  # all-reduce launches since the last wait(): the tests count them
+        self.module, self.mesh = module, mesh
+        self.require_backward_grad_sync = True  # off: backward only accumulates into the local .grad
+        self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=mesh.pp_rank, group=mesh.dp_group)  # global rank of grid[0, pp_rank]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets, self.pending = [], []
-        if naive:
-            return
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation: no communication inside, gradients only add up in .grad."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def _used_anywhere(self):
+        """For each parameter: did it get a gradient on at least one dp rank this step?"""
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=self.mesh.device)
+        dist.all_reduce(used, group=self.mesh.dp_group)
+        return (used > 0).tolist()
+
+
+class NaiveDataParallel(DataParallelBase):
+    """Data parallelism with one blocking all-reduce per parameter in wait(), after the last
+    backward. Nothing is sent during backward, so the sync flag and no_sync() change nothing here."""
+
+    def wait(self):
+        """Averages the gradients: after this every rank holds the same mean gradient."""
+        for p, used in zip(self.params, self._used_anywhere()):
+            if not used:
+                continue  # no gradient on any rank: stays None
+            if p.grad is None:  # unused here, used elsewhere: this rank contributes zeros
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.mesh.dp_group)
+            p.grad /= self.mesh.dp  # all_reduce summed; we want the mean (gloo has no AVG)
+            self.launches += 1
+
+
+class DataParallel(DataParallelBase):
+    """Data parallelism with bucketed all-reduces overlapped with backward."""
+
+    def __init__(self, module, mesh, bucket_mb=25.0):
+        super().__init__(module, mesh)
         # buckets in reverse registration order, which is roughly the order backward finishes them
         cap = bucket_mb * 2 ** 20
-        current = []
+        self.buckets, current = [], []
         for p in reversed(self.params):
             current.append(p)
             if sum(q.numel() * q.element_size() for q in current) >= cap:
@@ -248,71 +304,61 @@ class DataParallel(nn.Module):
                 current = []
         if current:
             self.buckets.append(Bucket(current))
+        self.launched = 0  # buckets 0 .. launched - 1 are on their way, in this order
+        self.pending = []  # (bucket, async work) in launch order
         for bucket in self.buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._grad_ready(bucket, p))
+                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._grad_ready(bucket))
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """No communication inside: gradients only accumulate locally in .grad."""
-        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = before
-
-    def _grad_ready(self, bucket, p):
-        # runs inside backward, right after p.grad received this micro-step's gradient. With
-        # sync off it does nothing; so the flag has to be right *before* the last backward
-        # starts: set after it, the hooks have already fired and nothing was sent.
+    def _grad_ready(self, bucket):
+        # runs inside backward, right after a parameter's .grad received this micro-step's
+        # gradient. With sync off it does nothing; so the flag has to be right *before* the
+        # last backward starts: set after it, the hooks have already fired and nothing was sent.
         if not self.require_backward_grad_sync:
             return
         if bucket.ready == len(bucket.params):
             raise RuntimeError("gradient sync ran twice in one step: use no_sync() (require_backward_grad_sync=False) "
                                "on every micro-step but the last, and call wait() before the optimizer step")
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
+        # launch in bucket order: this bucket, and the complete ones waiting behind it, go
+        # only once every bucket before them has gone
+        while self.launched < len(self.buckets) and self.buckets[self.launched].complete():
+            self._launch(self.buckets[self.launched])
 
     def _launch(self, bucket):
         offset = 0
         for p in bucket.params:  # p.grad holds the sum over all micro-steps of this iteration
             n = p.numel()
-            if p.grad is None:
+            if p.grad is None:  # only when wait() launches it: no gradient on this rank, so it contributes zeros
                 bucket.flat[offset:offset + n].zero_()
             else:
                 bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
         self.pending.append((bucket, dist.all_reduce(bucket.flat, group=self.mesh.dp_group, async_op=True)))
+        self.launched += 1
         self.launches += 1
 
     def wait(self):
         """Finishes the gradient average: after this every rank holds the same mean gradient."""
-        if self.naive:
-            for p in self.params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.mesh.dp_group)
-                    p.grad /= self.mesh.dp
-                    self.launches += 1
-            return
-        for bucket in self.buckets:  # a bucket whose parameters got no gradient this step
-            if bucket.ready < len(bucket.params):
-                self._launch(bucket)
-        for bucket, work in self.pending:
+        # buckets backward did not complete (a parameter without gradient on this rank, or
+        # gradients from no_sync micro-steps only) go now, still in bucket order
+        while self.launched < len(self.buckets):
+            self._launch(self.buckets[self.launched])
+        for _, work in self.pending:  # the buckets first: a dead peer's missing all-reduce times out here
             work.wait()
+        used = dict(zip(self.params, self._used_anywhere()))
+        for bucket, _ in self.pending:
             bucket.flat /= self.mesh.dp  # all_reduce summed; we want the mean (gloo has no AVG)
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(bucket.flat[offset:offset + n].view_as(p))
+                if used[p]:  # a parameter no rank used keeps grad None (its slice is zeros)
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p))
                 offset += n
             bucket.ready = 0
-        self.pending = []
+        self.pending, self.launched = [], 0
 
 
 class Bucket:
@@ -320,6 +366,9 @@ class Bucket:
         self.params = params
         self.ready = 0  # parameters whose gradient is final in this backward
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+
+    def complete(self):
+        return self.ready == len(self.params)
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,11 +396,11 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, bf16=False):
 
 def set_grad_sync(model, sync):
     """Gradient accumulation without communication: with sync=False a backward only adds
-    into the local gradients. DataParallel and torch DDP take a flag, FSDP2 a method."""
+    into the local gradients. Our data-parallel wrappers and torch DDP take a flag, FSDP2 a method."""
     model = getattr(model, "_orig_mod", model)  # under torch.compile
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
-    elif isinstance(model, (DataParallel, DistributedDataParallel)):
+    elif isinstance(model, (DataParallelBase, DistributedDataParallel)):
         model.require_backward_grad_sync = sync
 
 

@@ -272,8 +272,10 @@ if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
+elif mesh.dp > 1 and not use_fsdp and ddp_impl == "naive":
+    model = parallel.NaiveDataParallel(model, mesh)
 elif mesh.dp > 1 and not use_fsdp:
-    model = parallel.DataParallel(model, mesh, ddp_bucket_mb, naive=ddp_impl == "naive")
+    model = parallel.DataParallel(model, mesh, ddp_bucket_mb)
 
 decay = [p for p in raw_model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
 no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
@@ -514,7 +516,7 @@ while True:
         # their gradients to the previous one; with dp, the stage's gradients are all-reduced
         # in its last backward only. The loss exists on the last stage only.
         loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights)
-    if isinstance(model, parallel.DataParallel):
+    if isinstance(model, parallel.DataParallelBase):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
         for p in raw_model.parameters():

@@ -8,8 +8,11 @@ import subprocess
 import sys
 import time
 
+from contextlib import nullcontext
+
 import pytest
 import torch
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import parallel
@@ -34,31 +37,38 @@ def single_process_grads(n_micro):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def dp_step(mesh, impl, n_micro, bucket_mb):
+def wrap(model, mesh, impl, bucket_mb, **torch_kwargs):
+    if impl == "torch":
+        return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **torch_kwargs)
+    return parallel.NaiveDataParallel(model, mesh) if impl == "naive" else parallel.DataParallel(model, mesh, bucket_mb)
+
+
+def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
     """One optimizer step's gradient under data parallelism: this rank's share of the
-    micro-batches, sync only on the last one (the way train.py does it)."""
+    micro-batches, sync only on the last one (the way train.py does it: the flag, or
+    no_sync() around the earlier micro-steps)."""
     torch.manual_seed(0 if mesh.rank == 0 else 123)  # other ranks start wrong: the wrapper must broadcast
     model = Transformer(ModelConfig(**CFG))
-    if impl == "torch":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-    else:
-        ddp = parallel.DataParallel(model, mesh, bucket_mb, naive=impl == "naive")
+    ddp = wrap(model, mesh, impl, bucket_mb)
     k_per = n_micro // mesh.dp
     mine = global_batch(n_micro)[mesh.dp_rank * k_per:(mesh.dp_rank + 1) * k_per]
     in_flight = []  # all-reduces already launched when the embedding's gradient (the last one) arrives
     if impl == "bucketed":
         model.tok_embeddings.weight.register_hook(lambda g: in_flight.append(len(ddp.pending)))
     for k in range(k_per):
-        ddp.require_backward_grad_sync = k == k_per - 1
-        _, loss = ddp(mine[k, :, :-1], mine[k, :, 1:])
-        (loss / k_per).backward()
+        if not use_no_sync:
+            ddp.require_backward_grad_sync = k == k_per - 1
+        with ddp.no_sync() if use_no_sync and k < k_per - 1 else nullcontext():
+            _, loss = ddp(mine[k, :, :-1], mine[k, :, 1:])
+            (loss / k_per).backward()
     if impl != "torch":
         ddp.wait()
     out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     if impl != "torch":
         names = {p: n for n, p in model.named_parameters()}
-        out.update(launches=ddp.launches, n_buckets=len(ddp.buckets), n_params=len(ddp.params), in_flight=in_flight,
-                   first_bucket=[names[p] for p in ddp.buckets[0].params] if ddp.buckets else [])
+        buckets = getattr(ddp, "buckets", [])
+        out.update(launches=ddp.launches, n_buckets=len(buckets), n_params=len(ddp.params), in_flight=in_flight,
+                   first_bucket=[names[p] for p in buckets[0].params] if buckets else [])
     return out
 
 
@@ -79,7 +89,8 @@ def test_dp_gradients_equal_single_process_and_torch_ddp():
 
 
 def no_sync_steps(mesh, n_micro, bucket_mb):
-    out = {"bucketed": dp_step(mesh, "bucketed", n_micro, bucket_mb), "naive": dp_step(mesh, "naive", n_micro, bucket_mb)}
+    out = {f"{impl}{how}": dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=how == "_no_sync")
+           for impl in ("bucketed", "naive") for how in ("", "_no_sync")}
     # forgetting no_sync on the earlier micro-steps is caught, not silently wrong
     model = parallel.DataParallel(Transformer(ModelConfig(**CFG)), mesh, bucket_mb)
     data = global_batch(2)
@@ -99,6 +110,10 @@ def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket()
         for impl in ("bucketed", "naive"):
             for name, g in ref.items():
                 torch.testing.assert_close(rank[impl]["grads"][name], g, msg=f"{impl} {name}")
+                # the no_sync() context is the flag: the same gradients, bit for bit
+                torch.testing.assert_close(rank[impl + "_no_sync"]["grads"][name], rank[impl]["grads"][name],
+                                           rtol=0, atol=0, msg=f"{impl} no_sync {name}")
+            assert rank[impl + "_no_sync"]["launches"] == rank[impl]["launches"]
         b = rank["bucketed"]
         assert b["n_buckets"] > 3
         assert b["launches"] == b["n_buckets"]  # once per bucket per optimizer step, not per micro-step
@@ -108,6 +123,100 @@ def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket()
         # embedding's before the embedding's gradient was computed
         assert b["in_flight"] == [0, 0, 0, b["n_buckets"] - 1]
         assert "gradient sync ran twice" in rank["twice"]
+
+
+class Branchy(nn.Module):
+    """Small layers whose use varies: `extra` runs only when asked, `never` never runs, and
+    `frozen` runs but is not trained. `never` is registered first, so it is the last bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.never, self.a, self.extra, self.b = (nn.Linear(8, 8) for _ in range(4))
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x, use_extra):
+        h = self.a(x).tanh()
+        if use_extra:
+            h = self.extra(h).tanh()
+        return self.frozen(self.b(h)).square().mean()
+
+
+# per optimizer step, per rank: does each micro-step use `extra`? Step 0: rank 1 skips it.
+# Step 1: rank 1 uses it only in its first micro-step (under no_sync), so it has a gradient
+# that its last backward does not complete.
+BRANCHY_PLAN = [[[True], [False]], [[True, True], [True, False]]]
+
+
+def branchy_input(step, rank, k):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * rank + k))
+
+
+def branchy_reference():
+    """The mean over both ranks' losses in one process: what data parallelism must give."""
+    torch.manual_seed(0)
+    model, out = Branchy(), []
+    for step, plan in enumerate(BRANCHY_PLAN):
+        model.zero_grad(set_to_none=True)
+        for rank, uses in enumerate(plan):
+            for k, use in enumerate(uses):
+                (model(branchy_input(step, rank, k), use) / (len(uses) * len(plan))).backward()
+        out.append({n: p.grad for n, p in model.named_parameters()})
+    return out
+
+
+def branchy_steps(mesh):
+    out = {}
+    for impl in ("naive", "bucketed", "torch"):
+        torch.manual_seed(0)
+        model = Branchy()
+        ddp = wrap(model, mesh, impl, 0, find_unused_parameters=True)  # bucket_mb=0: one parameter per bucket
+        order = []  # bucket indices in the order they were launched
+        if impl == "bucketed":
+            launch = ddp._launch
+            ddp._launch = lambda bucket: (order.append(ddp.buckets.index(bucket)), launch(bucket))
+        steps = []
+        for step, plan in enumerate(BRANCHY_PLAN):
+            model.zero_grad(set_to_none=True)
+            uses = plan[mesh.dp_rank]
+            for k, use in enumerate(uses):
+                with ddp.no_sync() if k < len(uses) - 1 else nullcontext():
+                    (ddp(branchy_input(step, mesh.dp_rank, k), use) / len(uses)).backward()
+            in_backward = list(order)
+            if impl != "torch":
+                ddp.wait()
+            steps.append({"grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+                          "in_backward": in_backward, "order": list(order)})
+            order.clear()
+        out[impl] = steps
+        if impl != "torch":
+            names = {p: n for n, p in model.named_parameters()}
+            out[impl + "_params"] = [names[p] for p in ddp.params]
+    return out
+
+
+def test_unused_parameters_and_fixed_bucket_order():
+    ranks = spawn(branchy_steps, 2)
+    ref = branchy_reference()
+    for rank in ranks:
+        for impl in ("naive", "bucketed", "torch"):
+            for step, r in enumerate(ref):
+                for name, g in r.items():
+                    mine = rank[impl][step]["grads"][name]
+                    if g is None:  # `never`, unused on every rank, and `frozen`: no gradient, so AdamW skips them
+                        assert mine is None, f"{impl} step {step} {name}"
+                    else:  # `extra` on the rank that skipped it: the mean of the other rank's gradient and zero
+                        torch.testing.assert_close(mine, g, msg=f"{impl} step {step} {name}")
+        for impl in ("naive", "bucketed"):
+            assert "frozen.weight" not in rank[impl + "_params"] and "never.weight" in rank[impl + "_params"]
+    assert ref[0]["extra.weight"] is not None and ref[0]["never.weight"] is None and ref[0]["frozen.weight"] is None
+    # buckets: b.bias, b.weight, extra.bias, extra.weight, a.bias, a.weight, never.bias, never.weight.
+    # Every rank launches them in this order. Rank 0 launches 0-5 during backward; on rank 1
+    # extra's buckets (2, 3) never complete in the last backward, so a's (4, 5) wait in line
+    # behind them and all go in wait(), in order.
+    for step in range(2):
+        for rank, launched_in_backward in zip(ranks, ([0, 1, 2, 3, 4, 5], [0, 1])):
+            assert rank["bucketed"][step]["order"] == list(range(8)), step
+            assert rank["bucketed"][step]["in_backward"] == launched_in_backward, step
 
 
 @pytest.mark.parametrize("nproc, impl", [(2, "bucketed"), (2, "naive"), (2, "torch"), (4, "bucketed")])
