@@ -119,4 +119,7 @@ def assert_same_curve(a, b, exact=False):
         if exact:
             assert va == vb, key
         else:
-            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5, msg=key)
+            # rounding: a layout sums the same numbers in another order (an all-reduce, a
+            # pipeline); over 8 steps at a high learning rate that grows to ~2e-5 relative on
+            # some CPUs, while a real mistake (a wrong average, a lost micro-batch) is 1e-2 or more
+            torch.testing.assert_close(vb, va, rtol=1e-4, atol=1e-5, msg=key)
