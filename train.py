@@ -269,7 +269,9 @@ def evaluate():
     for i in range(eval_iters):
         x, y, mask = val_loader.batch(i)
         if mesh.pp > 1:
-            loss_sum += parallel.pipeline_forward(raw_model, mesh, x, y, act_shape, autocast, mask, docs(x)).item()
+            d = docs(x)
+            micro = [(x[k], y[k], to_dev(mask, k), to_dev(d, k)) for k in range(x.size(0))]  # one tuple a micro-batch
+            loss_sum += parallel.pipeline_forward(raw_model, mesh, micro, act_shape, autocast).item()
             continue
         d = docs(x)
         for k in range(x.size(0)):
@@ -438,10 +440,11 @@ while True:
         # next stage and their gradients to the previous one; with dp, the stage's gradients
         # are all-reduced in its last backward only. The loss exists on the last stage only.
         trace = [] if pp_trace and it == start_iter + 1 else None
-        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, x, y, act_shape, autocast, trace, mask, doc)
+        micro = [(x[k], y[k], to_dev(mask, k), to_dev(doc, k)) for k in range(micro_steps)]  # one tuple a micro-batch
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace)
+        loss_sum = loss_sum * micro_steps  # the schedule returns sum_k loss_k / micro_steps; below wants sum_k loss_k
         if trace is not None:
-            traces = parallel.all_gather_object(trace, mesh)[:mesh.pp]  # the stages of pipeline 0
-            mesh.print0(parallel.pipeline_timeline(traces, micro_steps)[0])
+            parallel.print_pipeline_timeline(trace, mesh, micro_steps)
     if isinstance(model, parallel.DataParallel):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
