@@ -366,8 +366,8 @@ def memory_bytes(model, optimizer):
 # and the same point-to-point steps:
 #   gpipe (all forwards, then all backwards): the reference. Every micro-batch's activations
 #         stay alive until the backwards start: m per stage.
-#   one_f_one_b: a warmup of pp - stage - 1 forwards, a steady state of one forward / one
-#         backward, a cooldown of the backwards left over. At most pp - stage micro-batches
+#   one_f_one_b: a warmup of min(pp - stage - 1, m) forwards, a steady state of one forward /
+#         one backward, a cooldown of the backwards left over. At most pp - stage micro-batches
 #         are alive at once, with the same bubble as GPipe: (pp - 1) / (m + pp - 1) idle.
 # Micro-batch k's backward starts from weights[k] * loss_k: the gradients of the micro-batches
 # add up, so weights 1/m give the gradient of the mean loss (as the plain loop's loss / m).
