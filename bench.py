@@ -245,6 +245,7 @@ def pp_worker(ms):
     for m in ms:
         data = torch.randint(0, V, (m, PP_BATCH, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
         x, y = data[..., :-1], data[..., 1:]
+        micro = [(x[k], y[k], None, None) for k in range(m)]
         act = (PP_BATCH, T, MODEL["n_embd"])
         ours = {s: new_stage() for s in ("gpipe", "1f1b")}
         tstage = new_stage()
@@ -269,7 +270,7 @@ def pp_worker(ms):
                 if name == "torch":
                     torch_step()
                 else:
-                    _, peaks[name] = parallel.pipeline_step(name, ours[name], mesh, x, y, act, trace=trace)
+                    _, peaks[name] = parallel.pipeline_step(name, ours[name], mesh, micro, act, trace=trace)
                 dist.barrier()
                 if rnd >= WARMUP:
                     times[name].append(time.perf_counter() - t0)
@@ -297,7 +298,7 @@ def pp_worker(ms):
                          "bubble": {k: med(v) for k, v in bubbles.items()}, "stages": every})
         # one traced 1F1B iteration to draw
         trace = []
-        parallel.pipeline_step("1f1b", ours["1f1b"], mesh, x, y, act, trace=trace)
+        parallel.pipeline_step("1f1b", ours["1f1b"], mesh, micro, act, trace=trace)
         traces = parallel.all_gather_object(trace, mesh)
         if mesh.master:
             rows[-1]["text"] = parallel.pipeline_timeline(traces, m, width=100)[0]
@@ -357,7 +358,7 @@ def layout_worker(layout):
         dist.barrier()
         t0 = time.perf_counter()
         if layout == "pp":
-            parallel.pipeline_step("1f1b", wrapped, mesh, x[..., :-1], x[..., 1:],
+            parallel.pipeline_step("1f1b", wrapped, mesh, [(xk[:, :-1], xk[:, 1:], None, None) for xk in x],
                                    (MEM_BATCH, MODEL["block_size"], MODEL["n_embd"]))
         else:
             for k in range(micro):

@@ -19,7 +19,7 @@ import sys
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -198,17 +198,6 @@ def all_reduce_sum(t, mesh, group=None):
     if mesh.backend:
         dist.all_reduce(t, group=group)
     return t
-
-
-def all_reduce_mean(x, mesh):
-    """Mean of a float (or tensor) over all ranks, for logging."""
-    if not mesh.backend:
-        return x
-    t = torch.as_tensor(x, dtype=torch.float64 if mesh.device.type == "cpu" else torch.float32,
-                        device=mesh.device).clone()
-    dist.all_reduce(t)
-    t /= mesh.world
-    return t.item() if t.dim() == 0 else t
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,157 +420,197 @@ def memory_bytes(model, optimizer):
 # Stage s owns a contiguous range of layers (model.make_stage): stage 0 also the embedding,
 # the last stage the final norm, the head and the loss. A micro-batch's forward flows
 # stage 0 -> 1 -> ... -> pp-1 (activations sent forward); its backward flows back (the
-# gradients of those activations sent backward). Two schedules, each a plain function over
-# the micro-batches of one iteration:
-#   GPipe (all forward, then all backward): the reference. Every micro-batch's activations
+# gradients of those activations sent backward). A micro-batch is one tuple
+# (x, y, loss_mask, doc_ids) of (B, T) tensors or None. Two schedules, each a short function
+# over the micro-batches of one iteration, built from the same forward_step / backward_step
+# and the same point-to-point steps:
+#   gpipe (all forwards, then all backwards): the reference. Every micro-batch's activations
 #         stay alive until the backwards start: m per stage.
-#   1F1B: a warmup of pp - stage - 1 forwards, then one forward / one backward in turn,
-#         then the backwards left over. At most pp - stage micro-batches are alive at once,
-#         with the same bubble as GPipe: (pp - 1) / (m + pp - 1) of the time idle.
+#   one_f_one_b: a warmup of min(pp - stage - 1, m) forwards, a steady state of one forward /
+#         one backward, a cooldown of the backwards left over. At most pp - stage micro-batches
+#         are alive at once, with the same bubble as GPipe: (pp - 1) / (m + pp - 1) idle.
+# Micro-batch k's backward starts from weights[k] * loss_k: the gradients of the micro-batches
+# add up, so weights 1/m give the gradient of the mean loss (as the plain loop's loss / m).
 
 
 def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     """One round of point-to-point traffic with the neighbouring stages of this pipeline.
     send_*: a tensor to send; recv_*: a buffer to fill (shapes are known up front, so none
     are exchanged). Everything is posted at once and then waited for (batch_isend_irecv), so
-    two neighbours sending to each other at the same moment cannot deadlock."""
-    nxt, prv = mesh.stage_rank(mesh.pp_rank + 1), mesh.stage_rank(mesh.pp_rank - 1)
+    two neighbours sending to each other at the same moment cannot deadlock. On a first or
+    last stage the missing neighbour's half is a no-op: nothing comes before stage 0, nothing
+    after the last."""
+    prv = None if mesh.first_stage else mesh.stage_rank(mesh.pp_rank - 1)
+    nxt = None if mesh.last_stage else mesh.stage_rank(mesh.pp_rank + 1)
     ops = [dist.P2POp(op, t, peer) for op, t, peer in ((dist.isend, send_next, nxt), (dist.isend, send_prev, prv),
                                                       (dist.irecv, recv_prev, prv), (dist.irecv, recv_next, nxt))
-           if t is not None]
+           if t is not None and peer is not None]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
 
-def _micro_args(mesh, k, y, loss_mask, doc_ids):
-    """What a stage's forward takes of micro-batch k besides its input: targets and loss mask
-    (the last stage only: it computes the loss) and document ids (every stage has attention)."""
-    on = lambda t: None if t is None else t[k].to(mesh.device)  # noqa: E731
-    return (on(y), on(loss_mask), on(doc_ids)) if mesh.last_stage else (None, None, on(doc_ids))
+# The point-to-point steps of the schedules (and of evaluation), one p2p round each. `shape`
+# is the shape of the activations between stages, (B, T, n_embd); a receive on a stage
+# without that neighbour returns None.
+
+def recv_forward(mesh, shape):
+    inp = None if mesh.first_stage else torch.empty(shape, device=mesh.device)
+    p2p(mesh, recv_prev=inp)
+    return inp
 
 
-def pipeline_step(schedule, stage, mesh, x, y, act_shape, autocast=nullcontext(), trace=None, loss_mask=None,
-                  doc_ids=None):
-    """This stage's share of one iteration: the forward and backward of each micro-batch
-    x[k], y[k] (x: (m, B, T) token ids, used by the first stage; y: targets, used by the
-    last), in the order `schedule` ('1f1b' or 'gpipe') gives. `stage` is the stage module, or
-    its DataParallel / FSDP form: then only the stage's last backward syncs gradients.
-    Returns (sum of the micro-batch losses on the last stage, 0 elsewhere; the most
-    micro-batches whose activations were alive at once). `trace`, a list, receives
-    (kind, micro-batch, start, end) per forward/backward; loss_mask (m, B, T), if given,
-    selects the targets that count (SFT); doc_ids (m, B, T), if given, keeps attention
-    inside documents (every stage needs them: every stage has attention)."""
-    m, dev = x.size(0), mesh.device
-    alive = deque()  # (input, output) of the micro-batches whose backward is still to come
-    peak, done_bwd = 0, 0
-    loss_sum = torch.zeros((), device=dev)
+def send_forward(mesh, out):
+    p2p(mesh, send_next=out)
 
-    def clock():
-        if trace is not None and dev.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
-    def forward(k, inp):
-        nonlocal peak, loss_sum
-        t0 = clock()
-        if mesh.first_stage:
-            inp = x[k].to(dev)
+def recv_backward(mesh, shape):
+    grad = None if mesh.last_stage else torch.empty(shape, device=mesh.device)
+    p2p(mesh, recv_next=grad)
+    return grad
+
+
+def send_backward(mesh, grad_in):
+    p2p(mesh, send_prev=grad_in)
+
+
+def send_forward_recv_backward(mesh, shape, out):
+    grad = None if mesh.last_stage else torch.empty(shape, device=mesh.device)
+    p2p(mesh, send_next=out, recv_next=grad)
+    return grad
+
+
+def send_backward_recv_forward(mesh, shape, grad_in):
+    inp = None if mesh.first_stage else torch.empty(shape, device=mesh.device)
+    p2p(mesh, send_prev=grad_in, recv_prev=inp)
+    return inp
+
+
+def stage_forward(stage, mesh, micro, inp, autocast):
+    """The stage's forward of one micro-batch (x, y, loss_mask, doc_ids) -> (output, loss).
+    Stage 0 reads the tokens x, the others their input from the previous stage; the last
+    stage the targets and the mask (it computes the loss); every stage the document ids
+    (every stage has attention)."""
+    on = lambda t: None if t is None else t.to(mesh.device)  # noqa: E731
+    x, y, loss_mask, doc_ids = micro
+    inp = on(x) if mesh.first_stage else inp
+    y, loss_mask = (on(y), on(loss_mask)) if mesh.last_stage else (None, None)
+    with autocast:
+        return stage(inp, y, loss_mask, on(doc_ids))
+
+
+@dataclass
+class PipelineState:
+    """What the steps of one stage's schedule share in one iteration: passed to each step,
+    no closures."""
+    stage: nn.Module       # the stage, or its DataParallel / FSDP form
+    mesh: Mesh
+    shape: tuple           # activations between stages: (B, T, n_embd)
+    autocast: object
+    weights: list          # micro-batch k's backward starts from weights[k] * loss_k
+    trace: list            # None, or a list that receives (kind, micro-batch, start, end) per forward / backward
+    loss_sum: torch.Tensor  # sum_k weights[k] * loss_k so far (on the last stage; 0 elsewhere)
+    alive: deque = field(default_factory=deque)  # (input, output) of the micro-batches whose backward is to come
+    peak: int = 0          # the most micro-batches alive at once
+
+
+def _clock(st):
+    if st.trace is not None and st.mesh.device.type == "cuda":
+        torch.cuda.synchronize()  # when tracing: time the kernels, not their launches
+    return time.perf_counter()
+
+
+def forward_step(st, k, micro, inp):
+    """Micro-batch k's forward on this stage; keeps (input, output) for its backward and
+    returns the output to send to the next stage."""
+    t0 = _clock(st)
+    if inp is not None:
+        inp.requires_grad_()  # we need the gradient of the stage's input, to send it back
+    out, loss = stage_forward(st.stage, st.mesh, micro, inp, st.autocast)
+    if st.mesh.last_stage:
+        out = loss * st.weights[k]  # the backward starts here
+        st.loss_sum += loss.detach() * st.weights[k]
+    st.alive.append((inp, out))
+    st.peak = max(st.peak, len(st.alive))
+    if st.trace is not None:
+        st.trace.append(("F", k, t0, _clock(st)))
+    return out.detach()
+
+
+def backward_step(st, k, grad_out):
+    """Micro-batch k's backward on this stage from the gradient of its output (None on the
+    last stage: its output is the weighted loss); returns the gradient of its input, to send
+    to the previous stage (None on stage 0)."""
+    t0 = _clock(st)
+    inp, out = st.alive.popleft()  # backwards run in the order the forwards did
+    set_grad_sync(st.stage, k == len(st.weights) - 1)  # data parallel inside the stage: sync on its last backward only
+    torch.autograd.backward(out, grad_out)
+    if st.trace is not None:
+        st.trace.append(("B", k, t0, _clock(st)))
+    return None if inp is None else inp.grad
+
+
+def gpipe(st, micro_batches):
+    """GPipe: all forwards, then all backwards (in the same order)."""
+    mesh, shape = st.mesh, st.shape
+    for k, micro in enumerate(micro_batches):
+        send_forward(mesh, forward_step(st, k, micro, recv_forward(mesh, shape)))
+    for k in range(len(micro_batches)):
+        send_backward(mesh, backward_step(st, k, recv_backward(mesh, shape)))
+
+
+def one_f_one_b(st, micro_batches):
+    """1F1B: warmup, steady state, cooldown. The steady state pairs forward k with backward
+    k - warmup and sends one's output while receiving the other's gradient, in one round."""
+    mesh, shape, m = st.mesh, st.shape, len(micro_batches)
+    warmup = min(mesh.pp - mesh.pp_rank - 1, m)  # forwards in flight before the first backward
+    steady = m - warmup
+    for k in range(warmup):  # warmup: forwards only
+        send_forward(mesh, forward_step(st, k, micro_batches[k], recv_forward(mesh, shape)))
+    inp = recv_forward(mesh, shape) if steady else None
+    for i in range(steady):  # steady state: one forward, one backward
+        k = warmup + i
+        grad = send_forward_recv_backward(mesh, shape, forward_step(st, k, micro_batches[k], inp))
+        grad_in = backward_step(st, i, grad)
+        if i < steady - 1:
+            inp = send_backward_recv_forward(mesh, shape, grad_in)
         else:
-            inp.requires_grad_()  # we need the gradient of the stage's input to send it back
-        with autocast:
-            out, loss = stage(inp, *_micro_args(mesh, k, y, loss_mask, doc_ids))
-        if mesh.last_stage:
-            out = loss / m  # as in the plain loop: the gradients of m micro-batches add up to the mean's
-            loss_sum += loss.detach()
-        alive.append((inp, out))
-        peak = max(peak, len(alive))
-        if trace is not None:
-            trace.append(("F", k, t0, clock()))
-        return out.detach()
+            send_backward(mesh, grad_in)
+    for k in range(steady, m):  # cooldown: the backwards of the warmup's forwards
+        send_backward(mesh, backward_step(st, k, recv_backward(mesh, shape)))
 
-    def backward(grad_out):
-        nonlocal done_bwd
-        t0 = clock()
-        inp, out = alive.popleft()  # backwards run in the order the forwards did
-        set_grad_sync(stage, done_bwd == m - 1)  # data parallel inside the stage: sync on its last backward only
-        torch.autograd.backward(out, grad_out)  # last stage: out is the loss and grad_out None
-        if trace is not None:
-            trace.append(("B", done_bwd, t0, clock()))
-        done_bwd += 1
-        return None if mesh.first_stage else inp.grad
 
-    def buf():
-        return torch.empty(act_shape, device=dev)
-
-    # the point-to-point steps each schedule needs; on a first or last stage the missing
-    # neighbour's half is a no-op (nothing comes before stage 0, nothing after the last)
-    def recv_forward():
-        inp = None if mesh.first_stage else buf()
-        p2p(mesh, recv_prev=inp)
-        return inp
-
-    def send_forward(out):
-        p2p(mesh, send_next=None if mesh.last_stage else out)
-
-    def recv_backward():
-        grad = None if mesh.last_stage else buf()
-        p2p(mesh, recv_next=grad)
-        return grad
-
-    def send_backward(grad_in):
-        p2p(mesh, send_prev=grad_in)
-
-    def send_forward_recv_backward(out):
-        grad = None if mesh.last_stage else buf()
-        p2p(mesh, send_next=None if mesh.last_stage else out, recv_next=grad)
-        return grad
-
-    def send_backward_recv_forward(grad_in):
-        inp = None if mesh.first_stage else buf()
-        p2p(mesh, send_prev=grad_in, recv_prev=inp)
-        return inp
-
-    if schedule == "gpipe":
-        for k in range(m):
-            send_forward(forward(k, recv_forward()))
-        for k in range(m):
-            send_backward(backward(recv_backward()))
-    elif schedule == "1f1b":
-        warmup = min(mesh.pp - mesh.pp_rank - 1, m)  # forwards in flight before the first backward
-        steady = m - warmup
-        for k in range(warmup):  # warmup: forwards only
-            send_forward(forward(k, recv_forward()))
-        inp = recv_forward() if steady else None
-        for i in range(steady):  # steady state: one forward, one backward
-            grad = send_forward_recv_backward(forward(warmup + i, inp))
-            grad_in = backward(grad)
-            if i == steady - 1:
-                send_backward(grad_in)
-            else:
-                inp = send_backward_recv_forward(grad_in)
-        for _ in range(warmup):  # cooldown: the backwards of the warmup forwards
-            send_backward(backward(recv_backward()))
-    else:
+def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=nullcontext(), trace=None, weights=None):
+    """This stage's share of one iteration: the forward and backward of every micro-batch
+    (a list of (x, y, loss_mask, doc_ids) tuples, tensors or None: x is used by the first
+    stage, y and loss_mask by the last, doc_ids by all) in the order of `schedule` ('1f1b' or
+    'gpipe'). `stage` is the stage module, or its DataParallel / FSDP form: then only the
+    stage's last backward syncs gradients. weights (m floats, default 1/m each): micro-batch
+    k's backward starts from weights[k] * loss_k. `trace`, a list, receives
+    (kind, micro-batch, start, end) per forward / backward. Returns (sum_k weights[k] *
+    loss_k on the last stage, 0 elsewhere; the most micro-batches alive at once)."""
+    m = len(micro_batches)
+    weights = [1 / m] * m if weights is None else list(weights)
+    assert len(weights) == m, f"{len(weights)} loss weights for {m} micro-batches"
+    schedules = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if schedule not in schedules:
         raise ValueError(f"unknown pipeline schedule {schedule!r}")
-    assert not alive and done_bwd == m
-    return loss_sum, peak
+    st = PipelineState(stage, mesh, act_shape, autocast, weights, trace, torch.zeros((), device=mesh.device))
+    schedules[schedule](st, micro_batches)
+    assert not st.alive, f"{len(st.alive)} micro-batches were never run backward"
+    return st.loss_sum, st.peak
 
 
 @torch.no_grad()
-def pipeline_forward(stage, mesh, x, y, act_shape, autocast=nullcontext(), loss_mask=None, doc_ids=None):
-    """Forward only, for evaluation: the sum of the micro-batch losses on the last stage."""
+def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext(), weights=None):
+    """Forward only, for evaluation: sum_k weights[k] * loss_k on the last stage (default
+    weights 1: the plain sum of the micro-batch losses), 0 elsewhere."""
     loss_sum = torch.zeros((), device=mesh.device)
-    for k in range(x.size(0)):
-        inp = x[k].to(mesh.device) if mesh.first_stage else torch.empty(act_shape, device=mesh.device)
-        if not mesh.first_stage:
-            p2p(mesh, recv_prev=inp)
-        with autocast:
-            out, loss = stage(inp, *_micro_args(mesh, k, y, loss_mask, doc_ids))
+    for k, micro in enumerate(micro_batches):
+        out, loss = stage_forward(stage, mesh, micro, recv_forward(mesh, act_shape), autocast)
+        send_forward(mesh, out)
         if mesh.last_stage:
-            loss_sum += loss
-        else:
-            p2p(mesh, send_next=out)
+            loss_sum += loss * (1.0 if weights is None else weights[k])
     return loss_sum
 
 
@@ -607,6 +636,13 @@ def pipeline_timeline(traces, m, width=96):
     measured, theory = sum(idle) / pp, (pp - 1) / (m + pp - 1)
     lines.append(f"bubble: measured {measured:.1%} (mean idle share of the stages), theory (p-1)/(m+p-1) = {theory:.1%}")
     return "\n".join(lines), measured
+
+
+def print_pipeline_timeline(trace, mesh, m):
+    """Gathers every rank's trace (a collective: every rank calls it) and prints pipeline 0's
+    timeline on rank 0."""
+    traces = all_gather_object(trace, mesh)[:mesh.pp]  # ranks 0 .. pp-1: the stages of pipeline 0
+    mesh.print0(pipeline_timeline(traces, m)[0])
 
 
 def clip_grad_norm_(params, max_norm, mesh):

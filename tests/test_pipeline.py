@@ -21,15 +21,17 @@ def micro_batches(m):
     return data[..., :-1], data[..., 1:]
 
 
-def single_process(m):
+def single_process(m, weights=None):
+    """sum_k weights[k] * loss_k (default weights 1/m: the mean) and its gradient."""
+    weights = weights or [1 / m] * m
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     x, y = micro_batches(m)
     total = 0.0
     for k in range(m):
         _, loss = model(x[k], y[k])
-        (loss / m).backward()
-        total += loss.item()
+        (loss * weights[k]).backward()
+        total += loss.item() * weights[k]
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -38,17 +40,18 @@ def stage_of(mesh):
     return make_stage(Transformer(ModelConfig(**CFG)), mesh.pp_rank, mesh.pp)
 
 
-def run_schedules(mesh, m):
-    """Our GPipe and 1F1B, then torch's Schedule1F1B, on the same stage module."""
+def run_schedules(mesh, m, weights=None):
+    """Our GPipe and 1F1B, then (without weights) torch's Schedule1F1B, on the same stage module."""
     x, y = micro_batches(m)
     out = {}
     for schedule in ("gpipe", "1f1b"):
         stage = stage_of(mesh)
-        loss, peak = parallel.pipeline_step(schedule, stage, mesh, x, y, (B, 16, 32))
+        micro = [(x[k], y[k], None, None) for k in range(m)]
+        loss, peak = parallel.pipeline_step(schedule, stage, mesh, micro, (B, 16, 32), weights=weights)
         out[schedule] = {"loss": loss.item(), "peak": peak,
                          "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
 
-    if m < mesh.pp:  # torch's Schedule1F1B refuses fewer micro-batches than stages; ours runs them
+    if m < mesh.pp or weights:  # torch's Schedule1F1B refuses fewer micro-batches than stages; ours runs them
         return out
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -70,7 +73,7 @@ def run_schedules(mesh, m):
         sched.step(target=y.reshape(m * B, 16), losses=losses)
     else:
         sched.step()
-    out["torch"] = {"loss": sum(l.item() for l in losses),
+    out["torch"] = {"loss": sum(l.item() for l in losses) / m,
                     "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
     return out
 
@@ -92,7 +95,23 @@ def test_schedules_equal_single_process_and_torch_1f1b(pp, m):
     assert seen == set(ref_grads)  # the stages together own every parameter
     last = ranks[-1]
     for schedule in schedules:
-        assert abs(last[schedule]["loss"] - ref_loss) < 1e-4, schedule
+        assert abs(last[schedule]["loss"] - ref_loss) < 1e-5, schedule  # the mean of the micro-batch losses
+
+
+def test_loss_weights_give_the_gradient_of_the_weighted_sum():
+    # unequal weights (e.g. each micro-batch's share of the target tokens): the stages' gradients
+    # are those of sum_k weights[k] * loss_k, and that sum is the returned loss
+    weights = [0.6, 0.1, 0.3]
+    ranks = spawn(run_schedules, 2, 3, weights, pp=2)
+    ref_loss, ref_grads = single_process(3, weights)
+    assert abs(ref_loss - single_process(3)[0]) > 1e-3  # the weights matter: not the plain mean
+    for stage, r in enumerate(ranks):
+        for schedule in ("gpipe", "1f1b"):
+            for name, g in r[schedule]["grads"].items():
+                torch.testing.assert_close(g, ref_grads[name], msg=f"stage {stage} {schedule} {name}")
+    for schedule in ("gpipe", "1f1b"):
+        assert abs(ranks[-1][schedule]["loss"] - ref_loss) < 1e-5, schedule
+        assert ranks[0][schedule]["loss"] == 0  # the loss exists on the last stage only
 
 
 def test_stage_layers_split_evenly_earliest_first():
