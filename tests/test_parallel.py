@@ -240,14 +240,12 @@ def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
     assert_same_curve(read_metrics(full), read_metrics(one))
 
 
-@pytest.mark.parametrize("nproc, accum, message", [
-    (4, 2, "grad_accum_steps=2 micro-batches per iteration cannot be shared by 4 data-parallel ranks"),
-    (2, 3, "grad_accum_steps=3 is not divisible by the 2 data-parallel ranks"),
-])
-def test_layout_errors(nproc, accum, message, dataset, tmp_path):
-    p = torchrun(nproc, [*TINY, f"dataset={dataset}", f"grad_accum_steps={accum}", "max_iters=2"],
-                 cwd=tmp_path, check=False)
-    assert p.returncode != 0 and message in p.stderr
+def test_a_layout_error_under_torchrun_is_one_line(dataset, tmp_path):
+    # the other layout mistakes are checked in-process (test_train.py: MISTAKES); this one
+    # goes through torchrun, whose rank-prefixing of stderr must not hide the line
+    p = torchrun(2, [*TINY, f"dataset={dataset}", "grad_accum_steps=3", "max_iters=2"], cwd=tmp_path, check=False)
+    assert p.returncode != 0 and "error: grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2" \
+        in p.stderr  # (torchrun itself then prints its own summary of the failed workers)
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])

@@ -184,6 +184,13 @@ MISTAKES = {
     "out_dir=@file": "is a file, not a directory",
     "fsdp=True ddp_impl=torch": "fsdp=True shards with FSDP2, so ddp_impl=torch would be ignored",
     "pp=3": "pp=3 pipeline stages do not divide the 1 ranks",
+    # under torchrun with 2 processes (WORLD_SIZE=2): the layout is checked before the process group
+    "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
+    "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
+    "2: pp=2 tie_embeddings=True": "tie_embeddings=True with pp > 1",
+    "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe",
+    "2: grad_accum_steps=3": "grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2",
+    "4: pp=2 ddp_impl=torch": "ddp_impl=torch cannot sit inside a pipeline",
     "export_hf=@full": "already exists and is not an empty directory",
 }
 
@@ -193,7 +200,9 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
     (tmp_path / "file").write_text("x")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in case.split()]
+    world, _, args = case.rpartition(": ")
+    monkeypatch.setenv("WORLD_SIZE", world or "1")
+    args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in args.split()]
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py installs its own
     before = snapshot(saved_run)
