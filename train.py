@@ -25,7 +25,8 @@ import checkpoint
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer, grow_vocab, make_stage, measure_matmul_flops, stage_layers
+from model import (LORA_TARGETS, ModelConfig, Transformer, apply_lora, grow_vocab, make_stage, measure_matmul_flops,
+                   merge_lora, stage_layers)
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -65,6 +66,13 @@ tie_embeddings = False          # share the token embedding with the output head
 grad_ckpt = False               # activation checkpointing: recompute each block in backward
 doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
 neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
+# LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
+lora_rank = 0                   # rank r of the adapters (0: no LoRA, full fine-tuning)
+lora_alpha = 16.0               # the adapters' update B A is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0              # dropout on the adapters' input (the base path has none)
+lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv,wo,w1,w2,w3,output
+lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
+export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
 # optimizer: AdamW, weight decay on 2-D weights only
 learning_rate = 2e-3            # peak learning rate
 max_iters = 600
@@ -134,6 +142,16 @@ if grad_accum_steps < mesh.dp:
 if grad_accum_steps % mesh.dp:
     raise configurator.UserError(f"grad_accum_steps={grad_accum_steps} is not divisible by the {mesh.dp} "
                                  f"data-parallel ranks: use a multiple of {mesh.dp}")
+# ---- LoRA keys (what needs the checkpoint, the base or the adapter is checked under "LoRA" below)
+lora_target_list = sorted({t.strip() for t in lora_targets.split(",") if t.strip()})
+if lora_rank < 0:
+    raise configurator.UserError(f"lora_rank={lora_rank} is negative: use 0 (full fine-tuning) or the adapters' rank")
+if not lora_target_list or set(lora_target_list) - set(LORA_TARGETS):
+    raise configurator.UserError(f"lora_targets='{lora_targets}': name one or more of {','.join(LORA_TARGETS)}, "
+                                 f"separated by commas")
+if not 0 <= lora_dropout < 1 or lora_alpha <= 0:
+    raise configurator.UserError(f"lora_dropout={lora_dropout} must be in [0, 1) and lora_alpha={lora_alpha} above 0")
+# ---- LoRA keys end
 if dtype == "auto":
     dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
 if dtype not in ("float32", "bfloat16"):
@@ -194,6 +212,9 @@ elif init_path:  # another run of ours: its newest checkpoint's weights, a fresh
         raise configurator.UserError(f"init_from={init_path} has neither config.json (Hugging Face) nor ckpt/ (a run "
                                      f"of ours): point it at one of those")
     saved, where = checkpoint.read_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
+    if checkpoint.read_meta(init_ckpt)[0].get("lora"):  # LoRA: its checkpoints hold adapters, not a model
+        raise configurator.UserError(f"init_from={init_path} is a LoRA run: start from its merged model (export_hf= "
+                                     f"of train.py or sample.py), or its base with lora_from= its export_lora")
 if ckpt_path or init_path:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
     for key in shape_keys:
@@ -209,6 +230,55 @@ if init_weights is not None:
     raw_model.load_state_dict(init_weights)
 elif init_path and not ckpt_path:
     checkpoint.load(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
+# ---- LoRA: adapters on a frozen base -------------------------------------------------
+# Order: the base's weights are in (loaded above, or below when resuming), then the adapters,
+# then the pipeline cut, FSDP / data parallel and the optimizer (over what trains only).
+lora = None  # {"rank", "alpha", "dropout", "targets", "base"}: kept in meta.json; None: full fine-tuning
+adapter = None  # lora_from's tensors
+if ckpt_path and ckpt_meta.get("lora"):  # resuming a LoRA run: the settings and the base come from its checkpoint
+    lora, where = dict(ckpt_meta["lora"]), f"the checkpoint in {out_dir}"
+elif ckpt_path and lora_rank:
+    raise configurator.UserError(f"lora_rank={lora_rank} but {out_dir} holds a full fine-tuning run: LoRA on top "
+                                 f"of it needs a new out_dir with init_from={out_dir}")
+elif lora_from and not ckpt_path:
+    lora, adapter = checkpoint.load_peft_lora(lora_from)
+    where = f"the adapter in {lora_from}"
+elif lora_rank:
+    lora = {"rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_target_list}
+if lora:
+    # like the model's shape: an explicit key that disagrees with the checkpoint or adapter is a mistake
+    for key, value in (("lora_rank", lora_rank), ("lora_alpha", lora_alpha), ("lora_targets", lora_target_list)):
+        have = lora[key.removeprefix("lora_")]
+        if key in overrides and value != have:
+            raise configurator.UserError(f"{key}={overrides[key]} but {where} has {have}: drop the override")
+    lora["dropout"] = lora_dropout if "lora_dropout" in overrides else lora["dropout"]  # a run key, like dropout
+    if not (init_path or ckpt_path):
+        raise configurator.UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA directory "
+                                     "or a run's out_dir (the base, which stays frozen)")
+    if model_cfg.vocab_size < meta["vocab_size"]:
+        raise configurator.UserError(f"{data_dir} has {meta['vocab_size']} token ids but the base has "
+                                     f"{model_cfg.vocab_size}: LoRA keeps the embeddings frozen, so new tokens would "
+                                     f"never be learned; prepare the data without added tokens, or use lora_rank=0")
+    if model_cfg.tie_embeddings and "output" in lora["targets"]:
+        raise configurator.UserError("lora_targets has output but the base ties the head to the embedding: merging "
+                                     "would change the embedding too; drop output from lora_targets")
+    if mesh.pp > 1 and lora["targets"] == ["output"]:
+        raise configurator.UserError("lora_targets=output with pp > 1: the first stages would have nothing to train; "
+                                     "add a per-layer target (wq, ...) or use pp=1")
+    if ckpt_path:  # the checkpoint references its base (path + sha256); read it again
+        checkpoint.load_base(raw_model, lora["base"], mesh)
+    else:
+        lora["base"] = checkpoint.base_reference(init_path if init_weights is not None else init_ckpt, mesh)
+    apply_lora(raw_model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed)
+    if adapter is not None:
+        checkpoint.load_lora_adapter(raw_model, adapter, lora_from)
+    trainable = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+    mesh.print0(f"lora: r={lora['rank']} alpha={lora['alpha']:g} on {','.join(lora['targets'])}"
+                f"{f' from {lora_from}' if adapter is not None else ''}: {trainable:,} trainable parameters "
+                f"({trainable / raw_model.num_params():.2%}); the base ({lora['base']['path']}) is frozen")
+if export_lora and not lora:
+    raise configurator.UserError("export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
+# ---- LoRA end
 if model_cfg.vocab_size < meta["vocab_size"]:
     # vocabulary expansion: the data has tokens the model has never seen (extra and chat
     # tokens); new embedding and head rows start at the mean of the existing ones
@@ -231,8 +301,9 @@ if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
 elif mesh.dp > 1 and not use_fsdp:
     model = parallel.DataParallel(model, mesh, ddp_bucket_mb, naive=ddp_impl == "naive")
 
-decay = [p for p in raw_model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
-no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
+# only what trains (all of it, or LoRA's adapters): the optimizer holds no state for frozen weights
+decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]    # matmul weights and embeddings
+no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # norm gains
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
@@ -340,7 +411,7 @@ def save(it):
     RNG state and the run's metadata."""
     info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
+            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
     rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
     path = checkpoint.save(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
     mesh.print0(f"saved checkpoint {path}")
@@ -446,7 +517,8 @@ while True:
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
         for p in raw_model.parameters():
-            p.grad.fill_(float("nan"))
+            if p.grad is not None:  # frozen weights have none
+                p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the mean over the global batch: with pp only last stages
     # hold losses, so the sum over ranks / dp is the mean over replicas) and for the stop flag
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
@@ -494,11 +566,15 @@ while True:
 # ---- the end --------------------------------------------------------------------------
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
-if mesh.master and (sample_tokens > 0 or export_hf) and not stop:
+if mesh.master and (sample_tokens > 0 or export_hf or export_lora) and not stop:
     if mesh.pp > 1 or use_fsdp:  # rank 0 holds a stage or shards: rebuild the whole model from the checkpoint
-        raw_model = Transformer(model_cfg).to(mesh.device)
-        checkpoint.load(checkpoint.find(out_dir, None), raw_model, no_dist=True)
+        raw_model = checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
     raw_model.eval()
+if mesh.master and export_lora and lora and not stop:
+    checkpoint.save_peft_lora(export_lora, raw_model, lora)
+    print(f"exported the LoRA adapters in PEFT's format to {export_lora}", flush=True)
+if mesh.master and lora and (sample_tokens > 0 or export_hf) and not stop:
+    merge_lora(raw_model)  # W + (alpha / r) B A: export_hf writes the merged model, and sampling runs it
 if mesh.master and export_hf and not stop:
     checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in raw_model.state_dict().items()}, model_cfg)
     print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
