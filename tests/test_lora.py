@@ -12,7 +12,7 @@ from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import checkpoint
-import data
+from configurator import UserError
 from conftest import TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import LoRALinear, ModelConfig, Transformer, apply_lora, make_stage, merge_lora
 
@@ -182,8 +182,12 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
         torch.testing.assert_close(peft(x).logits, want, rtol=1e-4, atol=1e-4)
         merged = LlamaForCausalLM.from_pretrained(single["root"] / "merged").eval()
         torch.testing.assert_close(merged(x).logits, want, rtol=1e-4, atol=1e-4)
-    # PEFT's own save of the same adapter reads back as ours (its names, its config keys)
-    peft.save_pretrained(single["root"] / "peft_saved")
+    # PEFT's own save of the same adapter reads back as ours (its names, its config keys); by
+    # default PEFT also saves the whole head beside an lm_head adapter: refused, not half-read
+    peft.save_pretrained(single["root"] / "peft_with_head")
+    with pytest.raises(UserError, match="save_embedding_layers"):
+        checkpoint.load_peft_lora(single["root"] / "peft_with_head")
+    peft.save_pretrained(single["root"] / "peft_saved", save_embedding_layers=False)
     settings, sd = checkpoint.load_peft_lora(single["root"] / "peft_saved")
     assert settings["rank"] == 4 and settings["targets"] == sorted(ALL.split(","))
     for n, t in sd.items():
