@@ -18,7 +18,7 @@ import checkpoint
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer
+from model import merge_lora
 
 out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
 ckpt = ""
@@ -42,13 +42,14 @@ if path is None:
 meta, _ = checkpoint.read_meta(path)
 cfg = meta["config"]
 dev = parallel.pick_device(device)
-model = Transformer(ModelConfig(**meta["model"]))
-checkpoint.load(path, model, no_dist=True)
+model, _ = checkpoint.load_whole(path)  # a LoRA run's: its base (re-read from where it is) with the adapters
+merge_lora(model)  # W + (alpha / r) B A; nothing to do without LoRA
 if export:
     tmp = export + ".tmp"
-    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # LoRA: merged above
+    torch.save(weights, tmp)
     os.replace(tmp, export)
-    print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {export}")
+    print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {export}")
 if export_hf:
     checkpoint.save_hf_llama(export_hf, model.state_dict(), model.cfg)
     print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {export_hf}")
