@@ -237,8 +237,8 @@ lora = None  # {"rank", "alpha", "dropout", "targets", "base"}: kept in meta.jso
 adapter = None  # lora_from's tensors
 if ckpt_path and ckpt_meta.get("lora"):  # resuming a LoRA run: the settings and the base come from its checkpoint
     lora, where = dict(ckpt_meta["lora"]), f"the checkpoint in {out_dir}"
-elif ckpt_path and lora_rank:
-    raise configurator.UserError(f"lora_rank={lora_rank} but {out_dir} holds a full fine-tuning run: LoRA on top "
+elif ckpt_path and (lora_rank or lora_from):
+    raise configurator.UserError(f"lora_rank / lora_from given but {out_dir} holds a full fine-tuning run: LoRA on top "
                                  f"of it needs a new out_dir with init_from={out_dir}")
 elif lora_from and not ckpt_path:
     lora, adapter = checkpoint.load_peft_lora(lora_from)
