@@ -18,6 +18,8 @@ pp:     pipeline parallel with 2 and 4 stages (one process per stage) and m = 4 
         Schedule1F1B on the same stage modules, the measured bubble against (p-1)/(m+p-1),
         and the peak activation memory per stage (micro-batches alive at once x the bytes
         autograd saves for one micro-batch, counted with saved_tensors_hooks).
+lora:   full fine-tuning against LoRA at r=8 (alpha 16, on wq,wk,wv,wo) on the default model,
+        one process each: ms/iter, trainable parameters, optimizer bytes, peak memory.
 memory: the default model at 1, 2 and 4 ranks as dp, fsdp and pp, the same global batch:
         per-rank bytes of parameters, gradients and optimizer state, the peak memory
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
@@ -38,7 +40,7 @@ import torch.multiprocessing as mp
 
 import configurator
 import parallel
-from model import ModelConfig, Transformer, measure_matmul_flops
+from model import ModelConfig, Transformer, apply_lora, measure_matmul_flops
 
 # the default model and batch of train.py, read from its defaults block
 TRAIN = configurator.script_defaults(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
@@ -100,6 +102,49 @@ def table_single():
               f"{r['peak_gflops']:7.1f} GF/s | {r['peak_mb']:6.0f} MB")
     print(f"model: {rows[0]['params_m']:.2f}M parameters; grad_ckpt=True costs "
           f"{rows[1]['ms_iter'] / rows[0]['ms_iter']:.2f}x the time (one more forward per block)")
+
+
+def lora_row(rank):
+    """One process trains the default model fully (rank 0) or with LoRA adapters of this rank."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MODEL))
+    if rank:
+        apply_lora(model, rank, 16.0, 0.0, ["wq", "wk", "wv", "wo"], seed=0)
+    model.to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1), device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    times = []
+    for i in range(WARMUP + ITERS):
+        t0 = time.perf_counter()
+        for k in range(ACCUM):
+            with autocast:
+                _, loss = model(x[k, :, :-1], x[k, :, 1:])
+            (loss / ACCUM).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    mem = parallel.memory_bytes(model, opt)
+    return {"rank": rank, "ms_iter": sorted(times[WARMUP:])[ITERS // 2] * 1000,
+            "trainable": sum(p.numel() for p in trainable), "params": model.num_params(),
+            "optim_bytes": mem["optimizer"], "peak_mb": peak_memory_mb(device)}
+
+
+def table_lora():
+    print(f"\n## full fine-tuning vs LoRA (r=8, alpha 16, wq,wk,wv,wo), the default model, batch {BATCH} x {ACCUM} "
+          f"micro-steps, median of {ITERS} iterations, one process each")
+    rows = [in_subprocess("lora", rank=r) for r in (0, 8)]
+    print(f"{'':<16} | {'ms/iter':>8} | {'trainable params':>16} | {'optimizer bytes':>15} | {'peak mem':>9}")
+    print("-" * 76)
+    for r in rows:
+        name = "full fine-tune" if r["rank"] == 0 else f"LoRA r={r['rank']}"
+        print(f"{name:<16} | {r['ms_iter']:8.1f} | {r['trainable']:16,} | {r['optim_bytes']:15,} | {r['peak_mb']:6.0f} MB")
+    print(f"LoRA trains {rows[1]['trainable'] / rows[1]['params']:.2%} of {rows[1]['params']:,} parameters; "
+          f"the base still runs forward and backward (for the activations' gradients), so the time does not "
+          f"drop by that factor")
 
 
 def run_ranks(worker, world, *args):
@@ -401,8 +446,8 @@ def table_memory(layouts=(("dp", 1), ("dp", 2), ("dp", 4), ("fsdp", 2), ("fsdp",
           "(activations, buffers, allocator slack included), max_memory_allocated on GPU.")
 
 
-TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "memory": table_memory}
-ROWS = {"single": single_row}
+TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "memory": table_memory, "lora": table_lora}
+ROWS = {"single": single_row, "lora": lora_row}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--row":

@@ -7,7 +7,12 @@ load any other; atomic (a temp directory renamed into place), a manifest of size
 sha256 sums, `latest`, pruning, and a reader that never runs code from the files.
 
 Foreign formats: safetensors (read and written by hand), Hugging Face LLaMA directories
-(config.json + model.safetensors, name table, config mapping), for continual pretraining.
+(config.json + model.safetensors, name table, config mapping), for continual pretraining,
+and PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors).
+
+A LoRA run's checkpoints hold only what trains (the adapters and their AdamW state); the
+frozen base is referenced (meta.json's "lora" -> "base": its path and a sha256), not copied,
+and read again from there on resume.
 
 This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
@@ -25,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from configurator import UserError
-from model import ModelConfig, Transformer
+from model import LORA_TARGETS, LoRALinear, ModelConfig, Transformer, apply_lora
 from parallel import all_reduce_sum, broadcast_object, reshard
 
 
@@ -55,17 +60,27 @@ def train_state(model, optimizer):
     {"model": name -> weight, "optim": "name.exp_avg" -> ...}. Under FSDP the values are
     DTensor shards; torch.distributed.checkpoint writes each rank's shards and can read them
     back into any other sharding. Positions in the optimizer (what optimizer.state_dict()
-    uses) would differ between pipeline stages; names do not."""
+    uses) would differ between pipeline stages; names do not. Frozen parameters (LoRA's
+    base) are left out: they never change, and the run's meta.json says where they come from."""
     reshard(model)
     names = {p: n for n, p in model.named_parameters()}
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
-    return {"model": model.state_dict(), "optim": optim}
+    return {"model": trainable_state(model), "optim": optim}
+
+
+def trainable_state(model):
+    """model.state_dict() without the frozen parameters (all of it when nothing is frozen;
+    a tied head stays under both names, as state_dict has it)."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {n: t for n, t in model.state_dict().items() if n not in frozen}
 
 
 def init_adamw_state(model, optimizer):
     """Empty AdamW state for every parameter, for a checkpoint to be loaded into (torch
     creates it lazily at the first step, and DCP loads into existing tensors)."""
     for p in model.parameters():
+        if not p.requires_grad:  # frozen (LoRA's base): the optimizer does not hold it
+            continue
         step_device = p.device if optimizer.defaults.get("fused") else "cpu"
         optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
@@ -227,12 +242,14 @@ def load(path, model, optimizer=None, no_dist=False):
         init_adamw_state(model, optimizer)
         state = train_state(model, optimizer)
     else:
-        state = {"model": model.state_dict()}
+        state = {"model": trainable_state(model)}
     try:
         dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         raise _unreadable(path, e) from None
-    model.load_state_dict(state["model"])
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    frozen = set(model.state_dict()) - set(state["model"])
+    assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,3 +516,184 @@ def save_hf_llama(path, state_dict, cfg):
         os.replace(tmp, path)  # replaces an empty directory too
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA: the frozen base a run adapts, and adapters in PEFT's format.
+#
+# Our checkpoints of a LoRA run hold the adapters and their AdamW state only; meta.json's
+# "lora" entry references the base: {"kind": "hf" | "ckpt", "path", "sha256"}. Copying a
+# multi-GB base into every checkpoint (or even once) would cost what LoRA saves; the price is
+# that the base must stay where it was, and the sha256 makes a changed or swapped base an
+# error instead of adapters silently applied to the wrong weights.
+
+
+def base_reference(path, mesh=None):
+    """{"kind", "path", "sha256"} of a base model: a Hugging Face LLaMA directory (kind "hf":
+    the sha256 covers config.json and the weight files) or one checkpoint ckpt/iter_X of a run
+    of ours (kind "ckpt": its manifest.json, which holds the sha256 of every file). Rank 0
+    reads the files (once, not once per rank) and tells the others."""
+    ref = None
+    if mesh is None or mesh.master:
+        path = os.path.abspath(path)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            kind = "hf"
+            files = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith(".safetensors")
+                           or f == "model.safetensors.index.json")
+        else:
+            kind, files = "ckpt", ["manifest.json"]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f}:{_sha256(os.path.join(path, f))}\n".encode())
+        ref = {"kind": kind, "path": path, "sha256": h.hexdigest()}
+    return ref if mesh is None else broadcast_object(ref, mesh)
+
+
+def load_base(model, ref, mesh=None):
+    """Reads the base that `ref` (see base_reference) names into `model` (whole, before
+    apply_lora), after checking that it is still there and still the same."""
+    path = ref["path"]
+    if not os.path.isfile(os.path.join(path, "config.json" if ref["kind"] == "hf" else "manifest.json")):
+        raise UserError(f"the base model of this LoRA run, {path}, is gone: the run's checkpoints hold only the "
+                        f"adapters and reference the base; put it back there, or start a new out_dir")
+    now = base_reference(path, mesh)
+    if now["sha256"] != ref["sha256"]:
+        raise UserError(f"the base model {path} has changed since this LoRA run started (sha256 {now['sha256'][:12]}, "
+                        f"was {ref['sha256'][:12]}): the adapters were trained on the old weights; restore them, or "
+                        f"start a new out_dir")
+    if ref["kind"] == "hf":
+        _, sd = load_hf_llama(path)
+        if model.cfg.tie_embeddings:
+            sd.setdefault("output.weight", sd["tok_embeddings.weight"])
+        model.load_state_dict(sd)
+    else:
+        load(path, model, no_dist=True)
+    return model
+
+
+def load_whole(path):
+    """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
+    run's checkpoint gives its base with the adapters on (not merged: see merge_lora)."""
+    meta, _ = read_meta(path)
+    model = Transformer(ModelConfig(**meta["model"]))
+    lora = meta.get("lora")
+    if lora:
+        load_base(model, lora["base"])
+        apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed=0)  # A is loaded next
+    load(path, model, no_dist=True)
+    return model, meta
+
+
+# PEFT's LoRA on a LlamaForCausalLM: the adapter of module M is saved as
+# base_model.model.<M>.lora_A.weight / .lora_B.weight (PeftModel -> LoraModel -> the HF model;
+# get_peft_model_state_dict drops the adapter name, ".default"), beside adapter_config.json
+# with r, lora_alpha, lora_dropout and target_modules (module names: q_proj, ..., lm_head).
+# scaling = lora_alpha / r unless use_rslora; forward y = base(x) + B(A(dropout(x))) * scaling.
+PEFT_PREFIX = "base_model.model."
+PEFT_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "output": "lm_head"}
+assert set(PEFT_TARGETS) == set(LORA_TARGETS)
+
+
+def _peft_name(name, to_hf):
+    """Ours -> PEFT's: layers.0.attention.wq.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    module, ab, _ = name.rsplit(".", 2)
+    return f"{PEFT_PREFIX}{rename(module + '.weight', to_hf).removesuffix('.weight')}.{ab}.weight"
+
+
+def save_peft_lora(path, model, lora):
+    """Writes the adapters of `model` (whole, adapters not merged) as a PEFT LoRA directory:
+    adapter_config.json + adapter_model.safetensors, which
+    peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), path) loads.
+    `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf_llama."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
+    assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), "save_peft_lora: unmerge first"
+    to_hf = {v: k for k, v in HF_LLAMA_NAMES.items()}
+    tensors = {_peft_name(n, to_hf): t.detach().to("cpu", torch.float32)
+               for n, t in model.state_dict().items() if ".lora_A." in n or ".lora_B." in n}
+    base = lora.get("base") or {}
+    config = {  # the keys of peft.LoraConfig that change what the adapter computes, at their meaning here
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "inference_mode": True,
+        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf" else None,
+        "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
+        "target_modules": sorted(PEFT_TARGETS[t] for t in lora["targets"]),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    tmp = f"{os.path.normpath(path)}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors, {"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_peft_lora(path):
+    """({"rank", "alpha", "dropout", "targets"}, {our name: tensor}) of a PEFT LoRA adapter
+    directory (what save_pretrained / save_peft_lora write). Refuses the LoRA variants that
+    would compute something else here (DoRA, rsLoRA, per-layer ranks, biases, ...)."""
+    def bad(problem, fix="only plain LoRA adapters of a LlamaForCausalLM can be loaded"):
+        return UserError(f"{path}: {problem}; {fix}")
+
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+    except OSError:
+        raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what save_pretrained "
+                                            "or export_lora writes)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"adapter_config.json is not valid JSON ({e})", "copy or export it again") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise bad(f"peft_type={cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'")
+    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
+                       ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
+                       ("modules_to_save", None), ("lora_bias", False)):
+        if cfg.get(key, plain) not in (plain, None):
+            raise bad(f"{key}={cfg[key]!r} is a LoRA variant that is not implemented here")
+    r, alpha, drop = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("lora_dropout", 0.0)
+    if type(r) is not int or r < 1 or not isinstance(alpha, (int, float)) or not isinstance(drop, (int, float)):
+        raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r} are not a positive int and two numbers",
+                  "fix adapter_config.json")
+    modules = cfg.get("target_modules")
+    from_hf = {v: k for k, v in PEFT_TARGETS.items()}
+    if not isinstance(modules, list) or not modules or not all(m in from_hf for m in modules):
+        raise bad(f"target_modules={modules!r} is not a list of {', '.join(from_hf)}")
+    targets = sorted(from_hf[m] for m in modules)
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise bad("no adapter_model.safetensors (only safetensors adapters are read)",
+                  "re-save the adapter with save_pretrained(..., safe_serialization=True)")
+    sd = {}
+    for name, t in read_safetensors(file).items():
+        m = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.*)\.(lora_[AB])\.weight", name)
+        module = m and rename(m[1] + ".weight", HF_LLAMA_NAMES)
+        if not module or module.split(".")[-2] not in targets:
+            raise bad(f"unexpected tensor '{name}' (base weights saved beside the adapter, e.g. PEFT's "
+                      f"save_embedding_layers, or a module outside target_modules)",
+                      "save the adapter alone (save_embedding_layers=False)")
+        sd[f"{module.removesuffix('.weight')}.{m[2]}.weight"] = t
+    return {"rank": r, "alpha": float(alpha), "dropout": float(drop), "targets": targets}, sd
+
+
+def load_lora_adapter(model, adapter, path):
+    """Puts the adapter tensors that load_peft_lora read from `path` into `model` (whole, with
+    apply_lora's adapters of the same rank and targets). Every adapter must be there: one
+    left at its fresh init would be a silently different model."""
+    ours = {n for n in model.state_dict() if ".lora_A." in n or ".lora_B." in n}
+    missing, extra = sorted(ours - set(adapter)), sorted(set(adapter) - ours)
+    if missing or extra:
+        raise UserError(f"{path}: the adapter {'lacks ' + ', '.join(missing[:3]) if missing else ''}"
+                        f"{'; ' if missing and extra else ''}{'has extra ' + ', '.join(extra[:3]) if extra else ''} "
+                        f"for this {model.cfg.n_layer}-layer base: is it the adapter of this base model?")
+    shapes = model.state_dict()
+    for n, t in adapter.items():
+        if tuple(t.shape) != tuple(shapes[n].shape):
+            raise UserError(f"{path}: {n} has shape {tuple(t.shape)}, this base needs {tuple(shapes[n].shape)}: "
+                            f"is it the adapter of this base model?")
+    model.load_state_dict(adapter, strict=False)

@@ -6,11 +6,12 @@ Parameter names follow Meta's LLaMA / torchtitan (tok_embeddings, layers.{i}.att
 ..., norm, output), and the layers live in a ModuleDict keyed by their global index, so a
 pipeline stage that owns layers 4..7 still calls them layers.4 ... layers.7 and every
 checkpoint uses the same names whatever the layout. This file knows nothing of ranks and
-reads no files (checkpoint.py does: our checkpoints, safetensors, Hugging Face LLaMA).
+reads no files (checkpoint.py does: our checkpoints, safetensors, Hugging Face LLaMA, PEFT).
 """
 
 import math
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -218,9 +219,12 @@ class Transformer(nn.Module):
         """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B: 6 per
         weight that takes part in a matmul (the embedding lookup is not a matmul; a tied
         table is counted once, as the head), plus the attention scores and values
-        12 * n_layer * n_embd * T at full length T = block_size."""
-        n = self.num_params() - (0 if self.cfg.tie_embeddings else self.tok_embeddings.weight.numel())
-        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
+        12 * n_layer * n_embd * T at full length T = block_size. A frozen weight (LoRA's
+        base) costs 4, not 6: backward still takes its input's gradient (2) but not its own."""
+        emb = self.tok_embeddings.weight
+        matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
+        n = sum((6 if p.requires_grad else 4) * p.numel() for p in matmul)
+        return n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -295,6 +299,98 @@ def grow_vocab(model, new_vocab_size):
             model.output.weight = grown(model.output.weight)
         model.output.out_features = new_vocab_size
     model.cfg.vocab_size = new_vocab_size
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen weight W plus a trainable low-rank update,
+#   y = x W^T + (alpha / r) * dropout(x) A^T B^T,   A: (r, in), B: (out, r)
+# B starts at zero, so at step 0 the model is exactly the base model; only A and B train.
+# The names follow PEFT's LoraLayer (lora_A.weight, lora_B.weight, scaling = lora_alpha / r,
+# dropout on the adapter's input only, A Kaiming-uniform), so that an adapter maps one to
+# one onto PEFT's files (checkpoint.py writes and reads them).
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
+
+
+class LoRALinear(nn.Module):
+    """An nn.Linear (no bias) with a LoRA adapter. The base weight stays `.weight`, so the
+    base's names in checkpoints and Hugging Face files do not change."""
+
+    def __init__(self, base, rank, alpha, dropout=0.0):
+        super().__init__()
+        assert base.bias is None, "LoRALinear wraps bias-free linears (all of this model's)"
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameter: frozen by apply_lora, not copied
+        # skip_init: no draw from the global RNG here (reset_adapter has its own generator)
+        dev = base.weight.device
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device=dev)   # weight (r, in)
+        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, device=dev)  # weight (out, r)
+        self.scaling = alpha / rank
+        self.lora_dropout = nn.Dropout(dropout)
+        self.merged = False
+
+    @torch.no_grad()
+    def reset_adapter(self, generator):
+        # PEFT's (and nn.Linear's) init for A: Kaiming-uniform with a = sqrt(5), i.e.
+        # U(-1/sqrt(in), 1/sqrt(in)); B zero: the update B A is zero until B has learned.
+        # Drawn on the CPU (a CPU generator), then copied: the same values on every device.
+        a = torch.empty(self.lora_A.weight.shape)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.lora_A.weight.copy_(a)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def delta(self):
+        """The update the adapter adds to the weight: (alpha / r) B A, shape (out, in)."""
+        return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.merged:  # W already holds W + (alpha / r) B A
+            return y
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def merge(self):
+        """W <- W + (alpha / r) B A: one matmul per call again, for inference or export."""
+        if not self.merged:
+            self.weight += self.delta().to(self.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        """W <- W - (alpha / r) B A: back to the base weight (up to float rounding)."""
+        if self.merged:
+            self.weight -= self.delta().to(self.weight.dtype)
+            self.merged = False
+
+
+def apply_lora(model, rank, alpha, dropout, targets, seed):
+    """Puts a LoRA adapter on every linear of `model` whose name ends in one of `targets`
+    (of LORA_TARGETS), in place, and freezes every other parameter. Returns the names of the
+    wrapped linears. Works on a whole model or a pipeline stage (which wraps what it has).
+    Each A is drawn from its own generator, seeded by (seed, its module's name): the same
+    adapter whatever the layout, though a pipeline stage builds only some of them."""
+    unknown = set(targets) - set(LORA_TARGETS)
+    assert not unknown, f"unknown LoRA targets {sorted(unknown)}; choose from {LORA_TARGETS}"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name.split(".")[-1] in targets:
+            lora = LoRALinear(module, rank, alpha, dropout)
+            lora.reset_adapter(torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode())))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, lora)
+            wrapped.append(name)
+    return wrapped
+
+
+def merge_lora(model):
+    """Merges every adapter of `model` into its weight (see LoRALinear.merge)."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.merge()
     return model
 
 

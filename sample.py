@@ -19,15 +19,15 @@ import checkpoint
 import configurator
 import data
 import parallel
-from model import ModelConfig, Transformer
+from model import merge_lora
 
 
 def load_model(path):
-    """(whole model on CPU, checkpoint meta) of the checkpoint directory `path`, read by this
-    process alone."""
-    meta, _ = checkpoint.read_meta(path)
-    model = Transformer(ModelConfig(**meta["model"]))
-    checkpoint.load(path, model, no_dist=True)
+    """(whole model on CPU, checkpoint meta) of the checkpoint directory `path`, whatever
+    layout wrote it, read by this process alone. A LoRA run's adapters are merged into its
+    base (re-read from where it is): W + (alpha / r) B A."""
+    model, meta = checkpoint.load_whole(path)
+    merge_lora(model)  # nothing to do without LoRA
     return model, meta
 
 
@@ -63,9 +63,10 @@ def main(argv):
     model, meta = load_model(path)
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
-        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+        weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above
+        torch.save(weights, tmp)
         os.replace(tmp, cfg["export"])
-        print(f"exported {len(model.state_dict())} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
+        print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:
         checkpoint.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg)
         print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {cfg['export_hf']}")

@@ -26,7 +26,8 @@ import configurator
 import data
 import parallel
 import sample
-from model import ModelConfig, Transformer, grow_vocab, make_stage, measure_matmul_flops, stage_layers
+from model import (LORA_TARGETS, ModelConfig, Transformer, apply_lora, grow_vocab, make_stage, measure_matmul_flops,
+                   merge_lora, stage_layers)
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -66,6 +67,13 @@ tie_embeddings = False          # share the token embedding with the output head
 grad_ckpt = False               # activation checkpointing: recompute each block in backward
 doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
 neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
+# LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
+lora_rank = 0                   # rank r of the adapters (0: no LoRA, full fine-tuning)
+lora_alpha = 16.0               # the adapters' update B A is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0              # dropout on the adapters' input (the base path has none)
+lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv,wo,w1,w2,w3,output
+lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
+export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
 # optimizer: AdamW, weight decay on 2-D weights only
 learning_rate = 2e-3            # peak learning rate
 max_iters = 600
@@ -153,6 +161,13 @@ check(not (pp > 1 and dp > 1 and ddp_impl == "torch"),
       "interleaves forwards with backwards): use ddp_impl=bucketed or naive")
 check(not (fsdp and "ddp_impl" in overrides), f"fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be "
                                               f"ignored: drop one of the two")
+# LoRA (what needs the checkpoint, the base or the adapter is checked under "LoRA" below)
+lora_target_list = sorted({t.strip() for t in lora_targets.split(",") if t.strip()})
+check(lora_rank >= 0, f"lora_rank={lora_rank} is negative: use 0 (full fine-tuning) or the adapters' rank")
+check(lora_target_list and not set(lora_target_list) - set(LORA_TARGETS),
+      f"lora_targets='{lora_targets}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
+check(0 <= lora_dropout < 1 and lora_alpha > 0,
+      f"lora_dropout={lora_dropout} must be in [0, 1) and lora_alpha={lora_alpha} above 0")
 # the files: where the weights come from and where the run writes
 check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
       f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
@@ -227,6 +242,9 @@ elif init_path and os.path.isdir(os.path.join(init_path, "ckpt")):  # (2) a run 
     check(init_ckpt is not None, f"init_from={init_path} is a run directory with no checkpoint in ckpt/: "
                                  f"train it first, or point at another run or a Hugging Face model")
     saved, where = checkpoint.read_meta(init_ckpt)[0]["model"], f"the checkpoint {init_ckpt}"
+    check(not checkpoint.read_meta(init_ckpt)[0].get("lora"),  # its checkpoints hold adapters, not a model
+          f"init_from={init_path} is a LoRA run: start from its merged model (export_hf= of train.py or sample.py), "
+          f"or its base with lora_from= its export_lora")
 elif init_path:                                                  # (3) Hugging Face
     saved, init_weights = checkpoint.load_hf_llama(init_path)
     where = f"the Hugging Face model in {init_path}"
@@ -249,6 +267,55 @@ if init_weights is not None:
     raw_model.load_state_dict(init_weights)
 elif init_ckpt is not None:
     checkpoint.load(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
+# ---- LoRA: adapters on a frozen base -------------------------------------------------
+# Order: the base's weights are in (loaded above, or below when resuming), then the adapters,
+# then the pipeline cut, FSDP / data parallel and the optimizer (over what trains only).
+lora = None  # {"rank", "alpha", "dropout", "targets", "base"}: kept in meta.json; None: full fine-tuning
+adapter = None  # lora_from's tensors
+if ckpt_path and ckpt_meta.get("lora"):  # resuming a LoRA run: the settings and the base come from its checkpoint
+    lora, where = dict(ckpt_meta["lora"]), f"the checkpoint in {out_dir}"
+elif ckpt_path and (lora_rank or lora_from):
+    raise configurator.UserError(f"lora_rank / lora_from given but {out_dir} holds a full fine-tuning run: LoRA on top "
+                                 f"of it needs a new out_dir with init_from={out_dir}")
+elif lora_from and not ckpt_path:
+    lora, adapter = checkpoint.load_peft_lora(lora_from)
+    where = f"the adapter in {lora_from}"
+elif lora_rank:
+    lora = {"rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_target_list}
+if lora:
+    # like the model's shape: an explicit key that disagrees with the checkpoint or adapter is a mistake
+    for key, value in (("lora_rank", lora_rank), ("lora_alpha", lora_alpha), ("lora_targets", lora_target_list)):
+        have = lora[key.removeprefix("lora_")]
+        if key in overrides and value != have:
+            raise configurator.UserError(f"{key}={overrides[key]} but {where} has {have}: drop the override")
+    lora["dropout"] = lora_dropout if "lora_dropout" in overrides else lora["dropout"]  # a run key, like dropout
+    if not (init_path or ckpt_path):
+        raise configurator.UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA directory "
+                                     "or a run's out_dir (the base, which stays frozen)")
+    if model_cfg.vocab_size < meta["vocab_size"]:
+        raise configurator.UserError(f"{data_dir} has {meta['vocab_size']} token ids but the base has "
+                                     f"{model_cfg.vocab_size}: LoRA keeps the embeddings frozen, so new tokens would "
+                                     f"never be learned; prepare the data without added tokens, or use lora_rank=0")
+    if model_cfg.tie_embeddings and "output" in lora["targets"]:
+        raise configurator.UserError("lora_targets has output but the base ties the head to the embedding: merging "
+                                     "would change the embedding too; drop output from lora_targets")
+    if mesh.pp > 1 and lora["targets"] == ["output"]:
+        raise configurator.UserError("lora_targets=output with pp > 1: the first stages would have nothing to train; "
+                                     "add a per-layer target (wq, ...) or use pp=1")
+    if ckpt_path:  # the checkpoint references its base (path + sha256); read it again
+        checkpoint.load_base(raw_model, lora["base"], mesh)
+    else:
+        lora["base"] = checkpoint.base_reference(init_path if init_weights is not None else init_ckpt, mesh)
+    apply_lora(raw_model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed)
+    if adapter is not None:
+        checkpoint.load_lora_adapter(raw_model, adapter, lora_from)
+    trainable = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+    mesh.print0(f"lora: r={lora['rank']} alpha={lora['alpha']:g} on {','.join(lora['targets'])}"
+                f"{f' from {lora_from}' if adapter is not None else ''}: {trainable:,} trainable parameters "
+                f"({trainable / raw_model.num_params():.2%}); the base ({lora['base']['path']}) is frozen")
+if export_lora and not lora:
+    raise configurator.UserError("export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
+# ---- LoRA end
 if model_cfg.vocab_size < meta["vocab_size"]:
     # vocabulary expansion: the data has tokens the model has never seen (extra and chat
     # tokens); new embedding and head rows start at the mean of the existing ones
@@ -277,8 +344,9 @@ elif mesh.dp > 1 and not use_fsdp and ddp_impl == "naive":
 elif mesh.dp > 1 and not use_fsdp:
     model = parallel.DataParallel(model, mesh, ddp_bucket_mb)
 
-decay = [p for p in raw_model.parameters() if p.dim() >= 2]    # matmul weights and embeddings
-no_decay = [p for p in raw_model.parameters() if p.dim() < 2]  # norm gains
+# only what trains (all of it, or LoRA's adapters): the optimizer holds no state for frozen weights
+decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]    # matmul weights and embeddings
+no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # norm gains
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
@@ -410,7 +478,7 @@ def save(it):
     RNG states and the run's metadata."""
     info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
+            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
     rngs = parallel.gather_to_master(rng_states(), mesh)  # each rank's dropout streams
     state = None if rngs is None else {f"rng_{k}": [r[k] for r in rngs] for k in rngs[0]}
     path = checkpoint.save(out_dir, it, raw_model, optimizer, state, info, mesh, keep_ckpts)
@@ -520,7 +588,8 @@ while True:
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
         for p in raw_model.parameters():
-            p.grad.fill_(float("nan"))
+            if p.grad is not None:  # frozen weights have none
+                p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
     # evaluate) and for the stop flag
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
@@ -573,9 +642,13 @@ if mesh.master and wandb_log:
     wandb.finish()
 whole = mesh.pp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage or shards)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
-if mesh.master and not stop and (export_hf or sample_tokens > 0):
-    final = raw_model if whole else sample.load_model(checkpoint.find(out_dir, None))[0].to(mesh.device)
+if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
+    final = raw_model if whole else checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
     final.eval()
+    if export_lora and lora:
+        checkpoint.save_peft_lora(export_lora, final, lora)
+        print(f"exported the LoRA adapters in PEFT's format to {export_lora}", flush=True)
+    merge_lora(final)  # LoRA: W + (alpha / r) B A, which export_hf writes and sampling runs; else nothing
     if export_hf:
         checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
