@@ -12,6 +12,10 @@ fits and uint32 otherwise. A chat dataset (JSONL conversations) also writes
 {train,val}.mask.bin: one byte per token, 1 where the loss counts (the assistant's words).
 meta.json is written last, so a dataset directory with a meta.json is complete. Nothing
 here reads train.py's config: everything is an argument.
+
+Loader reads one prepared dataset; MixtureLoader draws each sequence of a global batch from
+one of several (datasets=stdlib:0.7,notes:0.3), with curriculum phases that change the
+weights from a given iteration on.
 """
 
 import argparse
@@ -665,8 +669,8 @@ class MixtureLoader:
     shuffled from (seed, epoch)); a slot of source s takes the next sample of s's stream:
     position = draws of s in all slots of iterations [0, it) + its rank among the slots of s
     in it. That count is derived, not saved: the draws of iterations [0, it) are recomputed
-    in vectorised blocks (one hash per slot: ~0.1 s for 100k iterations x 64 slots) and their
-    cumulative per-source counts cached, so resume needs only `it`, on any layout. Change
+    in vectorised blocks (one hash per slot: about a second for 100k iterations x 64 slots)
+    and their cumulative per-source counts cached, so resume needs only `it`, on any layout. Change
     the phases and the past is recomputed as if the new ones had always been in force.
 
     Rank r takes its fixed slice of the global batch (micro-batches [r * k, (r + 1) * k)) as

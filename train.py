@@ -212,7 +212,7 @@ meta = data.check_tokenizers(metas)  # the vocabulary that covers every source
 base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
 if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
     raise configurator.UserError(
-        f"{', '.join(data_dirs)}: prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this run "
+        f"{', '.join(data_dirs)} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this run "
         f"has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another dataset")
 data_dir = ",".join(data_dirs)  # what checkpoints record
 train_loader = data.MixtureLoader([data.Loader(d, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,

@@ -189,3 +189,15 @@ def test_phases_in_a_config_file_are_a_real_list(sources, tmp_path):
     assert set(rows[0]) >= {"loss/tiny"} and "loss/notes" not in rows[0]
     assert "loss/notes" in rows[1] and "loss/tiny" not in rows[1]
     assert json.load(open(out / "config.json"))["phases"] == [[0, {"tiny": 1.0}], [1, {"notes": 1.0}, 0.5]]
+
+
+def test_configurator_takes_a_list_key_as_a_literal_or_a_real_list(tmp_path):
+    import configurator
+    want = [(0, {"a": 1.0}), (6, {"a": 0.5, "b": 0.5}, 0.5)]
+    assert configurator.configure({"phases": []}, ['phases=[(0, {"a": 1.0}), (6, {"a": 0.5, "b": 0.5}, 0.5)]']) == \
+        {"phases": want}
+    cfg = tmp_path / "c.py"
+    cfg.write_text("phases = ((0, {'a': 1.0}),)\n")  # a tuple where the default is a list: taken as a list
+    assert configurator.configure({"phases": []}, [str(cfg)]) == {"phases": [(0, {"a": 1.0})]}
+    with pytest.raises(configurator.UserError, match="needs list"):
+        configurator.configure({"phases": []}, ["phases=3"])
