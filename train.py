@@ -382,7 +382,8 @@ def record_seq_losses(module, args, output):
 
 def source_sums(src):
     """(sources, 2) (token-loss sum, target tokens) of this rank's sequences per source (zeros
-    on a stage without the head); src: each sequence's source, (micro_steps, batch_size)."""
+    on a stage without the head, and for one source); src: each sequence's source, (micro_steps,
+    batch_size)."""
     out = torch.zeros(len(source_names), 2, dtype=torch.float64, device=mesh.device)
     if seq_losses:
         out.index_add_(0, src.flatten().to(mesh.device), torch.cat(seq_losses))
@@ -585,13 +586,10 @@ while True:
         for p in raw_model.parameters():
             p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
-    # evaluate) and for the stop flag
-    # and for the per-source (token-loss sum, tokens) of a mixture
+    # evaluate), the stop flag and a mixture's per-source (token-loss sum, target tokens)
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
-    per_source = source_sums(src) if seq_losses is not None else torch.zeros(0, 2, dtype=torch.float64,
-                                                                              device=loss_sum.device)
     totals = parallel.all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), flag.double()]),
-                                                per_source.flatten()]), mesh)
+                                                source_sums(src).flatten()]), mesh)
     loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
     seq_losses, per_source = None, totals[2:].view(-1, 2).tolist()
     # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
@@ -628,7 +626,8 @@ while True:
         tok_per_s = tokens_per_iter / dt
         mfu = flops_per_iter / dt / (peak * mesh.world)
         # a mixture: each source's loss over its target tokens in the global batch
-        by_source = {f"loss/{name}": total / n for name, (total, n) in zip(source_names, per_source) if n > 0}
+        by_source = {f"loss/{name}": total / n for name, (total, n) in zip(source_names, per_source)
+                     if n > 0 and len(source_names) > 1}
         mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
                     f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                     f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + compact(by_source))
