@@ -10,7 +10,9 @@ word that is not a literal stays a string (`init_from=resume`).
 
 Every key must already exist in train.py's defaults (a typo is an error that suggests
 the closest key, in a file too), and the new value must have the default's type; an
-int is accepted where the default is a float, so `dropout=0` works.
+int is accepted where the default is a float, so `dropout=0` works, and a tuple where the
+default is a list (a list key, such as `phases`, is a Python literal on the command line:
+`phases='[(0, {"a": 1.0})]'`).
 """
 
 import ast
@@ -47,6 +49,8 @@ def _typed(key, value, default, where):
         return value
     if type(default) is float and type(value) is int:  # dropout=0
         return float(value)
+    if type(default) is list and type(value) is tuple:  # phases = ((0, {...}),)
+        return list(value)
     raise UserError(f"{key}={value!r} {where} has type {type(value).__name__}, but {key} needs "
                     f"{type(default).__name__} (default {default!r})")
 

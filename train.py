@@ -47,6 +47,9 @@ wandb_project = "trainer"
 wandb_run_name = ""             # '' : the base name of out_dir
 # data
 dataset = "stdlib"              # a name under data/, or a directory holding train.bin/val.bin/meta.json
+datasets = ""                   # a mixture instead of `dataset`: 'stdlib:0.7,notes:0.3' (names or directories)
+mix_temperature = 1.0           # mixture weights become weights ** (1 / T), normalized (T > 1: flatter)
+phases = []                     # curriculum: [(start_iter, {source: weight}), (start_iter, weights, lr_scale), ...]
 data_source = ""                # what to prepare when the dataset is missing: '' = 'stdlib' for dataset 'stdlib';
                                 # else 'stdlib', a directory or glob of .txt files, or a .jsonl file
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
@@ -111,7 +114,7 @@ sample_tokens = 120             # tokens to generate at the end of the run (0: n
 
 
 sys.excepthook = parallel.excepthook  # a UserError (and a dead peer) prints one line, not a traceback
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 defaults = {k: globals()[k] for k in config_keys}
 overrides = configurator.configure(defaults, sys.argv[1:])
 globals().update(overrides)
@@ -140,6 +143,13 @@ for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", 
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
 for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1)):
     check(lo <= config[key] < hi, f"{key}={config[key]} must be in [{lo}, {hi})")
+# the mixture: sources and their weights, then the phases (pure checks, nothing read yet)
+check(not (datasets and "dataset" in overrides), f"dataset={dataset} and datasets={datasets} both given: use "
+                                                 f"datasets= for a mixture, dataset= for one source")
+mixture = data.parse_mixture(datasets) if datasets else {dataset: 1.0}  # {source: weight}
+source_names = [data.source_name(s) for s in mixture]
+phase_list = data.parse_phases(phases, source_names)
+mix_weights = data.temper(list(mixture.values()), mix_temperature)  # val_loss averages the sources' with these
 check(dist_timeout_s > 0 and ddp_bucket_mb > 0, "dist_timeout_s and ddp_bucket_mb must be positive")
 check(n_embd % n_head == 0, f"n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head")
 check(n_head % n_kv_head == 0, f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each key/value head "
@@ -196,25 +206,35 @@ if mesh.device.type == "cuda":
 lr_decay_iters = lr_decay_iters or max_iters
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
 
-# ---- data -----------------------------------------------------------------------------
-data_dir = dataset if os.sep in dataset else os.path.join("data", dataset)
-if not os.path.exists(os.path.join(data_dir, "meta.json")):
-    source = data_source or ("stdlib" if dataset == "stdlib" else "")
-    if not source:
-        raise configurator.UserError(f"dataset '{dataset}' is not prepared ({data_dir}/meta.json missing): "
-                                     f"set data_source= to a directory, glob or .jsonl file to prepare it from")
-    if mesh.master:  # rank 0 prepares, the others wait at the barrier
-        mesh.print0(f"preparing {data_dir} from {source} (once)")
-        data.prepare(source, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or ())
-    parallel.barrier(mesh)
-meta = data.load_meta(data_dir)
+# ---- data: one source, or a mixture -------------------------------------------------
+metas, data_dirs = {}, []
+for source, name in zip(mixture, source_names):
+    data_dir = source if os.sep in source else os.path.join("data", source)
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        prep = (data_source if not datasets else "") or ("stdlib" if source == "stdlib" else "")
+        if not prep:
+            raise configurator.UserError(
+                f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): " +
+                ("run `python data.py SOURCE --out DIR` for it" if datasets else
+                 "set data_source= to a directory, glob or .jsonl file to prepare it from"))
+        if mesh.master:  # rank 0 prepares, the others wait at the barrier
+            mesh.print0(f"preparing {data_dir} from {prep} (once)")
+            data.prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or ())
+        parallel.barrier(mesh)
+    metas[name] = data.load_meta(data_dir)
+    data_dirs.append(data_dir)
+meta = data.check_tokenizers(metas)  # the vocabulary that covers every source
 base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
 if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
     raise configurator.UserError(
-        f"{data_dir} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this run "
+        f"{', '.join(data_dirs)} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this run "
         f"has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another dataset")
-train_loader = data.Loader(data_dir, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
-val_loader = data.Loader(data_dir, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+data_dir = ",".join(data_dirs)  # what checkpoints record
+train_loader = data.MixtureLoader([data.Loader(d, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,
+                                               mesh.dp) for d in data_dirs],
+                                  source_names, list(mixture.values()), phase_list, mix_temperature)
+val_loaders = {name: data.Loader(d, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+               for name, d in zip(source_names, data_dirs)}
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
@@ -252,7 +272,9 @@ if saved is not None:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
     shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
     for key in shape_keys:
-        check(key not in overrides or key not in saved or overrides[key] == saved[key],
+        # (vocab_size= names the tokenizer's base size: a model grown by chat/extra tokens has more)
+        check(key not in overrides or key not in saved or overrides[key] == saved[key] or
+              (key == "vocab_size" and overrides[key] == base_vocab and saved[key] == meta["vocab_size"]),
               f"{key}={overrides.get(key)} but {where} has {key}={saved.get(key)}: drop the override, or use a "
               f"new out_dir")
     run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}
@@ -386,7 +408,7 @@ def token_weights(y, mask):
 
 
 @torch.no_grad()
-def evaluate():
+def evaluate(val_loader):
     """Mean loss over the target tokens of eval_iters global batches of val data (the same
     batches every time), weighted by tokens exactly like the training loss."""
     raw_model.eval()
@@ -405,6 +427,41 @@ def evaluate():
     parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
     # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold losses)
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / mesh.dp
+
+
+# ---- per-source loss of a mixture ---------------------------------------------------
+# The model returns the mean loss of a micro-batch; the loss per source needs each sequence's
+# token sum. A forward hook on the model (on the last pipeline stage: the one with the
+# logits) recomputes them from the logits, so the plain loop and the pipeline schedules run
+# unchanged. The schedules run the forwards in micro-batch order, so the k-th entry is
+# micro-batch k's.
+seq_losses = None  # a list while a training step runs: (B, 2) (token-loss sum, target tokens) per micro-batch
+
+
+def record_seq_losses(module, args, output):
+    logits, loss = output
+    if seq_losses is None or loss is None:
+        return
+    targets, loss_mask = args[1], args[2] if len(args) > 2 else None
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1).float(), targets.flatten(),
+                                               reduction="none").view(targets.shape).double()
+        m = torch.ones_like(ce) if loss_mask is None else loss_mask.double()
+        seq_losses.append(torch.stack([(ce * m).sum(1), m.sum(1)], dim=1))
+
+
+def source_sums(src):
+    """(sources, 2) (token-loss sum, target tokens) of this rank's sequences per source (zeros
+    on a stage without the head, and for one source); src: each sequence's source, (micro_steps,
+    batch_size)."""
+    out = torch.zeros(len(source_names), 2, dtype=torch.float64, device=mesh.device)
+    if seq_losses:
+        out.index_add_(0, src.flatten().to(mesh.device), torch.cat(seq_losses))
+    return out
+
+
+if len(source_names) > 1:
+    raw_model.register_forward_hook(record_seq_losses)
 
 
 # ---- run state, logging, checkpoints --------------------------------------------------
@@ -462,6 +519,12 @@ if mesh.master:
         run_id = run_id or uuid.uuid4().hex[:8]  # kept in checkpoints: a resumed run logs to the same wandb run
         wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
                    id=run_id, resume="allow", config=config, dir=out_dir)
+
+
+def compact(by_source):
+    """' [a 3.210, b 4.021]' of {'loss/a': 3.21, ...} for stdout ('' for one source)."""
+    parts = [f"{key.split('/', 1)[1]} {value:.3f}" for key, value in by_source.items()]
+    return f" [{', '.join(parts)}]" if parts else ""
 
 
 def log(record):
@@ -535,9 +598,11 @@ stop = False       # a signal asked this run to stop (agreed by all ranks)
 bad_streak = 0     # consecutive iterations with a non-finite loss or gradient norm
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
-        val_loss = evaluate()
-        mesh.print0(f"iter {it}: val loss {val_loss:.4f}")
-        log({"iter": it, "val_loss": val_loss})
+        val = {name: evaluate(loader) for name, loader in val_loaders.items()}  # mixture: every source's
+        val_loss = sum(w * val[name] for name, w in zip(source_names, mix_weights))
+        by_source = {f"val_loss/{name}": v for name, v in val.items()} if len(val) > 1 else {}
+        mesh.print0(f"iter {it}: val loss {val_loss:.4f}" + compact(by_source))
+        log({"iter": it, "val_loss": val_loss, **by_source})
     if it != saved_at and (it % ckpt_interval == 0 or it == max_iters or stop):
         save(it)
         saved_at = it
@@ -551,11 +616,12 @@ while True:
 
     # ================================ TRAINING SECTION BEGIN ================================
     t0 = time.perf_counter()
-    lr = get_lr(it)
+    lr = get_lr(it) * train_loader.lr_scale(it)  # the curriculum phase's factor (1 without phases)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
-    x, y, mask = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
+    x, y, mask, src = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
+    seq_losses = [] if len(source_names) > 1 else None  # mixture: filled by the forward hook
     micro = micro_batches(x, y, mask)    # [(x, y, loss_mask, doc_ids) of micro-batch k]
     # The objective is the mean cross-entropy over every target token of the global batch.
     # backward() adds each micro-step's gradient into .grad and data parallel averages over
@@ -591,10 +657,12 @@ while True:
             if p.grad is not None:  # frozen weights have none
                 p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
-    # evaluate) and for the stop flag
+    # evaluate), the stop flag and a mixture's per-source (token-loss sum, target tokens)
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
-    totals = parallel.all_reduce_sum(torch.stack([loss_sum.double(), flag.double()]), mesh)
+    totals = parallel.all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), flag.double()]),
+                                                source_sums(src).flatten()]), mesh)
     loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
+    seq_losses, per_source = None, totals[2:].view(-1, 2).tolist()
     # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
     # (computed even when not clipping, for the log); every rank gets the same norm
     grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh).item()
@@ -628,11 +696,14 @@ while True:
     if it % log_interval == 0 or it == max_iters - 1:
         tok_per_s = tokens_per_iter / dt
         mfu = flops_per_iter / dt / (peak * mesh.world)
+        # a mixture: each source's loss over its target tokens in the global batch
+        by_source = {f"loss/{name}": total / n for name, (total, n) in zip(source_names, per_source)
+                     if n > 0 and len(source_names) > 1}
         mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
                     f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
-                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min")
+                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + compact(by_source))
         log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu})
+             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source})
     it += 1
 
 # ---- the end --------------------------------------------------------------------------
