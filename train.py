@@ -145,6 +145,8 @@ if mesh.device.type == "cuda":
     torch.backends.cudnn.allow_tf32 = True
 lr_decay_iters = lr_decay_iters or max_iters
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
+if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything
+    checkpoint.lock_out_dir(out_dir)
 
 # ---- data -----------------------------------------------------------------------------
 data_dir = dataset if os.sep in dataset else os.path.join("data", dataset)
@@ -295,8 +297,7 @@ def truncate_metrics(upto):
         return
     old = []
     if upto and os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            old = [json.loads(line) for line in f if line.strip()]
+        old = checkpoint.read_metrics(metrics_path)  # a torn last line (killed mid-append) is dropped
         old = [r for r in old if r["iter"] < upto or ("val_loss" in r and r["iter"] == upto)]
     with open(metrics_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in old)
@@ -342,7 +343,8 @@ def save(it):
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
             "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", [])}
     rng = parallel.gather_to_master(torch.get_rng_state(), mesh)  # each rank's dropout stream
-    path = checkpoint.save(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts)
+    path = checkpoint.save(out_dir, it, raw_model, optimizer, {"rng_cpu": rng}, info, mesh, keep_ckpts,
+                           resumed_from=ckpt_path)
     mesh.print0(f"saved checkpoint {path}")
 
 
