@@ -187,7 +187,8 @@ ckpt_meta, ckpt_state = checkpoint.read_meta(ckpt_path) if ckpt_path else (None,
 init_weights = None  # {name: tensor} to start from (init_from=path, when not resuming)
 if ckpt_path:
     saved, where = ckpt_meta["model"], f"the checkpoint in {out_dir}"
-elif init_path and os.path.exists(os.path.join(init_path, "config.json")):  # a Hugging Face LLaMA
+elif init_path and not os.path.isdir(os.path.join(init_path, "ckpt")) and \
+        os.path.exists(os.path.join(init_path, "config.json")):  # a Hugging Face LLaMA (a run's out_dir has one too)
     saved, init_weights = checkpoint.load_hf_llama(init_path)
     where = f"the Hugging Face model in {init_path}"
 elif init_path:  # another run of ours: its newest checkpoint's weights, a fresh optimizer
