@@ -286,3 +286,40 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
     d = broken(big_id)
     with pytest.raises(UserError, match="token id 600.*vocab_size 512"):
         loader(d)
+
+
+def _save_and_find_with_a_corrupt_share(mesh, out):
+    hashed = []  # (what, file name) this rank hashed
+    sha256 = checkpoint._sha256
+    checkpoint._sha256 = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
+    model = tiny_model()
+    parallel.fully_shard_model(model, mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    for it in (1, 2):
+        checkpoint.save(out, it, model, opt, {"rng_cpu": []}, {"iter": it}, mesh, 0)
+    saving, hashed[:] = list(hashed), []
+    path = os.path.join(out, "ckpt", "iter_0000002")
+    listed = sorted(json.load(open(os.path.join(path, "manifest.json")))["files"])
+    parallel.barrier(mesh)
+    if mesh.rank == 1:  # a file that rank 1 checks (every second one of the sorted list)
+        victim = os.path.join(path, listed[1])
+        blob = bytearray(open(victim, "rb").read())
+        blob[0] ^= 0xFF
+        open(victim, "wb").write(bytes(blob))
+    parallel.barrier(mesh)
+    warnings = []
+    found = checkpoint.find(out, mesh, warn=warnings.append)
+    return {"listed": listed, "found": found, "warnings": warnings, "saving": saving, "finding": hashed}
+
+
+def test_hashing_is_shared_by_the_ranks(tmp_path):
+    from conftest import spawn
+    r0, r1 = spawn(_save_and_find_with_a_corrupt_share, 2, str(tmp_path))
+    # the manifest lists both ranks' shards (each hashed by its writer) and rank 0's files
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json", "state.pt"} <= set(r0["listed"])
+    assert r0["found"] == r1["found"] == os.path.join(str(tmp_path), "ckpt", "iter_0000001")
+    assert len(r0["warnings"]) == 1 and f"{r0['listed'][1]} does not match its checksum" in r0["warnings"][0]
+    assert r1["warnings"] == []
+    # who hashed what: at a save each rank its own shards; at find, every second file each
+    assert sorted(r1["saving"]) == ["__1_0.distcp"] * 2 and "__1_0.distcp" not in r0["saving"]
+    assert set(r1["finding"]) == set(r0["listed"][1::2]) and not set(r0["finding"]) & set(r1["finding"])
