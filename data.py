@@ -10,8 +10,9 @@ prepare() turns a source into data/NAME/{train.bin, val.bin, meta.json}: every d
 tokens followed by <|endoftext|>, packed end to end, stored as uint16 when the vocabulary
 fits and uint32 otherwise. A chat dataset (JSONL conversations) also writes
 {train,val}.mask.bin: one byte per token, 1 where the loss counts (the assistant's words).
-meta.json is written last, so a dataset directory with a meta.json is complete. Nothing
-here reads train.py's config: everything is an argument.
+A dataset is built in a directory beside its target and swapped in when complete (meta.json
+last), so a dataset directory with a meta.json is complete, and a failed re-prepare leaves
+the old one as it was. Nothing here reads train.py's config: everything is an argument.
 """
 
 import argparse
