@@ -415,7 +415,8 @@ def _dcp_metadata(path):
         with open(os.path.join(path, ".metadata"), "rb") as f:
             md = _MetadataUnpickler(f).load()
     except Exception as e:  # anything a damaged or crafted pickle raises
-        return None, f".metadata is refused ({_why(e)}): it is not a checkpoint index this trainer writes"
+        return None, (f".metadata is refused ({_why(e)}): not a checkpoint index this trainer writes, and "
+                      f"unpickling it as DCP does could run code")
     if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
             and isinstance(md.storage_data, dict)):
         return None, ".metadata is refused (not a DCP Metadata)"
@@ -434,8 +435,8 @@ def read_dcp_metadata(path):
     if it holds anything but what DCP writes for our tensors."""
     md, problem = _dcp_metadata(path)
     if problem:
-        raise UserError(f"{os.path.join(path, problem)}: loading it could run code; point ckpt/latest at an "
-                        f"intact checkpoint, or use init_from=scratch")
+        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
+                        f"init_from=scratch")
     return md
 
 
