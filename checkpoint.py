@@ -22,6 +22,7 @@ import pickle
 import re
 import shutil
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -355,9 +356,13 @@ def _read_small(path):
     if not isinstance(meta, dict) or type(meta.get("iter")) is not int:
         return None, None, "meta.json has no iteration number"
     try:
-        state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
+            warnings.simplefilter("ignore")
+            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses any class but tensors and plain containers
-        return None, None, f"state.pt: {_why(e)}"
+        # torch's message starts with a paragraph on the weights_only default; the cause is further down
+        cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
+        return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {_why(e)}"
     return meta, state, None
 
 
