@@ -17,21 +17,28 @@ and read again from there on resume.
 This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
 
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
+import socket
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from configurator import UserError
 from model import LORA_TARGETS, LoRALinear, ModelConfig, Transformer, apply_lora
-from parallel import all_reduce_sum, broadcast_object, reshard
+from parallel import all_gather_object, all_reduce_sum, broadcast_object, gather_to_master, reshard
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,14 +83,40 @@ def trainable_state(model):
 
 
 def init_adamw_state(model, optimizer):
-    """Empty AdamW state for every parameter, for a checkpoint to be loaded into (torch
-    creates it lazily at the first step, and DCP loads into existing tensors)."""
+    """Zero AdamW state (step 0) for every parameter that has none yet: exactly what torch
+    creates lazily at a parameter's first step, so the optimizer steps the same with it.
+    Loading needs it (DCP reads into existing tensors), and so does saving: a checkpoint
+    written before any step succeeded must still hold the optim.* entries a load asks for."""
     for p in model.parameters():
-        if not p.requires_grad:  # frozen (LoRA's base): the optimizer does not hold it
+        if not p.requires_grad or optimizer.state.get(p):  # frozen (LoRA's base), or already there
             continue
         step_device = p.device if optimizer.defaults.get("fused") else "cpu"
         optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _why(e):
+    """An exception in a few words: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
+
+
+def _cause(e):
+    """The exception behind DCP's CheckpointException, whose own text is only
+    'CheckpointException ranks:dict_keys([0])': the lowest failing rank's."""
+    if isinstance(e, CheckpointException) and e.failures:
+        failure = e.failures[min(e.failures)]
+        return failure[0] if isinstance(failure, tuple) else failure
+    return e
+
+
+CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on
+
+
+def _checkpoints(root):
+    """{iteration: directory name} of the ckpt/iter_N directories under root."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(m[1]): n for n in names if (m := CKPT_NAME.fullmatch(n)) and os.path.isdir(os.path.join(root, n))}
 
 
 def _sha256(path):
@@ -94,30 +127,70 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _write_manifest(path):
-    """manifest.json: the size and sha256 of every file of the checkpoint, written last."""
-    files = {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
-             for n in sorted(os.listdir(path))}
+def _hash_files(path, names):
+    return {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+            for n in names}
+
+
+def _write_manifest(path, known=None):
+    """manifest.json: the size and sha256 of every file of the checkpoint, written last.
+    `known`: entries other ranks already computed for their own files."""
+    known = known or {}
+    files = {**_hash_files(path, [n for n in os.listdir(path) if n not in known]), **known}
+    files = {n: files[n] for n in sorted(files)}
     _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
-def verify(path):
-    """None if every file the manifest lists is there with its size and checksum, else
-    what is wrong, in a few words."""
+def _read_manifest(path):
+    """(files, None) or (None, what is wrong)."""
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "manifest.json is missing or unreadable (a save that did not finish?)"
-    for name, want in files.items():
-        p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            return f"{name} is missing"
-        if os.path.getsize(p) != want["bytes"]:
-            return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
-        if _sha256(p) != want["sha256"]:
-            return f"{name} does not match its checksum (corrupted)"
+        if not all(isinstance(w, dict) and type(w.get("bytes")) is int for w in files.values()):
+            raise TypeError("malformed entry")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, "manifest.json is missing or unreadable (a save that did not finish?)"
+    return files, None
+
+
+def _check_file(path, name, want, checksum=True):
+    p = os.path.join(path, name)
+    if os.path.basename(name) != name or not os.path.isfile(p):
+        return f"{name} is missing"
+    if os.path.getsize(p) != want["bytes"]:
+        return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
+    if checksum and _sha256(p) != want.get("sha256"):
+        return f"{name} does not match its checksum (corrupted)"
     return None
+
+
+def _check_contents(path):
+    """None if meta.json, state.pt and .metadata load safely, else what is wrong. A manifest
+    proves only that the files are those that were written; a crafted checkpoint comes with
+    a matching one."""
+    problem = _read_small(path)[2]
+    return problem or _dcp_metadata(path)[1]
+
+
+def verify(path, mesh=None):
+    """None if every file the manifest lists is there with its size and checksum and the
+    small files load safely, else what is wrong, in a few words. With a mesh of several
+    ranks every rank hashes its share of the files (a large checkpoint is too much for one
+    rank while the others wait in a collective); all ranks get the same answer."""
+    world, rank = (mesh.world, mesh.rank) if mesh is not None and mesh.backend else (1, 0)
+    files, problem = _read_manifest(path) if rank == 0 else (None, None)
+    if world > 1:
+        files, problem = broadcast_object((files, problem), mesh)
+    if problem:
+        return problem
+    names = sorted(files)
+    problems = [_check_file(path, n, files[n]) for n in names[rank::world]]
+    if rank == 0 and not any(problems):
+        problems.append(_check_contents(path))
+    problems = [p for p in problems if p]
+    if world > 1:
+        problems = [p for ps in all_gather_object(problems, mesh) for p in ps]
+    return problems[0] if problems else None
 
 
 def _agree(ok, mesh):
@@ -126,19 +199,81 @@ def _agree(ok, mesh):
     return flag.item() == 0
 
 
-def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
+def clean_stale(out_dir):
+    """Removes ckpt/.tmp_iter_* directories: saves killed half-way. Only for the run that holds
+    out_dir's lock (lock_out_dir): a running save's directory looks the same."""
+    root = os.path.join(out_dir, "ckpt")
+    for n in os.listdir(root) if os.path.isdir(root) else []:
+        if n.startswith(".tmp_") and os.path.isdir(os.path.join(root, n)):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+_held_locks = []  # the lock files' descriptors: open until the process exits
+
+
+def lock_out_dir(out_dir):
+    """Makes this process the only run writing to out_dir (two at once would interleave
+    metrics and overwrite each other's checkpoints): an exclusive flock on out_dir/.lock, held
+    until the process exits; the kernel releases it when the process dies, however it dies.
+    The file names the holder (host, pid) for the message another run gets. Then removes the
+    temporary directories of killed saves. Rank 0 calls it. Returns the descriptor."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.read(fd, 4096).decode(errors="replace")
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f"cannot lock {path} ({_why(e)}): put out_dir on a filesystem with file locks") from None
+        try:
+            who = json.loads(holder)
+            pid, host = who["pid"], who["host"]
+        except (ValueError, KeyError, TypeError):
+            pid, host = "?", "?"
+        raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
+                        f"or use another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
+    _held_locks.append(fd)
+    clean_stale(out_dir)
+    return fd
+
+
+def _prune(root, keep, protect):
+    """Deletes all but the newest `keep` complete checkpoints (by iteration number), never one
+    in `protect` (the one just written, the one this run resumed from). Incomplete or damaged
+    directories are neither counted nor deleted: find() reports them, the user decides.
+    Complete = every file of the manifest there with its size (no hashing: this runs at
+    every save)."""
+    if keep <= 0:
+        return
+    complete = []
+    for it, n in sorted(_checkpoints(root).items()):
+        files, problem = _read_manifest(os.path.join(root, n))
+        if problem is None and not any(_check_file(os.path.join(root, n), f, w, checksum=False)
+                                       for f, w in files.items()):
+            complete.append(n)
+    for old in complete[:-keep]:
+        if old not in protect:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
     """Called by every rank. Each rank writes its own part of the model and optimizer
     (torch.distributed.checkpoint: replicated tensors once, shards by their owners) into
-    ckpt/.tmp_iter_XXXXXXX; rank 0 adds state.pt (run_state: RNG states), meta.json and,
-    last, manifest.json (size and sha256 of every file), renames the directory to
-    ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the newest `keep`.
+    ckpt/.tmp_iter_XXXXXXX and hashes the files it wrote; rank 0 adds state.pt (run_state:
+    RNG states), meta.json and, last, manifest.json (size and sha256 of every file), renames
+    the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the
+    newest `keep` complete checkpoints (never `resumed_from`, the one this run started from).
     A crash at any point leaves `latest` naming a complete checkpoint; a failed save (disk
     full, permissions) raises on every rank and leaves the earlier checkpoints as they were.
     Several nodes need out_dir on a shared filesystem."""
     root = os.path.join(out_dir, "ckpt")
     name = f"iter_{it:07d}"
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
-    error = None
+    error, hashes = None, None
     if mesh.master:
         try:
             if os.path.isdir(tmp):
@@ -147,15 +282,25 @@ def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
         except OSError as e:
             error = e
     if _agree(error is None, mesh):
+        init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
         try:
             dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
         except (Exception, CheckpointException) as e:  # collective: every rank raises if one failed
-            error = e
+            error = _cause(e)
+        mine = {}
+        if error is None:
+            # each rank hashes the shards it wrote (DCP names them __RANK_*.distcp): one rank
+            # hashing a large model's files would keep the others waiting past dist_timeout_s
+            try:
+                mine = _hash_files(tmp, [n for n in os.listdir(tmp) if n.startswith(f"__{mesh.rank}_")])
+            except OSError as e:
+                error = e
+        hashes = gather_to_master(mine, mesh)
     if error is None and mesh.master:
         try:
             _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
             _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-            _write_manifest(tmp)
+            _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
             _fsync_dir(tmp)
             if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
                 shutil.rmtree(final)
@@ -168,28 +313,26 @@ def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep):
     if not _agree(error is None, mesh):
         if mesh.master:
             shutil.rmtree(tmp, ignore_errors=True)
-        why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}" if error else "on another rank"
+        why = _why(error) if error else "on another rank"
         raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
                         f"free disk space or fix the permissions of {out_dir}, then restart (init_from=auto resumes)")
     if mesh.master:
-        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
-        for old in done[:-keep] if keep > 0 else []:
-            if old != name:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        _prune(root, keep, {name, os.path.basename(os.path.normpath(resumed_from)) if resumed_from else name})
     return final
 
 
 def find(out_dir, mesh, warn=print):
-    """The checkpoint to resume from: the one ckpt/latest names if it verifies against its
-    manifest, else the newest ckpt/iter_XXXXXXX that does. None when out_dir has no
-    checkpoint at all. A checkpoint that fails verification is reported by name and
-    skipped; if none is intact that is an error (starting over would overwrite the run).
-    Rank 0 decides and tells the others, so every rank resumes from the same one."""
-    choice = None
-    if mesh is None or mesh.master:  # mesh None: a lone process (sample.py)
-        root = os.path.join(out_dir, "ckpt")
-        names = sorted((d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d)), reverse=True) \
-            if os.path.isdir(root) else []
+    """The checkpoint to resume from: the one ckpt/latest names if it verifies (manifest,
+    checksums, and its small files load safely), else the newest ckpt/iter_N that does. None
+    when out_dir has no checkpoint at all. A checkpoint that fails verification is reported
+    by name and skipped; if none is intact that is an error (starting over would overwrite
+    the run). Every rank of `mesh` checks a share of the files and all get the same answer;
+    mesh None: a lone process (sample.py)."""
+    root = os.path.join(out_dir, "ckpt")
+    master = mesh is None or mesh.master
+    names = None
+    if master:
+        names = [n for _, n in sorted(_checkpoints(root).items(), reverse=True)]
         try:
             with open(os.path.join(root, "latest")) as f:
                 latest = f.read().strip()
@@ -198,39 +341,135 @@ def find(out_dir, mesh, warn=print):
                 names.insert(0, latest)
         except OSError:
             pass
-        problems = []
-        for n in names:
-            problem = verify(os.path.join(root, n))
-            if problem is None:
-                choice = os.path.join(root, n)
-                break
-            problems.append(f"{n}: {problem}")
-            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an older one")
-        if names and choice is None:
-            choice = UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or start "
-                               f"over with init_from=scratch and a new out_dir")
     if mesh is not None:
-        choice = broadcast_object(choice, mesh)
-    if isinstance(choice, UserError):
-        raise choice
-    return choice
+        names = broadcast_object(names, mesh)
+    problems = []
+    for n in names:
+        problem = verify(os.path.join(root, n), mesh)
+        if problem is None:
+            return os.path.join(root, n)
+        problems.append(f"{n}: {problem}")
+        if master:
+            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an older one")
+    if names:
+        raise UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or start "
+                        f"over with init_from=scratch and a new out_dir")
+    return None
 
 
-def _unreadable(path, e):
-    return UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
-                     f"point ckpt/latest at an intact checkpoint, or use init_from=scratch")
-
-
-def read_meta(path):
-    """meta.json (iteration, config, model shape) and state.pt (RNG states) of a checkpoint.
-    weights_only=True: a checkpoint is data, never code."""
+def _read_small(path):
+    """(meta, state, None): meta.json (iteration, config, model shape) and state.pt (RNG
+    states) of a checkpoint; or (None, None, what is wrong). weights_only=True: a checkpoint
+    is data, never code."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise _unreadable(path, e) from None
+    except (OSError, ValueError) as e:
+        return None, None, f"meta.json: {_why(e)}"
+    if not isinstance(meta, dict) or type(meta.get("iter")) is not int:
+        return None, None, "meta.json has no iteration number"
+    try:
+        with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
+            warnings.simplefilter("ignore")
+            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses any class but tensors and plain containers
+        # torch's message starts with a paragraph on the weights_only default; the cause is further down
+        cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
+        return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {_why(e)}"
+    return meta, state, None
+
+
+def read_meta(path):
+    """meta.json and state.pt of a checkpoint (see _read_small); a UserError naming the file
+    if either is unreadable or not plain data."""
+    meta, state, problem = _read_small(path)
+    if problem:
+        raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an intact "
+                        f"checkpoint, or use init_from=scratch")
     return meta, state
+
+
+def read_metrics(path):
+    """The records of a run's metrics.jsonl ([] if it is absent). A line that does not parse
+    (the tail of an append cut short by a kill or a full disk) is dropped: the log must never
+    block a resume."""
+    rows = []
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:  # a torn line (UnicodeDecodeError is a ValueError too)
+                    continue
+                if isinstance(r, dict) and type(r.get("iter")) is int:
+                    rows.append(r)
+    return rows
+
+
+# torch.distributed.checkpoint reads .metadata with plain pickle.load, which runs whatever a
+# crafted file asks for. We unpickle it ourselves with only the classes a Metadata of our
+# checkpoints is made of (listed from real ones, with and without FSDP shards) and hand DCP
+# the result. BytesStorageMetadata is left out on purpose: DCP reads such entries with
+# torch.load(weights_only=False), and our checkpoints hold tensors only.
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+    "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.strided, by its name
+    ("pathlib", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _dcp_metadata(path):
+    """(DCP's Metadata of the checkpoint, None), or (None, what is wrong)."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as e:  # anything a damaged or crafted pickle raises
+        return None, (f".metadata is refused ({_why(e)}): not a checkpoint index this trainer writes, and "
+                      f"unpickling it as DCP does could run code")
+    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        return None, ".metadata is refused (not a DCP Metadata)"
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            return None, f".metadata is refused (entry {str(key)[:80]!r} is not a tensor)"
+    for info in md.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
+            return None, f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)"
+    return md, None
+
+
+def read_dcp_metadata(path):
+    """DCP's Metadata of a checkpoint, read without running code; a UserError naming the file
+    if it holds anything but what DCP writes for our tensors."""
+    md, problem = _dcp_metadata(path)
+    if problem:
+        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
+                        f"init_from=scratch")
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, given the Metadata read_dcp_metadata read (instead of pickle.load)."""
+
+    def __init__(self, path, metadata):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
+        return self.metadata
 
 
 def load(path, model, optimizer=None, no_dist=False):
@@ -238,15 +477,31 @@ def load(path, model, optimizer=None, no_dist=False):
     layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
     (it takes its own names), or FSDP shards. Every rank calls it, unless no_dist: then one
     process reads on its own (a whole model, for sampling or export)."""
+    md = read_dcp_metadata(path)
     if optimizer is not None:
         init_adamw_state(model, optimizer)
         state = train_state(model, optimizer)
     else:
         state = {"model": trainable_state(model)}
+    # the shapes, checked here: DCP's own message names neither the tensor nor the shapes
+    for group, tensors in state.items():
+        for name, t in tensors.items():
+            saved = md.state_dict_metadata.get(f"{group}.{name}")
+            if saved is None:
+                raise UserError(f"checkpoint {path} has no {group}.{name}: it was written by another model or "
+                                f"version; start from its weights with init_from= (a fresh optimizer)")
+            if tuple(saved.size) != tuple(t.shape):
+                raise UserError(f"checkpoint {path} holds {group}.{name} of shape {tuple(saved.size)}, but the model "
+                                f"has {tuple(t.shape)}: build the model with the checkpoint's shape (n_layer, "
+                                f"n_embd, ...), or use a new out_dir")
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
+        dcp.load(state, storage_reader=_SafeReader(path, md), no_dist=no_dist or not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
-        raise _unreadable(path, e) from None
+        cause = _cause(e)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise UserError(f"checkpoint {path} is unreadable ({_why(cause)}): point ckpt/latest at an intact "
+                        f"checkpoint, or use init_from=scratch") from None
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
@@ -289,7 +544,7 @@ def read_safetensors(path):
             raise corrupt(f"header is a JSON {type(header).__name__}, not an object")
         header.pop("__metadata__", None)
         start, data_size = 8 + n, size - 8 - n
-        tensors = {}
+        entries = []  # (begin, end, name, dtype, shape)
         for name, info in header.items():
             if not isinstance(info, dict):
                 raise corrupt(f"tensor '{name}' has no dtype/shape/data_offsets entry")
@@ -308,9 +563,23 @@ def read_safetensors(path):
             if offsets[1] - offsets[0] != nbytes:
                 raise corrupt(f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
                               f"{shape} needs {nbytes}")
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            f.seek(start + offsets[0])
-            if f.readinto(buf.numpy()) != nbytes:  # the file shrank while we read it
+            entries.append((offsets[0], offsets[1], name, dtype, shape))
+        # like the reference implementation: sorted by offset, the tensors tile the data
+        # exactly, from byte 0 to the end of the file (no two share bytes, none is hidden)
+        entries.sort(key=lambda e: e[:2])
+        end = 0
+        for begin, stop, name, _, _ in entries:
+            if begin != end:
+                raise corrupt(f"tensor '{name}' starts at data byte {begin}, but the previous tensor ends at {end} "
+                              f"({'overlapping' if begin < end else 'a gap between'} data_offsets)")
+            end = stop
+        if end != data_size:
+            raise corrupt(f"the tensors end at data byte {end}, but the file has {data_size} data bytes")
+        tensors = {}
+        for begin, stop, name, dtype, shape in entries:
+            buf = torch.empty(stop - begin, dtype=torch.uint8)
+            f.seek(start + begin)
+            if f.readinto(buf.numpy()) != stop - begin:  # the file shrank while we read it
                 raise corrupt(f"tensor '{name}' ends early")
             tensors[name] = buf.view(dtype).reshape(shape)
     return tensors
@@ -388,6 +657,11 @@ def hf_config_to_ours(hf):
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if type(hf.get(field)) is not int:
             raise refuse(field, "missing or not an int")
+        if hf[field] <= 0:
+            raise refuse(field, "a size must be positive")
+    kv = hf.get("num_key_value_heads")
+    if kv is not None and (type(kv) is not int or kv <= 0):
+        raise refuse("num_key_value_heads", "a size must be a positive int")
     if hf.get("model_type") != "llama":
         raise refuse("model_type", "not a LLaMA model")
     if hf.get("rope_scaling") is not None:

@@ -10,8 +10,9 @@ prepare() turns a source into data/NAME/{train.bin, val.bin, meta.json}: every d
 tokens followed by <|endoftext|>, packed end to end, stored as uint16 when the vocabulary
 fits and uint32 otherwise. A chat dataset (JSONL conversations) also writes
 {train,val}.mask.bin: one byte per token, 1 where the loss counts (the assistant's words).
-meta.json is written last, so a dataset directory with a meta.json is complete. Nothing
-here reads train.py's config: everything is an argument.
+A dataset is built in a directory beside its target and swapped in when complete (meta.json
+last), so a dataset directory with a meta.json is complete, and a failed re-prepare leaves
+the old one as it was. Nothing here reads train.py's config: everything is an argument.
 
 Loader reads one prepared dataset; MixtureLoader draws each sequence of a global batch from
 one of several (datasets=stdlib:0.7,notes:0.3), with curriculum phases that change the
@@ -24,6 +25,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -339,12 +341,14 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     vocab = enc.n_vocab
     dtype = token_dtype(vocab)
     workers = workers or os.cpu_count() or 1
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, "meta.json")):
-        os.remove(os.path.join(out_dir, "meta.json"))  # until the new one is written, this is no dataset
+    # built in a directory beside the target and swapped in when complete: a failure half-way
+    # leaves an existing dataset as it was
+    final = os.path.normpath(out_dir)
+    work = f"{final}.tmp{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
     names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
-    tmp = {name: os.path.join(out_dir, f".{name}.tmp") for name in names}
-    out = {name: open(path, "wb") for name, path in tmp.items()}
+    out = {name: open(os.path.join(work, name), "wb") for name in names}
     tokens = {"train": 0, "val": 0}
     learned = {"train": 0, "val": 0}  # tokens with mask 1
     docs = {"train": 0, "val": 0}
@@ -372,9 +376,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     def discard():
         for f in out.values():
             f.close()
-        for path in tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
+        shutil.rmtree(work, ignore_errors=True)
 
     try:
         batch, batch_bytes = [], 0
@@ -409,11 +411,6 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         discard()
         raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
                         f"{docs['train']} documents): add documents or raise val_fraction")
-    for name, path in tmp.items():
-        os.replace(path, os.path.join(out_dir, name))
-    for split in ("train", "val"):  # a text dataset over an old chat one: drop the stale masks
-        if not chat and os.path.exists(os.path.join(out_dir, f"{split}.mask.bin")):
-            os.remove(os.path.join(out_dir, f"{split}.mask.bin"))
     base_vocab = vocab - len(extra_tokens)
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
@@ -424,13 +421,22 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             "text_chars": n_chars, "replaced_bytes": n_replaced}
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
-    with open(os.path.join(out_dir, ".meta.json.tmp"), "w") as f:
+    with open(os.path.join(work, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, ".meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
+        for name in os.listdir(final):
+            if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
+                os.replace(os.path.join(final, name), os.path.join(work, name))
+        old = f"{final}.old{os.getpid()}"
+        os.replace(final, old)
+        os.replace(work, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(work, final)
     if verbose:
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
-        print(f"prepare: {out_dir}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
+        print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
               f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
               f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
         if chat:
@@ -447,8 +453,16 @@ def load_meta(data_dir):
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
                         f"`python data.py SOURCE --out {data_dir}` or set data_source= to prepare it")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}): prepare the dataset again") from None
+    missing = [k for k in ("tokenizer", "vocab_size", "eot_token", "dtype") if k not in meta] \
+        if isinstance(meta, dict) else ["everything (not a JSON object)"]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}: it was not written by prepare; prepare the dataset again")
+    return meta
 
 
 # ---------------------------------------------------------------------------------------
@@ -475,7 +489,23 @@ class Loader:
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1):
         meta = load_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
-        self.tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        redo = f"prepare the dataset again (`python data.py SOURCE --out {data_dir}`)"
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: {redo}")
+        try:
+            dtype = np.dtype(meta["dtype"])
+        except TypeError:
+            raise UserError(f"{data_dir}/meta.json: dtype {meta['dtype']!r} is not a numpy dtype: {redo}") from None
+        if os.path.getsize(path) % dtype.itemsize:
+            raise UserError(f"{path} has {os.path.getsize(path)} bytes, not a multiple of {dtype.itemsize} "
+                            f"({dtype.name} tokens): the file is truncated or damaged; {redo}")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or
+        # a device assert on GPU): one pass over the mapped file, a second per GB
+        top = int(self.tokens.max()) if len(self.tokens) else 0
+        if top >= meta["vocab_size"]:
+            raise UserError(f"{path} holds token id {top}, but meta.json says vocab_size {meta['vocab_size']}: "
+                            f"the file is damaged or from another dataset; {redo}")
         self.mask = None
         if meta.get("format") == "chat":
             mask_path = os.path.join(data_dir, f"{split}.mask.bin")

@@ -205,6 +205,8 @@ if mesh.device.type == "cuda":
     torch.backends.cudnn.allow_tf32 = True
 lr_decay_iters = lr_decay_iters or max_iters
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
+if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything
+    checkpoint.lock_out_dir(out_dir)
 
 # ---- data: one source, or a mixture -------------------------------------------------
 metas, data_dirs = {}, []
@@ -490,8 +492,7 @@ def truncate_metrics(upto):
         return
     old = []
     if upto and os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            old = [json.loads(line) for line in f if line.strip()]
+        old = checkpoint.read_metrics(metrics_path)  # a torn last line (killed mid-append) is dropped
         old = [r for r in old if r["iter"] < upto or ("val_loss" in r and r["iter"] == upto)]
     with open(metrics_path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in old)
@@ -544,7 +545,8 @@ def save(it):
             "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
     rngs = parallel.gather_to_master(rng_states(), mesh)  # each rank's dropout streams
     state = None if rngs is None else {f"rng_{k}": [r[k] for r in rngs] for k in rngs[0]}
-    path = checkpoint.save(out_dir, it, raw_model, optimizer, state, info, mesh, keep_ckpts)
+    path = checkpoint.save(out_dir, it, raw_model, optimizer, state, info, mesh, keep_ckpts,
+                           resumed_from=ckpt_path)
     mesh.print0(f"saved checkpoint {path}")
 
 

@@ -265,7 +265,7 @@ def test_bad_chat_records_name_file_and_line(tmp_path, line, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, "", line])
     with pytest.raises(UserError, match=rf"bad.jsonl:4: .*{match}"):
         data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
-    assert os.listdir(tmp_path / "o") == []  # no partial files, no meta.json
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # no partial files, no meta.json, no temp directory
 
 
 def test_format_detection_and_mixing(tmp_path):

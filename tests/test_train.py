@@ -96,7 +96,8 @@ def snapshot(out):
     files = {}
     for root, _, names in os.walk(out):
         for n in names:
-            files[os.path.join(root, n)] = open(os.path.join(root, n), "rb").read()
+            if n != ".lock":  # who holds out_dir (host, pid): rewritten by every run, not saved data
+                files[os.path.join(root, n)] = open(os.path.join(root, n), "rb").read()
     return files
 
 
