@@ -20,6 +20,26 @@ TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "b
 # the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches
 REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8"]
 
+# the model that in-process and spawned tests build directly (ModelConfig keyword arguments)
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+# a tiny Hugging Face LLaMA (the continual-pretraining and LoRA tests start from it), and the run
+# keys of TINY without the model's shape, which comes from the HF directory
+HF = dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+RUN = [a for a in TINY if not a.startswith(("n_layer=", "n_head=", "n_kv_head=", "n_embd="))]
+
+# SFT on the chat dataset below: 4 layers, 4 micro-batches, document masking
+SFT = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=6", "doc_mask=True", "learning_rate=3e-3"]
+
+
+def tiny_model(**kw):
+    """A small model in eval mode, the same weights every time (seed 0); kw overrides CFG-like fields."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    from model import ModelConfig, Transformer
+    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+
 
 def write_corpus(root, n_docs=40, chars=3000):
     """A small .txt corpus cut from the standard library's sources (real text, deterministic)."""
@@ -123,3 +143,32 @@ def assert_same_curve(a, b, exact=False):
             # pipeline); over 8 steps at a high learning rate that grows to ~2e-5 relative on
             # some CPUs, while a real mistake (a wrong average, a lost micro-batch) is 1e-2 or more
             torch.testing.assert_close(vb, va, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    """A random tiny LlamaForCausalLM saved by transformers (config.json + model.safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("hf") / "llama")
+    LlamaForCausalLM(LlamaConfig(**HF)).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_dataset(tmp_path_factory):
+    """Chat JSONL prepared with the chat template: loss masks on assistant tokens."""
+    root = tmp_path_factory.mktemp("chat")
+    lines = []
+    for i in range(80):
+        if i % 2:
+            lines.append({"prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}."})
+        else:
+            lines.append({"messages": [{"role": "system", "content": "You add numbers."},
+                                       {"role": "user", "content": f"Add {i} and {i + 1}."},
+                                       {"role": "assistant", "content": f"{2 * i + 1}."}]})
+    src = root / "chat.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    out = str(root / "data")
+    data.prepare(str(src), out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    return out

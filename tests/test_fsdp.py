@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import parallel
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from conftest import CFG, REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import ModelConfig, Transformer
 
-CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
 @pytest.mark.parametrize("nproc, extra", [(2, []), (4, []), (4, ["pp=2"]), (2, ["reshard_after_forward=False"])])

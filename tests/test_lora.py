@@ -9,29 +9,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from peft import PeftModel
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import checkpoint
 from configurator import UserError
-from conftest import TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import LoRALinear, ModelConfig, Transformer, apply_lora, make_stage, merge_lora
 
-HF = dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
-RUN = [a for a in TINY if not a.startswith(("n_layer=", "n_head=", "n_kv_head=", "n_embd="))]
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
 # every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3
 LORA = [*RUN, "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}", "fault_nan_at=4",
         "ckpt_interval=3", "grad_clip=0.5"]
 CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=96)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("hf") / "llama")
-    LlamaForCausalLM(LlamaConfig(**HF)).eval().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

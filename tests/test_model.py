@@ -4,13 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ModelConfig, Transformer, apply_rope, masked_cross_entropy, rope_tables
+from conftest import tiny_model
+from model import ModelConfig, apply_rope, grow_vocab, make_stage, masked_cross_entropy, rope_tables
 
 
-def tiny(**kw):
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
-    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+tiny = tiny_model
 
 
 def test_causal_future_tokens_do_not_change_the_past():
@@ -122,3 +120,77 @@ def test_flops_per_token_counts_matmul_weights():
     per_layer = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * cfg.ffn_dim  # wq, wo, wk, wv, w1/w2/w3
     expected = 6 * (2 * per_layer + 32 * 97) + 12 * 2 * 32 * 16  # + head; norm gains are tiny extras
     assert abs(model.flops_per_token() - expected) / expected < 0.01
+
+
+# ------------------------------------------------------------------------- packed documents
+
+def test_doc_ids_keep_documents_apart():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [4] * 16])  # row 0: two documents; row 1: one
+    changed = idx.clone()
+    changed[0, 1:6] = (changed[0, 1:6] + 1) % 97  # edit document 0 of row 0
+    a, _ = model(idx, doc_ids=doc_ids)
+    b, _ = model(changed, doc_ids=doc_ids)
+    torch.testing.assert_close(b[0, 6:], a[0, 6:], rtol=0, atol=0)  # document 1 never saw it
+    assert (a[0, 1:6] - b[0, 1:6]).abs().max() > 1e-4
+    plain_a, plain_b = model(idx)[0], model(changed)[0]
+    assert (plain_a[0, 6:] - plain_b[0, 6:]).abs().max() > 1e-4  # without doc_ids it leaks across
+    torch.testing.assert_close(a[1], plain_a[1])  # one document: plain causal attention
+    # rotary scores see relative positions only: document 1 at offset 6 is document 1 alone
+    torch.testing.assert_close(a[0, 6:], model(idx[:1, 6:])[0][0], rtol=1e-4, atol=1e-5)
+
+
+def test_doc_ids_in_pipeline_stages_and_with_grad_ckpt():
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    full, _ = tiny()(idx, doc_ids=doc_ids)
+    first, last = make_stage(tiny(), 0, 2), make_stage(tiny(), 1, 2)
+    h, _ = first(idx, doc_ids=doc_ids)
+    torch.testing.assert_close(last(h, doc_ids=doc_ids)[0], full, rtol=0, atol=0)
+    assert (last(h)[0] - full).abs().max() > 1e-4  # the stage without the embedding uses them too
+    grads = []
+    for ckpt in (False, True):
+        model = tiny(grad_ckpt=ckpt).train()
+        _, loss = model(idx, idx, doc_ids=doc_ids)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g1, g0)
+
+
+def test_neftune_noise_in_training_only():
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    plain, noisy = tiny(), tiny(neftune_alpha=5.0)
+    torch.testing.assert_close(noisy(idx)[0], plain(idx)[0], rtol=0, atol=0)  # eval: untouched
+    plain.train(), noisy.train()
+    torch.testing.assert_close(plain(idx)[0], plain.eval()(idx)[0], rtol=0, atol=0)  # no dropout: train == eval
+    assert (noisy(idx)[0] - plain.train()(idx)[0]).abs().max() > 1e-3
+    # the noise is U(-1, 1) * alpha / sqrt(T * n_embd) on the embeddings: capture them
+    seen = []
+    noisy.layers["0"].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    noisy(idx)
+    noise = seen[0] - noisy.tok_embeddings(idx)
+    bound = 5.0 / (16 * 32) ** 0.5
+    assert noise.abs().max() <= bound and noise.abs().max() > 0.9 * bound
+
+
+def test_grow_vocab():
+    model = tiny()
+    emb, out = model.tok_embeddings.weight.detach().clone(), model.output.weight.detach().clone()
+    grow_vocab(model, 120)
+    assert model.cfg.vocab_size == 120 and model.tok_embeddings.weight.shape == (120, 32)
+    torch.testing.assert_close(model.tok_embeddings.weight[:97], emb, rtol=0, atol=0)
+    torch.testing.assert_close(model.output.weight[:97], out, rtol=0, atol=0)
+    torch.testing.assert_close(model.tok_embeddings.weight[97:], emb.mean(0).expand(23, -1))
+    torch.testing.assert_close(model.output.weight[97:], out.mean(0).expand(23, -1))
+    assert model(torch.tensor([[119, 3]]))[0].shape == (1, 2, 120)
+    grow_vocab(model, 120)  # no-op
+    assert model.tok_embeddings.weight.shape == (120, 32)
+    with pytest.raises(ValueError, match="smaller"):
+        grow_vocab(model, 100)
+    tied = grow_vocab(tiny(tie_embeddings=True), 100)
+    assert tied.output.weight is tied.tok_embeddings.weight and tied.output.weight.shape == (100, 32)
+    head = make_stage(tiny(), 1, 2)  # the last pipeline stage: a head, no embedding
+    grow_vocab(head, 100)
+    torch.testing.assert_close(head.output.weight[97:], out.mean(0).expand(3, -1))

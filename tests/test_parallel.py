@@ -16,10 +16,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import parallel
-from conftest import REFERENCE, ROOT, TINY, assert_same_curve, free_port, read_metrics, run_train, spawn, torchrun
+from conftest import CFG, REFERENCE, ROOT, TINY, assert_same_curve, free_port, read_metrics, run_train, spawn, torchrun
 from model import ModelConfig, Transformer
 
-CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
 def global_batch(n_micro):

@@ -9,10 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import parallel
+import conftest
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import ModelConfig, Transformer, make_stage, stage_layers
 
-CFG = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
+CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4
 B = 2
 
 

@@ -9,8 +9,9 @@ import torch
 
 import data
 from configurator import UserError
+from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torchrun
+from model import ModelConfig, Transformer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
          "    \t\n\n  trailing spaces   ", "a" * 300 + " zzzqqq 12345678", "<tool> <|tool|x> |tool|> almost"]
 EXTRA = ["<|tool|>", "<|result|>"]
@@ -182,7 +183,7 @@ def test_prompt_response_is_one_user_and_one_assistant_turn():
 
 
 @pytest.fixture(scope="module")
-def chat_dataset(tmp_path_factory):
+def chat_with_extra_tokens(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     records = conversations(60)
     src = write_jsonl(root / "sft.jsonl", [records[0], "", *records[1:]])  # a blank line is skipped
@@ -199,8 +200,8 @@ def read_split(out, meta, split):
     return tokens, mask
 
 
-def test_chat_dataset_round_trips(chat_dataset):
-    out, meta, records = chat_dataset
+def test_chat_dataset_round_trips(chat_with_extra_tokens):
+    out, meta, records = chat_with_extra_tokens
     assert meta["format"] == "chat" and meta["chat_tokens"] == data.CHAT_TOKENS
     assert meta["extra_tokens"] == data.CHAT_TOKENS + EXTRA and meta["vocab_size"] == 512 + 6
     assert json.load(open(os.path.join(out, "meta.json"))) == meta
@@ -219,8 +220,8 @@ def test_chat_dataset_round_trips(chat_dataset):
         assert meta[f"{split}_docs"] == len(want) > 0
 
 
-def test_loader_returns_the_mask_of_the_targets(chat_dataset):
-    out, meta, _ = chat_dataset
+def test_loader_returns_the_mask_of_the_targets(chat_with_extra_tokens):
+    out, meta, _ = chat_with_extra_tokens
     tokens, mask = read_split(out, meta, "train")
     T = 64
     ld = data.Loader(out, "train", T, batch_size=3, grad_accum_steps=2, seed=1)
@@ -238,8 +239,8 @@ def test_loader_returns_the_mask_of_the_targets(chat_dataset):
     assert torch.equal(data.Loader(out, "train", T, 3, 2, seed=1).batch(5)[2], loss_mask)
 
 
-def test_chat_dataset_checks_its_mask_files(chat_dataset, tmp_path):
-    out, meta, _ = chat_dataset
+def test_chat_dataset_checks_its_mask_files(chat_with_extra_tokens, tmp_path):
+    out, meta, _ = chat_with_extra_tokens
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in ("train.bin", "val.bin", "meta.json", "val.mask.bin"):
@@ -313,3 +314,57 @@ def test_cli_prepares_chat_with_extra_tokens(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
         "error: extra tokens file 'nope.txt' not found: give a text file with one token per line"]
+
+
+# ------------------------------------------------------------------ SFT runs, on every layout
+
+@pytest.fixture(scope="module")
+def sft_single(chat_dataset, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sft") / "run")
+    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}"], cwd=os.path.dirname(out))
+    return read_metrics(out)
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, []), (2, ["pp=2"]), (2, ["fsdp=True"])])
+def test_sft_with_masks_and_doc_mask_on_every_layout(nproc, extra, chat_dataset, sft_single, tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(nproc, [*SFT, f"dataset={chat_dataset}", f"out_dir={out}", *extra], cwd=tmp_path)
+    assert_same_curve(sft_single, read_metrics(out))
+
+
+def test_sft_loss_counts_only_assistant_tokens_and_neftune_only_trains(chat_dataset, sft_single, tmp_path):
+    meta = json.load(open(os.path.join(chat_dataset, "meta.json")))
+    assert meta["format"] == "chat" and meta["vocab_size"] == 512 + 4  # the chat tokens
+    # the logged loss is the masked loss: recompute iteration 0's from the same weights and batch
+    torch.manual_seed(1337)
+    model = Transformer(ModelConfig(vocab_size=516, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=32))
+    x, y, mask = data.Loader(chat_dataset, "train", 32, 4, 4, 1337).batch(0)
+    assert 0 < mask.mean() < 1
+    with torch.no_grad():
+        losses = [model(x[k], y[k], mask[k], data.doc_ids(x[k], meta["eot_token"]))[1] for k in range(4)]
+    counts = mask.sum(dim=(1, 2))
+    assert len(set(counts.tolist())) > 1  # micro-batches with different numbers of target tokens
+    # token-weighted: the mean over every assistant token of the global batch, not the mean of
+    # the four micro-batch means
+    weighted = sum(loss * n for loss, n in zip(losses, counts)).item() / counts.sum().item()
+    assert abs(sft_single[1]["loss"] - weighted) < 1e-5
+    assert abs(sum(losses).item() / 4 - weighted) > 1e-3  # the two differ on this data: the test can tell
+    out = str(tmp_path / "neft")
+    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "neftune_alpha=5"], cwd=tmp_path)
+    neft = read_metrics(out)
+    assert neft[0] == sft_single[0]  # the val loss before training: evaluation has no noise
+    assert neft[1]["loss"] != sft_single[1]["loss"]  # training forward does
+
+
+def test_sft_loss_and_grad_norm_do_not_depend_on_the_micro_batch_split(chat_dataset, tmp_path):
+    """The same 16 sequences per iteration, cut 16x1, 4x4, 2x8 and 1x16 (batch_size x
+    grad_accum_steps): one objective (the mean over all target tokens of the global batch), so
+    the same losses and gradient norms at iteration 0 and after 5 steps, and the same val loss."""
+    curves = []
+    for b, g in ((16, 1), (4, 4), (2, 8), (1, 16)):
+        out = str(tmp_path / f"split{b}x{g}")
+        run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", f"batch_size={b}", f"grad_accum_steps={g}",
+                   "max_iters=6", "eval_interval=6"], cwd=tmp_path)
+        curves.append(read_metrics(out))
+    for other in curves[1:]:
+        assert_same_curve(curves[0], other)
