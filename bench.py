@@ -55,6 +55,25 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def median_step_time(model, opt, x, autocast, keep_grads=False):
+    """Seconds per training step (ACCUM micro-steps of x, then AdamW), the median of ITERS after
+    WARMUP: robust to a noisy neighbour. keep_grads: the last step's gradients stay, to be counted."""
+    times = []
+    for i in range(WARMUP + ITERS):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for k in range(ACCUM):
+            with autocast:
+                _, loss = model(x[k, :, :-1], x[k, :, 1:])
+            (loss / ACCUM).backward()
+        opt.step()
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    if not keep_grads:
+        opt.zero_grad(set_to_none=True)
+    return sorted(times[WARMUP:])[ITERS // 2]
+
+
 def single_row(grad_ckpt):
     """One training configuration, timed in this process: a dict of measurements."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,18 +82,7 @@ def single_row(grad_ckpt):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1), device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    times = []
-    for i in range(WARMUP + ITERS):
-        t0 = time.perf_counter()
-        for k in range(ACCUM):
-            with autocast:
-                _, loss = model(x[k, :, :-1], x[k, :, 1:])
-            (loss / ACCUM).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    dt = sorted(times[WARMUP:])[ITERS // 2]  # the median: robust to a noisy neighbour
+    dt = median_step_time(model, opt, x, autocast)
     tokens = ACCUM * BATCH * MODEL["block_size"]
     peak = measure_matmul_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     return {"grad_ckpt": grad_ckpt, "ms_iter": dt * 1000, "tok_s": tokens / dt,
@@ -116,19 +124,9 @@ def lora_row(rank):
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1), device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    times = []
-    for i in range(WARMUP + ITERS):
-        t0 = time.perf_counter()
-        for k in range(ACCUM):
-            with autocast:
-                _, loss = model(x[k, :, :-1], x[k, :, 1:])
-            (loss / ACCUM).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        times.append(time.perf_counter() - t0)
+    dt = median_step_time(model, opt, x, autocast, keep_grads=True)
     mem = parallel.memory_bytes(model, opt)
-    return {"rank": rank, "ms_iter": sorted(times[WARMUP:])[ITERS // 2] * 1000,
+    return {"rank": rank, "ms_iter": dt * 1000,
             "trainable": sum(p.numel() for p in trainable), "params": model.num_params(),
             "optim_bytes": mem["optimizer"], "peak_mb": peak_memory_mb(device)}
 

@@ -780,14 +780,21 @@ def save_hf_llama(path, state_dict, cfg):
         "max_position_embeddings": cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False,
     }
+    write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors)
+
+
+def write_export_dir(path, config_name, config, weights_name, tensors):
+    """A directory of one JSON config and one safetensors file (what save_pretrained writes),
+    built under a temp name and renamed into place (replacing an empty directory), so a crash
+    never leaves half an export under `path`."""
     tmp = f"{os.path.normpath(path)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
-        os.replace(tmp, path)  # replaces an empty directory too
+        with open(os.path.join(tmp, config_name), "w") as f:
+            json.dump(config, f, indent=2)
+        write_safetensors(os.path.join(tmp, weights_name), tensors, {"format": "pt"})
+        os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -896,16 +903,7 @@ def save_peft_lora(path, model, lora):
         "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
-    tmp = f"{os.path.normpath(path)}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors, {"format": "pt"})
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_export_dir(path, "adapter_config.json", config, "adapter_model.safetensors", tensors)
 
 
 def load_peft_lora(path):
