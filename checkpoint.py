@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from configurator import UserError
 from model import ModelConfig, Transformer
-from parallel import all_reduce_sum, broadcast_object, reshard
+from parallel import ZeroOptimizer, all_reduce_sum, broadcast_object, reshard
 
 
 # ---------------------------------------------------------------------------------------
@@ -58,6 +58,8 @@ def train_state(model, optimizer):
     uses) would differ between pipeline stages; names do not."""
     reshard(model)
     names = {p: n for n, p in model.named_parameters()}
+    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
+        return {"model": model.state_dict(), "optim": optimizer.full_state(names)}
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
     return {"model": model.state_dict(), "optim": optim}
 
@@ -65,6 +67,8 @@ def train_state(model, optimizer):
 def init_adamw_state(model, optimizer):
     """Empty AdamW state for every parameter, for a checkpoint to be loaded into (torch
     creates it lazily at the first step, and DCP loads into existing tensors)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return  # ZeRO: full_state() holds every parameter's state already (zeros before the first step)
     for p in model.parameters():
         step_device = p.device if optimizer.defaults.get("fused") else "cpu"
         optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
@@ -233,6 +237,8 @@ def load(path, model, optimizer=None, no_dist=False):
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         raise _unreadable(path, e) from None
     model.load_state_dict(state["model"])
+    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
+        optimizer.load_full_state(state["optim"], {p: n for n, p in model.named_parameters()})
 
 
 # ---------------------------------------------------------------------------------------------
