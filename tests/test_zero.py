@@ -49,6 +49,7 @@ def three_steps(mesh, kind):
     else:
         ddp = parallel.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
         opt = parallel.ZeroOptimizer(ddp, groups, lr=1e-2)
+    norms = []
     for step in range(3):
         opt.zero_grad(set_to_none=True)
         x = batch(mesh.dp_rank, step)
@@ -57,9 +58,9 @@ def three_steps(mesh, kind):
             (ddp(x[k, :, :-1], x[k, :, 1:])[1] / 2).backward()
         ddp.wait()
         params = opt.params if kind != "torch_zero" else list(model.parameters())
-        parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero")
+        norms.append(parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero").item())
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"norms": norms, **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def all_kinds(mesh):
@@ -73,6 +74,7 @@ def test_stage1_and_2_match_torch_zero_redundancy_optimizer():
             for n in peer:
                 torch.testing.assert_close(rank[kind][n], peer[n], rtol=1e-5, atol=1e-6, msg=f"{kind} {n}")
         assert not torch.equal(peer["norm.weight"], torch.ones_like(peer["norm.weight"]))  # it did train
+        assert min(peer["norms"]) > 0.5  # and every step clipped
 
 
 def one_step_memory(mesh, stage):
