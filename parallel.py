@@ -503,7 +503,8 @@ class ZeroOptimizer:
         self.model, self.mesh, self.shards = model, model.mesh, model.shards
         self.offload = offload and model.mesh.device.type != "cpu"
         # what AdamW steps: the shards themselves (views of the weights), or their copies in CPU memory
-        self.stepped = [nn.Parameter(s.tensor.detach().cpu().clone()) if self.offload else s.tensor for s in self.shards]
+        self.stepped = [nn.Parameter(s.tensor.detach().cpu().clone()) if self.offload else s.tensor
+                        for s in self.shards]
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         self.optimizer = torch.optim.AdamW(
             [{**{k: v for k, v in g.items() if k != "params"},
@@ -580,9 +581,9 @@ class ZeroOptimizer:
         fused = self.optimizer.defaults.get("fused")
         for s, t in zip(self.shards, self.stepped):
             name = names[s.param]
-            piece = lambda key: state[f"{name}.{key}"].reshape(-1)[s.start:s.start + s.n].to(t.device, copy=True)  # noqa: E731
-            self.state[t] = {"step": state[f"{name}.step"].to(t.device if fused else "cpu", torch.float32, copy=True),
-                             "exp_avg": piece("exp_avg"), "exp_avg_sq": piece("exp_avg_sq")}
+            self.state[t] = {"step": state[f"{name}.step"].to(t.device if fused else "cpu", torch.float32, copy=True)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[t][key] = state[f"{name}.{key}"].reshape(-1)[s.start:s.start + s.n].to(t.device, copy=True)
 
 
 # ---------------------------------------------------------------------------------------

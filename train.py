@@ -546,7 +546,7 @@ while True:
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
     totals = parallel.all_reduce_sum(torch.stack([loss_sum.double(), flag.double()]), mesh)
     loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
-    # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
+    # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards and ZeRO slices
     # (computed even when not clipping, for the log); every rank gets the same norm
     grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
     finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
@@ -564,10 +564,11 @@ while True:
         parallel.print_pipeline_timeline(trace, mesh, len(micro))
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mem = parallel.memory_bytes(raw_model, optimizer)
-        mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) +
-                    (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else "") +
-                    (f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if use_zero else "") +
-                    (" (optimizer in CPU memory)" if offload and (use_zero or use_fsdp) and mesh.device.type == "cuda" else ""))
+        split = (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else
+                 f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if use_zero else "")
+        if offload and (use_zero or use_fsdp) and mesh.device.type == "cuda":
+            split += " (optimizer in CPU memory)"
+        mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split)
     if not finite:
         mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")

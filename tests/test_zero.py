@@ -2,8 +2,6 @@
 the single-process curve through train.py, torch's ZeroRedundancyOptimizer as a peer, the
 per-rank memory, and checkpoints that move between zero, fsdp and one process."""
 
-import shutil
-
 import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
