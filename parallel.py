@@ -386,8 +386,9 @@ class Bucket:
 #            Gradients are all-reduced as in DataParallel. 4 + 4 + 8/dp bytes a parameter.
 #   stage 2: the buckets are reduce-scattered instead of all-reduced: each rank receives
 #            the summed gradient of its own slice only, and the full-size gradients are
-#            freed once they are in flight. 4 + 4/dp + 8/dp bytes. The traffic is that of
-#            stage 1 (a reduce-scatter plus an all-gather moves what one all-reduce does).
+#            freed once they are in flight. 4 + 4/dp + 8/dp bytes. The traffic is plain
+#            data parallel's (a reduce-scatter plus an all-gather move what one all-reduce
+#            does); stage 1 sends the all-gather on top of its all-reduce.
 #   stage 3 shards the parameters too: that is fsdp=True (FSDP2, above).
 # The slices follow the buckets: each bucket's flat gradient is padded to a multiple of dp
 # and rank r owns its r-th contiguous chunk (with one bucket: a contiguous 1/dp of the
