@@ -20,7 +20,8 @@ pp:     pipeline parallel with 2 and 4 stages (one process per stage) and m = 4 
         autograd saves for one micro-batch, counted with saved_tensors_hooks).
 lora:   full fine-tuning against LoRA at r=8 (alpha 16, on wq,wk,wv,wo) on the default model,
         one process each: ms/iter, trainable parameters, optimizer bytes, peak memory.
-memory: the default model at 1, 2 and 4 ranks as dp, fsdp and pp, the same global batch:
+memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with optimizer offload),
+        fsdp and pp, the same global batch:
         per-rank bytes of parameters, gradients and optimizer state, the peak memory
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
 """
@@ -393,6 +394,11 @@ def layout_worker(layout):
         parallel.fully_shard_model(model, mesh)
     wrapped = parallel.DataParallel(model, mesh, 4.0) if layout == "dp" and world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clip = list(model.parameters())
+    if layout.startswith("zero"):  # "zero1", "zero2", "zero2+offload"
+        wrapped = parallel.ZeroDataParallel(model, mesh, 4.0, stage=int(layout[4]))
+        opt = parallel.ZeroOptimizer(wrapped, [{"params": list(model.parameters())}], offload="offload" in layout, lr=1e-4)
+        clip = opt.params
     micro = MEM_ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, MEM_BATCH, MODEL["block_size"] + 1), device=dev,
                       generator=torch.Generator(dev).manual_seed(mesh.dp_rank))
@@ -409,7 +415,7 @@ def layout_worker(layout):
                 (wrapped(x[k, :, :-1], x[k, :, 1:])[1] / micro).backward()
             if isinstance(wrapped, parallel.DataParallelBase):
                 wrapped.wait()
-        parallel.clip_grad_norm_(model.parameters(), 1.0, mesh)
+        parallel.clip_grad_norm_(clip, 1.0, mesh, sharded=layout.startswith("zero"))
         opt.step()
         mem = parallel.memory_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
@@ -426,21 +432,23 @@ def layout_worker(layout):
 MEM_BATCH, MEM_ACCUM = 8, 4
 
 
-def table_memory(layouts=(("dp", 1), ("dp", 2), ("dp", 4), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
+def table_memory(layouts=(("dp", 1), ("dp", 2), ("dp", 4), ("zero1", 2), ("zero1", 4), ("zero2", 2), ("zero2", 4),
+                          ("zero2+offload", 2), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
     tokens = MEM_BATCH * MEM_ACCUM * MODEL["block_size"]
     print(f"\n## memory and speed per layout: the default model ({Transformer(ModelConfig(**MODEL)).num_params() / 1e6:.2f}M "
           f"parameters, fp32), global batch {MEM_BATCH} x {MEM_ACCUM} micro-batches ({tokens} tokens/iter), "
           f"one core per rank; the most loaded rank's numbers")
-    print(f"{'layout':<8} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | "
+    print(f"{'layout':<13} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | "
           f"{'peak MB':>7} | {'ms/iter':>8} | {'tokens/s':>8}")
-    print("-" * 92)
+    print("-" * 97)
     for layout, world in layouts:
         r = run_ranks(layout_worker, world, layout)
         total = r["params"] + r["grads"] + r["optimizer"]
-        print(f"{layout:<8} {world:>5} | {r['params']:9.2f} | {r['grads']:8.2f} | {r['optimizer']:8.2f} | {total:6.1f} | "
+        print(f"{layout:<13} {world:>5} | {r['params']:9.2f} | {r['grads']:8.2f} | {r['optimizer']:8.2f} | {total:6.1f} | "
               f"{r['peak_mb']:7.0f} | {r['ms']:8.1f} | {tokens / r['ms'] * 1000:8,.0f}")
-    print("fsdp at N ranks holds 1/N of params, grads and optimizer state; pp holds the busiest stage's share "
-          "(the last stage carries the head). Peak is max RSS above the process size before the model on CPU "
+    print("zero1 at N ranks holds 1/N of the optimizer state, zero2 also 1/N of the gradients; fsdp 1/N of params, "
+          "grads and optimizer state; pp holds the busiest stage's share (the last stage carries the head). "
+          "offload keeps the optimizer state in CPU memory: on a CPU-only machine it is the zero2 row again. Peak is max RSS above the process size before the model on CPU "
           "(activations, buffers, allocator slack included), max_memory_allocated on GPU.")
 
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from configurator import UserError
 from model import LORA_TARGETS, LoRALinear, ModelConfig, Transformer, apply_lora
-from parallel import all_gather_object, all_reduce_sum, broadcast_object, gather_to_master, reshard
+from parallel import ZeroOptimizer, all_gather_object, all_reduce_sum, broadcast_object, gather_to_master, reshard
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,6 +71,8 @@ def train_state(model, optimizer):
     base) are left out: they never change, and the run's meta.json says where they come from."""
     reshard(model)
     names = {p: n for n, p in model.named_parameters()}
+    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
+        return {"model": trainable_state(model), "optim": optimizer.full_state(names)}
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
     return {"model": trainable_state(model), "optim": optim}
 
@@ -87,6 +89,8 @@ def init_adamw_state(model, optimizer):
     creates lazily at a parameter's first step, so the optimizer steps the same with it.
     Loading needs it (DCP reads into existing tensors), and so does saving: a checkpoint
     written before any step succeeded must still hold the optim.* entries a load asks for."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return  # ZeRO: full_state() holds every parameter's state already (zeros before the first step)
     for p in model.parameters():
         if not p.requires_grad or optimizer.state.get(p):  # frozen (LoRA's base), or already there
             continue
@@ -505,6 +509,8 @@ def load(path, model, optimizer=None, no_dist=False):
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
+    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
+        optimizer.load_full_state(state["optim"], {p: n for n, p in model.named_parameters()})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,6 +109,10 @@ ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overl
 ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
 fsdp = False                    # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
 reshard_after_forward = True    # fsdp: free each block's gathered weights after its forward (gather again for backward)
+zero = 0                        # ZeRO over the dp ranks: 0 plain data parallel, 1 shard the optimizer state, 2 and the
+                                # gradients (stage 3 is fsdp=True); with one dp rank there is nothing to shard
+offload = False                 # zero=1/2 or fsdp: optimizer state (fsdp: parameters too) in CPU memory, AdamW steps
+                                # there (CUDA; on a CPU device it changes nothing)
 sample_tokens = 120             # tokens to generate at the end of the run (0: none)
 # ---------------------------------------------------------------------------------------
 
@@ -171,6 +175,13 @@ check(not (pp > 1 and dp > 1 and ddp_impl == "torch"),
       "interleaves forwards with backwards): use ddp_impl=bucketed or naive")
 check(not (fsdp and "ddp_impl" in overrides), f"fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be "
                                               f"ignored: drop one of the two")
+check(zero in (0, 1, 2), f"zero={zero} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True")
+check(not (zero and fsdp), f"zero={zero} with fsdp=True: fsdp is ZeRO stage 3 and already shards optimizer state and "
+                           f"gradients; use one of the two")
+check(not (zero and ddp_impl != "bucketed"), f"zero={zero} shards along the buckets of ddp_impl=bucketed, so "
+                                             f"ddp_impl={ddp_impl} cannot carry it: drop ddp_impl")
+check(not offload or zero or fsdp, "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, "
+                                   "zero=2 or fsdp=True")
 # LoRA (what needs the checkpoint, the base or the adapter is checked under "LoRA" below)
 lora_target_list = sorted({t.strip() for t in lora_targets.split(",") if t.strip()})
 check(lora_rank >= 0, f"lora_rank={lora_rank} is negative: use 0 (full fine-tuning) or the adapters' rank")
@@ -359,21 +370,29 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
             "".join(f"; stage {s}: layers {r.start}-{r.stop - 1}" for s in range(mesh.pp) if mesh.pp > 1
                     for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
 if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
-    parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16")
+    parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
 elif mesh.dp > 1 and not use_fsdp and ddp_impl == "naive":
     model = parallel.NaiveDataParallel(model, mesh)
+elif mesh.dp > 1 and not use_fsdp and zero:  # ZeRO 1/2: each dp rank owns a slice of every bucket
+    model = parallel.ZeroDataParallel(model, mesh, ddp_bucket_mb, zero)
 elif mesh.dp > 1 and not use_fsdp:
     model = parallel.DataParallel(model, mesh, ddp_bucket_mb)
+use_zero = isinstance(model, parallel.ZeroDataParallel)
 
 # only what trains (all of it, or LoRA's adapters): the optimizer holds no state for frozen weights
 decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]    # matmul weights and embeddings
 no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # norm gains
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=mesh.device.type == "cuda")
+groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+fused = mesh.device.type == "cuda" and not offload
+if use_zero:  # AdamW on this rank's slices, then an all-gather of the updated weights
+    optimizer = parallel.ZeroOptimizer(model, groups, offload, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+else:
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+# the gradients that clipping measures and the step uses: the model's, or (ZeRO) this rank's slices of them
+grad_params = optimizer.params if use_zero else list(raw_model.parameters())
 if ckpt_path:  # (1) weights and AdamW state, into whatever layout this run has
     checkpoint.load(ckpt_path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
@@ -655,7 +674,7 @@ while True:
     if isinstance(model, parallel.DataParallelBase):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
-        for p in raw_model.parameters():
+        for p in grad_params:
             if p.grad is not None:  # frozen weights have none
                 p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
@@ -665,9 +684,9 @@ while True:
                                                 source_sums(src).flatten()]), mesh)
     loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
     seq_losses, per_source = None, totals[2:].view(-1, 2).tolist()
-    # clip by the norm of the whole model's gradient, across pipeline stages and FSDP shards
+    # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards and ZeRO slices
     # (computed even when not clipping, for the log); every rank gets the same norm
-    grad_norm = parallel.clip_grad_norm_(raw_model.parameters(), grad_clip, mesh).item()
+    grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
     finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:
         optimizer.step()
@@ -683,8 +702,11 @@ while True:
         parallel.print_pipeline_timeline(trace, mesh, len(micro))
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mem = parallel.memory_bytes(raw_model, optimizer)
-        mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) +
-                    (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else ""))
+        split = (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else
+                 f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if use_zero else "")
+        if offload and (use_zero or use_fsdp) and mesh.device.type == "cuda":
+            split += " (optimizer in CPU memory)"
+        mesh.print0("memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split)
     if not finite:
         mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")

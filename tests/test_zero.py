@@ -1,0 +1,130 @@
+"""ZeRO stages 1 and 2 (parallel.ZeroDataParallel + ZeroOptimizer) on real gloo processes:
+the single-process curve through train.py, torch's ZeroRedundancyOptimizer as a peer, the
+per-rank memory, and checkpoints that move between zero, fsdp and one process."""
+
+import pytest
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import parallel
+from conftest import REFERENCE, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from model import ModelConfig, Transformer
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
+                                          (4, ["zero=1", "pp=2"])])
+def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
+    # the reference clips (grad_clip=1.0): the norm from the slices must be the whole model's
+    assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 1.0
+    out = str(tmp_path / "run")
+    # REFERENCE has 4 micro-batches per iteration: no_sync accumulation at every layout here;
+    # tiny buckets, so the slices cut across parameters and buckets
+    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "ddp_bucket_mb=0.01", *extra],
+                 cwd=tmp_path)
+    assert f"({extra[0]}: 1/{nproc // (2 if 'pp=2' in extra else 1)} of the optimizer" in p.stdout, p.stdout[-2000:]
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+def batch(rank, step):
+    return torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def three_steps(mesh, kind):
+    """Three AdamW steps (weight decay on 2-D weights only, clipping that clips) on this
+    rank's two micro-batches, accumulated without sync; returns the weights."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    if kind == "torch_zero":  # torch's ZeRO-1 over our all-reduce: the peer
+        ddp = parallel.DataParallel(model, mesh, 0.002)
+        opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                      process_group=mesh.dp_group)
+        opt.add_param_group(groups[1])
+    else:
+        ddp = parallel.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
+        opt = parallel.ZeroOptimizer(ddp, groups, lr=1e-2)
+    norms = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        x = batch(mesh.dp_rank, step)
+        for k in range(2):
+            ddp.require_backward_grad_sync = k == 1
+            (ddp(x[k, :, :-1], x[k, :, 1:])[1] / 2).backward()
+        ddp.wait()
+        params = opt.params if kind != "torch_zero" else list(model.parameters())
+        norms.append(parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero").item())
+        opt.step()
+    return {"norms": norms, **{n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def all_kinds(mesh):
+    return {kind: three_steps(mesh, kind) for kind in ("torch_zero", "zero1", "zero2")}
+
+
+def test_stage1_and_2_match_torch_zero_redundancy_optimizer():
+    for rank in spawn(all_kinds, 2):
+        peer = rank["torch_zero"]
+        for kind in ("zero1", "zero2"):
+            for n in peer:
+                torch.testing.assert_close(rank[kind][n], peer[n], rtol=1e-5, atol=1e-6, msg=f"{kind} {n}")
+        assert not torch.equal(peer["norm.weight"], torch.ones_like(peer["norm.weight"]))  # it did train
+        assert min(peer["norms"]) > 0.5  # and every step clipped
+
+
+def one_step_memory(mesh, stage):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    if stage:
+        ddp = parallel.ZeroDataParallel(model, mesh, 0.01, stage)
+        opt = parallel.ZeroOptimizer(ddp, [{"params": list(model.parameters())}], lr=1e-3)
+    else:
+        ddp, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.rank))
+    ddp(x[:, :-1], x[:, 1:])[1].backward()
+    if stage:
+        ddp.wait()
+    opt.step()
+    return parallel.memory_bytes(model, opt)
+
+
+def memory_at(mesh):
+    return {stage: one_step_memory(mesh, stage) for stage in (1, 2)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero_holds_one_nth_per_rank(n):
+    full = spawn(one_step_memory, 1, 0)[0]
+    for rank in spawn(memory_at, n):
+        one, two = rank[1], rank[2]
+        assert one["params"] == two["params"] == full["params"] and one["grads"] == full["grads"], (one, two, full)
+        assert 0 < one["optimizer"] <= full["optimizer"] / n * 1.10, (one, full)
+        assert 0 < two["grads"] + two["optimizer"] <= (full["grads"] + full["optimizer"]) / n * 1.10, (two, full)
+
+
+def test_checkpoints_move_between_zero_fsdp_and_one_process(dataset, reference_run, tmp_path):
+    """zero=2 on 2 ranks -> fsdp on 2 -> 1 process -> zero=1 on 4, two iterations each,
+    all in one out_dir: the chain is the uninterrupted single-process curve."""
+    out = str(tmp_path / "run")
+    common = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
+        f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=8", "ddp_bucket_mb=0.01"]
+    torchrun(2, [*common, "max_iters=2", "zero=2"], cwd=tmp_path)
+    torchrun(2, [*common, "max_iters=4", "fsdp=True", "init_from=resume"], cwd=tmp_path)
+    run_train([*common, "max_iters=6", "init_from=resume"], cwd=tmp_path)
+    torchrun(4, [*common, "max_iters=8", "zero=1", "init_from=resume"], cwd=tmp_path)
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["zero=3"], "zero=3 is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True"),
+    (["zero=1", "fsdp=True"], "zero=1 with fsdp=True: fsdp is ZeRO stage 3"),
+    (["zero=2", "ddp_impl=naive"], "zero=2 shards along the buckets of ddp_impl=bucketed"),
+    (["offload=True"], "offload=True moves sharded optimizer state to CPU memory: use it with zero=1"),
+])
+def test_zero_config_errors(args, message, tmp_path):
+    p = run_train([*TINY, f"out_dir={tmp_path / 'run'}", *args], cwd=tmp_path, check=False)
+    assert p.returncode != 0 and message in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
