@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import parallel
+from configurator import UserError
 from conftest import REFERENCE, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import Block, ModelConfig, Transformer, make_stage
 
@@ -87,6 +88,13 @@ def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
     assert shapes["layers.0.attention.wo.weight"] == (32, 16) and shapes["layers.0.feed_forward.w2.weight"] == (32, 32)
     assert shapes["tok_embeddings.weight"] == (32, 32) and shapes["output.weight"] == (32, 32)
     assert shapes["norm.weight"] == (32,)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_one_line():
+    mesh = parallel.Mesh(rank=0, local_rank=0, world=2, dp=1, pp=1, dp_rank=0, pp_rank=0, device=torch.device("cpu"),
+                         backend="gloo", tp=2)
+    with pytest.raises(UserError, match="tp=2 does not divide vocab_size=63"):
+        parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "vocab_size": 63})), mesh)
 
 
 def block_peer(mesh):
