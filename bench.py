@@ -390,7 +390,7 @@ def tp_worker():
     mesh = parallel.setup("auto", 300, tp=world)
     dev = mesh.device
     torch.manual_seed(0)
-    model = parallel.tensor_parallel(Transformer(ModelConfig(**MODEL)).to(dev), mesh)
+    model = parallel.tensor_parallel(Transformer(ModelConfig(**TP_MODEL)).to(dev), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, MODEL["vocab_size"], (TP_ACCUM, TP_BATCH, MODEL["block_size"] + 1), device=dev,
                       generator=torch.Generator(dev).manual_seed(0))
@@ -426,21 +426,24 @@ def tp_worker():
         model(x[0, :, :-1], x[0, :, 1:])
     row = {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000,
            "params_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20,
-           "act_mb": sum(saved) / 2 ** 20, "fwd_mb": volume["forward"] / 2 ** 20, "bwd_mb": volume["backward"] / 2 ** 20}
+           "act_mb": sum(saved) / 2 ** 20,
+           "fwd_mb": volume["forward"] / 2 ** 20, "bwd_mb": volume["backward"] / 2 ** 20}
     parallel.teardown(mesh)
     return row
 
 
 TP_BATCH, TP_ACCUM = 8, 2
+TP_MODEL = {**MODEL, "n_kv_head": MODEL["n_head"]}  # tp=4 needs 4 key/value heads: plain multi-head attention
 
 
 def table_tp(worlds=(1, 2, 4)):
-    B, T, C, L = TP_BATCH, MODEL["block_size"], MODEL["n_embd"], MODEL["n_layer"]
+    B, T, C, L = TP_BATCH, TP_MODEL["block_size"], TP_MODEL["n_embd"], TP_MODEL["n_layer"]
     one = 4 * B * T * C  # bytes of one fp32 (B, T, n_embd) activation: what each f or g all-reduces
     # per micro-batch: forward 2 g per block + the embedding's g + the loss's (max, sum-exp,
     # target logit: 3 floats per token); backward 2 f per block + the head's f
     theory = {"fwd": TP_ACCUM * ((2 * L + 1) * one + 3 * 4 * B * T), "bwd": TP_ACCUM * (2 * L + 1) * one}
-    print(f"\n## tensor parallel (gloo), tp = ranks, the default model, global batch {B} x {TP_ACCUM} micro-batches "
+    print(f"\n## tensor parallel (gloo), tp = ranks, the default model with n_kv_head={TP_MODEL['n_kv_head']}, "
+          f"global batch {B} x {TP_ACCUM} micro-batches "
           f"({B * TP_ACCUM * T} tokens/iter), one core per rank, median of {ITERS} iterations")
     print(f"{'tp':>3} | {'ms/iter':>8} | {'params MB':>9} | {'activations MB':>14} | {'all-reduce fwd MB':>17} | "
           f"{'bwd MB':>6} | {'theory fwd / bwd MB':>19}")

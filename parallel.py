@@ -59,7 +59,7 @@ class Mesh:
     pp_rank: int       # this rank's stage
     device: torch.device
     backend: str       # "gloo" | "nccl" | "" for a single process
-    dp_group: object = None  # the ranks holding the same stage and tp shard: gradients are averaged here (None: all ranks)
+    dp_group: object = None  # the ranks with the same stage and tp slice: gradients are averaged here (None: all)
     pp_group: object = None  # the stages of this rank's pipeline (same dp_rank, same tp_rank)
     dp_mesh: object = None   # dp_group as a DeviceMesh, for FSDP2
     tp: int = 1        # tensor-parallel ranks: each holds a slice of every block's matmuls

@@ -361,8 +361,9 @@ if model_cfg.vocab_size < meta["vocab_size"]:
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
-# In this order: cut the pipeline stage, move to the device, shard (FSDP), compile, then wrap
-# for data parallel (whose hooks must see the compiled module's parameters).
+# In this order: cut the pipeline stage, move to the device, split the matmuls (tensor
+# parallel: it swaps parameters, so before anything holds them), shard (FSDP), compile, then
+# wrap for data parallel (whose hooks must see the compiled module's parameters).
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
 raw_model.to(mesh.device)
 parallel.tensor_parallel(raw_model, mesh)  # tp > 1: each block's matmuls, the embedding and the head become slices
