@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from configurator import UserError
 from model import LORA_TARGETS, LoRALinear, ModelConfig, Transformer, apply_lora
-from parallel import ZeroOptimizer, all_gather_object, all_reduce_sum, broadcast_object, gather_to_master, reshard
+from parallel import (ZeroOptimizer, all_gather_object, all_reduce_sum, broadcast_object, gather_to_master, reshard,
+                      tp_gather, tp_slice)
 
 
 # ---------------------------------------------------------------------------------------
@@ -68,13 +69,46 @@ def train_state(model, optimizer):
     DTensor shards; torch.distributed.checkpoint writes each rank's shards and can read them
     back into any other sharding. Positions in the optimizer (what optimizer.state_dict()
     uses) would differ between pipeline stages; names do not. Frozen parameters (LoRA's
-    base) are left out: they never change, and the run's meta.json says where they come from."""
+    base) are left out: they never change, and the run's meta.json says where they come from.
+    Tensor-parallel slices are gathered into full tensors (see below)."""
     reshard(model)
     names = {p: n for n, p in model.named_parameters()}
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
         return {"model": trainable_state(model), "optim": optimizer.full_state(names)}
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
-    return {"model": trainable_state(model), "optim": optim}
+    return _tp_gathered({"model": trainable_state(model), "optim": optim}, model)
+
+
+# ---- tensor parallel (tp): checkpoints hold full tensors ------------------------------
+# A tp-sharded parameter (parallel.tensor_parallel marks it with _tp_dim) is saved whole:
+# its slices are gathered over the tp group, so every tp rank offers DCP the same full
+# tensor under its global name (DCP writes a replicated tensor once), and any layout reads
+# it. Loading reads the full tensor and keeps this rank's slice. The price: a save or load
+# briefly holds the full tensors of this rank's stage (and AdamW's two moments) once more.
+
+
+def _tp_params(model):
+    """{name: parameter} of the tp-sharded parameters (a tied head under both names)."""
+    return {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_tp_dim")}
+
+
+def _tp_gathered(state, model):
+    """state with every tp slice (model weights and their AdamW moments) replaced by the full tensor."""
+    for name, p in _tp_params(model).items():
+        for part, key in (("model", name), ("optim", f"{name}.exp_avg"), ("optim", f"{name}.exp_avg_sq")):
+            if key in state.get(part, {}):
+                state[part][key] = tp_gather(state[part][key], p)
+    return state
+
+
+def _tp_scatter(state, model, optimizer):
+    """After loading full tensors into state: this rank's slices into the model's state and the optimizer."""
+    for name, p in _tp_params(model).items():
+        if name in state["model"]:
+            state["model"][name] = tp_slice(state["model"][name], p)
+        for k in ("exp_avg", "exp_avg_sq"):
+            if optimizer is not None and f"{name}.{k}" in state.get("optim", {}):
+                optimizer.state[p][k].copy_(tp_slice(state["optim"][f"{name}.{k}"], p))
 
 
 def trainable_state(model):
@@ -479,14 +513,14 @@ class _SafeReader(FileSystemReader):
 def load(path, model, optimizer=None, no_dist=False):
     """Reads a checkpoint's weights (and optimizer state) into `model` in place, whatever
     layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
-    (it takes its own names), or FSDP shards. Every rank calls it, unless no_dist: then one
+    (it takes its own names), FSDP shards or tensor-parallel slices. Every rank calls it, unless no_dist: then one
     process reads on its own (a whole model, for sampling or export)."""
     md = read_dcp_metadata(path)
     if optimizer is not None:
         init_adamw_state(model, optimizer)
         state = train_state(model, optimizer)
     else:
-        state = {"model": trainable_state(model)}
+        state = _tp_gathered({"model": trainable_state(model)}, model)
     # the shapes, checked here: DCP's own message names neither the tensor nor the shapes
     for group, tensors in state.items():
         for name, t in tensors.items():
@@ -506,6 +540,7 @@ def load(path, model, optimizer=None, no_dist=False):
             raise cause from None
         raise UserError(f"checkpoint {path} is unreadable ({_why(cause)}): point ckpt/latest at an intact "
                         f"checkpoint, or use init_from=scratch") from None
+    _tp_scatter(state, model, optimizer)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"

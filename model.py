@@ -80,7 +80,6 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
@@ -91,19 +90,23 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         # mask: None (plain causal) or a boolean (B, 1, T, T), True where attending is allowed
         B, T, C = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # the head counts come from the shapes: under tensor parallelism (parallel.py) wq, wk,
+        # wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
+        n_head, n_kv_head = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
+        q = q.view(B, T, n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
+        k = k.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        v = v.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:
+        if n_kv_head != n_head:
             # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
-            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            k = k.repeat_interleave(n_head // n_kv_head, dim=1)
+            v = v.repeat_interleave(n_head // n_kv_head, dim=1)
         # on CUDA with bf16 this dispatches to flash attention (without a mask); on CPU to the
         # math/flash-cpu kernel
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+        return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -142,6 +145,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # the loss from (logits, targets, mask); tensor parallelism swaps in one that works on
+        # vocabulary slices of the logits (parallel.vocab_parallel_cross_entropy)
+        self.loss_fn = masked_cross_entropy
         cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
         # not persistent: derived from the config, so checkpoints hold only learned weights
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -162,7 +168,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None):
-        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab), loss or None):
+        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
+        parallelism this rank's vocabulary slice), loss or None):
         the loss is the mean cross-entropy over the target positions where loss_mask is 1 (all
         of them without a mask).
 
@@ -209,7 +216,7 @@ class Transformer(nn.Module):
         if self.output is None:
             return x, None
         logits = self.output(self.norm(x)).float()  # (B, T, vocab)
-        loss = None if targets is None else masked_cross_entropy(logits, targets, loss_mask)
+        loss = None if targets is None else self.loss_fn(logits, targets, loss_mask)
         return logits, loss
 
     def num_params(self):

@@ -10,8 +10,10 @@ Everything that knows about processes, in the order train.py uses it:
   all-reduced, or reduce-scattered to slices) and ZeroOptimizer (AdamW on this rank's slices,
   then an all-gather), with optional CPU offload of the optimizer;
 - FSDP2 (ZeRO-3): fully_shard_model wraps torch's fully_shard per block;
+- tensor parallel by hand: tensor_parallel shards a built model in place (Megatron
+  column / row pairs, vocabulary-parallel embedding, head and loss);
 - pipeline parallel by hand: point-to-point helpers and the GPipe and 1F1B schedules;
-- global-norm gradient clipping across pipeline stages, FSDP shards and ZeRO slices, memory accounting.
+- global-norm gradient clipping across pipeline stages, FSDP shards, ZeRO slices and tp slices, memory accounting.
 
 Checkpoint files live in checkpoint.py. Works as a plain single process (`python train.py`)
 and under torchrun.
@@ -24,10 +26,12 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -43,10 +47,12 @@ from configurator import excepthook as configurator_excepthook
 
 @dataclass
 class Mesh:
-    """Who this process is in the dp x pp rank grid. The grid is torch.arange(world).view(dp, pp):
-    rank = dp_rank * pp + pp_rank, so the stages of one pipeline are consecutive ranks (the
-    same node, where point-to-point traffic is cheapest) and a stage's data-parallel
-    replicas are pp ranks apart."""
+    """Who this process is in the dp x pp x tp rank grid. The grid is
+    torch.arange(world).view(dp, pp, tp): rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+    tp is innermost: the tensor-parallel ranks, which all-reduce inside every block, are
+    consecutive (the same node, its fastest link); then the stages of one pipeline
+    (point-to-point, once per micro-batch per stage boundary); a stage's data-parallel
+    replicas are pp * tp ranks apart (one all-reduce per step)."""
     rank: int          # global rank, 0 .. world - 1
     local_rank: int    # rank on this node: picks the GPU
     world: int
@@ -56,9 +62,13 @@ class Mesh:
     pp_rank: int       # this rank's stage
     device: torch.device
     backend: str       # "gloo" | "nccl" | "" for a single process
-    dp_group: object = None  # the ranks holding the same stage: gradients are averaged here (None: all ranks)
-    pp_group: object = None  # the stages of this rank's pipeline
+    dp_group: object = None  # the ranks with the same stage and tp slice: gradients are averaged here (None: all)
+    pp_group: object = None  # the stages of this rank's pipeline (same dp_rank, same tp_rank)
     dp_mesh: object = None   # dp_group as a DeviceMesh, for FSDP2
+    tp: int = 1        # tensor-parallel ranks: each holds a slice of every block's matmuls
+    tp_rank: int = 0
+    tp_group: object = None  # the ranks that share one stage's matmuls (consecutive ranks)
+    tp_mesh: object = None   # tp_group as a DeviceMesh (the peer test against torch's tensor parallel)
 
     @property
     def master(self):
@@ -73,8 +83,9 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     def stage_rank(self, stage):
-        """Global rank of stage `stage` in this rank's pipeline."""
-        return self.dp_rank * self.pp + stage
+        """Global rank of stage `stage` in this rank's pipeline: the same tp_rank, so each tp
+        shard of a stage talks to the same shard of its neighbours."""
+        return (self.dp_rank * self.pp + stage) * self.tp + self.tp_rank
 
     def print0(self, *args, **kwargs):
         if self.master:
@@ -91,9 +102,9 @@ def pick_device(device):
     return torch.device(device)
 
 
-def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
+def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1):
     """Reads RANK / LOCAL_RANK / WORLD_SIZE from torchrun (absent: one process), starts the
-    process group (nccl with one GPU per local rank, gloo on CPU) and builds the dp x pp
+    process group (nccl with one GPU per local rank, gloo on CPU) and builds the dp x pp x tp
     grid. A collective that waits longer than dist_timeout_s (a dead or hung peer) raises
     instead of hanging."""
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -107,6 +118,9 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
     if pp < 1 or world % pp:
         raise UserError(f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
                         f"processes (torchrun --nproc_per_node=N), or change pp")
+    if tp < 1 or world % (pp * tp):
+        raise UserError(f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of pp * tp "
+                        f"processes (torchrun --nproc_per_node=N), or change pp or tp")
     if world == 1 and "RANK" not in os.environ:
         return Mesh(rank=0, local_rank=0, world=1, dp=1, pp=1, dp_rank=0, pp_rank=0, device=dev, backend="")
     if dev.type == "cuda":
@@ -126,13 +140,14 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1):
             timeout=timedelta(seconds=dist_timeout_s)))
     dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s), rank=rank,
                             world_size=world, device_id=dev if backend == "nccl" else None)
-    dp = world // pp
-    # the grid torch.arange(world).view(dp, pp), row-major as Mesh's docstring says: its
-    # columns are the dp groups, its rows the pipelines
-    grid = init_device_mesh(dev.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // pp,
-                pp_rank=rank % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
-                pp_group=grid.get_group("pp"), dp_mesh=grid["dp"])
+    dp = world // (pp * tp)
+    # the grid torch.arange(world).view(dp, pp, tp), row-major as Mesh's docstring says:
+    # grid[:, s, t] is a dp group, grid[d, :, t] a pipeline, grid[d, s, :] a tp group
+    grid = init_device_mesh(dev.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // (pp * tp),
+                pp_rank=rank // tp % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
+                pp_group=grid.get_group("pp"), dp_mesh=grid["dp"], tp=tp, tp_rank=rank % tp,
+                tp_group=grid.get_group("tp"), tp_mesh=grid["tp"])
 
 
 def excepthook(kind, err, tb):
@@ -243,7 +258,8 @@ class DataParallelBase(nn.Module):
         self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=mesh.pp_rank, group=mesh.dp_group)  # global rank of grid[0, pp_rank]
+                # from the global rank of grid[0, pp_rank, tp_rank]
+                dist.broadcast(t, src=mesh.pp_rank * mesh.tp + mesh.tp_rank, group=mesh.dp_group)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
     def forward(self, *args, **kwargs):
@@ -641,6 +657,186 @@ def memory_bytes(model, optimizer):
 
 
 # ---------------------------------------------------------------------------------------
+# tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
+#
+# The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per
+# block, two pairs:
+#   attention:    x -> f -> [wq, wk, wv column-parallel: this rank's heads] -> attention of
+#                 those heads -> [wo row-parallel: a partial sum of the output] -> g -> out
+#   feed-forward: x -> f -> [w1, w3 column-parallel: a slice of the hidden width] -> silu(.) * .
+#                 -> [w2 row-parallel] -> g -> out
+# f (CopyToTP) is the identity forward and an all-reduce of the input's gradient backward
+# (each rank's slice contributes to the gradient of the whole, replicated x); g
+# (ReduceFromTP) is an all-reduce forward (the partial sums of the row-parallel matmul add
+# up to the full output) and the identity backward. So 2 all-reduces forward and 2 backward
+# per block, each of B x T x n_embd. Everything between f and g is local: a head needs only
+# its own q, k, v columns, and silu(w1 x) * w3 x is elementwise in the hidden width.
+# Norms, residuals and dropout run on the replicated (B, T, n_embd) on every tp rank.
+# The embedding is split by vocabulary rows (a rank looks up the ids it owns, zeros for the
+# others, and g sums them); the head by vocabulary columns, and the loss is computed from
+# the logit slices without gathering them (vocab_parallel_cross_entropy).
+# model.py knows none of this: tensor_parallel() swaps each weight for its slice in place,
+# and the attention reads its local head counts from the shapes it holds. Every sharded
+# parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
+# clipping and checkpoints (gather to the full tensor, slice on load) read.
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce (sum) of the gradient over the tp group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) over the tp group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()  # the all-reduce is in place; the partial sum may be saved for backward elsewhere
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding with rows [start, start + V / tp) of the table on this rank:
+    ids outside its range look up zeros, and g adds the ranks' lookups into the full one.
+    Its parameter keeps the name `weight`, so checkpoints see tok_embeddings.weight."""
+
+    def __init__(self, weight, start, group):
+        super().__init__()
+        self.weight, self.start, self.group = weight, start, group
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, n_embd)
+        x = x.masked_fill(outside[..., None], 0.0)
+        return ReduceFromTP.apply(x, self.group)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logit slices (N, V / tp), columns [start, start + V / tp)
+    of the full (N, V), without gathering them: the row max and the sum of exp are
+    all-reduced (max, then sum) over the tp group, and so is the target's logit, which lives
+    on one rank. Backward is local: softmax - one_hot on this rank's columns. Targets equal
+    to ignore_index (-100, as F.cross_entropy) give loss 0 and no gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        logits = logits.float()
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # the global row max, for a stable exp
+        shifted = logits - m[:, None]
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])  # is the target's column on this rank?
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local[:, None])[:, 0].masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([sum_exp, target_logit])  # one all-reduce for the two sums
+        dist.all_reduce(both, group=group)
+        sum_exp, target_logit = both[0], both[1]
+        valid = targets != -100
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (N,)
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local] -= mine.to(g.dtype)
+        g *= (grad * valid.to(grad.dtype))[:, None]
+        return g, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, start=0, group=None):
+    """model.masked_cross_entropy for logit slices (B, T, V / tp): the mean over the
+    positions whose mask is 1 (all without a mask); the same value on every tp rank."""
+    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+    if loss_mask is None:
+        return loss.mean()
+    mask = loss_mask.flatten().to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _shard(module, dim, mesh):
+    """module.weight -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
+    full = module.weight
+    part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(), requires_grad=full.requires_grad)
+    part._tp_dim, part._tp_group = dim, mesh.tp_group
+    module.weight = part
+    return part
+
+
+def tensor_parallel(model, mesh):
+    """Shards `model` (a whole model or a pipeline stage, built whole) over mesh.tp_group,
+    in place: column-parallel wq, wk, wv, w1, w3 (dim 0, whole heads per rank), row-parallel
+    wo, w2 (dim 1), vocabulary-parallel embedding and head with the loss computed from the
+    logit slices. Norms stay replicated. Returns the model; a no-op at tp=1."""
+    if mesh.tp == 1:
+        return model
+    cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
+    for key, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head), ("ffn_dim", cfg.ffn_dim),
+                   ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise UserError(f"tp={tp} does not divide {key}={n}: every tp rank needs an equal share (whole heads, "
+                            f"an equal slice of the SwiGLU width and of the vocabulary); use a tp that divides it")
+    f = lambda module, args: (CopyToTP.apply(args[0], group), *args[1:])  # noqa: E731
+    g = lambda module, args, out: ReduceFromTP.apply(out, group)  # noqa: E731
+    for block in model.layers.values():
+        att, ffn = block.attention, block.feed_forward
+        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
+            _shard(lin, 0, mesh)
+            lin.out_features //= tp
+        for lin in (att.wo, ffn.w2):  # row-parallel: a slice of the inputs, a partial sum of the output
+            _shard(lin, 1, mesh)
+            lin.in_features //= tp
+        for m in (att, ffn):  # one f before and one g after each half of the block
+            m.register_forward_pre_hook(f)
+            m.register_forward_hook(g)
+    start = mesh.tp_rank * cfg.vocab_size // tp  # this rank's first vocabulary row
+    if model.tok_embeddings is not None:
+        emb = model.tok_embeddings
+        model.tok_embeddings = VocabParallelEmbedding(_shard(emb, 0, mesh), start, group)
+    if model.output is not None:
+        if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
+            model.output.weight = model.tok_embeddings.weight
+        else:
+            _shard(model.output, 0, mesh)
+        model.output.out_features //= tp
+        model.output.register_forward_pre_hook(f)
+        model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
+    return model
+
+
+def tp_gather(t, p):
+    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over p's tp group)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._tp_group))]
+    dist.all_gather(parts, t.contiguous(), group=p._tp_group)
+    return torch.cat(parts, dim=p._tp_dim)
+
+
+def tp_slice(full, p):
+    """This rank's slice of the full tensor `full`, cut like parameter `p`."""
+    return full.chunk(dist.get_world_size(p._tp_group), p._tp_dim)[dist.get_rank(p._tp_group)]
+
+
+# ---------------------------------------------------------------------------------------
 # pipeline parallel, by hand
 #
 # Stage s owns a contiguous range of layers (model.make_stage): stage 0 also the embedding,
@@ -867,7 +1063,7 @@ def pipeline_timeline(traces, m, width=96):
 def print_pipeline_timeline(trace, mesh, m):
     """Gathers every rank's trace (a collective: every rank calls it) and prints pipeline 0's
     timeline on rank 0."""
-    traces = all_gather_object(trace, mesh)[:mesh.pp]  # ranks 0 .. pp-1: the stages of pipeline 0
+    traces = all_gather_object(trace, mesh)[:mesh.pp * mesh.tp:mesh.tp]  # the stages of pipeline 0 (tp rank 0)
     mesh.print0(pipeline_timeline(traces, m)[0])
 
 
@@ -875,14 +1071,24 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
     """Scales the gradients so that the norm over the *whole* model is at most max_norm
     (0: only measure it); returns that norm. Pipeline stages hold different parameters, so
     their squared norms are summed over the pipeline, and so are FSDP's gradient shards over
-    the dp ranks; plain data-parallel replicas hold the same averaged gradients and are not
-    counted again. sharded=True: `params` are ZeRO's slices (ZeroOptimizer.params), a
+    the dp ranks and tensor-parallel slices over the tp ranks; what is replicated (plain
+    data-parallel replicas, the norm gains on every tp rank) holds the same gradient and is
+    counted once. sharded=True: `params` are ZeRO's slices (ZeroOptimizer.params), a
     different part of the gradient on each dp rank, summed like FSDP's shards. (Clipping
     each stage by its own norm would be a different, layout-dependent update.)"""
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     sq = torch.zeros((), device=mesh.device)
-    for g in grads:
-        sq += _local(g).float().pow(2).sum()
+    sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
+    for p in params:
+        s = _local(p.grad).float().pow(2).sum()
+        if hasattr(p, "_tp_dim"):
+            sq_tp += s
+        else:
+            sq += s
+    if mesh.tp > 1:
+        dist.all_reduce(sq_tp, group=mesh.tp_group)
+    sq += sq_tp
     if sharded or any(isinstance(g, DTensor) for g in grads):  # FSDP, ZeRO: each dp rank holds a different part
         dist.all_reduce(sq, group=mesh.dp_group)
     if mesh.pp > 1:

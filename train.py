@@ -101,7 +101,8 @@ seed = 1337                     # weights, data order and dropout all derive fro
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
 dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
-pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // pp
+pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
+tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
 pp_schedule = "1f1b"            # '1f1b' or 'gpipe' (all forwards, then all backwards)
 pp_trace = False                # print the pipeline schedule as an ASCII timeline (second iteration)
 ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
@@ -140,7 +141,7 @@ for key, choices in (("nan_action", ("rollback", "stop")), ("ddp_impl", ("bucket
                      ("backend", ("auto", "gloo", "nccl"))):
     check(config[key] in choices, f"{key}={config[key]!r} is not one of {', '.join(choices)}")
 for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
-            "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp"):
+            "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp"):
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
             "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens"):
@@ -160,10 +161,25 @@ check(n_head % n_kv_head == 0, f"n_head={n_head} is not divisible by n_kv_head={
                                f"serves a whole group of query heads; use a divisor of n_head")
 check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
                                  f"rotate pairs of features; change n_embd or n_head")
-# the layout: dp x pp over the world
+# the layout: dp x pp x tp over the world
 check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp processes "
                        f"(torchrun --nproc_per_node=N), or change pp")
-dp = world // pp
+check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of pp * tp "
+                              f"processes (torchrun --nproc_per_node=N), or change tp")
+dp = world // (pp * tp)
+# tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width (the
+# vocabulary, known once the data is, is checked when the model is sharded)
+ffn_width = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=ffn_dim).ffn_dim  # 0: the default
+for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_width)):
+    check(n % tp == 0, f"tp={tp} does not divide {key}={n}: each tp rank needs an equal share of the heads and of "
+                       f"the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+check(tp == 1 or not fsdp, "fsdp=True with tp > 1 is not supported: use plain data parallel over dp (fsdp=False)")
+check(tp == 1 or not zero, f"zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its "
+                           f"checkpoint gathering does not know them): use plain data parallel over dp (zero=0)")
+check(tp == 1 or not (lora_rank or lora_from), "LoRA with tp > 1 is not supported: the adapters would need their own "
+                                               "slices; use tp=1 for LoRA runs")
+check(tp == 1 or len(mixture) == 1, "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need "
+                                    "the full logits; use tp=1, or one dataset")
 check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers: every stage needs at least one")
 check(pp == 1 or not tie_embeddings, "tie_embeddings=True with pp > 1: the embedding (first stage) and the head "
                                      "(last stage) would be one tensor on two ranks; use tie_embeddings=False")
@@ -206,7 +222,7 @@ check(not export_hf or not os.path.exists(export_hf) or (os.path.isdir(export_hf
       f"now rather than after the run has trained)")
 
 # ---- setup ----------------------------------------------------------------------------
-mesh = parallel.setup(device, dist_timeout_s, backend, pp)
+mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp)
 if dtype == "auto":
     dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
 # weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
@@ -360,20 +376,22 @@ if model_cfg.vocab_size < meta["vocab_size"]:
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
-# In this order: cut the pipeline stage, move to the device, shard (FSDP), compile, then wrap
-# for data parallel (whose hooks must see the compiled module's parameters).
+# In this order: cut the pipeline stage, move to the device, split the matmuls (tensor
+# parallel: it swaps parameters, so before anything holds them), shard (FSDP), compile, then
+# wrap for data parallel (whose hooks must see the compiled module's parameters).
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
 raw_model.to(mesh.device)
+parallel.tensor_parallel(raw_model, mesh)  # tp > 1: each block's matmuls, the embedding and the head become slices
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" +
+            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else "") +
             "".join(f"; stage {s}: layers {r.start}-{r.stop - 1}" for s in range(mesh.pp) if mesh.pp > 1
                     for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
 if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
     parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
-    model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb)
+    model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb, process_group=mesh.dp_group)
 elif mesh.dp > 1 and not use_fsdp and ddp_impl == "naive":
     model = parallel.NaiveDataParallel(model, mesh)
 elif mesh.dp > 1 and not use_fsdp and zero:  # ZeRO 1/2: each dp rank owns a slice of every bucket
@@ -446,8 +464,9 @@ def evaluate(val_loader):
             loss_sum += loss * w
     raw_model.train()
     parallel.reshard(raw_model)  # fsdp with reshard_after_forward=False: free the weights eval gathered
-    # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold losses)
-    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / mesh.dp
+    # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold
+    # losses; with tp every rank of a tp group holds the same one)
+    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp)
 
 
 # ---- per-source loss of a mixture ---------------------------------------------------
@@ -496,7 +515,7 @@ def rng_states():
 
 def set_rng_states(state):
     """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved it)."""
-    r = mesh.rank % len(state["rng_cpu"])
+    r = (mesh.rank - mesh.tp_rank) % len(state["rng_cpu"])  # a tp group shares one stream (its replicated dropout)
     torch.set_rng_state(state["rng_cpu"][r])
     if mesh.device.type == "cuda" and "rng_cuda" in state:
         torch.cuda.set_rng_state(state["rng_cuda"][r])
@@ -528,7 +547,7 @@ if ckpt_path:
     set_rng_states(ckpt_state)
     mesh.print0(f"resumed from {ckpt_path} at iteration {start_iter}")
 else:
-    torch.manual_seed(seed + mesh.rank)  # dropout masks differ across ranks (on CPU and GPU)
+    torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks (on CPU and GPU), not within a tp group
 if mesh.master:
     os.makedirs(out_dir, exist_ok=True)
     truncate_metrics(start_iter)
@@ -682,7 +701,7 @@ while True:
     flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
     totals = parallel.all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), flag.double()]),
                                                 source_sums(src).flatten()]), mesh)
-    loss_mean, stop = totals[0].item() / mesh.dp, totals[1].item() > 0
+    loss_mean, stop = totals[0].item() / (mesh.dp * mesh.tp), totals[1].item() > 0  # tp: the same loss tp times
     seq_losses, per_source = None, totals[2:].view(-1, 2).tolist()
     # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards and ZeRO slices
     # (computed even when not clipping, for the log); every rank gets the same norm
@@ -735,7 +754,7 @@ if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
 if mesh.master and wandb_log:
     wandb.finish()
-whole = mesh.pp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage or shards)
+whole = mesh.pp == 1 and mesh.tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     final = raw_model if whole else checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)

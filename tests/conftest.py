@@ -89,28 +89,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _rank_entry(rank, world, port, fn, args, out_dir, pp):
+def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     import torch
     import parallel
     torch.set_num_threads(1)
-    mesh = parallel.setup("cpu", dist_timeout_s=120, pp=pp)
+    mesh = parallel.setup("cpu", dist_timeout_s=120, pp=pp, tp=tp)
     try:
         torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         parallel.teardown(mesh)
 
 
-def spawn(fn, world, *args, pp=1):
-    """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp grid); returns each rank's
+def spawn(fn, world, *args, pp=1, tp=1):
+    """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp x tp grid); returns each rank's
     result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
     processes can import it."""
     import tempfile
     import torch
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp), nprocs=world,
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp, tp), nprocs=world,
                            start_method="spawn")
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
 

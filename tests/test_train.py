@@ -189,9 +189,16 @@ MISTAKES = {
     "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
     "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
     "2: pp=2 tie_embeddings=True": "tie_embeddings=True with pp > 1",
+    "4: tp=2 zero=1": "zero=1 with tp > 1 is not supported",
     "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe",
     "2: grad_accum_steps=3": "grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2",
     "4: pp=2 ddp_impl=torch": "ddp_impl=torch cannot sit inside a pipeline",
+    "2: tp=4": "pp=1 x tp=4 does not divide the 2 ranks",
+    "4: tp=4 n_head=2 n_kv_head=2": "tp=4 does not divide n_head=2",
+    "2: tp=2 n_kv_head=1": "tp=2 does not divide n_kv_head=1",
+    "2: tp=2 ffn_dim=33": "tp=2 does not divide ffn_dim=33",
+    "2: tp=2 fsdp=True": "fsdp=True with tp > 1 is not supported",
+    "2: tp=2 lora_rank=4": "LoRA with tp > 1 is not supported",
     "export_hf=@full": "already exists and is not an empty directory",
 }
 

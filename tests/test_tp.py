@@ -1,0 +1,186 @@
+"""Tensor parallel on real gloo processes: the vocabulary-parallel loss against
+F.cross_entropy, a sharded model against the single-process one, one block against torch's
+own tensor parallel (parallelize_module), then train.py under torchrun: the single-process
+curve at tp=2, tp=2 x pp=2 and tp=2 x dp=2, and checkpoints moved between tp layouts."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import parallel
+from configurator import UserError
+from conftest import REFERENCE, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from model import Block, ModelConfig, Transformer
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 64, (2, 17), generator=g)
+    mask = (torch.rand(2, 16, generator=g) < 0.6).long()
+    return data[:, :-1], data[:, 1:], mask
+
+
+def gathered_grads(model):
+    """name -> the full gradient (tp slices gathered), for comparison with the whole model's."""
+    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
+
+
+def tp_checks(mesh):
+    out = {}
+    # the vocabulary-parallel loss on this rank's slice of the logits, against F.cross_entropy on the whole
+    logits = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)) * 3
+    _, y, mask = batch()
+    y = y.clone()
+    y[0, 3] = -100  # F.cross_entropy's ignore_index: no loss, no gradient
+    V = 64 // mesh.tp
+    for masked in (False, True):
+        part = logits[..., mesh.tp_rank * V:(mesh.tp_rank + 1) * V].clone().requires_grad_()
+        loss = parallel.vocab_parallel_cross_entropy(part, y, mask if masked else None, start=mesh.tp_rank * V,
+                                                     group=mesh.tp_group)
+        loss.backward()
+        out[f"ce_{masked}"] = (loss.detach(), part.grad)
+    # a whole model, sharded: its loss and gathered gradients
+    torch.manual_seed(0)
+    model = parallel.tensor_parallel(Transformer(ModelConfig(**CFG)), mesh)
+    x, y, mask = batch()
+    _, loss = model(x, y, mask)
+    loss.backward()
+    out["model"] = (loss.detach(), gathered_grads(model))
+    out["local_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # clipping counts slices once each and replicated norm gains once
+    out["norm"] = parallel.clip_grad_norm_(model.parameters(), 0.0, mesh)
+    return out
+
+
+def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
+    ranks = spawn(tp_checks, 2, tp=2)
+    logits = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)) * 3
+    _, y, mask = batch()
+    y = y.clone()
+    y[0, 3] = -100
+    for masked in (False, True):
+        full = logits.clone().requires_grad_()
+        ce = F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction="none")
+        m = mask.flatten().float() if masked else torch.ones(32)  # as masked_cross_entropy: the -100 counts as a 0
+        ref = (ce * m).sum() / m.sum()
+        ref.backward()
+        for r, rank in enumerate(ranks):
+            loss, grad = rank[f"ce_{masked}"]
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(grad, full.grad[..., r * 32:(r + 1) * 32], rtol=1e-5, atol=1e-7)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    x, y, mask = batch()
+    _, loss = model(x, y, mask)
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    for rank in ranks:
+        torch.testing.assert_close(rank["model"][0], loss.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(rank["model"][1][n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(rank["norm"], norm, rtol=1e-5, atol=1e-6)
+    shapes = ranks[0]["local_shapes"]  # really sharded: whole heads, half the width, half the vocabulary
+    assert shapes["layers.0.attention.wq.weight"] == (16, 32) and shapes["layers.0.attention.wk.weight"] == (8, 32)
+    assert shapes["layers.0.attention.wo.weight"] == (32, 16) and shapes["layers.0.feed_forward.w2.weight"] == (32, 32)
+    assert shapes["tok_embeddings.weight"] == (32, 32) and shapes["output.weight"] == (32, 32)
+    assert shapes["norm.weight"] == (32,)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_one_line():
+    mesh = parallel.Mesh(rank=0, local_rank=0, world=2, dp=1, pp=1, dp_rank=0, pp_rank=0, device=torch.device("cpu"),
+                         backend="gloo", tp=2)
+    with pytest.raises(UserError, match="tp=2 does not divide vocab_size=63"):
+        parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "vocab_size": 63})), mesh)
+
+
+def block_peer(mesh):
+    """One block, sharded by us and by torch's parallelize_module (Colwise / Rowwise): the same
+    input, output and gradients."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from model import rope_tables
+    cfg = ModelConfig(**CFG)
+    cos, sin = rope_tables(cfg.n_embd // cfg.n_head, 16, cfg.rope_theta)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for impl in ("ours", "torch"):
+        torch.manual_seed(0)
+        block = Block(cfg)
+        if impl == "ours":
+            holder = Transformer(ModelConfig(**{**CFG, "n_layer": 1}))  # tensor_parallel shards a model (or a stage)
+            holder.layers["0"] = block
+            holder.tok_embeddings = holder.output = None
+            parallel.tensor_parallel(holder, mesh)
+        else:
+            parallelize_module(block, mesh.tp_mesh, {
+                **{f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}, "attention.wo": RowwiseParallel(),
+                **{f"feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")}, "feed_forward.w2": RowwiseParallel()})
+        xi = x.clone().requires_grad_()
+        y = block(xi, cos, sin)
+        y.pow(2).sum().backward()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        out[impl] = {"y": y.detach(), "x_grad": xi.grad,
+                     "grads": {n: local(p.grad) for n, p in block.named_parameters()}}
+    return out
+
+
+def test_block_equals_torch_tensor_parallel():
+    for rank in spawn(block_peer, 2, tp=2):
+        ours, theirs = rank["ours"], rank["torch"]
+        torch.testing.assert_close(ours["y"], theirs["y"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["x_grad"], theirs["x_grad"], rtol=1e-5, atol=1e-6)
+        assert set(ours["grads"]) == set(theirs["grads"])
+        for n, g in ours["grads"].items():
+            torch.testing.assert_close(g, theirs["grads"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ---- train.py under torchrun --------------------------------------------------------------
+# REFERENCE trains 8 iterations; these run 10 with a clip that clips (the logged grad norms
+# are well above 0.3), with 4 micro-batches of gradient accumulation
+CLIPPED = [*REFERENCE, "max_iters=10", "grad_clip=0.3", "ffn_dim=64"]
+
+
+@pytest.fixture(scope="module")
+def clipped_run(dataset, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("clipped") / "run")
+    run_train([*CLIPPED, f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path_factory.getbasetemp())
+    rows = read_metrics(out)
+    assert sum(r["grad_norm"] > 0.3 for r in rows if "grad_norm" in r) >= 5  # the clip is active
+    return rows
+
+
+# (the dp=2 run also recomputes each block in backward: the forward all-reduces run again there)
+@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2"]), (4, ["tp=2", "pp=2"]), (4, ["tp=2", "grad_ckpt=True"])])
+def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clipped_run, tmp_path):
+    out = str(tmp_path / "run")
+    p = torchrun(nproc, [*CLIPPED, f"dataset={dataset}", f"out_dir={out}", *layout, "ddp_bucket_mb=0.01"],
+                 cwd=tmp_path)
+    pp = 2 if "pp=2" in layout else 1
+    assert f"dp={nproc // 2 // pp} x pp={pp} x tp=2" in p.stdout
+    assert_same_curve(clipped_run, read_metrics(out))
+
+
+def test_checkpoints_move_between_tp_layouts(dataset, tmp_path):
+    """tp=2 -> tp=1 and tp=1 -> tp=2 x pp=2: the continuation equals the uninterrupted run;
+    export_hf from a tp=2 run writes the same model as from tp=1."""
+    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=8", "ckpt_interval=100", "grad_clip=0.3", "n_layer=2"]
+    full, a, b = str(tmp_path / "full"), str(tmp_path / "a"), str(tmp_path / "b")
+    run_train([*common, f"out_dir={full}", "max_iters=8", f"export_hf={tmp_path / 'hf1'}"], cwd=tmp_path)
+    torchrun(2, [*common, f"out_dir={a}", "max_iters=4", "tp=2"], cwd=tmp_path)
+    shutil.copytree(a, b)
+    run_train([*common, f"out_dir={a}", "max_iters=8", "init_from=resume"], cwd=tmp_path)  # tp=2 -> 1
+    assert_same_curve(read_metrics(full), read_metrics(a))
+    shutil.rmtree(b)
+    run_train([*common, f"out_dir={b}", "max_iters=4"], cwd=tmp_path)
+    torchrun(4, [*common, f"out_dir={b}", "max_iters=8", "init_from=resume", "tp=2", "pp=2",
+                 f"export_hf={tmp_path / 'hf2'}"], cwd=tmp_path)  # 1 -> tp=2 x pp=2
+    assert_same_curve(read_metrics(full), read_metrics(b))
+    import checkpoint
+    one = checkpoint.read_safetensors(str(tmp_path / "hf1" / "model.safetensors"))
+    two = checkpoint.read_safetensors(str(tmp_path / "hf2" / "model.safetensors"))
+    assert set(one) == set(two)
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
