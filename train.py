@@ -301,9 +301,10 @@ if saved is not None:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
     shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
     for key in shape_keys:
-        # (vocab_size= names the tokenizer's base size: a model grown by chat/extra tokens has more)
+        # (vocab_size= names the tokenizer's base size, already checked against the data: a model
+        # grown by chat or extra tokens, here or in an earlier stage, has more rows)
         check(key not in overrides or key not in saved or overrides[key] == saved[key] or
-              (key == "vocab_size" and overrides[key] == base_vocab and saved[key] == meta["vocab_size"]),
+              (key == "vocab_size" and overrides[key] == base_vocab),
               f"{key}={overrides.get(key)} but {where} has {key}={saved.get(key)}: drop the override, or use a "
               f"new out_dir")
     run_keys = {"block_size": block_size, "dropout": dropout, "grad_ckpt": grad_ckpt, "neftune_alpha": neftune_alpha}

@@ -2,6 +2,7 @@
 vocabulary, export (SFT on the layouts is in test_sft.py)."""
 
 import json
+import os
 
 import numpy as np
 import torch
@@ -36,7 +37,10 @@ def test_continual_pretraining_from_hf_on_two_ranks(hf_dir, dataset, tmp_path):
     assert f"resumed from {out}/ckpt/iter_0000003" in p.stdout
 
 
-def test_vocabulary_expansion_from_hf(hf_dir, corpus, tmp_path):
+def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir, corpus, tmp_path):
+    """The README's continual pretraining -> SFT -> export commands, end to end (one process
+    each): stage 1 starts from a Hugging Face LLaMA and grows its vocabulary; stage 2 takes
+    init_from= stage 1's out_dir (which has a config.json of its own: our ckpt/ must win)."""
     words = tmp_path / "domain.txt"
     words.write_text("def __init__(self\nreturn None\n")
     out = str(tmp_path / "run")
@@ -48,3 +52,15 @@ def test_vocabulary_expansion_from_hf(hf_dir, corpus, tmp_path):
     tokens = torch.from_numpy(np.fromfile(tmp_path / "data" / "domain" / "train.bin", dtype="uint16").astype("int64"))
     assert (tokens == 512).sum() > 0  # the new token is used in the data
     assert all(r["loss"] == r["loss"] for r in read_metrics(out) if "loss" in r)
+    # 2. fine-tune on instructions, from that run's weights
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
+                             for i in range(60)))
+    sft, hf_out = str(tmp_path / "sft"), str(tmp_path / "sft" / "hf")
+    p = run_train([*RUN, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", "neftune_alpha=5",
+                   f"init_from={out}", f"out_dir={sft}", f"export_hf={hf_out}", "max_iters=3"], cwd=tmp_path)
+    assert "growing the vocabulary from 514 to 516" in p.stdout and "exported the model" in p.stdout
+    assert LlamaForCausalLM.from_pretrained(hf_out).config.vocab_size == 516
+    # 3. or export any checkpoint later
+    run_train([f"out_dir={sft}", f"export_hf={tmp_path / 'later'}"], cwd=tmp_path, script="sample.py")
+    assert os.path.isfile(tmp_path / "later" / "model.safetensors")

@@ -12,7 +12,7 @@ from model import ModelConfig, Transformer
 
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, []), (4, []), (4, ["pp=2"]), (2, ["reshard_after_forward=False"])])
+@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False"]), (4, ["pp=2"])])
 def test_fsdp_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: gradient accumulation is on at every layout here

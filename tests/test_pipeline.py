@@ -126,8 +126,9 @@ def test_stage_layers_split_evenly_earliest_first():
     assert sorted(last.state_dict())[0].startswith("layers.2.")  # global names survive
 
 
-@pytest.mark.parametrize("nproc, pp, schedule", [(2, 2, "1f1b"), (2, 2, "gpipe"), (4, 4, "1f1b"), (4, 4, "gpipe"),
-                                                 (4, 2, "1f1b"), (4, 2, "gpipe")])
+# each layout once, the schedules alternating: both are compared with the single process (and
+# torch's Schedule1F1B) in-process above, so these runs check train.py's wiring of each layout
+@pytest.mark.parametrize("nproc, pp, schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"), (4, 2, "1f1b")])
 def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"pp={pp}", f"pp_schedule={schedule}",

@@ -185,6 +185,10 @@ MISTAKES = {
     "out_dir=@file": "is a file, not a directory",
     "fsdp=True ddp_impl=torch": "fsdp=True shards with FSDP2, so ddp_impl=torch would be ignored",
     "pp=3": "pp=3 pipeline stages do not divide the 1 ranks",
+    "zero=3": "zero=3 is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True",
+    "zero=1 fsdp=True": "zero=1 with fsdp=True: fsdp is ZeRO stage 3",
+    "zero=2 ddp_impl=naive": "zero=2 shards along the buckets of ddp_impl=bucketed",
+    "offload=True": "offload=True moves sharded optimizer state to CPU memory: use it with zero=1",
     # under torchrun with 2 processes (WORLD_SIZE=2): the layout is checked before the process group
     "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
     "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
