@@ -440,9 +440,10 @@ def token_weights(y, mask):
     ones; without a mask, all) and N those of every micro-batch of every dp rank. A model's
     loss is the mean over its micro-batch, so loss_k * n_k is its token sum; the dp average
     divides by dp, which the factor dp undoes. Without masks every n_k is the same and the
-    weight is 1 / micro_steps, the classic recipe."""
-    n = mask.sum(dim=(1, 2)).double() if mask is not None else torch.full((y.size(0),), float(y[0].numel()),
-                                                                            dtype=torch.float64)
+    weight is 1 / micro_steps, the classic recipe, and no count needs to travel."""
+    if mask is None:
+        return [1.0 / y.size(0)] * y.size(0)  # = n * dp / (n * micro_steps * dp), exactly
+    n = mask.sum(dim=(1, 2)).double()
     total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
     return (n * mesh.dp / max(total, 1.0)).tolist()
 
