@@ -119,18 +119,23 @@ def trainable_state(model):
 
 
 def init_adamw_state(model, optimizer):
-    """Zero AdamW state (step 0) for every parameter that has none yet: exactly what torch
-    creates lazily at a parameter's first step, so the optimizer steps the same with it.
-    Loading needs it (DCP reads into existing tensors), and so does saving: a checkpoint
-    written before any step succeeded must still hold the optim.* entries a load asks for."""
+    """Zero optimizer state (step 0) for every parameter that has none yet: exactly what the
+    optimizer creates lazily at a parameter's first step (AdamW's moments; Muon's momentum
+    for a muon=True group), so it steps the same with it. Loading needs it (DCP reads into
+    existing tensors), and so does saving: a checkpoint written before any step succeeded
+    must still hold the optim.* entries a load asks for."""
     if isinstance(optimizer, ZeroOptimizer):
         return  # ZeRO: full_state() holds every parameter's state already (zeros before the first step)
-    for p in model.parameters():
-        if not p.requires_grad or optimizer.state.get(p):  # frozen (LoRA's base), or already there
-            continue
-        step_device = p.device if optimizer.defaults.get("fused") else "cpu"
-        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                              "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    for group in optimizer.param_groups:  # only what trains (LoRA's frozen base is in no group)
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            if group.get("muon"):
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                continue
+            step_device = p.device if optimizer.defaults.get("fused") else "cpu"
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _why(e):

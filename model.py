@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 
@@ -427,3 +428,82 @@ def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
         reps += 1
         sync()
     return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+# ---- the optimizer: Muon for the hidden matrices, AdamW for the rest -----------------------
+
+
+def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, dtype=torch.bfloat16):
+    """An approximately orthogonal matrix with the row and column spaces of g (2-D): U V^T of
+    its SVD g = U S V^T, by a quintic Newton-Schulz iteration on X = g / |g| (every singular
+    value in (0, 1]) that pushes each singular value towards 1 (to about 0.7-1.2: the
+    coefficients trade precision for speed, which does not hurt training). Works on the short
+    side (X X^T is the smaller Gram matrix). In bfloat16 by default, as Keller Jordan's
+    reference and torch.optim.Muon do (on a CPU, whose bf16 matmuls are slow, float32)."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    if g.size(0) > g.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        x = torch.addmm(x, poly, x, beta=a)                     # a X + (b G + c G^2) X
+    return x.T if g.size(0) > g.size(1) else x
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers") for the param groups
+    marked muon=True, AdamW for the others, in one optimizer so that the loop, clipping and
+    checkpoints see one `param_groups` and one `state` (keyed by parameter).
+
+    Muon, per matrix W (m x n) with gradient G: a momentum buffer B = mu B + (1 - mu) G, the
+    update O = newton_schulz((1 - mu) G + mu B) (Nesterov), i.e. that direction with every
+    singular value ~1 (a step as large along rare directions as along common ones), and
+    W -= lr * 0.2 * sqrt(max(m, n)) * O after decoupled weight decay. The 0.2 sqrt(max(m, n))
+    gives O the RMS of a typical AdamW update (Liu et al. 2025, "Muon is scalable for LLM
+    training"), so one learning rate and one schedule serve both kinds of group. It needs
+    each matrix whole: an FSDP shard (a DTensor) is gathered for it, one matrix at a time;
+    ZeRO's flat slices and tensor-parallel slices are not, and train.py refuses those. The AdamW groups follow torch.optim.AdamW (single-tensor) step by
+    step; tests check both halves against torch's own optimizers."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
+                 ns_dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      muon=False))
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            assert not group["muon"] or all(p.dim() == 2 for p in group["params"]), "Muon is for 2-D matrices"
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                p.mul_(1 - lr * wd)  # decoupled weight decay, as AdamW
+                if group["muon"]:
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    buf, mu = state["momentum_buffer"], group["momentum"]
+                    buf.lerp_(p.grad, 1 - mu)                           # B = mu B + (1 - mu) G
+                    g = p.grad.lerp(buf, mu)                           # Nesterov: (1 - mu) G + mu B
+                    if isinstance(g, DTensor):
+                        # FSDP: this rank holds rows of the matrix; the orthogonalization needs all of
+                        # them. Gather, orthogonalize (every rank the same), keep this rank's rows.
+                        full = newton_schulz(g.full_tensor(), dtype=self.ns_dtype)
+                        update = distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None)
+                    else:
+                        update = newton_schulz(g, dtype=self.ns_dtype)
+                    p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                else:
+                    if not state:
+                        state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                     exp_avg_sq=torch.zeros_like(p))
+                    (beta1, beta2), step = group["betas"], state["step"].add_(1).item()
+                    state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))

@@ -26,8 +26,8 @@ import configurator
 import data
 import parallel
 import sample
-from model import (LORA_TARGETS, ModelConfig, Transformer, apply_lora, grow_vocab, make_stage, measure_matmul_flops,
-                   merge_lora, stage_layers)
+from model import (LORA_TARGETS, ModelConfig, MuonWithAdamW, Transformer, apply_lora, grow_vocab, make_stage,
+                   measure_matmul_flops, merge_lora, stage_layers)
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -77,16 +77,21 @@ lora_dropout = 0.0              # dropout on the adapters' input (the base path 
 lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
 export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
-# optimizer: AdamW, weight decay on 2-D weights only
-learning_rate = 2e-3            # peak learning rate
+# optimizer: weight decay on 2-D weights only
+optim = "adamw"                 # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
+learning_rate = 2e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
+muon_momentum = 0.95            # Muon's Nesterov momentum
 max_iters = 600
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping; the norm is logged anyway)
-# learning rate schedule: linear warmup, then cosine decay to min_lr
+# learning rate schedule: linear warmup, then 'cosine' decay to min_lr, or 'wsd' (warmup-stable-decay):
+# flat at learning_rate, then a linear decay to min_lr over the last cooldown_frac of lr_decay_iters
+lr_schedule = "cosine"
 warmup_iters = 50
 lr_decay_iters = 0              # 0: = max_iters
+cooldown_frac = 0.2             # wsd: the share of lr_decay_iters spent decaying
 min_lr = 2e-4
 # faults
 nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step; after this many in a row ...
@@ -138,6 +143,7 @@ def check(ok, problem):
 world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
 for key, choices in (("nan_action", ("rollback", "stop")), ("ddp_impl", ("bucketed", "naive", "torch")),
                      ("pp_schedule", ("1f1b", "gpipe")), ("dtype", ("auto", "float32", "bfloat16")),
+                     ("optim", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd")),
                      ("backend", ("auto", "gloo", "nccl"))):
     check(config[key] in choices, f"{key}={config[key]!r} is not one of {', '.join(choices)}")
 for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
@@ -146,7 +152,8 @@ for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_siz
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
             "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens"):
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
-for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1)):
+for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
+                    ("muon_momentum", 0, 1), ("cooldown_frac", 0, 1.000001)):
     check(lo <= config[key] < hi, f"{key}={config[key]} must be in [{lo}, {hi})")
 # the mixture: sources and their weights, then the phases (pure checks, nothing read yet)
 check(not (datasets and "dataset" in overrides), f"dataset={dataset} and datasets={datasets} both given: use "
@@ -198,6 +205,12 @@ check(not (zero and ddp_impl != "bucketed"), f"zero={zero} shards along the buck
                                              f"ddp_impl={ddp_impl} cannot carry it: drop ddp_impl")
 check(not offload or zero or fsdp, "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, "
                                    "zero=2 or fsdp=True")
+# Muon orthogonalizes each weight matrix whole: layouts that slice the matrices cannot run it as written
+for on, what in ((zero, f"zero={zero}"), (tp > 1, f"tp={tp}"), (lora_rank or lora_from, "LoRA")):
+    check(optim != "muon" or not on,
+          f"optim=muon with {what}: Muon orthogonalizes each weight matrix whole, and {what} "
+          f"{'trains adapters only' if what == 'LoRA' else 'slices them over ranks'}; use optim=adamw, or "
+          f"data parallel, fsdp or pipeline stages")
 # LoRA (what needs the checkpoint, the base or the adapter is checked under "LoRA" below)
 lora_target_list = sorted({t.strip() for t in lora_targets.split(",") if t.strip()})
 check(lora_rank >= 0, f"lora_rank={lora_rank} is negative: use 0 (full fine-tuning) or the adapters' rank")
@@ -402,12 +415,18 @@ elif mesh.dp > 1 and not use_fsdp:
 use_zero = isinstance(model, parallel.ZeroDataParallel)
 
 # only what trains (all of it, or LoRA's adapters): the optimizer holds no state for frozen weights
-decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]    # matmul weights and embeddings
-no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # norm gains
+trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
+hidden = [p for n, p in trains if optim == "muon" and p.dim() == 2 and n.startswith("layers.")]
+decay = [p for n, p in trains if p.dim() >= 2 and all(p is not h for h in hidden)]  # embeddings, head (+ AdamW: matmuls)
+no_decay = [p for n, p in trains if p.dim() < 2]                                      # norm gains
 groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 fused = mesh.device.type == "cuda" and not offload
 if use_zero:  # AdamW on this rank's slices, then an all-gather of the updated weights
     optimizer = parallel.ZeroOptimizer(model, groups, offload, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+elif optim == "muon":  # the layers' matrices (a stage's, with pp) by Muon, the rest by AdamW
+    groups.append({"params": hidden, "weight_decay": weight_decay, "muon": True})
+    optimizer = MuonWithAdamW(groups, lr=learning_rate, betas=(beta1, beta2), momentum=muon_momentum,
+                              ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
 else:
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 # the gradients that clipping measures and the step uses: the model's, or (ZeRO) this rank's slices of them
@@ -418,11 +437,18 @@ act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between p
 
 
 def get_lr(it):
-    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
+    """Linear warmup to learning_rate, then down to min_lr at lr_decay_iters (flat after it):
+    a cosine from the end of warmup, or (wsd) flat until the last cooldown_frac of the
+    iterations and a straight line down in them. WSD's loss stays high while the rate is
+    high and falls in the cooldown; it lets a run be extended by moving the cooldown."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / warmup_iters
     if it >= lr_decay_iters:
         return min_lr
+    if lr_schedule == "wsd":
+        cooldown = max(1, round(cooldown_frac * lr_decay_iters))
+        progress = max(0.0, (it - (lr_decay_iters - cooldown)) / cooldown)
+        return learning_rate - progress * (learning_rate - min_lr)
     progress = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 

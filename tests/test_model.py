@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from model import ModelConfig, apply_rope, grow_vocab, make_stage, masked_cross_entropy, rope_tables
+from model import (ModelConfig, MuonWithAdamW, apply_rope, grow_vocab, make_stage, masked_cross_entropy, newton_schulz,
+                   rope_tables)
 
 
 tiny = tiny_model
@@ -194,3 +195,30 @@ def test_grow_vocab():
     head = make_stage(tiny(), 1, 2)  # the last pipeline stage: a head, no embedding
     grow_vocab(head, 100)
     torch.testing.assert_close(head.output.weight[97:], out.mean(0).expand(3, -1))
+
+
+def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
+    """One optimizer, two kinds of group: the muon=True group must step exactly as
+    torch.optim.Muon (match_rms_adamw: one learning rate for both), the others exactly as
+    torch.optim.AdamW, weight decay and all, over several steps (state carried between them)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(48, 32), (32, 80), (100, 32), (32,)]  # 2 hidden matrices, an embedding, a gain
+    ours = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    peers = [p.detach().clone().requires_grad_() for p in ours]
+    opt = MuonWithAdamW([{"params": ours[:2], "muon": True, "weight_decay": 0.1},
+                         {"params": ours[2:3], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}],
+                        lr=0.02, betas=(0.9, 0.95), momentum=0.95, ns_dtype=torch.bfloat16)
+    muon = torch.optim.Muon(peers[:2], lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": peers[2:3], "weight_decay": 0.1}, {"params": peers[3:], "weight_decay": 0.0}],
+                              lr=0.02, betas=(0.9, 0.95))
+    for step in range(4):
+        for a, b in zip(ours, peers):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step(), muon.step(), adamw.step()
+        for i, (a, b) in enumerate(zip(ours, peers)):
+            assert torch.equal(a, b), (step, i, (a - b).abs().max())
+    # the orthogonalization: singular values pushed near 1 (the quintic's band), any aspect ratio
+    for shape in [(64, 16), (16, 64)]:
+        sv = torch.linalg.svdvals(newton_schulz(torch.randn(shape, generator=g), dtype=torch.float32))
+        assert 0.6 < sv.min() and sv.max() < 1.25, sv

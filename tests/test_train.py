@@ -204,6 +204,10 @@ MISTAKES = {
     "2: tp=2 fsdp=True": "fsdp=True with tp > 1 is not supported",
     "2: tp=2 lora_rank=4": "LoRA with tp > 1 is not supported",
     "export_hf=@full": "already exists and is not an empty directory",
+    "optim=sgd": "optim='sgd' is not one of adamw, muon",
+    "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
+    "2: optim=muon zero=1": "optim=muon with zero=1: Muon orthogonalizes each weight matrix whole",
+    "2: optim=muon tp=2": "optim=muon with tp=2",
 }
 
 
