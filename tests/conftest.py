@@ -129,9 +129,11 @@ def reference_run(dataset, tmp_path_factory):
     return read_metrics(out)
 
 
-def assert_same_curve(a, b, exact=False):
+def assert_same_curve(a, b, exact=False, rtol=1e-4):
     """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
-    hold extra val lines: a run stopped early evaluates at its end, which is kept on resume."""
+    hold extra val lines: a run stopped early evaluates at its end, which is kept on resume.
+    A compiled run against an eager one needs rtol=1e-3: inductor fuses kernels and rounds
+    differently (measured: 1.3e-4 on one grad norm of REFERENCE, compiled vs eager, one process)."""
     for key in ("loss", "grad_norm", "val_loss"):
         la, lb = ({r["iter"]: r[key] for r in rows if key in r} for rows in (a, b))
         assert la and (set(la) <= set(lb) if key == "val_loss" else set(la) == set(lb)), (key, sorted(la), sorted(lb))
@@ -142,7 +144,7 @@ def assert_same_curve(a, b, exact=False):
             # rounding: a layout sums the same numbers in another order (an all-reduce, a
             # pipeline); over 8 steps at a high learning rate that grows to ~2e-5 relative on
             # some CPUs, while a real mistake (a wrong average, a lost micro-batch) is 1e-2 or more
-            torch.testing.assert_close(vb, va, rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(vb, va, rtol=rtol, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="session")

@@ -152,15 +152,17 @@ def clipped_run(dataset, tmp_path_factory):
     return rows
 
 
-# (the dp=2 run also recomputes each block in backward: the forward all-reduces run again there)
-@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2"]), (4, ["tp=2", "pp=2"]), (4, ["tp=2", "grad_ckpt=True"])])
+# (the dp=2 run also recomputes each block in backward: the forward all-reduces run again there;
+# the tp=2 run is compiled: the sharded blocks, their collectives and the vocabulary-parallel loss)
+@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "compile=True"]), (4, ["tp=2", "pp=2"]),
+                                           (4, ["tp=2", "grad_ckpt=True"])])
 def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clipped_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*CLIPPED, f"dataset={dataset}", f"out_dir={out}", *layout, "ddp_bucket_mb=0.01"],
                  cwd=tmp_path)
     pp = 2 if "pp=2" in layout else 1
     assert f"dp={nproc // 2 // pp} x pp={pp} x tp=2" in p.stdout
-    assert_same_curve(clipped_run, read_metrics(out))
+    assert_same_curve(clipped_run, read_metrics(out), rtol=1e-3 if "compile=True" in layout else 1e-4)
 
 
 def test_checkpoints_move_between_tp_layouts(dataset, tmp_path):
