@@ -4,7 +4,8 @@ Files: our own checkpoints and the foreign formats, in one place.
 Our checkpoints: out_dir/ckpt/iter_XXXXXXX/ written by every rank through
 torch.distributed.checkpoint (DCP), keyed by global parameter names so that any layout can
 load any other; atomic (a temp directory renamed into place), a manifest of sizes and
-sha256 sums, `latest`, pruning, and a reader that never runs code from the files.
+sha256 sums, `latest`, pruning, and a reader that never runs code from the files. A save is
+start_save + finish_save; with ckpt_async the write runs in the background between the two.
 
 Foreign formats: safetensors (read and written by hand), Hugging Face LLaMA directories
 (config.json + model.safetensors, name table, config mapping), for continual pretraining,

@@ -146,7 +146,8 @@ for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_siz
             "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp"):
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
-            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens", "fault_save_delay_s"):
+            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
+            "fault_save_delay_s"):
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
 for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1)):
     check(lo <= config[key] < hi, f"{key}={config[key]} must be in [{lo}, {hi})")

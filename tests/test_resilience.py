@@ -181,7 +181,11 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
               "ckpt_async=True"]
     out = str(tmp_path / "run")
     ckpt = os.path.join(out, "ckpt")
-    latest = lambda: open(os.path.join(ckpt, "latest")).read().strip() if os.path.exists(os.path.join(ckpt, "latest")) else None  # noqa: E731,E501
+
+    def latest():
+        path = os.path.join(ckpt, "latest")
+        return open(path).read().strip() if os.path.exists(path) else None
+
     # async saves on a slow disk (every write 1.5 s late), 2 ranks, killed while the save of
     # iteration 8 is being written (the loop meanwhile went on to iteration 8 or further)
     proc = start_torchrun([*common, f"out_dir={out}", "fault_save_delay_s=1.5"], tmp_path)
@@ -206,6 +210,7 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
                    "ckpt_interval=100"], cwd=tmp_path, script="-m torch.distributed.run")
     assert f"resumed from {ckpt}/iter_0000004" in p.stdout
     assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000012", "latest"] and latest() == "iter_0000012"
-    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]  # noqa: E731,E501
+    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r}  # noqa: E731
+                          for r in rows]
     again = strip(read_metrics(out))[:len(killed)]
     assert [r["iter"] for r in killed if "loss" in r][-1] >= 7 and strip(killed) == again  # == on floats
