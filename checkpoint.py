@@ -4,7 +4,8 @@ Files: our own checkpoints and the foreign formats, in one place.
 Our checkpoints: out_dir/ckpt/iter_XXXXXXX/ written by every rank through
 torch.distributed.checkpoint (DCP), keyed by global parameter names so that any layout can
 load any other; atomic (a temp directory renamed into place), a manifest of sizes and
-sha256 sums, `latest`, pruning, and a reader that never runs code from the files.
+sha256 sums, `latest`, pruning, and a reader that never runs code from the files. A save is
+start_save + finish_save; with ckpt_async the write runs in the background between the two.
 
 Foreign formats: safetensors (read and written by hand), Hugging Face LLaMA directories
 (config.json + model.safetensors, name table, config mapping), for continual pretraining,
@@ -27,13 +28,16 @@ import pickle
 import re
 import shutil
 import socket
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from configurator import UserError
@@ -303,46 +307,136 @@ def _prune(root, keep, protect):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
-    """Called by every rank. Each rank writes its own part of the model and optimizer
-    (torch.distributed.checkpoint: replicated tensors once, shards by their owners) into
-    ckpt/.tmp_iter_XXXXXXX and hashes the files it wrote; rank 0 adds state.pt (run_state:
-    RNG states), meta.json and, last, manifest.json (size and sha256 of every file), renames
-    the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the
-    newest `keep` complete checkpoints (never `resumed_from`, the one this run started from).
-    A crash at any point leaves `latest` naming a complete checkpoint; a failed save (disk
-    full, permissions) raises on every rank and leaves the earlier checkpoints as they were.
-    Several nodes need out_dir on a shared filesystem."""
+# ---- saving: start (every rank writes its part) and finish (rank 0 makes it complete) -----
+# A save is two halves. start_save makes ckpt/.tmp_iter_X and has DCP write this rank's part
+# into it; finish_save collects every rank's file sums and, on rank 0, adds state.pt,
+# meta.json and the manifest, renames the directory into place, moves `latest` and prunes.
+# A plain save runs the two back to back. An async save (ckpt_async) copies the state to CPU
+# memory in start_save (so training may change the weights at once), writes and hashes the
+# files in a background thread, and the loop calls finish_save once every rank has written.
+# Until then `latest` names the previous checkpoint: a crash mid-write loses only the new one.
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with fault_save_delay_s: each write starts this many seconds late
+    (a slow disk, for the tests of async saves)."""
+
+    def __init__(self, path, delay_s=0.0):
+        super().__init__(path)
+        self.delay_s = delay_s
+
+    def write_data(self, plan, planner):
+        time.sleep(self.delay_s)
+        return super().write_data(plan, planner)
+
+
+@dataclass
+class PendingSave:
+    """A save between start_save and finish_save. run_state and meta were taken when it
+    started: they belong to the saved iteration, whenever the save finishes."""
+    root: str             # out_dir/ckpt
+    name: str             # iter_XXXXXXX
+    mesh: object
+    run_state: dict       # rank 0: every rank's RNG states (state.pt)
+    meta: dict            # rank 0: meta.json
+    work: Future = None   # this rank's write: its result is {file: bytes and sha256}; None: nothing started
+    error: Exception = None
+
+
+def save_group(mesh):
+    """The process group of async saves (every rank calls it once, before the first save):
+    the background write runs DCP's collectives while the loop runs its own, and two threads
+    must not share a group; DCP's async save also needs a CPU backend (gloo), even on nccl."""
+    return dist.new_group(backend="gloo") if mesh.backend else None
+
+
+def _write_and_hash(write, path, rank):
+    """Runs write() (DCP writing this rank's shards, __RANK_*.distcp), then hashes those files.
+    Each rank hashes its own: one rank hashing a large model's files would keep the others
+    waiting past dist_timeout_s."""
+    write()
+    return _hash_files(path, [n for n in os.listdir(path) if n.startswith(f"__{rank}_")])
+
+
+def _done(fn):
+    """fn() run now, as a finished Future (the plain save's write, shaped like an async one's)."""
+    f = Future()
+    try:
+        f.set_result(fn())
+    except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
+        f.set_exception(e)
+    return f
+
+
+def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False, group=None, delay_s=0.0):
+    """Called by every rank: starts checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
+    its PendingSave for finish_save. Plain: DCP writes this rank's part of the model and
+    optimizer (replicated tensors once, shards by their owners) into ckpt/.tmp_iter_XXXXXXX
+    before this returns. asynchronous: DCP's async_save copies the state to CPU memory, returns,
+    and writes in a background thread over `group` (save_group). run_state (RNG states) and
+    meta matter on rank 0 only."""
     root = os.path.join(out_dir, "ckpt")
     name = f"iter_{it:07d}"
-    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
-    error, hashes = None, None
+    tmp = os.path.join(root, ".tmp_" + name)
+    pending = PendingSave(root, name, mesh, run_state, meta)
     if mesh.master:
         try:
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp)  # a leftover of a save that died half-way
             os.makedirs(tmp)
         except OSError as e:
-            error = e
-    if _agree(error is None, mesh):
-        init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
+            pending.error = e
+    if not _agree(pending.error is None, mesh):
+        return pending  # nothing started on any rank; finish_save reports it
+    init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
+    state, writer, no_dist = train_state(model, optimizer), _Writer(tmp, delay_s), not mesh.backend
+    if asynchronous:
         try:
-            dcp.save(train_state(model, optimizer), checkpoint_id=tmp, no_dist=not mesh.backend)
+            written = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        except (Exception, CheckpointException) as e:  # staging failed (out of CPU memory): report it at the finish
+            pending.work = Future()
+            pending.work.set_exception(e)
+            return pending
+        # the hashing waits for the write in a thread of its own, so the loop waits for neither
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt_hash")
+        pending.work = pool.submit(_write_and_hash, written.result, tmp, mesh.rank)
+        pool.shutdown(wait=False)  # the thread ends when its one job is done
+    else:
+        pending.work = _done(lambda: _write_and_hash(lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist),
+                                                     tmp, mesh.rank))
+    return pending
+
+
+def written(pending):
+    """True once this rank's part of the save is on disk (at once for a plain save). Each rank
+    answers for itself; the loop sums the answers in its all-reduce, so that every rank calls
+    finish_save at the same iteration."""
+    return pending.work is None or pending.work.done()
+
+
+def finish_save(pending, keep, resumed_from=None):
+    """Called by every rank: waits until this rank's part is written, gathers every rank's file
+    sums on rank 0, which adds state.pt, meta.json and, last, manifest.json (size and sha256 of
+    every file), renames the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and
+    deletes all but the newest `keep` complete checkpoints (never `resumed_from`, the one this
+    run started from). A crash at any point leaves `latest` naming a complete checkpoint; a
+    failed save (disk full, permissions) raises on every rank, here, and leaves the earlier
+    checkpoints as they were. Several nodes need out_dir on a shared filesystem."""
+    root, name, mesh = pending.root, pending.name, pending.mesh
+    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
+    error = pending.error
+    if pending.work is not None:  # on every rank or on none (start_save agreed)
+        mine = {}
+        try:
+            mine = pending.work.result()
         except (Exception, CheckpointException) as e:  # collective: every rank raises if one failed
             error = _cause(e)
-        mine = {}
-        if error is None:
-            # each rank hashes the shards it wrote (DCP names them __RANK_*.distcp): one rank
-            # hashing a large model's files would keep the others waiting past dist_timeout_s
-            try:
-                mine = _hash_files(tmp, [n for n in os.listdir(tmp) if n.startswith(f"__{mesh.rank}_")])
-            except OSError as e:
-                error = e
         hashes = gather_to_master(mine, mesh)
     if error is None and mesh.master:
         try:
-            _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
-            _write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(pending.run_state, f))
+            _write_atomic(os.path.join(tmp, "meta.json"),
+                          lambda f: f.write(json.dumps(pending.meta, indent=1).encode()))
             _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
             _fsync_dir(tmp)
             if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
@@ -357,11 +451,18 @@ def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_fro
         if mesh.master:
             shutil.rmtree(tmp, ignore_errors=True)
         why = _why(error) if error else "on another rank"
+        out_dir = os.path.dirname(root)
         raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
                         f"free disk space or fix the permissions of {out_dir}, then restart (init_from=auto resumes)")
     if mesh.master:
         _prune(root, keep, {name, os.path.basename(os.path.normpath(resumed_from)) if resumed_from else name})
     return final
+
+
+def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
+    """A plain (blocking) save: start_save, then finish_save."""
+    pending = start_save(out_dir, it, model, optimizer, run_state, meta, mesh)
+    return finish_save(pending, keep, resumed_from)
 
 
 def find(out_dir, mesh, warn=print):

@@ -42,6 +42,7 @@ eval_iters = 10                 # global batches of val data per evaluation
 log_interval = 10               # print and append to metrics.jsonl every this many iterations
 ckpt_interval = 250             # save a checkpoint every this many iterations (and at the end)
 keep_ckpts = 2                  # keep the newest this many checkpoints (0: keep all)
+ckpt_async = False              # write checkpoints in the background: the loop pauses only to copy the state to CPU
 wandb_log = False               # also log to Weights & Biases (WANDB_MODE=offline works)
 wandb_project = "trainer"
 wandb_run_name = ""             # '' : the base name of out_dir
@@ -98,6 +99,7 @@ nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step;
 nan_action = "rollback"         # ... 'rollback' to the latest checkpoint and step over the bad batches, or 'stop'
 fault_nan_at = -1               # testing the guard: poison the gradients of this iteration (-1: never) ...
 fault_nan_steps = 1             # ... and of the ones after it, this many in all
+fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
 dtype = "auto"                  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; or 'float32' / 'bfloat16'
@@ -150,7 +152,8 @@ for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_siz
             "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp"):
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
-            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens"):
+            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
+            "fault_save_delay_s"):
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
 for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
                     ("muon_momentum", 0, 1), ("cooldown_frac", 0, 1.000001)):
@@ -602,24 +605,47 @@ def log(record):
             wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
+pending = None  # the save in flight (ckpt_async): started, not finished yet
+save_group = checkpoint.save_group(mesh) if ckpt_async else None  # its own process group (see checkpoint.py)
+
+
 def save(it):
     """Every rank writes its part (weights and AdamW state under global names: the whole
     model once, whatever the layout, so any layout can resume it); rank 0 adds every rank's
-    RNG states and the run's metadata."""
+    RNG states and the run's metadata, taken now. With ckpt_async the write goes on in the
+    background and finish_save() completes it later; one save is in flight at most."""
+    global pending
+    finish_save(it)  # the previous save first
     info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
             "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
     rngs = parallel.gather_to_master(rng_states(), mesh)  # each rank's dropout streams
     state = None if rngs is None else {f"rng_{k}": [r[k] for r in rngs] for k in rngs[0]}
-    path = checkpoint.save(out_dir, it, raw_model, optimizer, state, info, mesh, keep_ckpts,
-                           resumed_from=ckpt_path)
-    mesh.print0(f"saved checkpoint {path}")
+    pending = checkpoint.start_save(out_dir, it, raw_model, optimizer, state, info, mesh, ckpt_async, save_group,
+                                    fault_save_delay_s)
+    if not ckpt_async:
+        finish_save(it)
+
+
+def finish_save(now):
+    """Waits for the save in flight, if any, to be written on every rank, then makes it the
+    latest checkpoint (manifest, rename, ckpt/latest, pruning). Every rank calls it at the same
+    point: at the next save, once the all-reduce of a step says every rank has written, before
+    a rollback, and at the end, before anything reads the checkpoints (`now`: the iteration
+    counter then). A failed write raises its UserError here."""
+    global pending
+    if pending is None:
+        return
+    done, pending = pending, None
+    path = checkpoint.finish_save(done, keep_ckpts, resumed_from=ckpt_path)
+    mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})" if ckpt_async else ""))
 
 
 def rollback(streak, it):
     """The NaN guard's last resort: reload the latest checkpoint (weights, AdamW state, RNG)
     and return its iteration. The bad iterations stay in skip_iters, so this time their
     batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
+    finish_save(it)  # an async save in flight is the latest checkpoint once finished
     back = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or back is None:
         raise configurator.UserError(
@@ -725,12 +751,14 @@ while True:
             if p.grad is not None:  # frozen weights have none
                 p.grad.fill_(float("nan"))
     # one all-reduce for the loss (the global mean: the weighted sums of all ranks / dp, as in
-    # evaluate), the stop flag and a mixture's per-source (token-loss sum, target tokens)
-    flag = torch.tensor(float(bool(signals)), device=loss_sum.device)
-    totals = parallel.all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), flag.double()]),
-                                                source_sums(src).flatten()]), mesh)
+    # evaluate), the stop flag, the ranks whose async save is written, and a mixture's
+    # per-source (token-loss sum, target tokens)
+    flags = torch.tensor([float(bool(signals)), float(pending is not None and checkpoint.written(pending))],
+                         dtype=torch.float64, device=loss_sum.device)
+    totals = parallel.all_reduce_sum(torch.cat([loss_sum.double().view(1), flags, source_sums(src).flatten()]), mesh)
     loss_mean, stop = totals[0].item() / (mesh.dp * mesh.tp), totals[1].item() > 0  # tp: the same loss tp times
-    seq_losses, per_source = None, totals[2:].view(-1, 2).tolist()
+    all_written = totals[2].item() == mesh.world
+    seq_losses, per_source = None, totals[3:].view(-1, 2).tolist()
     # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards and ZeRO slices
     # (computed even when not clipping, for the log); every rank gets the same norm
     grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
@@ -743,7 +771,9 @@ while True:
         skip_iters.add(it)
     dt = time.perf_counter() - t0  # .item() above waited for the device
     # ================================ TRAINING SECTION END ==================================
-    # everything that follows now is diagnostics, logging and the NaN guard's decision
+    # everything that follows now is diagnostics, logging, the NaN guard's decision and an async save's end
+    if all_written:  # every rank has written the save in flight: make it the latest checkpoint
+        finish_save(it + 1)
     dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
     if trace is not None:
         parallel.print_pipeline_timeline(trace, mesh, len(micro))
@@ -778,6 +808,7 @@ while True:
     it += 1
 
 # ---- the end --------------------------------------------------------------------------
+finish_save(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
 if mesh.master and wandb_log:

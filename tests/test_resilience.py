@@ -2,6 +2,7 @@
 corrupted checkpoints, failed saves. Real processes on CPU."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 
 import torch
 
+import checkpoint
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train
 
 # long enough to be interrupted mid-run (a few seconds), with a checkpoint every 5 iterations
@@ -43,7 +45,9 @@ def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
 def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "max_iters=14", "lr_decay_iters=14", "ckpt_interval=4",
               "fault_nan_at=5", "fault_nan_steps=3"]
-    p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3"], cwd=tmp_path)
+    # async saves: the rollback first finishes the save in flight (the checkpoint of iteration 4)
+    p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3", "ckpt_async=True"],
+                  cwd=tmp_path)
     assert "rolled back to" in p.stdout and "iter_0000004" in p.stdout
     # the same bad window without a rollback (only skips): a rollback must not change the curve
     run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path)
@@ -91,7 +95,8 @@ def wait_for_iter(out_dir, it, proc, timeout=120):
 
 def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
     out = str(tmp_path / "run")
-    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}"], tmp_path)
+    # async saves: the stop waits for the save in flight, then writes (and finishes) the last one
+    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}", "ckpt_async=True"], tmp_path)
     try:
         wait_for_iter(out, 7, proc)
         rank1 = [pid for pid, rank in rank_pids(out).items() if rank == 1]
@@ -168,3 +173,44 @@ def test_a_failed_save_is_reported_and_keeps_the_earlier_checkpoints(dataset, tm
     os.remove(os.path.join(out, "ckpt", ".tmp_iter_0000008"))
     p = run_train([*common, "max_iters=8"], cwd=tmp_path)  # the earlier checkpoint still resumes
     assert f"resumed from {out}/ckpt/iter_0000004" in p.stdout
+
+
+def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exactly(dataset, tmp_path):
+    # dropout: the resumed run must restore the RNG states of the saved iteration, not of when its save finished
+    common = [*TINY, f"dataset={dataset}", "max_iters=12", "lr_decay_iters=12", "ckpt_interval=4", "dropout=0.1",
+              "ckpt_async=True"]
+    out = str(tmp_path / "run")
+    ckpt = os.path.join(out, "ckpt")
+
+    def latest():
+        path = os.path.join(ckpt, "latest")
+        return open(path).read().strip() if os.path.exists(path) else None
+
+    # async saves on a slow disk (every write 1.5 s late), 2 ranks, killed while the save of
+    # iteration 8 is being written (the loop meanwhile went on to iteration 8 or further)
+    proc = start_torchrun([*common, f"out_dir={out}", "fault_save_delay_s=1.5"], tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not (latest() == "iter_0000004" and os.path.isdir(os.path.join(ckpt, ".tmp_iter_0000008"))):
+            assert time.time() < deadline and proc.poll() is None, "the run ended or stalled before its second save"
+            time.sleep(0.05)
+        for pid in rank_pids(out):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    finished = re.search(r"saved checkpoint \S+iter_0000004 \(async: finished at iteration (\d+)\)", stdout)
+    assert finished and int(finished[1]) > 4, stdout[-2000:]  # the loop went on while iteration 4 was written
+    assert latest() == "iter_0000004" and "iter_0000008" not in os.listdir(ckpt)  # the killed save never became latest
+    killed = checkpoint.read_metrics(os.path.join(out, "metrics.jsonl"))  # a line torn by the kill is dropped
+    # run again (no save before the end): it resumes from iteration 4, removes the killed save's
+    # temporary directory, and repeats the killed run's iterations from 4 on bit for bit
+    p = run_train(["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *common, f"out_dir={out}",
+                   "ckpt_interval=100"], cwd=tmp_path, script="-m torch.distributed.run")
+    assert f"resumed from {ckpt}/iter_0000004" in p.stdout
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000012", "latest"] and latest() == "iter_0000012"
+    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r}  # noqa: E731
+                          for r in rows]
+    again = strip(read_metrics(out))[:len(killed)]
+    assert [r["iter"] for r in killed if "loss" in r][-1] >= 7 and strip(killed) == again  # == on floats

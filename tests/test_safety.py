@@ -192,6 +192,37 @@ def test_shape_mismatch_and_disk_full_name_the_cause(tmp_path, monkeypatch):
     assert "CheckpointException" not in str(e.value)
 
 
+def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_path, monkeypatch):
+    mesh = parallel.setup("cpu")
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
+    pending = checkpoint.start_save(out, 1, model, opt, {"rng_cpu": []}, {"iter": 1}, mesh, asynchronous=True,
+                                    delay_s=0.5)
+    assert not checkpoint.written(pending)  # the write sleeps (fault_save_delay_s) while "training" goes on:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert not os.path.exists(os.path.join(ckpt, "latest"))
+    path = checkpoint.finish_save(pending, 0)
+    loaded = tiny_model(seed=1)
+    checkpoint.load(path, loaded, no_dist=True)  # the weights of the start, not the zeros
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    # a background write that fails (disk full): the plain save's one-line error, at the finish,
+    # and the earlier checkpoint stays the latest
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(fs, "_write_item", full)
+    pending = checkpoint.start_save(out, 2, model, opt, {"rng_cpu": []}, {"iter": 2}, mesh, asynchronous=True)
+    with pytest.raises(UserError, match="saving checkpoint iter_0000002 failed .*No space left on device"):
+        checkpoint.finish_save(pending, 0)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000001"
+
+
 def test_hf_config_with_non_positive_sizes_is_refused():
     hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 0, "head_dim": 8}
