@@ -28,6 +28,9 @@ memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with op
         fsdp and pp, the same global batch:
         per-rank bytes of parameters, gradients and optimizer state, the peak memory
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
+race:   wall time and tokens to val loss 4.5, 4.0 and 3.73 on the default corpus, torchrun with 2
+        processes: the default job against nanoGPT's CPU recipe and this trainer's earlier default
+        (takes ~20 minutes: every recipe is a whole job).
 checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=False) vs
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
@@ -607,8 +610,52 @@ def table_checkpoint(worlds=(1, 2), saves=3):
           "(here it sleeps: with training the thread shares the cores)")
 
 
+# ---- race: wall time to a val loss, the default job against other recipes -------------------
+# Each recipe is a whole job (its own schedule ends at its max_iters) launched the way the
+# README's quickstart launches the default: torchrun, 2 processes, on the default corpus.
+# The anchor is nanoGPT's README CPU recipe (4 layers, 4 heads, width 128, block 64, batch 12,
+# 2,000 iterations, lr 1e-3, beta2 0.99, warmup 100, min_lr 1e-4, tied embeddings, AdamW) in
+# our trainer; "adamw 4096" is this trainer's default before the race.
+RACE_TARGETS = (4.5, 4.0, 3.73)
+RACE = {
+    "nanoGPT CPU recipe": dict(block_size=64, batch_size=6, grad_accum_steps=2, n_kv_head=4, max_iters=2000,
+                               learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100, tie_embeddings=True,
+                               eval_interval=100, optim="adamw", lr_schedule="cosine"),
+    "adamw 4096 tok/iter": dict(batch_size=16, grad_accum_steps=2, max_iters=600, learning_rate=2e-3, min_lr=2e-4,
+                                warmup_iters=50, eval_interval=25, optim="adamw", lr_schedule="cosine"),
+    "default (train.py)": dict(),
+    "default, compile=True": dict(compile=True),
+}
+
+
+def table_race(recipes=None):
+    root = tempfile.mkdtemp(prefix="race_")
+    print("\n## race: wall time (and tokens) until the val loss is at most each target; torchrun, 2 processes, "
+          "the default corpus; each recipe a whole job (its schedule ends at its max_iters); time counts from launch "
+          "(compiling and evaluations included), to the first evaluation at or below the target")
+    print("| recipe | tokens/iter | iters | " + " | ".join(f"to {t}" for t in RACE_TARGETS) +
+          " | final val loss | total |")
+    print("|---|---|---|" + "---|" * len(RACE_TARGETS) + "---|---|")
+    for name, keys in (recipes or RACE).items():
+        out = os.path.join(root, str(len(os.listdir(root))))
+        args = [f"{k}={v}" for k, v in {"eval_iters": 20, **keys}.items()]
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
+                        "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
+        rows = [r for r in checkpoint.read_metrics(os.path.join(out, "metrics.jsonl")) if "val_loss" in r]
+        cfg = {**TRAIN, **keys}
+        cells = []
+        for target in RACE_TARGETS:
+            hit = next((r for r in rows if r["val_loss"] <= target), None)
+            cells.append(f"{hit['elapsed_s'] / 60:.2f} min ({hit['tokens'] / 1e6:.2f}M)" if hit else "-")
+        print(f"| {name} | {cfg['batch_size'] * cfg['grad_accum_steps'] * cfg['block_size']} | {cfg['max_iters']} | "
+              + " | ".join(cells) + f" | {rows[-1]['val_loss']:.3f} | {rows[-1]['elapsed_s'] / 60:.2f} min |",
+              flush=True)
+
+
 TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "tp": table_tp, "memory": table_memory,
-          "lora": table_lora, "checkpoint": table_checkpoint}
+          "lora": table_lora, "checkpoint": table_checkpoint, "race": table_race}
 ROWS = {"single": single_row, "lora": lora_row}
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ defaults = {k: globals()[k] for k in config_keys}
 overrides = configurator.configure(defaults, sys.argv[1:])
 globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
+started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 
 # ---- check the config: all of it, before anything touches the disk or a process group --
@@ -696,7 +697,8 @@ while True:
         val_loss = sum(w * val[name] for name, w in zip(source_names, mix_weights))
         by_source = {f"val_loss/{name}": v for name, v in val.items()} if len(val) > 1 else {}
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}" + compact(by_source))
-        log({"iter": it, "val_loss": val_loss, **by_source})
+        log({"iter": it, "val_loss": val_loss, **by_source, "tokens": it * tokens_per_iter,
+             "elapsed_s": time.time() - started})
     if it != saved_at and (it % ckpt_interval == 0 or it == max_iters or stop):
         save(it)
         saved_at = it
