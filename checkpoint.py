@@ -821,6 +821,7 @@ def hf_llama_index(path):
     return kwargs, sd
 
 
+@torch.no_grad()
 def load_hf_parts(index, parts):
     """Reads into each (name, local, full_shape, dim, start, stop) of `parts` (see
     parallel.local_parts) its slice of the tensor that `index` (hf_llama_index) maps that name

@@ -137,8 +137,9 @@ class Block(nn.Module):
 def param_seed(seed, name):
     """The seed of parameter `name`'s own generator: a weight's initial value depends on the
     run's seed and its name only, not on which other weights this process builds (a pipeline
-    stage, a shard) or in what order."""
-    return ((seed << 32) ^ zlib.crc32(name.encode())) % 2 ** 64  # a 64-bit seed even for a large `seed`
+    stage, a shard) or in what order. 32 bits: torch's CPU generator (mt19937) keeps only the
+    low 32 bits of a seed, so (seed << 32) ^ crc32(name), LoRA's first recipe, ignored the seed."""
+    return zlib.crc32(f"{seed}/{name}".encode())
 
 
 def init_tensor(name, shape, n_layer, seed):
