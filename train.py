@@ -403,16 +403,18 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
 if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
     parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
 if not whole_first:  # storage for what this rank holds, then its weights
-    parallel.materialize(raw_model, mesh.device)
+    # (FSDP's CPU offload keeps the parameter shards in CPU memory: they are made there)
+    parallel.materialize(raw_model, torch.device("cpu") if use_fsdp and offload else mesh.device)
     raw_model.init_rope(mesh.device)  # buffers derived from the config, not loaded
     with torch.no_grad():
         if hf_index is not None:  # (3): only this rank's tensors, and of a shard only its rows
             checkpoint.load_hf_parts(hf_index, parallel.local_parts(raw_model))
         elif init_ckpt is not None:  # (2): DCP reads only what this rank holds
             checkpoint.load(init_ckpt, raw_model)
-        elif not ckpt_path:  # (4): this rank's slices of the weights a single process would draw
+        else:  # (4): this rank's slices of the weights a single process would draw; for (1) the
+            # starting point until its checkpoint is loaded below, with the optimizer state (what
+            # the wrappers and the optimizer built before that copy is defined, as before)
             parallel.init_weights(raw_model, seed)
-        # (1) resume: the checkpoint is loaded below, with the optimizer state
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb, process_group=mesh.dp_group)
