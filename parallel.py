@@ -703,18 +703,23 @@ class TensorMemory(TorchDispatchMode):
         self.seen.discard(key)
         self.now -= n
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
+    @staticmethod
+    def _cpu_storages(tree):
+        for t in torch.utils._pytree.tree_leaves(tree):
             t = t.to_local() if isinstance(t, DTensor) else t
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 s = t.untyped_storage()
-                key = (s.data_ptr(), s.nbytes())
-                if key not in self.seen and s.nbytes():
-                    self.seen.add(key)
-                    self.now += s.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(s, self._free, key, s.nbytes())
+                yield (s.data_ptr(), s.nbytes()), s
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        old = {key for key, _ in self._cpu_storages((args, kwargs))}  # a view or an in-place result is not new
+        for key, s in self._cpu_storages(out):
+            if key not in self.seen and key not in old and s.nbytes():
+                self.seen.add(key)
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self._free, key, s.nbytes())
         return out
 
 
