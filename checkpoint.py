@@ -758,7 +758,7 @@ def expected_shapes(cfg):
 
 
 def hf_llama_index(path):
-    """(ModelConfig kwargs, {our name: (file, data_start, header entry)}) of the Hugging Face
+    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging Face
     LLaMA model that save_pretrained wrote into directory `path`: config.json and
     model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
     Reads config.json and the safetensors headers only, and checks that the tensors are
@@ -810,10 +810,11 @@ def hf_llama_index(path):
         if ours not in expected:
             raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; the checkpoint is "
                             f"not a plain LlamaForCausalLM, or config.json does not match its weights")
-        if tuple(t[2][3]) != expected[ours]:
-            raise UserError(f"{path}: tensor '{name}' has shape {tuple(t[2][3])}, but config.json implies "
+        file, data_start, entry = t
+        if tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
+            raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but config.json implies "
                             f"{expected[ours]}; config.json does not match the weights")
-        sd[ours] = (name, *t)
+        sd[ours] = (name, file, data_start, entry)
     missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) for n in expected if n not in sd]
     if missing:
         raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
