@@ -35,6 +35,9 @@ checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
         (dp), weights and AdamW state; plus how long the background write took.
+build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
+        Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
+        against building the whole model first, on a model whose layers dominate.
 """
 
 import json
@@ -654,8 +657,74 @@ def table_race(recipes=None):
               flush=True)
 
 
+BUILD_MODEL = {**MODEL, "n_layer": 16, "n_embd": 256}  # deeper and wider: the layers outweigh embedding and head
+
+
+def build_worker(layout, hf):
+    """One rank of the build table: peak bytes of tensors this rank allocates while it builds
+    the model with fresh weights and while it imports the Hugging Face copy, the meta way
+    (train.py) and the old way (whole model first, then cut and shard)."""
+    import checkpoint
+    from contextlib import nullcontext
+    from model import make_stage
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    mesh = parallel.setup("cpu", 300, pp=world if layout == "pp" else 1)
+    row = {}
+    for meta in (True, False):
+        for source in ("init", "import"):
+            with parallel.TensorMemory() as mem:
+                torch.manual_seed(0)
+                with torch.device("meta") if meta else nullcontext():
+                    model = Transformer(ModelConfig(**BUILD_MODEL))
+                if source == "import" and not meta:
+                    model.load_state_dict(checkpoint.load_hf_llama(hf)[1])
+                model = make_stage(model, mesh.pp_rank, mesh.pp)
+                if layout == "fsdp" and world > 1:
+                    parallel.fully_shard_model(model, mesh)
+                if meta:
+                    parallel.materialize(model, "cpu")
+                    model.init_rope()
+                    if source == "import":
+                        checkpoint.load_hf_parts(checkpoint.hf_llama_index(hf)[1], parallel.local_parts(model))
+                    else:
+                        parallel.init_weights(model, 0)
+            row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
+            del model
+    rows = parallel.all_gather_object(row, mesh)
+    parallel.teardown(mesh)
+    return {k: max(r[k] for r in rows) for k in row}  # the busiest rank
+
+
+def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
+    import checkpoint
+    cfg = ModelConfig(**BUILD_MODEL)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+          f"vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M parameters, fp32: {whole:.1f} MB whole, "
+          f"largest single parameter {largest:.1f} MB); peak MB of tensors a rank allocates (counted by "
+          f"parallel.TensorMemory), the busiest rank")
+    print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | {'old build':>9} | "
+          f"{'old import':>10}")
+    print("-" * 62)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        checkpoint.save_hf_llama(hf, model.state_dict(), cfg)
+        del model
+        for layout, world in layouts:
+            r = run_ranks(build_worker, world, layout, hf)
+            print(f"{layout:<6} {world:>5} | {whole / world:7.1f} | {r['meta_init']:6.1f} | {r['meta_import']:6.1f} | "
+                  f"{r['whole_init']:9.1f} | {r['whole_import']:10.1f}")
+    print("build/import: the meta-device build (train.py): the stage is cut and the shards made on the meta "
+          "device, then each rank allocates and reads only its part. old: the whole model first (and the whole "
+          "file read), then cut and sharded. pp's busiest rank is the stage with the embedding or the head.")
+
+
 TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "tp": table_tp, "memory": table_memory,
-          "lora": table_lora, "checkpoint": table_checkpoint, "race": table_race}
+          "lora": table_lora, "build": table_build, "checkpoint": table_checkpoint, "race": table_race}
 ROWS = {"single": single_row, "lora": lora_row}
 
 if __name__ == "__main__":

@@ -666,70 +666,90 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # a header is kilobytes; more is a corrupt length, not a file to parse
 
 
+def _corrupt(path, problem):
+    return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: copy or download it again")
+
+
+def read_safetensors_header(path):
+    """(data_start, {name: (begin, end, dtype, shape)}) of a .safetensors file: where each
+    tensor's bytes are, relative to data_start, after checking the header (sizes, dtypes,
+    shapes, and that the tensors tile the data exactly). A malformed file is a UserError
+    naming the file and the problem. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 8:
+            raise _corrupt(path, f"only {size} bytes, too short for the 8-byte header length")
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            raise _corrupt(path, f"header length {n} is larger than the file ({size} bytes)")
+        if n > MAX_HEADER_BYTES:
+            raise _corrupt(path, f"header length {n} is above the 100 MB limit")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _corrupt(path, f"header is not valid UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, f"header is a JSON {type(header).__name__}, not an object")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    entries = []  # (begin, end, name, dtype, shape)
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise _corrupt(path, f"tensor '{name}' has no dtype/shape/data_offsets entry")
+        dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
+        if dtype is None:
+            raise UserError(f"{path}: tensor '{name}' has dtype {info.get('dtype')!r}, which this reader "
+                            f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise _corrupt(path, f"tensor '{name}' has shape {shape!r}, not a list of non-negative ints")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise _corrupt(path, f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] within the "
+                                 f"{data_size} data bytes")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise _corrupt(path, f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
+                                 f"{shape} needs {nbytes}")
+        entries.append((offsets[0], offsets[1], name, dtype, shape))
+    # like the reference implementation: sorted by offset, the tensors tile the data
+    # exactly, from byte 0 to the end of the file (no two share bytes, none is hidden)
+    entries.sort(key=lambda e: e[:2])
+    end = 0
+    for begin, stop, name, _, _ in entries:
+        if begin != end:
+            raise _corrupt(path, f"tensor '{name}' starts at data byte {begin}, but the previous tensor ends at {end} "
+                                 f"({'overlapping' if begin < end else 'a gap between'} data_offsets)")
+        end = stop
+    if end != data_size:
+        raise _corrupt(path, f"the tensors end at data byte {end}, but the file has {data_size} data bytes")
+    return 8 + n, {name: (begin, stop, dtype, shape) for begin, stop, name, dtype, shape in entries}
+
+
+def read_safetensors_part(f, path, data_start, name, entry, dim=None, start=0, stop=0):
+    """Tensor `name` of the open safetensors file f (its header entry from
+    read_safetensors_header), or only rows [start, stop) of it along dim: along dim 0 those
+    are one contiguous byte range, and only it is read; along another dim the tensor is read
+    whole and sliced (a transient of one tensor)."""
+    begin, end, dtype, shape = entry
+    if dim == 0:
+        row = math.prod(shape[1:]) * dtype.itemsize
+        begin, end, shape = begin + start * row, begin + stop * row, [stop - start, *shape[1:]]
+    buf = torch.empty(end - begin, dtype=torch.uint8)
+    f.seek(data_start + begin)
+    if f.readinto(buf.numpy()) != end - begin:  # the file shrank since its header was read
+        raise _corrupt(path, f"tensor '{name}' ends early")
+    t = buf.view(dtype).reshape(shape)
+    return t if dim in (None, 0) else t.narrow(dim, start, stop - start)
+
+
 def read_safetensors(path):
     """{name: tensor} of a .safetensors file, on CPU. A malformed file is a UserError naming
     the file and the problem; nothing is read beyond what the header describes. Assumes a
     little-endian machine, like every GPU host."""
-    def corrupt(problem):
-        return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: "
-                         f"copy or download it again")
-
-    size = os.path.getsize(path)
+    data_start, entries = read_safetensors_header(path)
     with open(path, "rb") as f:
-        if size < 8:
-            raise corrupt(f"only {size} bytes, too short for the 8-byte header length")
-        n = int.from_bytes(f.read(8), "little")
-        if n > size - 8:
-            raise corrupt(f"header length {n} is larger than the file ({size} bytes)")
-        if n > MAX_HEADER_BYTES:
-            raise corrupt(f"header length {n} is above the 100 MB limit")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise corrupt(f"header is not valid UTF-8 JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise corrupt(f"header is a JSON {type(header).__name__}, not an object")
-        header.pop("__metadata__", None)
-        start, data_size = 8 + n, size - 8 - n
-        entries = []  # (begin, end, name, dtype, shape)
-        for name, info in header.items():
-            if not isinstance(info, dict):
-                raise corrupt(f"tensor '{name}' has no dtype/shape/data_offsets entry")
-            dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
-            if dtype is None:
-                raise UserError(f"{path}: tensor '{name}' has dtype {info.get('dtype')!r}, which this reader "
-                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
-            shape, offsets = info.get("shape"), info.get("data_offsets")
-            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-                raise corrupt(f"tensor '{name}' has shape {shape!r}, not a list of non-negative ints")
-            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                    or not 0 <= offsets[0] <= offsets[1] <= data_size):
-                raise corrupt(f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] within the "
-                              f"{data_size} data bytes")
-            nbytes = math.prod(shape) * dtype.itemsize
-            if offsets[1] - offsets[0] != nbytes:
-                raise corrupt(f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
-                              f"{shape} needs {nbytes}")
-            entries.append((offsets[0], offsets[1], name, dtype, shape))
-        # like the reference implementation: sorted by offset, the tensors tile the data
-        # exactly, from byte 0 to the end of the file (no two share bytes, none is hidden)
-        entries.sort(key=lambda e: e[:2])
-        end = 0
-        for begin, stop, name, _, _ in entries:
-            if begin != end:
-                raise corrupt(f"tensor '{name}' starts at data byte {begin}, but the previous tensor ends at {end} "
-                              f"({'overlapping' if begin < end else 'a gap between'} data_offsets)")
-            end = stop
-        if end != data_size:
-            raise corrupt(f"the tensors end at data byte {end}, but the file has {data_size} data bytes")
-        tensors = {}
-        for begin, stop, name, dtype, shape in entries:
-            buf = torch.empty(stop - begin, dtype=torch.uint8)
-            f.seek(start + begin)
-            if f.readinto(buf.numpy()) != stop - begin:  # the file shrank while we read it
-                raise corrupt(f"tensor '{name}' ends early")
-            tensors[name] = buf.view(dtype).reshape(shape)
-    return tensors
+        return {name: read_safetensors_part(f, path, data_start, name, entry) for name, entry in entries.items()}
 
 
 def write_safetensors(path, tensors, metadata=None):
@@ -843,11 +863,12 @@ def expected_shapes(cfg):
     return shapes
 
 
-def load_hf_llama(path):
-    """(ModelConfig kwargs, state dict in our names) of the Hugging Face LLaMA model that
-    save_pretrained wrote into directory `path`: config.json and model.safetensors, or
-    model.safetensors.index.json and the shards its weight_map names. Tensors keep the dtype
-    of the file; load_state_dict converts them to the model's."""
+def hf_llama_index(path):
+    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging Face
+    LLaMA model that save_pretrained wrote into directory `path`: config.json and
+    model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
+    Reads config.json and the safetensors headers only, and checks that the tensors are
+    exactly the model's, of the right shapes; load_hf_llama or load_hf_parts read the data."""
     def read_json(file):
         try:
             with open(os.path.join(path, file)) as f:
@@ -874,12 +895,13 @@ def load_hf_llama(path):
     else:
         raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors weights "
                         f"are read: re-save the model with save_pretrained(..., safe_serialization=True)")
-    hf_tensors = {}
+    hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
         if not os.path.isfile(os.path.join(path, file)):
             raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is missing: "
                             f"copy or download it")
-        hf_tensors.update(read_safetensors(os.path.join(path, file)))
+        data_start, entries = read_safetensors_header(os.path.join(path, file))
+        hf_tensors.update({name: (os.path.join(path, file), data_start, e) for name, e in entries.items()})
 
     try:
         cfg = ModelConfig(**kwargs)
@@ -894,14 +916,44 @@ def load_hf_llama(path):
         if ours not in expected:
             raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; the checkpoint is "
                             f"not a plain LlamaForCausalLM, or config.json does not match its weights")
-        if tuple(t.shape) != expected[ours]:
-            raise UserError(f"{path}: tensor '{name}' has shape {tuple(t.shape)}, but config.json implies "
+        file, data_start, entry = t
+        if tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
+            raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but config.json implies "
                             f"{expected[ours]}; config.json does not match the weights")
-        sd[ours] = t
+        sd[ours] = (name, file, data_start, entry)
     missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) for n in expected if n not in sd]
     if missing:
         raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
                         f"the checkpoint is incomplete (a shard missing from weight_map?): copy or download it again")
+    return kwargs, sd
+
+
+@torch.no_grad()
+def load_hf_parts(index, parts):
+    """Reads into each (name, local, full_shape, dim, start, stop) of `parts` (see
+    parallel.local_parts) its slice of the tensor that `index` (hf_llama_index) maps that name
+    to, converted to local's dtype: a rank reads only the bytes of what it holds (whole rows
+    of an FSDP shard: one byte range per tensor)."""
+    files = {}
+    try:
+        for name, local, _, dim, start, stop in parts:
+            hf_name, file, data_start, entry = index[name]
+            f = files.get(file) or files.setdefault(file, open(file, "rb"))
+            local.copy_(read_safetensors_part(f, file, data_start, hf_name, entry, dim, start, stop))
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def load_hf_llama(path):
+    """(ModelConfig kwargs, state dict in our names) of the Hugging Face LLaMA model in
+    directory `path` (see hf_llama_index), read whole. Tensors keep the dtype of the file;
+    load_state_dict converts them to the model's."""
+    kwargs, index = hf_llama_index(path)
+    sd = {}
+    for ours, shape in expected_shapes(ModelConfig(**kwargs)).items():
+        sd[ours] = torch.empty(shape, dtype=index[ours][3][2])
+    load_hf_parts(index, [(name, t, tuple(t.shape), None, 0, 0) for name, t in sd.items()])
     return kwargs, sd
 
 

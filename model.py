@@ -135,6 +135,26 @@ class Block(nn.Module):
         return x + self.drop(self.feed_forward(self.ffn_norm(x)))
 
 
+def param_seed(seed, name):
+    """The seed of parameter `name`'s own generator: a weight's initial value depends on the
+    run's seed and its name only, not on which other weights this process builds (a pipeline
+    stage, a shard) or in what order. 32 bits: torch's CPU generator (mt19937) keeps only the
+    low 32 bits of a seed, so (seed << 32) ^ crc32(name), LoRA's first recipe, ignored the seed."""
+    return zlib.crc32(f"{seed}/{name}".encode())
+
+
+def init_tensor(name, shape, n_layer, seed):
+    """The initial value of parameter `name` (a float32 CPU tensor of the full `shape`), drawn
+    on the CPU so every device and layout gets the same bits. GPT-2 style: N(0, 0.02)
+    everywhere, norms 1, and the two projections that write into the residual stream (wo,
+    w2) scaled by 1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth.
+    A rank that holds a slice of the parameter draws it whole and keeps its slice (train.py)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device="cpu")
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -149,24 +169,25 @@ class Transformer(nn.Module):
         # the loss from (logits, targets, mask); tensor parallelism swaps in one that works on
         # vocabulary slices of the logits (parallel.vocab_parallel_cross_entropy)
         self.loss_fn = masked_cross_entropy
-        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        self.init_rope()
+        if not self.norm.weight.is_meta:  # on the meta device there is nothing to fill (train.py fills the shards)
+            self.init_weights()
+
+    def init_rope(self, device=None):
+        """(Re)computes the rotary tables: after a build on the meta device they are empty."""
+        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta)
         # not persistent: derived from the config, so checkpoints hold only learned weights
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self):
-        # GPT-2 style: N(0, 0.02) everywhere, and the two projections that write into the
-        # residual stream (wo, w2) scaled by 1/sqrt(2 * n_layer) so that the residual's
-        # variance does not grow with depth.
+    def init_weights(self, seed=None):
+        """Every parameter from init_tensor: its own generator, seeded by (seed, its name).
+        seed None: torch.initial_seed(), so `torch.manual_seed(s); Transformer(cfg)` is the model
+        that train.py starts with seed=s, whatever the layout."""
+        seed = torch.initial_seed() if seed is None else seed
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                nn.init.normal_(p, mean=0.0, std=0.02)
+            p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None):
         """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
@@ -387,7 +408,7 @@ def apply_lora(model, rank, alpha, dropout, targets, seed):
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name.split(".")[-1] in targets:
             lora = LoRALinear(module, rank, alpha, dropout)
-            lora.reset_adapter(torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode())))
+            lora.reset_adapter(torch.Generator().manual_seed(param_seed(seed, name)))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, lora)
             wrapped.append(name)

@@ -288,6 +288,12 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 # weights, AdamW state, RNG and iteration; loaded below, once the layout exists); (2)
 # init_from= another run of ours (its newest checkpoint's weights, a fresh optimizer); (3)
 # init_from= a Hugging Face LLaMA directory; (4) fresh random weights from the seed.
+# The model is built on the meta device (shapes only), cut to this rank's pipeline stage,
+# sliced (tp) and sharded (fsdp) there, and only then given storage and filled: each rank
+# allocates and reads only what it holds, never the whole model. Two rare cases need the
+# whole tensors first and build the model whole on the CPU as before: LoRA (its frozen base
+# is loaded whole, then the adapters go on) and vocabulary growth (the new rows are the mean
+# of all old rows).
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
@@ -299,7 +305,7 @@ check(not (init_from == "scratch" and ckpt_path), f"init_from=scratch but {out_d
                                                   f"run: continue it with init_from=auto, or pick a new out_dir (or "
                                                   f"delete {out_dir}/ckpt)")
 init_path = "" if init_from in ("auto", "scratch", "resume") else init_from
-init_ckpt = init_weights = saved = None
+init_ckpt = hf_index = saved = None
 if ckpt_path:                                                    # (1) resume
     ckpt_meta, ckpt_state = checkpoint.read_meta(ckpt_path)
     saved, where = ckpt_meta["model"], f"the checkpoint in {out_dir}"
@@ -312,7 +318,7 @@ elif init_path and os.path.isdir(os.path.join(init_path, "ckpt")):  # (2) a run 
           f"init_from={init_path} is a LoRA run: start from its merged model (export_hf= of train.py or sample.py), "
           f"or its base with lora_from= its export_lora")
 elif init_path:                                                  # (3) Hugging Face
-    saved, init_weights = checkpoint.load_hf_llama(init_path)
+    saved, hf_index = checkpoint.hf_llama_index(init_path)  # checks the files; reads no weights yet
     where = f"the Hugging Face model in {init_path}"
 if saved is not None:
     # the model's shape comes from there; an explicit override that disagrees is a mistake
@@ -328,13 +334,17 @@ if saved is not None:
     model_cfg = ModelConfig(**{**saved, **run_keys})
     check(mesh.pp <= model_cfg.n_layer, f"pp={mesh.pp} stages but {where} has n_layer={model_cfg.n_layer}: "
                                         f"use at most that many stages")
-torch.manual_seed(seed)  # (4), and the starting point of (1)-(3): identical weights on every rank and layout
-raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
-if init_weights is not None:
+whole_first = (bool(lora_rank or lora_from or (ckpt_path and ckpt_meta.get("lora"))) or
+               model_cfg.vocab_size < meta["vocab_size"])  # LoRA, or vocabulary growth: see above
+torch.manual_seed(seed)  # whole_first: Transformer draws each weight from (seed, its name), as init_tensor below
+with nullcontext() if whole_first else torch.device("meta"):
+    raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
+if whole_first and hf_index is not None:
+    init_weights = checkpoint.load_hf_llama(init_path)[1]
     if model_cfg.tie_embeddings:  # one tensor under two names
         init_weights.setdefault("output.weight", init_weights["tok_embeddings.weight"])
     raw_model.load_state_dict(init_weights)
-elif init_ckpt is not None:
+elif whole_first and init_ckpt is not None:
     checkpoint.load(init_ckpt, raw_model, no_dist=True)  # every rank reads the whole model
 # ---- LoRA: adapters on a frozen base -------------------------------------------------
 # Order: the base's weights are in (loaded above, or below when resuming), then the adapters,
@@ -374,7 +384,7 @@ if lora:
     if ckpt_path:  # the checkpoint references its base (path + sha256); read it again
         checkpoint.load_base(raw_model, lora["base"], mesh)
     else:
-        lora["base"] = checkpoint.base_reference(init_path if init_weights is not None else init_ckpt, mesh)
+        lora["base"] = checkpoint.base_reference(init_path if hf_index is not None else init_ckpt, mesh)
     apply_lora(raw_model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed)
     if adapter is not None:
         checkpoint.load_lora_adapter(raw_model, adapter, lora_from)
@@ -395,10 +405,12 @@ flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params() 
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
 # In this order: cut the pipeline stage, move to the device, split the matmuls (tensor
-# parallel: it swaps parameters, so before anything holds them), shard (FSDP), compile, then
-# wrap for data parallel (whose hooks must see the compiled module's parameters).
+# parallel: it swaps parameters, so before anything holds them), shard (FSDP), give the meta
+# model storage and its weights, compile, then wrap for data parallel (whose hooks must see
+# the compiled module's parameters).
 raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
-raw_model.to(mesh.device)
+if whole_first:
+    raw_model.to(mesh.device)
 parallel.tensor_parallel(raw_model, mesh)  # tp > 1: each block's matmuls, the embedding and the head become slices
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
@@ -407,6 +419,19 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
                     for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
 if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
     parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
+if not whole_first:  # storage for what this rank holds, then its weights
+    # (FSDP's CPU offload keeps the parameter shards in CPU memory: they are made there)
+    parallel.materialize(raw_model, torch.device("cpu") if use_fsdp and offload else mesh.device)
+    raw_model.init_rope(mesh.device)  # buffers derived from the config, not loaded
+    with torch.no_grad():
+        if hf_index is not None:  # (3): only this rank's tensors, and of a shard only its rows
+            checkpoint.load_hf_parts(hf_index, parallel.local_parts(raw_model))
+        elif init_ckpt is not None:  # (2): DCP reads only what this rank holds
+            checkpoint.load(init_ckpt, raw_model)
+        else:  # (4): this rank's slices of the weights a single process would draw; for (1) the
+            # starting point until its checkpoint is loaded below, with the optimizer state (what
+            # the wrappers and the optimizer built before that copy is defined, as before)
+            parallel.init_weights(raw_model, seed)
 model = torch.compile(raw_model) if compile else raw_model
 if mesh.dp > 1 and not use_fsdp and ddp_impl == "torch":
     model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket_mb, process_group=mesh.dp_group)

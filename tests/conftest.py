@@ -17,8 +17,9 @@ TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "b
         "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9", "sample_tokens=0"]
 
 
-# the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches
-REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8"]
+# the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches,
+# a clip that clips (its grad norms reach 0.87)
+REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "grad_clip=0.5"]
 
 # the model that in-process and spawned tests build directly (ModelConfig keyword arguments)
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)

@@ -16,8 +16,8 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_emb
 @pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
                                           (4, ["zero=1", "pp=2"])])
 def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
-    # the reference clips (grad_clip=1.0): the norm from the slices must be the whole model's
-    assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 1.0
+    # the reference clips (grad_clip=0.5): the norm from the slices must be the whole model's
+    assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 0.5
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: no_sync accumulation at every layout here;
     # tiny buckets, so the slices cut across parameters and buckets
