@@ -6,6 +6,7 @@ import os
 
 import pytest
 import safetensors.torch  # a dependency of transformers: the reference implementation of the format
+import tiktoken
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -150,12 +151,20 @@ def stdlib_lines(n=1000, per_file=20):
     return lines[:n]
 
 
-@pytest.mark.parametrize("vocab_size", [8192, 0])  # the default; the whole cl100k_base, which has a gap at 100256
-def test_exported_tokenizer_matches_ours(tmp_path, vocab_size):
+@pytest.mark.parametrize("gap", [False, True])
+def test_exported_tokenizer_matches_ours(tmp_path, gap):
     """tokenizer.json from the tiktoken ranks gives our ids through AutoTokenizer, and decodes
     back, on 1,000 lines of the default corpus and a few awkward strings; extra tokens in text
-    become their ids, <|endoftext|> in text stays text (data.encode's rule)."""
-    enc = data.get_tokenizer("cl100k_base", vocab_size, ["<|tool|>", "<|end|>"])
+    become their ids, <|endoftext|> in text stays text (data.encode's rule); the chat template
+    renders data.render_chat's format. gap: ids missing between the ranks and the special
+    tokens, as in the whole cl100k_base (no id 100256; that one, checked by hand, takes 10 s)."""
+    extra = [*data.CHAT_TOKENS, "<|tool|>"]
+    enc = data.get_tokenizer("cl100k_base", 8192, extra)  # the default vocabulary
+    if gap:  # <|endoftext|> at 8200, not 8191
+        special = {"<|endoftext|>": 8200, **{t: 8201 + i for i, t in enumerate(extra)}}
+        enc = tiktoken.Encoding("gap", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                                special_tokens=special)
+        enc.extra_tokens = tuple(extra)
     tokenizer, config = hf_tokenizer(enc, 256)
     for name, obj in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config)):
         (tmp_path / name).write_text(json.dumps(obj, ensure_ascii=False), encoding="utf-8")
@@ -167,11 +176,14 @@ def test_exported_tokenizer_matches_ours(tmp_path, vocab_size):
     for line, ids in zip(lines, got):
         assert ids == data.encode(enc, line), line
         assert tok.decode(ids) == line
-    assert tok.eos_token_id == enc.eot_token == (8191 if vocab_size else 100257)
+    assert tok.eos_token_id == enc.eot_token == (8200 if gap else 8191)
     tool, end = enc.encode_single_token("<|tool|>"), enc.encode_single_token("<|end|>")
-    assert tool == (8192 if vocab_size else 100277) and tok.convert_tokens_to_ids("<|tool|>") == tool
+    assert tool == (8205 if gap else 8196) and tok.convert_tokens_to_ids("<|tool|>") == tool
     assert enc.eot_token not in got[-2] and got[-1].count(tool) == got[-1].count(end) == 1
     assert tok.decode([enc.eot_token, *got[0]], skip_special_tokens=True) == lines[0]  # only <|endoftext|> is special
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}]
+    assert tok.apply_chat_template(chat, tokenize=False) == tok.decode(data.render_chat(enc, chat)[0])
 
 
 @pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
