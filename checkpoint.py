@@ -831,7 +831,7 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
             raise ValueError(f"save_hf_llama: tokenizer {enc.name} has ids up to {enc.n_vocab - 1}, beyond the "
                              f"model's vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.block_size)
-        # documents are packed as <|endoftext|> doc <|endoftext|> doc ...: it both ends one and starts the next
+        # <|endoftext|> closes every packed document, so it is also what the next one follows
         hf_config["bos_token_id"] = hf_config["eos_token_id"] = enc.eot_token
     write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors,
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)

@@ -124,10 +124,11 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)  # (B, n_kv_head, past + T, head_dim)
             if past:
                 # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0;
-                # the new queries sit at past..past+T-1 and see every key up to their own position
-                # (one new token, the usual case, sees them all)
+                # the new queries sit at past..past+T-1 and see every key up to their own
+                # position. One new token, the usual case, sees them all: no mask at all.
                 is_causal = False
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                if T > 1:
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         if n_kv_head != n_head:
             # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
