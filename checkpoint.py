@@ -957,10 +957,14 @@ def load_hf_llama(path):
     return kwargs, sd
 
 
-def save_hf_llama(path, state_dict, cfg):
+def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
     LLaMA directory that LlamaForCausalLM.from_pretrained loads: config.json and
-    model.safetensors (float32; no lm_head when the embeddings are tied). Written into a temp
+    model.safetensors (float32; no lm_head when the embeddings are tied), or, past shard_mb
+    megabytes (10**6 bytes, as HF counts them) of weights, shards model-0000i-of-0000N.safetensors
+    and model.safetensors.index.json, as save_pretrained writes them. With `enc` (the run's
+    tiktoken encoding) also tokenizer.json and tokenizer_config.json (see hf_tokenizer), so
+    that AutoTokenizer.from_pretrained loads the same directory. Written into a temp
     directory renamed into place at the end; `path` must not exist or be empty, so nothing
     of the user's is ever overwritten."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
@@ -979,23 +983,145 @@ def save_hf_llama(path, state_dict, cfg):
         "max_position_embeddings": cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False,
     }
-    write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors)
+    more = {}
+    if enc is not None:
+        if enc.n_vocab > cfg.vocab_size:
+            raise ValueError(f"save_hf_llama: tokenizer {enc.name} has ids up to {enc.n_vocab - 1}, beyond the "
+                             f"model's vocab_size={cfg.vocab_size}")
+        more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.block_size)
+        # <|endoftext|> closes every packed document, so it is also what the next one follows
+        hf_config["bos_token_id"] = hf_config["eos_token_id"] = enc.eot_token
+    write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors,
+                     shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
 
 
-def write_export_dir(path, config_name, config, weights_name, tensors):
+def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):
     """A directory of one JSON config and one safetensors file (what save_pretrained writes),
     built under a temp name and renamed into place (replacing an empty directory), so a crash
-    never leaves half an export under `path`."""
+    never leaves half an export under `path`. more_files: {file name: JSON object} written
+    beside them. shard_bytes > 0 and weights larger than that: shards instead of one file
+    (see shard_names)."""
     tmp = f"{os.path.normpath(path)}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        with open(os.path.join(tmp, config_name), "w") as f:
-            json.dump(config, f, indent=2)
-        write_safetensors(os.path.join(tmp, weights_name), tensors, {"format": "pt"})
+        for name, obj in {config_name: config, **(more_files or {})}.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, ensure_ascii=False)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = shard_names(tensors, shard_bytes, weights_name) if 0 < shard_bytes < total else {}
+        if not weight_map:
+            write_safetensors(os.path.join(tmp, weights_name), tensors, {"format": "pt"})
+        else:
+            for file in sorted(set(weight_map.values())):
+                write_safetensors(os.path.join(tmp, file), {n: t for n, t in tensors.items() if weight_map[n] == file},
+                                  {"format": "pt"})
+            with open(os.path.join(tmp, f"{weights_name}.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shard_names(tensors, shard_bytes, weights_name="model.safetensors"):
+    """{tensor name: shard file} as save_pretrained splits weights: whole tensors, greedily in
+    name order, a new shard when the next tensor would take this one past shard_bytes (a
+    tensor larger than that gets a shard of its own); files model-00001-of-00003.safetensors ..."""
+    shards, size = [[]], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    stem, ext = weights_name.rsplit(".", 1)
+    return {name: f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i, shard in enumerate(shards) for name in shard}
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer, for Hugging Face: our tiktoken encoding as the tokenizer.json that the
+# `tokenizers` library (AutoTokenizer's fast tokenizers) reads, written by hand from the ranks.
+#
+# tiktoken's BPE: split text with the pattern pat_str, then in each piece repeatedly join the
+# adjacent pair whose concatenation has the lowest rank (a piece that is a token as a whole is
+# that token). HF's byte-level BPE does the same given (1) the same split (a Split
+# pre-tokenizer on pat_str), (2) vocabulary strings in GPT-2's byte -> printable-character map,
+# (3) merges ordered so that "lowest merge index first" is "lowest rank of the result first",
+# and (4) ignore_merges, the whole-piece shortcut. For (3) we list, for every token, every
+# split of it into two tokens, ordered by the token's rank (transformers' TikTokenConverter
+# does the same): the usual one merge per token (the pair its own bytes' BPE ends with) would
+# miss the pairs that reach a token by another route inside a longer piece.
+
+
+def bytes_to_unicode():
+    """GPT-2's map from the 256 bytes to printable characters: printable Latin-1 bytes are
+    themselves, the rest (controls, space, ...) are shifted to U+0100 and up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def hf_tokenizer(enc, max_length):
+    """(tokenizer.json, tokenizer_config.json) as dicts for the tiktoken encoding `enc` (see
+    data.get_tokenizer: a possibly truncated BPE, its special tokens, extra tokens).
+
+    Special tokens in text behave as data.encode treats them: <|endoftext|> (and tiktoken's
+    other special tokens) written in a text is ordinary text, split into byte-level tokens
+    (tokenizer_config's split_special_tokens), while the extra tokens (the chat template's
+    among them) become their ids; they are added tokens that are not "special" to HF, which is
+    also why decode(..., skip_special_tokens=True) keeps them and drops only <|endoftext|>."""
+    ranks = enc._mergeable_ranks
+    byte_char = bytes_to_unicode()
+
+    def text(token):
+        return "".join(byte_char[b] for b in token)
+
+    merges = []
+    for token, rank in ranks.items():
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
+    merges.sort()
+    # Oniguruma (the tokenizers library's regex engine) reads "{1,3}+" as "({1,3})+", any
+    # number of digits, not as fancy-regex's (tiktoken's) possessive "{1,3}"; alone at the end
+    # of its alternative a bounded repeat needs no possessive, so the plain one is the same
+    pattern = re.sub(r"(\{\d+,\d+\})\+", r"\1", enc._pat_str)
+    extra = set(getattr(enc, "extra_tokens", ()))
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": t not in extra} for t, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
+    vocab = {text(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    # the added tokens are in the vocabulary too: `tokenizers` numbers an added token that is
+    # not, whatever its "id" says, after the vocabulary (wrong past a gap: cl100k_base has no
+    # id 100256). The BPE never produces them: the extra tokens are matched before it, and
+    # pat_str splits the special ones ("<|" from "endoftext" from "|>")
+    vocab.update({a["content"]: a["id"] for a in added})
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": vocab,
+                  "merges": [[m[3], m[4]] for m in merges]},
+    }
+    eot = "<|endoftext|>"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+        "bos_token": eot, "eos_token": eot, "pad_token": eot, "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+    }
+    roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # data.CHAT_TOKENS: data.render_chat's template
+    if all(t in extra for t in roles):
+        config["chat_template"] = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
+                                   "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    return tokenizer, config
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,23 @@ def apply_rope(x, cos, sin):
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+class KVCache:
+    """The keys and values of one attention layer for the tokens generated so far, after RoPE
+    and before GQA's repeat: k, v (B, n_kv_head, T, head_dim). Grown by concatenation (one copy
+    per token: cheap next to the forward at these lengths, and nothing to size in advance)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -88,8 +105,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin, mask=None):
-        # mask: None (plain causal) or a boolean (B, 1, T, T), True where attending is allowed
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        # mask: None (plain causal) or a boolean (B, 1, T, T), True where attending is allowed.
+        # cache: a KVCache holding the keys/values of the tokens before x (whose positions
+        # cos/sin continue), to which x's are appended; x's queries attend to all of them.
         B, T, C = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # the head counts come from the shapes: under tensor parallelism (parallel.py) wq, wk,
@@ -99,13 +118,25 @@ class Attention(nn.Module):
         k = k.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        is_causal = mask is None
+        if cache is not None:
+            assert mask is None, "a KV cache is for generation, which has no document mask"
+            past = len(cache)
+            k, v = cache.append(k, v)  # (B, n_kv_head, past + T, head_dim)
+            if past:
+                # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0;
+                # the new queries sit at past..past+T-1 and see every key up to their own
+                # position. One new token, the usual case, sees them all: no mask at all.
+                is_causal = False
+                if T > 1:
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         if n_kv_head != n_head:
             # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
         # on CUDA with bf16 this dispatches to flash attention (without a mask); on CPU to the
         # math/flash-cpu kernel
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
@@ -130,8 +161,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, mask=None):
-        x = x + self.drop(self.attention(self.attention_norm(x), cos, sin, mask))
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        x = x + self.drop(self.attention(self.attention_norm(x), cos, sin, mask, cache))
         return x + self.drop(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -189,7 +220,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
-    def forward(self, idx, targets=None, loss_mask=None, doc_ids=None):
+    def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None):
         """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
         parallelism this rank's vocabulary slice), loss or None):
         the loss is the mean cross-entropy over the target positions where loss_mask is 1 (all
@@ -203,11 +234,15 @@ class Transformer(nn.Module):
 
         A pipeline stage (see make_stage) without the embedding takes the hidden states
         (B, T, n_embd) of the previous stage as `idx` (and the same doc_ids), and one without
-        the head returns its hidden states in place of the logits."""
+        the head returns its hidden states in place of the logits.
+
+        cache: {layer name: KVCache} (generate's): idx continues the tokens the caches hold,
+        at positions len(cache) onwards, and their keys and values are appended."""
         T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size={self.cfg.block_size}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = len(next(iter(cache.values()))) if cache else 0  # the position of idx[:, 0]
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of length {start + T} is longer than block_size={self.cfg.block_size}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         mask = None  # None: SDPA's own causal mask (is_causal=True)
         if doc_ids is not None:
             # A dense (B, 1, T, T) boolean mask, built once and shared by every block. On GPU
@@ -230,11 +265,11 @@ class Transformer(nn.Module):
             x = self.drop(x)
         else:
             x = idx  # (B, T, n_embd): the previous stage's hidden states
-        for block in self.layers.values():
+        for name, block in self.layers.items():
             if self.cfg.grad_ckpt and self.training:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask)
+                x = block(x, cos, sin, mask, cache[name] if cache else None)
         if self.output is None:
             return x, None
         logits = self.output(self.norm(x)).float()  # (B, T, vocab)
@@ -256,11 +291,26 @@ class Transformer(nn.Module):
         return n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Appends max_new_tokens sampled tokens to idx (B, T). No KV cache: each step re-runs
-        the (cropped) context, which is plenty for samples from small models."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+        """Appends max_new_tokens sampled tokens to idx (B, T) (temperature 0: greedy).
+
+        The model sees at most the last block_size tokens, at positions 0..block_size-1.
+        Without kv_cache every step re-runs that window. With it (the default) the first step
+        runs the window and keeps each layer's keys and values, and every later step runs only
+        the new token, at the next position, against them. Once the context outgrows
+        block_size the window slides, which moves every token's position, so the cached keys
+        (rotated for their old positions) no longer fit: from there each step re-runs the
+        window, as without the cache. Both ways compute the same logits (up to float rounding),
+        so the same seed samples the same tokens."""
+        block_size, cache = self.cfg.block_size, None
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
+            if not kv_cache:
+                logits, _ = self(idx[:, -block_size:])
+            elif cache is None or len(cache[next(iter(cache))]) == block_size:  # the first step, or a full window
+                cache = {name: KVCache() for name in self.layers}
+                logits, _ = self(idx[:, -block_size:], cache=cache)
+            else:
+                logits, _ = self(idx[:, -1:], cache=cache)
             logits = logits[:, -1, :]
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)

@@ -3,7 +3,7 @@ Generate text from the latest checkpoint of a run, or export its weights to one 
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
     python sample.py out_dir=out export=model.pt     # {name: tensor}, for torch.load(weights_only=True)
-    python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory (config.json + model.safetensors)
+    python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory, weights and tokenizer
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.
@@ -53,6 +53,7 @@ def main(argv):
     device = "auto"
     export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
+    export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many MB (0: one file)
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv)}
 
@@ -60,7 +61,10 @@ def main(argv):
     if path is None:
         raise configurator.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
                                      f"ckpt=path/to/iter_XXXXXXX")
+    if cfg["export_shard_mb"] < 0:
+        raise configurator.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
+    enc = data.get_tokenizer(meta["config"]["tokenizer"], meta["config"]["vocab_size"], meta.get("extra_tokens", []))
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above
@@ -68,12 +72,12 @@ def main(argv):
         os.replace(tmp, cfg["export"])
         print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:
-        checkpoint.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg)
-        print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA to {cfg['export_hf']}")
+        checkpoint.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
+        print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its tokenizer) to "
+              f"{cfg['export_hf']}")
     if cfg["export"] or cfg["export_hf"]:
         return
     model.to(parallel.pick_device(cfg["device"])).eval()
-    enc = data.get_tokenizer(meta["config"]["tokenizer"], meta["config"]["vocab_size"], meta.get("extra_tokens", []))
     torch.manual_seed(cfg["seed"])
     print(f"{os.path.relpath(path)}: iteration {meta['iter']}")
     for _ in range(cfg["num_samples"]):

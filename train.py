@@ -37,6 +37,8 @@ init_from = "auto"              # 'auto': resume if out_dir has a checkpoint, el
                                 # 'scratch': a new model (refused if out_dir already has checkpoints); or a path:
                                 # a Hugging Face LLaMA directory, or another run's out_dir, to start from its weights
 export_hf = ""                  # at the end, also write the model as a Hugging Face LLaMA directory here
+export_shard_mb = 5000.0        # export_hf: weights past this many MB (10^6 bytes) are split into shards +
+                                # model.safetensors.index.json (5000: huggingface_hub's default 5GB; 0: one file)
 eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
 eval_iters = 10                 # global batches of val data per evaluation
 log_interval = 10               # print and append to metrics.jsonl every this many iterations
@@ -154,7 +156,7 @@ for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_siz
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
             "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
-            "fault_save_delay_s"):
+            "fault_save_delay_s", "export_shard_mb"):
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
 for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
                     ("muon_momentum", 0, 1), ("cooldown_frac", 0, 1.000001)):
@@ -850,7 +852,8 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
         print(f"exported the LoRA adapters in PEFT's format to {export_lora}", flush=True)
     merge_lora(final)  # LoRA: W + (alpha / r) B A, which export_hf writes and sampling runs; else nothing
     if export_hf:
-        checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg)
+        checkpoint.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg,
+                                 data.tokenizer_from_meta(meta), export_shard_mb)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
     if sample_tokens > 0:
         text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)

@@ -6,11 +6,14 @@ import os
 
 import pytest
 import safetensors.torch  # a dependency of transformers: the reference implementation of the format
+import tiktoken
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import data
 from configurator import UserError
-from checkpoint import hf_config_to_ours, load_hf_llama, read_safetensors, save_hf_llama, write_safetensors
+from checkpoint import (hf_config_to_ours, hf_tokenizer, load_hf_llama, read_safetensors, save_hf_llama,
+                        write_safetensors)
 from model import ModelConfig, Transformer
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -83,6 +86,8 @@ def test_sharded_checkpoint_loads_through_the_index(tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    """The export (sharded when tied: a tiny export_shard_mb) loads in AutoModelForCausalLM with
+    our logits, and with AutoTokenizer generates what our model generates."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                       rope_theta=20000.0, norm_eps=1e-6, tie_embeddings=tied)
@@ -91,16 +96,94 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg)
+    enc = data.get_tokenizer("cl100k_base", 299, ["<|tool|>"])  # <|endoftext|> = 298, <|tool|> = 299
+    shard_mb = 0.03 if tied else 5000.0  # tied: 77 kB of weights -> 3 shards
+    save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg, enc, shard_mb)
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # the temp directory is gone
-    assert ("lm_head.weight" in read_safetensors(tmp_path / "hf" / "model.safetensors")) == (not tied)
-    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    files = sorted(os.listdir(tmp_path / "hf"))
+    if tied:
+        index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+        assert files == sorted(["config.json", "model.safetensors.index.json", "tokenizer.json",
+                                "tokenizer_config.json", *shards])
+        weights = {n: t for s in shards for n, t in read_safetensors(tmp_path / "hf" / s).items()}
+        assert sorted(weights) == sorted(index["weight_map"])
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+        for s in shards:  # each shard holds at most 0.03 MB unless one tensor alone is larger
+            held = [t.numel() * t.element_size() for t in read_safetensors(tmp_path / "hf" / s).values()]
+            assert sum(held) <= 30_000 or len(held) == 1, (s, held)
+        _, ours = load_hf_llama(tmp_path / "hf")  # our reader reads our index
+        torch.testing.assert_close(ours["layers.1.attention.wk.weight"], model.layers["1"].attention.wk.weight)
+    else:
+        assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        weights = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    assert ("lm_head.weight" in weights) == (not tied)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.num_key_value_heads == 2 and hf.config.max_position_embeddings == 32
     x = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x)[0])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.eos_token_id == 298 and tok.convert_tokens_to_ids("<|tool|>") == 299
+    prompt = "def f(x):<|tool|>"
+    start = tok(prompt, return_tensors="pt").input_ids
+    assert start[0].tolist() == data.encode(enc, prompt) and start[0, -1] == 299
+    out = hf.generate(start, max_new_tokens=6, min_new_tokens=6, do_sample=False)  # min: no stop at <|endoftext|>
+    assert out.tolist() == model.generate(start, 6, temperature=0).tolist()
+    assert tok.decode(out[0, :start.shape[1]]) == prompt
     with pytest.raises(UserError, match="already exists"):  # never overwrites
         save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg)
+
+
+def stdlib_lines(n=1000, per_file=20):
+    """n non-empty lines of the default corpus, the same ones on every run: the first per_file
+    lines of files spread over the sorted standard library (every 2n / per_file-th file, as
+    some are short), indentation kept."""
+    _, files = data.stdlib_files()
+    lines = []
+    for path in files[::max(1, len(files) // (2 * n // per_file))]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines += [line for line in f.read().splitlines() if line.strip()][:per_file]
+        if len(lines) >= n:
+            break
+    assert len(lines) >= n, f"only {len(lines)} lines in the standard library"
+    return lines[:n]
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_exported_tokenizer_matches_ours(tmp_path, gap):
+    """tokenizer.json from the tiktoken ranks gives our ids through AutoTokenizer, and decodes
+    back, on 1,000 lines of the default corpus and a few awkward strings; extra tokens in text
+    become their ids, <|endoftext|> in text stays text (data.encode's rule); the chat template
+    renders data.render_chat's format. gap: ids missing between the ranks and the special
+    tokens, as in the whole cl100k_base (no id 100256; that one, checked by hand, takes 10 s)."""
+    extra = [*data.CHAT_TOKENS, "<|tool|>"]
+    enc = data.get_tokenizer("cl100k_base", 8192, extra)  # the default vocabulary
+    if gap:  # <|endoftext|> at 8200, not 8191
+        special = {"<|endoftext|>": 8200, **{t: 8201 + i for i, t in enumerate(extra)}}
+        enc = tiktoken.Encoding("gap", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                                special_tokens=special)
+        enc.extra_tokens = tuple(extra)
+    tokenizer, config = hf_tokenizer(enc, 256)
+    for name, obj in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config)):
+        (tmp_path / name).write_text(json.dumps(obj, ensure_ascii=False), encoding="utf-8")
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    odd = ["héllo wörld 你好 🤖  \n\n  x", "MAX = 99999999999 + 1234567", "x\r\n\r\n  y\t", "   trailing   ",
+           "it's they'LL I'M", "a <|endoftext|> b", "call <|tool|>x<|end|> done"]
+    lines = stdlib_lines() + odd
+    got = tok(lines).input_ids
+    for line, ids in zip(lines, got):
+        assert ids == data.encode(enc, line), line
+        assert tok.decode(ids) == line
+    assert tok.eos_token_id == enc.eot_token == (8200 if gap else 8191)
+    tool, end = enc.encode_single_token("<|tool|>"), enc.encode_single_token("<|end|>")
+    assert tool == (8205 if gap else 8196) and tok.convert_tokens_to_ids("<|tool|>") == tool
+    assert enc.eot_token not in got[-2] and got[-1].count(tool) == got[-1].count(end) == 1
+    assert tok.decode([enc.eot_token, *got[0]], skip_special_tokens=True) == lines[0]  # only <|endoftext|> is special
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}]
+    assert tok.apply_chat_template(chat, tokenize=False) == tok.decode(data.render_chat(enc, chat)[0])
 
 
 @pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 import data
 import checkpoint
@@ -61,6 +61,9 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
                    f"init_from={out}", f"out_dir={sft}", f"export_hf={hf_out}", "max_iters=3"], cwd=tmp_path)
     assert "growing the vocabulary from 514 to 516" in p.stdout and "exported the model" in p.stdout
     assert LlamaForCausalLM.from_pretrained(hf_out).config.vocab_size == 516
+    enc = data.tokenizer_from_meta(json.load(open(tmp_path / "data" / "chat" / "meta.json")))  # with the chat tokens
+    text = "<|user|>What is 7 times 2?<|end|><|assistant|>"
+    assert AutoTokenizer.from_pretrained(hf_out)(text).input_ids == data.encode(enc, text)
     # 3. or export any checkpoint later
     run_train([f"out_dir={sft}", f"export_hf={tmp_path / 'later'}"], cwd=tmp_path, script="sample.py")
     assert os.path.isfile(tmp_path / "later" / "model.safetensors")

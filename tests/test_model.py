@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from model import (ModelConfig, MuonWithAdamW, apply_rope, grow_vocab, make_stage, masked_cross_entropy, newton_schulz,
-                   rope_tables)
+from model import (KVCache, ModelConfig, MuonWithAdamW, apply_rope, grow_vocab, make_stage, masked_cross_entropy,
+                   newton_schulz, rope_tables)
 
 
 tiny = tiny_model
@@ -87,6 +87,30 @@ def test_generate_length_and_cropping():
     assert out.max() < 97
     greedy = model.generate(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0)
     torch.testing.assert_close(greedy, model.generate(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0))
+
+
+def test_kv_cache_gives_the_uncached_logits_and_samples():
+    """GQA (2 kv heads for 4 query heads): the cache's logits (a prompt, then one token, then a
+    chunk of several) are the full forward's, and generate with and without the cache samples
+    the same tokens for one seed, past block_size (where the cached path re-runs the window)."""
+    model = tiny()
+    with torch.no_grad():  # larger weights than the init: peaked logits, so sampling depends on them
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    cache = {name: KVCache() for name in model.layers}
+    pieces = [model(x[:, :5], cache=cache)[0], *(model(x[:, i:i + 1], cache=cache)[0] for i in range(5, 12)),
+              model(x[:, 12:], cache=cache)[0]]
+    assert len(cache["0"]) == 16 and cache["0"].k.shape == (2, 2, 16, 8)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), model(x)[0])
+    for prompt in (x[:, :3], x):  # shorter than block_size=16; as long
+        for temperature, top_k in ((0, None), (0.8, 5), (1.0, None)):
+            outs = []
+            for kv_cache in (True, False):
+                torch.manual_seed(3)
+                outs.append(model.generate(prompt, 24, temperature, top_k, kv_cache=kv_cache))
+            assert outs[0].shape == (2, prompt.shape[1] + 24)
+            assert torch.equal(outs[0], outs[1]), (prompt.shape, temperature, top_k)
 
 
 def test_grad_ckpt_gives_the_same_gradients():
