@@ -59,7 +59,7 @@ tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offli
 vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
 extra_tokens = ""               # a file of domain strings (one per line) to add to the tokenizer when preparing data
 val_fraction = 0.01             # share of documents that go to val when preparing data
-batch_size = 16                 # sequences per micro-batch per rank
+batch_size = 4                  # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
 block_size = 128                # tokens per sequence
 # model
@@ -81,10 +81,10 @@ lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv
 lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
 export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
 # optimizer: weight decay on 2-D weights only
-optim = "adamw"                 # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
-learning_rate = 2e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
+optim = "muon"                  # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
+learning_rate = 4e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
 muon_momentum = 0.95            # Muon's Nesterov momentum
-max_iters = 600
+max_iters = 1200
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -95,7 +95,7 @@ lr_schedule = "cosine"
 warmup_iters = 50
 lr_decay_iters = 0              # 0: = max_iters
 cooldown_frac = 0.2             # wsd: the share of lr_decay_iters spent decaying
-min_lr = 2e-4
+min_lr = 4e-4
 # faults
 nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step; after this many in a row ...
 nan_action = "rollback"         # ... 'rollback' to the latest checkpoint and step over the bad batches, or 'stop'

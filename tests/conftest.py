@@ -14,7 +14,7 @@ import data  # noqa: E402
 # a tiny model and batch: a run of 20 iterations takes a few seconds on one core
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
         "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5", "log_interval=1",
-        "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9", "sample_tokens=0"]
+        "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9", "sample_tokens=0", "optim=adamw"]
 
 
 # the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches,
