@@ -185,12 +185,19 @@ def test_pipeline_split_balances_the_head_and_keeps_global_names():
 
 # each layout once, the schedules alternating: both are compared with the single process (and
 # torch's Schedule1F1B) in-process above, so these runs check train.py's wiring of each layout
-@pytest.mark.parametrize("nproc, pp, schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"), (4, 2, "1f1b")])
-def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, dataset, reference_run, tmp_path):
+# (the balanced split puts REFERENCE's 4 layers as 3, 1 on 2 stages; pp_layers=1,3 is the other way round);
+# interleaved with dp=2: the buckets of the other chunk's layers are all-reduced in wait()
+@pytest.mark.parametrize("nproc, pp, schedule, extra, stages", [
+    (2, 2, "1f1b", ["pp_layers=1,3"], "stage 0: layers 0-0; stage 1: layers 1-3"),
+    (4, 4, "gpipe", [], "stage 3: layers 3-3"),
+    (4, 2, "1f1b", [], "stage 0: layers 0-2; stage 1: layers 3-3"),
+    (4, 2, "interleaved", ["pp_virtual=2", "pp_layers=1,1,1,1"], "stage 0: layers 0-0, 2-2; stage 1: layers 1-1, 3-3")])
+def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, extra, stages, dataset, reference_run,
+                                                         tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"pp={pp}", f"pp_schedule={schedule}",
-                         "pp_trace=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
-    assert f"dp={nproc // pp} x pp={pp}" in p.stdout
+                         "pp_trace=True", "ddp_bucket_mb=0.01", *extra], cwd=tmp_path)
+    assert f"dp={nproc // pp} x pp={pp}" in p.stdout and stages in p.stdout
     assert "bubble: measured" in p.stdout and "stage 1 |" in p.stdout  # the timeline was drawn
     assert_same_curve(reference_run, read_metrics(out))
 
