@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
-    def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None):
+    def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None, chunk=None):
         """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
         parallelism this rank's vocabulary slice), loss or None):
         the loss is the mean cross-entropy over the target positions where loss_mask is 1 (all
@@ -234,7 +234,9 @@ class Transformer(nn.Module):
 
         A pipeline stage (see make_stage) without the embedding takes the hidden states
         (B, T, n_embd) of the previous stage as `idx` (and the same doc_ids), and one without
-        the head returns its hidden states in place of the logits.
+        the head returns its hidden states in place of the logits. chunk=c (interleaved
+        pipeline stages, see make_stage): run only this stage's c-th chunk of layers, with
+        the embedding only in chunk 0 and the head only in the last chunk.
 
         cache: {layer name: KVCache} (generate's): idx continues the tokens the caches hold,
         at positions len(cache) onwards, and their keys and values are appended."""
@@ -254,7 +256,8 @@ class Transformer(nn.Module):
             same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]                      # (B, T, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
             mask = (same_doc & causal)[:, None]                                        # (B, 1, T, T)
-        if self.tok_embeddings is not None:
+        names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
+        if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
             if self.training and self.cfg.neftune_alpha > 0:
                 # NEFTune (Jain et al. 2023, arXiv:2310.05914): uniform noise on the embeddings,
@@ -265,12 +268,13 @@ class Transformer(nn.Module):
             x = self.drop(x)
         else:
             x = idx  # (B, T, n_embd): the previous stage's hidden states
-        for name, block in self.layers.items():
+        for name in names:
+            block = self.layers[name]
             if self.cfg.grad_ckpt and self.training:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, cache[name] if cache else None)
-        if self.output is None:
+        if self.output is None or (chunk is not None and chunk < len(self.chunks) - 1):
             return x, None
         logits = self.output(self.norm(x)).float()  # (B, T, vocab)
         loss = None if targets is None else self.loss_fn(logits, targets, loss_mask)
@@ -324,25 +328,65 @@ class Transformer(nn.Module):
         return idx
 
 
-def stage_layers(n_layer, pp, stage):
-    """The contiguous range of layer indices that pipeline stage `stage` of `pp` owns. Layers
-    are split as evenly as possible and the stages that get one more are the first ones:
-    the last stage also carries the head (a vocab x n_embd matmul), the first only the
-    embedding lookup. E.g. 10 layers on 4 stages: 3, 3, 2, 2."""
-    per, extra = divmod(n_layer, pp)
-    start = stage * per + min(stage, extra)
-    return range(start, start + per + (stage < extra))
+def stage_costs(cfg):
+    """Forward FLOPs per token of the pieces a pipeline stage can hold: (one block, the head
+    with its loss, the embedding lookup). A block: 2 per weight of its matmuls plus the
+    attention scores and values at full length (as flops_per_token counts them); the head:
+    its vocab x n_embd matmul plus the softmax and cross-entropy over the vocabulary (~5 per
+    logit); the embedding: a row copy. Backward costs about twice the forward of each, so the
+    proportions, all that the split uses, are the same for training."""
+    head_dim = cfg.n_embd // cfg.n_head
+    attn = cfg.n_embd * head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
+    block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + 4 * cfg.n_embd * cfg.block_size
+    return block, 2 * cfg.n_embd * cfg.vocab_size + 5 * cfg.vocab_size, cfg.n_embd
 
 
-def make_stage(model, stage, pp):
-    """Cuts a full model down to pipeline stage `stage` of `pp`, in place: stage 0 keeps the
-    embedding, the last stage the final norm and the head, every stage its layer range.
+def pipeline_split(cfg, stages):
+    """Layers per pipeline stage (a list of `stages` counts, each >= 1, summing to n_layer)
+    that balances the estimated cost: the first stage also pays for the embedding, the last
+    for the head and the loss (Megatron's "account for embedding and loss in the pipeline
+    split"). Greedy water-filling: every stage starts with one layer and each further layer
+    goes to the stage that would be cheapest with it (the earliest on a tie); for layers
+    of equal cost this minimises the most expensive stage. With a tiny head it is nearly the
+    even split (10 layers on 4 stages: 2, 3, 3, 2); the default model (4 layers, and its
+    8192 x 128 head costs ~4.5 layers) on 2 stages: 3, 1."""
+    assert 1 <= stages <= cfg.n_layer, f"{stages} pipeline stages for {cfg.n_layer} layers"
+    block, head, emb = stage_costs(cfg)
+    extra = [0] * stages
+    extra[0] += emb
+    extra[-1] += head
+    counts = [1] * stages
+    for _ in range(cfg.n_layer - stages):
+        s = min(range(stages), key=lambda s: (counts[s] + 1) * block + extra[s])
+        counts[s] += 1
+    return counts
+
+
+def stage_layers(counts, stage):
+    """The contiguous range of global layer indices of (virtual) pipeline stage `stage`, for
+    the layer counts per stage `counts` (pipeline_split's, or the user's pp_layers)."""
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+def make_stage(model, stage, pp, counts=None, virtual=1):
+    """Cuts a full model down to what pipeline rank `stage` of `pp` holds, in place. With
+    virtual=1 that is one stage: its layer range, plus the embedding on stage 0 and the final
+    norm and head on the last. With virtual=V (interleaved 1F1B) there are V * pp virtual
+    stages and this rank holds V of them, v * pp + stage for v = 0 .. V-1: its chunks, kept
+    in one module (one ModuleDict of global layer names, so checkpoints, clipping and data
+    parallel see one model) and listed in model.chunks, which forward(chunk=c) runs. The
+    embedding belongs to virtual stage 0 (chunk 0 of stage 0), the head to the last (chunk
+    V-1 of stage pp-1). counts: layers per virtual stage (default: pipeline_split).
     Building the whole model first and dropping the rest gives every stage exactly the
     weights the single-process model starts with (same seed, same names)."""
     if pp == 1:
         return model
-    keep = stage_layers(model.cfg.n_layer, pp, stage)
-    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in keep})
+    counts = counts or pipeline_split(model.cfg, pp * virtual)
+    assert len(counts) == pp * virtual and sum(counts) == model.cfg.n_layer and min(counts) >= 1, \
+        f"layer counts {counts} do not split {model.cfg.n_layer} layers into {pp} x {virtual} stages"
+    model.chunks = [stage_layers(counts, v * pp + stage) for v in range(virtual)]
+    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for chunk in model.chunks for i in chunk})
     if stage > 0:
         model.tok_embeddings = None
     if stage < pp - 1:

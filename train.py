@@ -27,7 +27,7 @@ import data
 import parallel
 import sample
 from model import (LORA_TARGETS, ModelConfig, MuonWithAdamW, Transformer, apply_lora, grow_vocab, make_stage,
-                   measure_matmul_flops, merge_lora, stage_layers)
+                   measure_matmul_flops, merge_lora, pipeline_split, stage_layers)
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -112,7 +112,9 @@ dist_timeout_s = 300            # a collective waiting longer than this (dead pe
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
 pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
 tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
-pp_schedule = "1f1b"            # '1f1b' or 'gpipe' (all forwards, then all backwards)
+pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)
+pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
+pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
 pp_trace = False                # print the pipeline schedule as an ASCII timeline (second iteration)
 ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
                                 # per parameter after backward) or 'torch' (DistributedDataParallel)
@@ -147,12 +149,13 @@ def check(ok, problem):
 
 world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
 for key, choices in (("nan_action", ("rollback", "stop")), ("ddp_impl", ("bucketed", "naive", "torch")),
-                     ("pp_schedule", ("1f1b", "gpipe")), ("dtype", ("auto", "float32", "bfloat16")),
+                     ("pp_schedule", ("1f1b", "gpipe", "interleaved")), ("dtype", ("auto", "float32", "bfloat16")),
                      ("optim", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd")),
                      ("backend", ("auto", "gloo", "nccl"))):
     check(config[key] in choices, f"{key}={config[key]!r} is not one of {', '.join(choices)}")
 for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
-            "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp"):
+            "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
+            "pp_virtual"):
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
             "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
@@ -194,6 +197,26 @@ check(tp == 1 or not (lora_rank or lora_from), "LoRA with tp > 1 is not supporte
 check(tp == 1 or len(mixture) == 1, "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need "
                                     "the full logits; use tp=1, or one dataset")
 check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers: every stage needs at least one")
+# the pipeline's schedule and split (pp_layers: counts per stage, or per virtual stage when interleaved)
+check((pp_schedule == "interleaved") == (pp_virtual > 1) and (pp_virtual == 1 or pp > 1),
+      f"pp_schedule={pp_schedule} with pp_virtual={pp_virtual} pp={pp}: interleaved 1F1B needs pp > 1 and "
+      f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
+check(pp * pp_virtual <= n_layer, f"pp={pp} x pp_virtual={pp_virtual} virtual stages but only n_layer={n_layer} "
+                                  f"layers: every virtual stage needs at least one; lower pp_virtual")
+check(pp_schedule != "interleaved" or grad_accum_steps // dp % pp == 0,
+      f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each pipeline gets "
+      f"grad_accum_steps / dp = {grad_accum_steps // dp}: use a multiple of {pp * dp} for grad_accum_steps")
+check(pp_schedule != "interleaved" or not fsdp, "pp_schedule=interleaved with fsdp=True is not supported (FSDP's "
+                                                "per-block hooks expect one forward and backward per micro-batch): "
+                                                "use plain data parallel (fsdp=False) or pp_schedule=1f1b")
+layer_counts = None  # pp_layers as a list; None: model.pipeline_split's balanced split
+if pp_layers.strip():
+    check(all(c.strip().isdigit() for c in pp_layers.split(",")), f"pp_layers='{pp_layers}' is not a comma-separated "
+                                                                  f"list of layer counts, e.g. pp_layers=3,1")
+    layer_counts = [int(c) for c in pp_layers.split(",")]
+    check(len(layer_counts) == pp * pp_virtual and min(layer_counts) >= 1 and sum(layer_counts) == n_layer,
+          f"pp_layers='{pp_layers}' must give {pp * pp_virtual} layer counts (one per stage"
+          f"{', per virtual stage' if pp_virtual > 1 else ''}), each at least 1, summing to n_layer={n_layer}")
 check(pp == 1 or not tie_embeddings, "tie_embeddings=True with pp > 1: the embedding (first stage) and the head "
                                      "(last stage) would be one tensor on two ranks; use tie_embeddings=False")
 check(grad_accum_steps % dp == 0, f"grad_accum_steps={grad_accum_steps} micro-batches per iteration cannot be shared "
@@ -410,15 +433,22 @@ flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params() 
 # parallel: it swaps parameters, so before anything holds them), shard (FSDP), give the meta
 # model storage and its weights, compile, then wrap for data parallel (whose hooks must see
 # the compiled module's parameters).
-raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp)  # pp > 1: keep this stage's layers only
+# pp > 1: keep this stage's layers only, split by estimated cost (or as pp_layers says)
+check(layer_counts is None or sum(layer_counts) == model_cfg.n_layer,
+      f"pp_layers='{pp_layers}' sums to {sum(layer_counts or [])} but the model has n_layer={model_cfg.n_layer}")
+check(mesh.pp * pp_virtual <= model_cfg.n_layer, f"pp={mesh.pp} x pp_virtual={pp_virtual} virtual stages but the "
+                                                  f"model has n_layer={model_cfg.n_layer}: lower pp_virtual")
+pp_counts = layer_counts or pipeline_split(model_cfg, mesh.pp * pp_virtual)
+raw_model = make_stage(raw_model, mesh.pp_rank, mesh.pp, pp_counts, pp_virtual)
 if whole_first:
     raw_model.to(mesh.device)
 parallel.tensor_parallel(raw_model, mesh)  # tp > 1: each block's matmuls, the embedding and the head become slices
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
             f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else "") +
-            "".join(f"; stage {s}: layers {r.start}-{r.stop - 1}" for s in range(mesh.pp) if mesh.pp > 1
-                    for r in [stage_layers(model_cfg.n_layer, mesh.pp, s)]))
+            "".join(f"; stage {s}: layers " + ", ".join(f"{r.start}-{r.stop - 1}" for r in rs)
+                    for s in range(mesh.pp) if mesh.pp > 1
+                    for rs in [[stage_layers(pp_counts, v * mesh.pp + s) for v in range(pp_virtual)]]))
 if use_fsdp:  # shards raw_model in place: its parameters become DTensor shards
     parallel.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
 if not whole_first:  # storage for what this rank holds, then its weights
@@ -514,7 +544,7 @@ def evaluate(val_loader):
     x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches]) for j in range(3))
     micro, weights = micro_batches(x, y, mask), token_weights(y, mask)
     if mesh.pp > 1:
-        loss_sum = parallel.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights)
+        loss_sum = parallel.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights, pp_virtual)
     else:
         loss_sum = torch.zeros((), device=mesh.device)
         for (xk, yk, mk, dk), w in zip(micro, weights):
@@ -772,7 +802,8 @@ while True:
         # schedule's order (the same weights inside), sending activations to the next stage and
         # their gradients to the previous one; with dp, the stage's gradients are all-reduced
         # in its last backward only. The loss exists on the last stage only.
-        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights)
+        loss_sum, _ = parallel.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
+                                             pp_virtual)
     if isinstance(model, parallel.DataParallelBase):
         model.wait()  # the last buckets' all-reduces may still be in flight: every rank now has the mean gradient
     if fault_nan_at <= it < fault_nan_at + fault_nan_steps:  # fault injection, for testing the guard below
@@ -805,7 +836,7 @@ while True:
         finish_save(it + 1)
     dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
     if trace is not None:
-        parallel.print_pipeline_timeline(trace, mesh, len(micro))
+        parallel.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mem = parallel.memory_bytes(raw_model, optimizer)
         split = (f" (fsdp: 1/{mesh.dp} of each)" if use_fsdp else

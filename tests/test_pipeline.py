@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import parallel
 import conftest
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
-from model import ModelConfig, Transformer, make_stage, stage_layers
+from model import ModelConfig, Transformer, make_stage, pipeline_split, stage_costs, stage_layers
 
 CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4
 B = 2
@@ -36,20 +36,25 @@ def single_process(m, weights=None):
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
-def stage_of(mesh):
+def stage_of(mesh, virtual=1):
     torch.manual_seed(0)
-    return make_stage(Transformer(ModelConfig(**CFG)), mesh.pp_rank, mesh.pp)
+    return make_stage(Transformer(ModelConfig(**CFG)), mesh.pp_rank, mesh.pp, virtual=virtual)
 
 
 def run_schedules(mesh, m, weights=None):
-    """Our GPipe and 1F1B, then (without weights) torch's Schedule1F1B, on the same stage module."""
+    """Our GPipe, 1F1B and (at pp=2, 2 chunks of one layer per rank) interleaved 1F1B, then
+    (without weights) torch's Schedule1F1B and ScheduleInterleaved1F1B, on the same stages."""
     x, y = micro_batches(m)
     out = {}
-    for schedule in ("gpipe", "1f1b"):
-        stage = stage_of(mesh)
+    interleaved = 2 * mesh.pp <= CFG["n_layer"] and m % mesh.pp == 0
+    for schedule in ("gpipe", "1f1b") + (("interleaved",) if interleaved else ()):
+        virtual = 2 if schedule == "interleaved" else 1
+        stage = stage_of(mesh, virtual)
         micro = [(x[k], y[k], None, None) for k in range(m)]
-        loss, peak = parallel.pipeline_step(schedule, stage, mesh, micro, (B, 16, 32), weights=weights)
-        out[schedule] = {"loss": loss.item(), "peak": peak,
+        trace = []
+        loss, peak = parallel.pipeline_step(schedule, stage, mesh, micro, (B, 16, 32), weights=weights, trace=trace,
+                                            virtual=virtual)
+        out[schedule] = {"loss": loss.item(), "peak": peak, "trace": [e[:2] + e[4:] for e in trace],
                          "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
 
     if m < mesh.pp or weights:  # torch's Schedule1F1B refuses fewer micro-batches than stages; ours runs them
@@ -76,6 +81,27 @@ def run_schedules(mesh, m, weights=None):
         sched.step()
     out["torch"] = {"loss": sum(l.item() for l in losses) / m,
                     "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+    if not interleaved:
+        return out
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    # torch's interleaved schedule runs one module per virtual stage: ours cut from a pipeline
+    # of 2 * pp stages, with the same layers as our chunks (one module per rank, chunk views)
+    chunks = []
+    for v in range(2):
+        torch.manual_seed(0)
+        chunks.append(make_stage(Transformer(ModelConfig(**CFG)), v * mesh.pp + mesh.pp_rank, 2 * mesh.pp))
+    pipes = [PipelineStage(Logits(c), v * mesh.pp + mesh.pp_rank, 2 * mesh.pp, mesh.device) for v, c in enumerate(chunks)]
+    sched = ScheduleInterleaved1F1B(pipes, m, loss_fn=lambda logits, tgt: F.cross_entropy(logits.flatten(0, 1),
+                                                                                          tgt.flatten()))
+    losses = []
+    if mesh.first_stage:
+        sched.step(x.reshape(m * B, 16))
+    elif mesh.last_stage:
+        sched.step(target=y.reshape(m * B, 16), losses=losses)
+    else:
+        sched.step()
+    out["torch interleaved"] = {"loss": sum(l.item() for l in losses) / m,
+                                "grads": {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}}
     return out
 
 
@@ -85,7 +111,10 @@ def test_schedules_equal_single_process_and_torch_1f1b(pp, m):
     ref_loss, ref_grads = single_process(m)
     seen = set()
     schedules = ("gpipe", "1f1b", "torch") if m >= pp else ("gpipe", "1f1b")
+    if pp == 2:
+        schedules += ("interleaved", "torch interleaved")
     for stage, r in enumerate(ranks):
+        assert set(schedules) <= set(r)
         for schedule in schedules:
             for name, g in r[schedule]["grads"].items():
                 torch.testing.assert_close(g, ref_grads[name], msg=f"stage {stage} {schedule} {name}")
@@ -94,6 +123,12 @@ def test_schedules_equal_single_process_and_torch_1f1b(pp, m):
         assert r["gpipe"]["peak"] == m
         assert r["1f1b"]["peak"] == min(pp - stage, m)
     assert seen == set(ref_grads)  # the stages together own every parameter
+    if pp == 2:  # interleaved: each rank ran every micro-batch through both its chunks, chunk 1 after chunk 0
+        for r in ranks:
+            ops = r["interleaved"]["trace"]
+            assert sorted(ops) == sorted((kind, k, c) for kind in "FB" for k in range(m) for c in range(2))
+            assert all(ops.index(("F", k, 0)) < ops.index(("F", k, 1)) < ops.index(("B", k, 1)) < ops.index(("B", k, 0))
+                       for k in range(m))
     last = ranks[-1]
     for schedule in schedules:
         assert abs(last[schedule]["loss"] - ref_loss) < 1e-5, schedule  # the mean of the micro-batch losses
@@ -115,25 +150,54 @@ def test_loss_weights_give_the_gradient_of_the_weighted_sum():
         assert ranks[0][schedule]["loss"] == 0  # the loss exists on the last stage only
 
 
-def test_stage_layers_split_evenly_earliest_first():
-    assert [len(stage_layers(10, 4, s)) for s in range(4)] == [3, 3, 2, 2]
-    assert [list(stage_layers(4, 2, s)) for s in range(2)] == [[0, 1], [2, 3]]
-    for n, pp in [(7, 3), (8, 8), (5, 2)]:
-        assert [i for s in range(pp) for i in stage_layers(n, pp, s)] == list(range(n))
+def test_pipeline_split_balances_the_head_and_keeps_global_names():
+    # a head that costs next to nothing (tiny vocabulary): nearly even, the middle stages take the
+    # extra layers (the first pays the embedding lookup, the last the small head)
+    cheap = ModelConfig(vocab_size=2, n_layer=10, n_embd=128, n_head=4, block_size=128)
+    assert pipeline_split(cheap, 4) == [2, 3, 3, 2]
+    # the default model: the 8192 x 128 head costs ~4.5 layers, so the last stage gets one layer
+    default = ModelConfig(vocab_size=8192, n_layer=4, n_embd=128, n_head=4, block_size=128)
+    block, head, emb = stage_costs(default)
+    assert 4 < head / block < 5 and emb < block / 100
+    assert pipeline_split(default, 2) == [3, 1] and pipeline_split(default, 4) == [1, 1, 1, 1]
+    assert pipeline_split(ModelConfig(vocab_size=8192, n_layer=12, n_embd=128, block_size=128), 3) == [5, 6, 1]
+    for n, stages in [(7, 3), (8, 8), (5, 2), (12, 4)]:
+        counts = pipeline_split(ModelConfig(n_layer=n), stages)
+        assert min(counts) >= 1 and [i for s in range(stages) for i in stage_layers(counts, s)] == list(range(n))
     torch.manual_seed(0)
-    last = make_stage(Transformer(ModelConfig(**CFG)), 1, 2)
+    last = make_stage(Transformer(ModelConfig(**CFG)), 1, 2, counts=[3, 1])
     assert last.tok_embeddings is None and last.output is not None
-    assert sorted(last.state_dict())[0].startswith("layers.2.")  # global names survive
+    assert sorted(k for k in last.state_dict() if k.startswith("layers.")) [0].startswith("layers.3.")  # global names
+    # interleaved: rank 0 of 2 x 2 virtual stages holds virtual stages 0 and 2 (layers 0 and 2),
+    # the embedding, and runs one chunk at a time
+    torch.manual_seed(0)
+    full = Transformer(ModelConfig(**CFG))
+    torch.manual_seed(0)
+    first = make_stage(Transformer(ModelConfig(**CFG)), 0, 2, virtual=2)
+    assert first.chunks == [range(0, 1), range(2, 3)] and first.output is None
+    assert sorted({k.split(".")[1] for k in first.state_dict() if k.startswith("layers.")}) == ["0", "2"]
+    x = torch.randint(0, CFG["vocab_size"], (2, 8))
+    h, loss = first(x, chunk=0)
+    assert loss is None
+    torch.testing.assert_close(h, full.layers["0"](full.tok_embeddings(x), full.rope_cos[:8], full.rope_sin[:8]))
+    torch.testing.assert_close(first(h, chunk=1)[0], full.layers["2"](h, full.rope_cos[:8], full.rope_sin[:8]))
 
 
 # each layout once, the schedules alternating: both are compared with the single process (and
 # torch's Schedule1F1B) in-process above, so these runs check train.py's wiring of each layout
-@pytest.mark.parametrize("nproc, pp, schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"), (4, 2, "1f1b")])
-def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, dataset, reference_run, tmp_path):
+# (the balanced split puts REFERENCE's 4 layers as 3, 1 on 2 stages; pp_layers=1,3 is the other way round);
+# interleaved with dp=2: the buckets of the other chunk's layers are all-reduced in wait()
+@pytest.mark.parametrize("nproc, pp, schedule, extra, stages", [
+    (2, 2, "1f1b", ["pp_layers=1,3"], "stage 0: layers 0-0; stage 1: layers 1-3"),
+    (4, 4, "gpipe", [], "stage 3: layers 3-3"),
+    (4, 2, "1f1b", [], "stage 0: layers 0-2; stage 1: layers 3-3"),
+    (4, 2, "interleaved", ["pp_virtual=2", "pp_layers=1,1,1,1"], "stage 0: layers 0-0, 2-2; stage 1: layers 1-1, 3-3")])
+def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, extra, stages, dataset, reference_run,
+                                                         tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"pp={pp}", f"pp_schedule={schedule}",
-                         "pp_trace=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
-    assert f"dp={nproc // pp} x pp={pp}" in p.stdout
+                         "pp_trace=True", "ddp_bucket_mb=0.01", *extra], cwd=tmp_path)
+    assert f"dp={nproc // pp} x pp={pp}" in p.stdout and stages in p.stdout
     assert "bubble: measured" in p.stdout and "stage 1 |" in p.stdout  # the timeline was drawn
     assert_same_curve(reference_run, read_metrics(out))
 
