@@ -130,7 +130,7 @@ def reference_run(dataset, tmp_path_factory):
     return read_metrics(out)
 
 
-def assert_same_curve(a, b, exact=False, rtol=1e-4):
+def assert_same_curve(a, b, exact=False, rtol=3e-4):
     """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
     hold extra val lines: a run stopped early evaluates at its end, which is kept on resume.
     A compiled run against an eager one needs rtol=1e-3: inductor fuses kernels and rounds
@@ -143,8 +143,9 @@ def assert_same_curve(a, b, exact=False, rtol=1e-4):
             assert va == vb, key
         else:
             # rounding: a layout sums the same numbers in another order (an all-reduce, a
-            # pipeline); over 8 steps at a high learning rate that grows to ~2e-5 relative on
-            # some CPUs, while a real mistake (a wrong average, a lost micro-batch) is 1e-2 or more
+            # pipeline); over 8 steps at a high learning rate with clipping that grows to ~1e-4
+            # relative (measured: 1.1e-4 on one grad norm of REFERENCE at fsdp=4), while a real
+            # mistake (a wrong average, a lost micro-batch) is 1e-2 or more
             torch.testing.assert_close(vb, va, rtol=rtol, atol=1e-5, msg=key)
 
 

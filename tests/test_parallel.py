@@ -226,7 +226,7 @@ def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, dataset, re
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
                          *extra], cwd=tmp_path)
     assert f"dp={nproc} x pp=1" in p.stdout
-    assert_same_curve(reference_run, read_metrics(out), rtol=1e-3 if extra else 1e-4)
+    assert_same_curve(reference_run, read_metrics(out), rtol=1e-3 if extra else 3e-4)
 
 
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):

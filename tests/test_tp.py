@@ -162,7 +162,7 @@ def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clip
                  cwd=tmp_path)
     pp = 2 if "pp=2" in layout else 1
     assert f"dp={nproc // 2 // pp} x pp={pp} x tp=2" in p.stdout
-    assert_same_curve(clipped_run, read_metrics(out), rtol=1e-3 if "compile=True" in layout else 1e-4)
+    assert_same_curve(clipped_run, read_metrics(out), rtol=1e-3 if "compile=True" in layout else 3e-4)
 
 
 def test_checkpoints_move_between_tp_layouts(dataset, tmp_path):
