@@ -218,9 +218,9 @@ def test_unused_parameters_and_fixed_bucket_order():
             assert rank["bucketed"][step]["in_backward"] == launched_in_backward, step
 
 
-# one run per implementation (their gradients are compared in-process above); the bucketed
-# one compiled (its hooks on the parameters of a torch.compile'd module)
-@pytest.mark.parametrize("nproc, impl, extra", [(2, "bucketed", ["compile=True"]), (2, "torch", []), (4, "naive", [])])
+# one run per implementation (their gradients are compared in-process above); compile=True is
+# checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
+@pytest.mark.parametrize("nproc, impl, extra", [(2, "bucketed", []), (2, "torch", []), (4, "naive", [])])
 def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",

@@ -352,7 +352,7 @@ def test_sft_loss_counts_only_assistant_tokens_and_neftune_only_trains(chat_data
     out = str(tmp_path / "neft")
     run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "neftune_alpha=5"], cwd=tmp_path)
     neft = read_metrics(out)
-    assert neft[0] == sft_single[0]  # the val loss before training: evaluation has no noise
+    assert neft[0]["val_loss"] == sft_single[0]["val_loss"]  # the val loss before training: evaluation has no noise
     assert neft[1]["loss"] != sft_single[1]["loss"]  # training forward does
 
 

@@ -23,7 +23,10 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     val = [r for r in rows if "val_loss" in r]
     assert [r["iter"] for r in train] == list(range(30))
     assert all(set(r) == TRAIN_KEYS for r in train)
-    assert [r["iter"] for r in val] == [0, 5, 10, 15, 20, 25, 30] and all(set(r) == {"iter", "val_loss"} for r in val)
+    assert [r["iter"] for r in val] == [0, 5, 10, 15, 20, 25, 30]
+    assert all(set(r) == {"iter", "val_loss", "tokens", "elapsed_s"} and r["tokens"] == r["iter"] * 4 * 2 * 32
+               for r in val)
+    assert 0 < val[0]["elapsed_s"] < val[-1]["elapsed_s"]  # wall time since launch: what bench.py race reads
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, "the loss did not fall"
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.3
     assert train[-1]["tokens"] == 30 * 4 * 2 * 32
