@@ -590,8 +590,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             assert not group["muon"] or all(p.dim() == 2 for p in group["params"]), "Muon is for 2-D matrices"
 
+    def orthogonalize(self, gs):
+        """Newton-Schulz of each matrix, here. Data parallel swaps in parallel.shared_orthogonalize
+        (each rank a share of the matrices, then an all-gather) as tensor parallelism swaps the loss."""
+        out = []
+        for g in gs:
+            if isinstance(g, DTensor):
+                # FSDP: this rank holds rows of the matrix; the orthogonalization needs all of
+                # them. Gather, orthogonalize (every rank the same), keep this rank's rows.
+                full = newton_schulz(g.full_tensor(), dtype=self.ns_dtype)
+                out.append(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None))
+            else:
+                out.append(newton_schulz(g, dtype=self.ns_dtype))
+        return out
+
     @torch.no_grad()
     def step(self):
+        muon = []  # (matrix, its Nesterov gradient, lr): orthogonalized together after the loop
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -604,15 +619,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         state["momentum_buffer"] = torch.zeros_like(p)
                     buf, mu = state["momentum_buffer"], group["momentum"]
                     buf.lerp_(p.grad, 1 - mu)                           # B = mu B + (1 - mu) G
-                    g = p.grad.lerp(buf, mu)                           # Nesterov: (1 - mu) G + mu B
-                    if isinstance(g, DTensor):
-                        # FSDP: this rank holds rows of the matrix; the orthogonalization needs all of
-                        # them. Gather, orthogonalize (every rank the same), keep this rank's rows.
-                        full = newton_schulz(g.full_tensor(), dtype=self.ns_dtype)
-                        update = distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None)
-                    else:
-                        update = newton_schulz(g, dtype=self.ns_dtype)
-                    p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                    muon.append((p, p.grad.lerp(buf, mu), lr))          # Nesterov: (1 - mu) G + mu B
                 else:
                     if not state:
                         state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
@@ -622,3 +629,5 @@ class MuonWithAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                     denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+        for (p, _, lr), update in zip(muon, self.orthogonalize([g for _, g, _ in muon])):
+            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))

@@ -488,6 +488,8 @@ elif optim == "muon":  # the layers' matrices (a stage's, with pp) by Muon, the 
     groups.append({"params": hidden, "weight_decay": weight_decay, "muon": True})
     optimizer = MuonWithAdamW(groups, lr=learning_rate, betas=(beta1, beta2), momentum=muon_momentum,
                               ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
+    if mesh.dp > 1 and not use_fsdp:  # every dp rank holds the same mean gradients: share the orthogonalizing
+        optimizer.orthogonalize = parallel.shared_orthogonalize(mesh, optimizer.ns_dtype)
 else:
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 # the gradients that clipping measures and the step uses: the model's, or (ZeRO) this rank's slices of them
