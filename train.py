@@ -83,6 +83,7 @@ export_lora = ""                # at the end, also write the adapters here in PE
 # optimizer: weight decay on 2-D weights only
 optim = "muon"                  # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
 learning_rate = 4e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
+embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this (a row learns only when its token appears)
 muon_momentum = 0.95            # Muon's Nesterov momentum
 max_iters = 1200
 weight_decay = 0.1
@@ -158,7 +159,7 @@ for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_siz
             "pp_virtual"):
     check(config[key] >= 1, f"{key}={config[key]} must be at least 1")
 for key in ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
-            "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
+            "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops", "sample_tokens",
             "fault_save_delay_s", "export_shard_mb"):
     check(config[key] >= 0, f"{key}={config[key]} must not be negative")
 for key, lo, hi in (("dropout", 0, 1), ("val_fraction", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
@@ -478,9 +479,12 @@ use_zero = isinstance(model, parallel.ZeroDataParallel)
 # only what trains (all of it, or LoRA's adapters): the optimizer holds no state for frozen weights
 trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
 hidden = [p for n, p in trains if optim == "muon" and p.dim() == 2 and n.startswith("layers.")]
-decay = [p for n, p in trains if p.dim() >= 2 and all(p is not h for h in hidden)]  # embeddings, head (+ AdamW: matmuls)
-no_decay = [p for n, p in trains if p.dim() < 2]                                      # norm gains
-groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+embedding = [p for n, p in trains if n == "tok_embeddings.weight"]  # (with tie_embeddings also the head)
+decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]  # head (+ AdamW: matmuls)
+no_decay = [p for n, p in trains if p.dim() < 2]                                                # norm gains
+groups = [{"params": embedding, "weight_decay": weight_decay, "lr_scale": embed_lr_scale},
+          {"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+groups = [g for g in groups if g["params"]]  # a pipeline stage without the embedding, LoRA (frozen embedding)
 fused = mesh.device.type == "cuda" and not offload
 if use_zero:  # AdamW on this rank's slices, then an all-gather of the updated weights
     optimizer = parallel.ZeroOptimizer(model, groups, offload, lr=learning_rate, betas=(beta1, beta2), fused=fused)
@@ -773,7 +777,7 @@ while True:
     t0 = time.perf_counter()
     lr = get_lr(it) * train_loader.lr_scale(it)  # the curriculum phase's factor (1 without phases)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     optimizer.zero_grad(set_to_none=True)
     x, y, mask, src = train_loader.batch(it)  # this rank's micro-batches: (micro_steps, batch_size, block_size)
     seq_losses = [] if len(source_names) > 1 else None  # mixture: filled by the forward hook

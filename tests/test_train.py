@@ -41,6 +41,22 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     assert "iteration 30" in s.stdout
 
 
+def test_embed_lr_scale_sets_the_embeddings_rate_alone(dataset, tmp_path):
+    """embed_lr_scale multiplies the token embedding's learning rate and no other: at 0 the
+    embedding (weight decay included) stays at its initial value while the rest trains, under
+    Muon and under AdamW."""
+    import checkpoint
+    from model import init_tensor
+    for opt in ("muon", "adamw"):
+        out = str(tmp_path / opt)
+        run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=3", "embed_lr_scale=0", f"optim={opt}"],
+                  cwd=tmp_path)
+        model, _ = checkpoint.load_whole(checkpoint.find(out, None))
+        emb, head = model.tok_embeddings.weight, model.output.weight
+        assert torch.equal(emb, init_tensor("tok_embeddings.weight", emb.shape, 2, 1337)), opt
+        assert not torch.equal(head, init_tensor("output.weight", head.shape, 2, 1337)), opt
+
+
 def test_resume_is_bit_exact(dataset, tmp_path):
     # dropout > 0, so the RNG state must be restored too, not only weights and optimizer
     common = [*TINY, f"dataset={dataset}", "dropout=0.1", "lr_decay_iters=20", "ckpt_interval=100"]
