@@ -1,7 +1,7 @@
 """FSDP2 on real gloo processes: the single-process curve, sharded checkpoints that any
 layout resumes, export to one file, and per-rank memory."""
 
-import shutil
+import os
 
 import pytest
 import torch
@@ -35,31 +35,37 @@ def test_muon_under_fsdp_and_pipeline_gives_the_single_process_curve(dataset, tm
     assert lrs[1] == lrs[2] == lrs[3] == lrs[4] == 1e-2 and lrs[4] > lrs[5] > lrs[6] > lrs[7] > 1e-3, lrs
 
 
-def test_checkpoints_reshard_between_layouts(dataset, reference_run, tmp_path):
-    """Save at one layout after 4 of 8 iterations, resume at another: the continuation is the
-    uninterrupted single-process curve."""
-    half = [a for a in REFERENCE if not a.startswith("max_iters=")] + [f"dataset={dataset}", "lr_decay_iters=8"]
-    fsdp2, single = str(tmp_path / "fsdp2"), str(tmp_path / "single")
-    torchrun(2, [*half, f"out_dir={fsdp2}", "max_iters=4", "fsdp=True"], cwd=tmp_path)
-    run_train([*half, f"out_dir={single}", "max_iters=4"], cwd=tmp_path)
-    for name in ("to_pp", "to_one"):
-        shutil.copytree(fsdp2, str(tmp_path / name))
-    shutil.copytree(single, str(tmp_path / "to_fsdp4"))
-    # the sharded checkpoint, consolidated into one file, holds the single-process weights
-    for src in (fsdp2, single):
-        run_train([f"out_dir={src}", f"export={src}/model.pt"], cwd=tmp_path, script="sample.py")
-    a = torch.load(f"{fsdp2}/model.pt", weights_only=True)
-    b = torch.load(f"{single}/model.pt", weights_only=True)
+def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
+    """One out_dir, 8 iterations, each leg a different layout that resumes the checkpoint of
+    the leg before: zero=2 on 2 ranks -> fsdp on 2 -> tp=2 x pp=2 -> pp=4 -> one process. The
+    chain is the uninterrupted single-process curve; a sharded checkpoint read whole holds the
+    single-process weights, and export_hf from tp x pp writes the single-process model."""
+    import checkpoint
+    out, single = str(tmp_path / "run"), str(tmp_path / "single")
+    common = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
+        f"dataset={dataset}", "lr_decay_iters=8", "ddp_bucket_mb=0.01", "keep_ckpts=0"]
+    chain = [*common, f"out_dir={out}", "init_from=auto"]
+    torchrun(2, [*chain, "max_iters=2", "zero=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=4", "fsdp=True"], cwd=tmp_path)
+    torchrun(4, [*chain, "max_iters=5", "tp=2", "pp=2", f"export_hf={tmp_path / 'hf_tp_pp'}"], cwd=tmp_path)
+    torchrun(4, [*chain, "max_iters=6", "pp=4"], cwd=tmp_path)
+    run_train([*chain, "max_iters=8"], cwd=tmp_path)
+    assert_same_curve(reference_run, read_metrics(out))
+    assert sorted(os.listdir(os.path.join(out, "ckpt")))[:5] == [f"iter_{i:07d}" for i in (2, 4, 5, 6, 8)]
+
+    # the truth at iterations 4 and 5: one process
+    run_train([*common, f"out_dir={single}", "max_iters=5", "ckpt_interval=4", f"export_hf={tmp_path / 'hf_one'}"],
+              cwd=tmp_path)
+    a = checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))[0].state_dict()      # written by fsdp x2
+    b = checkpoint.load_whole(os.path.join(single, "ckpt", "iter_0000004"))[0].state_dict()
     assert set(a) == set(b) and "layers.3.feed_forward.w2.weight" in a
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
-
-    resume = [*half, "max_iters=8", "init_from=resume"]
-    run_train([*resume, f"out_dir={tmp_path / 'to_one'}"], cwd=tmp_path)                    # fsdp x2 -> 1 process
-    torchrun(4, [*resume, f"out_dir={tmp_path / 'to_fsdp4'}", "fsdp=True"], cwd=tmp_path)   # 1 process -> fsdp x4
-    torchrun(4, [*resume, f"out_dir={tmp_path / 'to_pp'}", "pp=2"], cwd=tmp_path)            # fsdp x2 -> dp2 x pp2
-    for name in ("to_one", "to_fsdp4", "to_pp"):
-        assert_same_curve(reference_run, read_metrics(str(tmp_path / name)))
+    one = checkpoint.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
+    two = checkpoint.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
+    assert set(one) == set(two)
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def one_step_memory(mesh, shard):

@@ -1,7 +1,6 @@
 """Pipeline parallel on real gloo processes: the schedules against the single-process model
 and torch.distributed.pipelining, activation counts, and train.py under torchrun."""
 
-import shutil
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 
 import parallel
 import conftest
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
 from model import ModelConfig, Transformer, make_stage, pipeline_split, stage_costs, stage_layers
 
 CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4
@@ -200,16 +199,3 @@ def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, e
     assert f"dp={nproc // pp} x pp={pp}" in p.stdout and stages in p.stdout
     assert "bubble: measured" in p.stdout and "stage 1 |" in p.stdout  # the timeline was drawn
     assert_same_curve(reference_run, read_metrics(out))
-
-
-def test_save_at_pp2_resume_at_pp1_and_pp4(dataset, tmp_path):
-    common = [*REFERENCE, f"dataset={dataset}", "lr_decay_iters=8", "ckpt_interval=100"]
-    common = [a for a in common if not a.startswith("max_iters=")]
-    full, half = str(tmp_path / "full"), str(tmp_path / "half")
-    run_train([*common, f"out_dir={full}", "max_iters=8"], cwd=tmp_path)
-    torchrun(2, [*common, f"out_dir={half}", "max_iters=4", "pp=2"], cwd=tmp_path)
-    shutil.copytree(half, str(tmp_path / "half4"))
-    run_train([*common, f"out_dir={half}", "max_iters=8", "init_from=resume"], cwd=tmp_path)
-    assert_same_curve(read_metrics(full), read_metrics(half))
-    torchrun(4, [*common, f"out_dir={tmp_path / 'half4'}", "max_iters=8", "init_from=resume", "pp=4"], cwd=tmp_path)
-    assert_same_curve(read_metrics(full), read_metrics(str(tmp_path / "half4")))
