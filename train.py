@@ -273,6 +273,8 @@ autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "
 if mesh.device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+elif mesh.device.type == "cpu":
+    parallel.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 lr_decay_iters = lr_decay_iters or max_iters
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
 if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything
