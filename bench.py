@@ -33,8 +33,9 @@ memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with op
         per-rank bytes of parameters, gradients and optimizer state, the peak memory
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
 race:   wall time and tokens to val loss 4.5, 4.25 and 4.0 on the default corpus, torchrun with 2
-        processes: the default job against nanoGPT's CPU recipe, the previous default and a
-        shorter job (takes ~16 minutes: every recipe is a whole job).
+        processes: the default job against nanoGPT's CPU recipe, the default on the previous
+        default's 128-token sequences and a shorter job (takes ~13 minutes: every recipe is a
+        whole job).
 checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=False) vs
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
@@ -64,7 +65,8 @@ from model import ModelConfig, Transformer, apply_lora, measure_matmul_flops
 
 # the default model and batch of train.py, read from its defaults block
 TRAIN = configurator.script_defaults(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
-MODEL = {k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+MODEL = {k: TRAIN[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+MODEL["block_size"] = 128  # the tables below were measured on 128-token sequences (the default job trains 64)
 BATCH, ACCUM = 16, 2  # 4096 tokens/iter, as the tables below were measured (the default job trains 1024/iter)
 WARMUP, ITERS = 3, 10
 
@@ -285,20 +287,21 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
           f"hidden = 1 - wait after backward / alone;\nexposed comm = ms/iter - compute only, which also counts compute slowed by the communication threads.")
 
 
-def pp_worker(ms):
+def pp_worker(ms, model):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from model import make_stage, pipeline_split
     mesh = parallel.setup("auto", 300, pp=int(os.environ["WORLD_SIZE"]))
-    dev, T, V = mesh.device, MODEL["block_size"], MODEL["vocab_size"]
-    n, pp = MODEL["n_layer"], mesh.pp
+    parallel.keep_freed_memory()  # as train.py does on a CPU
+    dev, T, V = mesh.device, model["block_size"], model["vocab_size"]
+    n, pp = model["n_layer"], mesh.pp
     splits = {"even": [n // pp + (s < n % pp) for s in range(pp)],  # the old split: layer counts only
-              "balanced": pipeline_split(ModelConfig(**MODEL), pp)}  # the head and loss counted on the last stage
+              "balanced": pipeline_split(ModelConfig(**model), pp)}  # the head and loss counted on the last stage
 
     def new_stage(split="balanced", virtual=1):
         torch.manual_seed(0)
-        counts = splits[split] if virtual == 1 else pipeline_split(ModelConfig(**MODEL), pp * virtual)
-        return make_stage(Transformer(ModelConfig(**MODEL)), mesh.pp_rank, pp, counts, virtual).to(dev)
+        counts = splits[split] if virtual == 1 else pipeline_split(ModelConfig(**model), pp * virtual)
+        return make_stage(Transformer(ModelConfig(**model)), mesh.pp_rank, pp, counts, virtual).to(dev)
 
     class Logits(torch.nn.Module):  # torch's stages return one tensor; ours return (output, loss)
         def __init__(self, inner):
@@ -313,7 +316,7 @@ def pp_worker(ms):
         data = torch.randint(0, V, (m, PP_BATCH, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
         x, y = data[..., :-1], data[..., 1:]
         micro = [(x[k], y[k], None, None) for k in range(m)]
-        act = (PP_BATCH, T, MODEL["n_embd"])
+        act = (PP_BATCH, T, model["n_embd"])
         # name -> (schedule, split, chunks per stage); interleaved where every virtual stage gets a
         # layer and m is a multiple of pp
         kinds = {"gpipe": ("gpipe", "balanced", 1), "1f1b even": ("1f1b", "even", 1),
@@ -322,11 +325,25 @@ def pp_worker(ms):
             kinds["interleaved"] = ("interleaved", "balanced", 2)
         variants = list(kinds)
         ours = {v: new_stage(*kinds[v][1:]) for v in variants}
-        tstage = new_stage()
         loss_fn = lambda logits, tgt: torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())  # noqa: E731
-        sched = Schedule1F1B(PipelineStage(Logits(tstage), mesh.pp_rank, pp, dev), m, loss_fn=loss_fn)
+        # torch's peers on the same layers: Schedule1F1B on our balanced stage, and (where ours runs
+        # interleaved) ScheduleInterleaved1F1B on one module per virtual stage of the same split
+        tstage = new_stage()
+        peers = {"torch 1F1B": (Schedule1F1B(PipelineStage(Logits(tstage), mesh.pp_rank, pp, dev), m, loss_fn=loss_fn),
+                                list(tstage.parameters()))}
+        kinds["torch 1F1B"] = ("torch 1F1B", "balanced", 1)
+        if "interleaved" in kinds:
+            from torch.distributed.pipelining import ScheduleInterleaved1F1B
+            counts, chunks = pipeline_split(ModelConfig(**model), 2 * pp), []
+            for v in range(2):
+                torch.manual_seed(0)
+                chunks.append(make_stage(Transformer(ModelConfig(**model)), v * pp + mesh.pp_rank, 2 * pp, counts).to(dev))
+            pipes = [PipelineStage(Logits(c), v * pp + mesh.pp_rank, 2 * pp, dev) for v, c in enumerate(chunks)]
+            peers["torch interleaved"] = (ScheduleInterleaved1F1B(pipes, m, loss_fn=loss_fn),
+                                          [p for c in chunks for p in c.parameters()])
+            kinds["torch interleaved"] = ("torch interleaved", "balanced", 2)
 
-        def torch_step():
+        def torch_step(sched):
             if mesh.first_stage:
                 sched.step(x.reshape(m * PP_BATCH, T))
             elif mesh.last_stage:
@@ -334,17 +351,15 @@ def pp_worker(ms):
             else:
                 sched.step()
 
-        torch_v = "torch 1F1B"
-        kinds[torch_v] = ("torch 1F1B", "balanced", 1)
-        times = {v: [] for v in variants + [torch_v]}
+        times = {v: [] for v in variants + list(peers)}
         peaks, bubbles = {}, {v: [] for v in variants}
         for rnd in range(WARMUP + ITERS):
             for v in times:
                 dist.barrier()
                 t0 = time.perf_counter()
-                trace = [] if v != torch_v else None
-                if v == torch_v:
-                    torch_step()
+                trace = [] if v not in peers else None
+                if v in peers:
+                    torch_step(peers[v][0])
                 else:
                     _, peaks[v] = parallel.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace,
                                                          virtual=kinds[v][2])
@@ -354,7 +369,7 @@ def pp_worker(ms):
                     if trace is not None:
                         traces = parallel.all_gather_object(trace, mesh)
                         bubbles[v].append(parallel.pipeline_timeline(traces, m, virtual=kinds[v][2])[1])
-                for p in (ours[v].parameters() if v != torch_v else tstage.parameters()):
+                for p in (peers[v][1] if v in peers else ours[v].parameters()):
                     p.grad = None
         # bytes autograd keeps for one micro-batch's forward on this stage
         saved = []
@@ -389,15 +404,21 @@ def pp_worker(ms):
 PP_BATCH = 8
 
 
-def table_pp(stages=(2, 4), ms=(4, 8)):
-    print(f"\n## pipeline parallel ({'nccl' if torch.cuda.is_available() else 'gloo'}), one process per stage, "
-          f"micro-batches of {PP_BATCH} x {MODEL['block_size']} tokens, median of {ITERS} interleaved rounds")
+# pipelines are for deep models: 16 layers of the default width, where the 8192 x 128 head and its
+# loss weigh about 7 layers instead of more than the other 4 together
+DEEP_MODEL = {**MODEL, "n_layer": 16}
+
+
+def table_pp(stages=(2, 4), ms=(4, 8), model=MODEL, title="the default model"):
+    print(f"\n## pipeline parallel ({'nccl' if torch.cuda.is_available() else 'gloo'}), {title} "
+          f"({model['n_layer']} layers), one process per stage, micro-batches of {PP_BATCH} x {model['block_size']} "
+          f"tokens, median of {ITERS} interleaved rounds")
     rows = []
     for pp in stages:
-        rows += run_ranks(pp_worker, pp, list(ms))
-    print(f"{'pp':>2} {'m':>2} | {'schedule':<14} | {'layers':<9} | {'ms/iter':>8} | {'vs torch':>8} | "
+        rows += run_ranks(pp_worker, pp, list(ms), model)
+    print(f"{'pp':>2} {'m':>2} | {'schedule':<21} | {'layers':<9} | {'ms/iter':>8} | {'vs torch':>8} | "
           f"{'bubble':>7} | {'theory':>6} | {'peak alive per stage':<20}")
-    print("-" * 98)
+    print("-" * 105)
     for r in rows:
         pp, m = r["pp"], r["m"]
         torch_ms = r["ms"]["torch 1F1B"]
@@ -406,7 +427,7 @@ def table_pp(stages=(2, 4), ms=(4, 8)):
             sched = name if virtual == 1 else f"{name} V={virtual}"
             bubble = f"{r['bubble'][v]:7.1%}" if v in r["bubble"] else f"{'':>7}"
             peak = " ".join(str(st["peak"][v]) for st in r["stages"]) if v in r["stages"][0]["peak"] else ""
-            print(f"{pp:>2} {m:>2} | {sched:<14} | {layers:<9} | {r['ms'][v]:8.1f} | {r['ms'][v] / torch_ms:7.2f}x | "
+            print(f"{pp:>2} {m:>2} | {sched:<21} | {layers:<9} | {r['ms'][v]:8.1f} | {r['ms'][v] / torch_ms:7.2f}x | "
                   f"{bubble} | {(pp - 1) / (virtual * m + pp - 1):6.1%} | {peak:<20}")
     print("bubble: the mean idle share of the stages in the traced iterations (median); theory: the same share for "
           "balanced stages and free communication, (p-1)/(m+p-1), and (p-1)/(V*m+p-1) interleaved (Narayanan et al.'s "
@@ -420,6 +441,11 @@ def table_pp(stages=(2, 4), ms=(4, 8)):
     for v, text in rows[0]["text"].items():
         name, split, virtual = rows[0]["kinds"][v]
         print(f"\n{name}, {split} split{f', V={virtual}' if virtual > 1 else ''}:\n{text}")
+
+
+def table_pp_both():
+    table_pp()
+    table_pp((2, 4), (8,), DEEP_MODEL, "a deeper model")
 
 
 def tp_worker():
@@ -653,8 +679,8 @@ RACE_TARGETS = (4.5, 4.25, 4.0)
 RACE = {
     "nanoGPT CPU recipe": dict(block_size=64, batch_size=6, grad_accum_steps=2, n_kv_head=4, max_iters=2000,
                                learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100, tie_embeddings=True,
-                               eval_interval=100, optim="adamw", lr_schedule="cosine", embed_lr_scale=1.0),
-    "default, embed_lr_scale=1 (the default before)": dict(embed_lr_scale=1.0),
+                               optim="adamw", lr_schedule="cosine", embed_lr_scale=1.0),
+    "default, 128-token sequences (the shape before)": dict(block_size=128, batch_size=4),
     "default (train.py)": dict(),
     "default, max_iters=600": dict(max_iters=600),
 }
@@ -671,7 +697,7 @@ def table_race(recipes=None):
     print("|---|---|---|" + "---|" * len(RACE_TARGETS) + "---|---|")
     for name, keys in recipes.items():
         out = os.path.join(root, str(len(os.listdir(root))))
-        args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 100, **keys}.items()]
+        args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
                         "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
@@ -779,7 +805,7 @@ def table_sample(batches=(1, 8), repeats=3):
           f"the cache: the second row of each batch mixes {block - 1} cached steps with {block + 1} full ones")
 
 
-TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp, "tp": table_tp, "memory": table_memory,
+TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": table_tp, "memory": table_memory,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
           "race": table_race}
 ROWS = {"single": single_row, "lora": lora_row}

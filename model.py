@@ -328,17 +328,25 @@ class Transformer(nn.Module):
         return idx
 
 
+# What the softmax and cross-entropy over the vocabulary cost per logit, in matmul FLOPs. They do
+# ~5 FLOPs per logit but are memory-bound: each logit (fp32) is written, read and rewritten
+# several times in forward and backward. Measured on the 2-core CPU (one block and the head with
+# its loss, forward and backward, 8 x 128 tokens, the default model): the head and loss take
+# 7.9x a block's time where the matmul FLOPs alone say 4.9x; this constant closes that gap.
+LOSS_FLOPS_PER_LOGIT = 160
+
+
 def stage_costs(cfg):
-    """Forward FLOPs per token of the pieces a pipeline stage can hold: (one block, the head
-    with its loss, the embedding lookup). A block: 2 per weight of its matmuls plus the
-    attention scores and values at full length (as flops_per_token counts them); the head:
-    its vocab x n_embd matmul plus the softmax and cross-entropy over the vocabulary (~5 per
-    logit); the embedding: a row copy. Backward costs about twice the forward of each, so the
-    proportions, all that the split uses, are the same for training."""
+    """Forward cost per token of the pieces a pipeline stage can hold, in matmul FLOPs: (one
+    block, the head with its loss, the embedding lookup). A block: 2 per weight of its matmuls
+    plus the attention scores and values at full length (as flops_per_token counts them); the
+    head: its vocab x n_embd matmul plus LOSS_FLOPS_PER_LOGIT per logit for the softmax and
+    cross-entropy; the embedding: a row copy. Backward costs about twice the forward of each,
+    so the proportions, all that the split uses, are the same for training."""
     head_dim = cfg.n_embd // cfg.n_head
     attn = cfg.n_embd * head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
     block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + 4 * cfg.n_embd * cfg.block_size
-    return block, 2 * cfg.n_embd * cfg.vocab_size + 5 * cfg.vocab_size, cfg.n_embd
+    return block, (2 * cfg.n_embd + LOSS_FLOPS_PER_LOGIT) * cfg.vocab_size, cfg.n_embd
 
 
 def pipeline_split(cfg, stages):
@@ -349,7 +357,7 @@ def pipeline_split(cfg, stages):
     goes to the stage that would be cheapest with it (the earliest on a tie); for layers
     of equal cost this minimises the most expensive stage. With a tiny head it is nearly the
     even split (10 layers on 4 stages: 2, 3, 3, 2); the default model (4 layers, and its
-    8192 x 128 head costs ~4.5 layers) on 2 stages: 3, 1."""
+    8192 x 128 head with the loss costs ~8 layers) on 2 stages: 3, 1; 16 such layers: 12, 4."""
     assert 1 <= stages <= cfg.n_layer, f"{stages} pipeline stages for {cfg.n_layer} layers"
     block, head, emb = stage_costs(cfg)
     extra = [0] * stages
