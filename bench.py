@@ -188,6 +188,7 @@ def _rank_main(rank, world, port, worker, args, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
+    parallel.exit_now()  # skip the interpreter's shutdown, where gloo's threads can abort
 
 
 def dp_worker(bucket_sizes):

@@ -897,3 +897,6 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     if sample_tokens > 0:
         text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
         print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
+if mesh.backend:
+    parallel.exit_now()  # all is written and the process group is gone: not through the interpreter's
+                         # shutdown, where gloo's worker threads can abort a finished run (SIGABRT)

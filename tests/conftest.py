@@ -101,6 +101,7 @@ def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
         torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         parallel.teardown(mesh)
+    parallel.exit_now()  # not through the interpreter's shutdown, where gloo's threads can abort
 
 
 def spawn(fn, world, *args, pp=1, tp=1):

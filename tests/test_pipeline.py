@@ -199,3 +199,18 @@ def test_torchrun_pipeline_gives_the_single_process_curve(nproc, pp, schedule, e
     assert f"dp={nproc // pp} x pp={pp}" in p.stdout and stages in p.stdout
     assert "bubble: measured" in p.stdout and "stage 1 |" in p.stdout  # the timeline was drawn
     assert_same_curve(reference_run, read_metrics(out))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_schedule_idles_exactly_the_theory(pp):
+    # with every op one round long (communication free, stages balanced), the schedule's own
+    # idle share is the textbook bubble: (p-1)/(V*m+p-1), V times smaller than 1F1B's
+    # (p-1)/(m+p-1) for V*m >> p; a schedule that waited one round too many would fail this
+    for virtual in (1, 2, 3):
+        for m in (pp, 2 * pp, 4 * pp):
+            rounds = parallel.interleaved_rounds(pp, virtual, m)
+            for rank, row in enumerate(rounds):
+                ops = [op for op in row if op is not None]
+                assert sorted(ops) == sorted((kind, c, k) for kind in "FB" for c in range(virtual) for k in range(m))
+            idle = sum(op is None for row in rounds for op in row) / (pp * len(rounds[0]))
+            assert idle == pytest.approx((pp - 1) / (virtual * m + pp - 1)), (virtual, m)
