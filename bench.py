@@ -14,9 +14,10 @@ dp:     data parallel at 2 ranks (gloo on CPU, nccl on GPUs), the same model and
         measured in interleaved rounds, plus how much of the bucketed all-reduce time is
         hidden behind backward.
 pp:     pipeline parallel with 2 and 4 stages (one process per stage) and m = 4 and 8
-        micro-batches: our GPipe, 1F1B on the even and the cost-balanced layer split, and
-        interleaved 1F1B (2 chunks per stage, where the layers allow), against
-        torch.distributed.pipelining's Schedule1F1B on the same stage modules; the measured
+        micro-batches, on the default model and on a 16-layer one of the same width: our GPipe,
+        1F1B on the even and the cost-balanced layer split, and interleaved 1F1B (2 chunks per
+        stage, where the layers allow), against torch.distributed.pipelining's Schedule1F1B and
+        ScheduleInterleaved1F1B on the same layers; the measured
         bubble against (p-1)/(m+p-1) (interleaved: (p-1)/(V*m+p-1)), the micro-batches alive
         at once per stage, and the bytes autograd saves for one micro-batch (saved_tensors_hooks).
 lora:   full fine-tuning against LoRA at r=8 (alpha 16, on wq,wk,wv,wo) on the default model,
