@@ -407,7 +407,7 @@ PP_BATCH = 8
 
 
 # pipelines are for deep models: 16 layers of the default width, where the 8192 x 128 head and its
-# loss weigh about 7 layers instead of more than the other 4 together
+# loss weigh about 8 layers (model.stage_costs) instead of more than the other 4 together
 DEEP_MODEL = {**MODEL, "n_layer": 16}
 
 

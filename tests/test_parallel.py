@@ -281,7 +281,6 @@ def test_a_dead_or_hung_rank_ends_the_run_within_the_timeout(fault, dataset, tmp
             p.wait()
 
 
-
 KEEP_FREED = """
 import sys, torch, parallel
 from model import ModelConfig, Transformer

@@ -209,7 +209,7 @@ def test_interleaved_schedule_idles_exactly_the_theory(pp):
     for virtual in (1, 2, 3):
         for m in (pp, 2 * pp, 4 * pp):
             rounds = parallel.interleaved_rounds(pp, virtual, m)
-            for rank, row in enumerate(rounds):
+            for row in rounds:  # every rank runs each of its ops once
                 ops = [op for op in row if op is not None]
                 assert sorted(ops) == sorted((kind, c, k) for kind in "FB" for c in range(virtual) for k in range(m))
             idle = sum(op is None for row in rounds for op in row) / (pp * len(rounds[0]))
