@@ -41,6 +41,11 @@ checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
         (dp), weights and AdamW state; plus how long the background write took.
+reading: what a reader must read to follow one plain iteration of `python train.py` (one
+        process, one dataset, max_iters=1): the entry script up to its last executed line, plus
+        the full span of every project function entered (each once; nested ones inside a
+        counted span are not counted again), to the first optimizer step and for the whole
+        1-iteration run (eval, a checkpoint), with the split per file. --functions lists them.
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
@@ -59,10 +64,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import build
 import checkpoint
+import rundir
 import configurator
+import data_parallel
+import fsdp
 import parallel
-from model import ModelConfig, Transformer, apply_lora, measure_matmul_flops
+import pipeline
+import tensor_parallel
+import workarounds
+import zero
+from lora import apply_lora
+from model import ModelConfig, Transformer
+from parallel import measure_matmul_flops
 
 # the default model and batch of train.py, read from its defaults block
 TRAIN = configurator.script_defaults(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
@@ -189,7 +204,7 @@ def _rank_main(rank, world, port, worker, args, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
-    parallel.exit_now()  # skip the interpreter's shutdown, where gloo's threads can abort
+    workarounds.exit_now()  # skip the interpreter's shutdown, where gloo's threads can abort
 
 
 def dp_worker(bucket_sizes):
@@ -207,7 +222,7 @@ def dp_worker(bucket_sizes):
         elif impl == "torch":
             ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
         else:
-            ddp = parallel.NaiveDataParallel(model, mesh) if impl == "naive" else parallel.DataParallel(model, mesh, mb)
+            ddp = data_parallel.NaiveDataParallel(model, mesh) if impl == "naive" else data_parallel.DataParallel(model, mesh, mb)
         models[(impl, mb)] = (ddp, torch.optim.AdamW(model.parameters(), lr=1e-4))
     micro = ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, BATCH, MODEL["block_size"] + 1), device=dev,
@@ -294,7 +309,7 @@ def pp_worker(ms, model):
 
     from model import make_stage, pipeline_split
     mesh = parallel.setup("auto", 300, pp=int(os.environ["WORLD_SIZE"]))
-    parallel.keep_freed_memory()  # as train.py does on a CPU
+    workarounds.keep_freed_memory()  # as train.py does on a CPU
     dev, T, V = mesh.device, model["block_size"], model["vocab_size"]
     n, pp = model["n_layer"], mesh.pp
     splits = {"even": [n // pp + (s < n % pp) for s in range(pp)],  # the old split: layer counts only
@@ -363,14 +378,14 @@ def pp_worker(ms, model):
                 if v in peers:
                     torch_step(peers[v][0])
                 else:
-                    _, peaks[v] = parallel.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace,
+                    _, peaks[v] = pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace,
                                                          virtual=kinds[v][2])
                 dist.barrier()
                 if rnd >= WARMUP:
                     times[v].append(time.perf_counter() - t0)
                     if trace is not None:
                         traces = parallel.all_gather_object(trace, mesh)
-                        bubbles[v].append(parallel.pipeline_timeline(traces, m, virtual=kinds[v][2])[1])
+                        bubbles[v].append(pipeline.pipeline_timeline(traces, m, virtual=kinds[v][2])[1])
                 for p in (peers[v][1] if v in peers else ours[v].parameters()):
                     p.grad = None
         # bytes autograd keeps for one micro-batch's forward on this stage
@@ -394,10 +409,10 @@ def pp_worker(ms, model):
         # one traced iteration of each 1F1B to draw
         for v in variants[1:]:
             trace = []
-            parallel.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace, virtual=kinds[v][2])
+            pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace, virtual=kinds[v][2])
             traces = parallel.all_gather_object(trace, mesh)
             if mesh.master:
-                rows[-1].setdefault("text", {})[v] = parallel.pipeline_timeline(traces, m, width=100,
+                rows[-1].setdefault("text", {})[v] = pipeline.pipeline_timeline(traces, m, width=100,
                                                                                 virtual=kinds[v][2])[0]
     parallel.teardown(mesh)
     return rows
@@ -457,7 +472,7 @@ def tp_worker():
     mesh = parallel.setup("auto", 300, tp=world)
     dev = mesh.device
     torch.manual_seed(0)
-    model = parallel.tensor_parallel(Transformer(ModelConfig(**TP_MODEL)).to(dev), mesh)
+    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**TP_MODEL)).to(dev), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, MODEL["vocab_size"], (TP_ACCUM, TP_BATCH, MODEL["block_size"] + 1), device=dev,
                       generator=torch.Generator(dev).manual_seed(0))
@@ -538,13 +553,13 @@ def layout_worker(layout):
     torch.manual_seed(0)
     model = make_stage(Transformer(ModelConfig(**MODEL)), mesh.pp_rank, mesh.pp).to(dev)
     if layout == "fsdp":
-        parallel.fully_shard_model(model, mesh)
-    wrapped = parallel.DataParallel(model, mesh, 4.0) if layout == "dp" and world > 1 else model
+        fsdp.fully_shard_model(model, mesh)
+    wrapped = data_parallel.DataParallel(model, mesh, 4.0) if layout == "dp" and world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clip = list(model.parameters())
     if layout.startswith("zero"):  # "zero1", "zero2", "zero2+offload"
-        wrapped = parallel.ZeroDataParallel(model, mesh, 4.0, stage=int(layout[4]))
-        opt = parallel.ZeroOptimizer(wrapped, [{"params": list(model.parameters())}], offload="offload" in layout, lr=1e-4)
+        wrapped = zero.ZeroDataParallel(model, mesh, 4.0, stage=int(layout[4]))
+        opt = zero.ZeroOptimizer(wrapped, [{"params": list(model.parameters())}], offload="offload" in layout, lr=1e-4)
         clip = opt.params
     micro = MEM_ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, MEM_BATCH, MODEL["block_size"] + 1), device=dev,
@@ -554,13 +569,13 @@ def layout_worker(layout):
         dist.barrier()
         t0 = time.perf_counter()
         if layout == "pp":
-            parallel.pipeline_step("1f1b", wrapped, mesh, [(xk[:, :-1], xk[:, 1:], None, None) for xk in x],
+            pipeline.pipeline_step("1f1b", wrapped, mesh, [(xk[:, :-1], xk[:, 1:], None, None) for xk in x],
                                    (MEM_BATCH, MODEL["block_size"], MODEL["n_embd"]))
         else:
             for k in range(micro):
                 parallel.set_grad_sync(wrapped, k == micro - 1)
                 (wrapped(x[k, :, :-1], x[k, :, 1:])[1] / micro).backward()
-            if isinstance(wrapped, parallel.DataParallelBase):
+            if isinstance(wrapped, data_parallel.DataParallelBase):
                 wrapped.wait()
         parallel.clip_grad_norm_(clip, 1.0, mesh, sharded=layout.startswith("zero"))
         opt.step()
@@ -704,7 +719,7 @@ def table_race(recipes=None):
                         os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
                         "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
-        rows = [r for r in checkpoint.read_metrics(os.path.join(out, "metrics.jsonl")) if "val_loss" in r]
+        rows = [r for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl")) if "val_loss" in r]
         cfg = {**TRAIN, **keys}
         cells = []
         for target in RACE_TARGETS:
@@ -722,8 +737,8 @@ def build_worker(layout, hf):
     """One rank of the build table: peak bytes of tensors this rank allocates while it builds
     the model with fresh weights and while it imports the Hugging Face copy, the meta way
     (train.py) and the old way (whole model first, then cut and shard)."""
-    import checkpoint
     from contextlib import nullcontext
+
     from model import make_stage
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -731,22 +746,22 @@ def build_worker(layout, hf):
     row = {}
     for meta in (True, False):
         for source in ("init", "import"):
-            with parallel.TensorMemory() as mem:
+            with build.TensorMemory() as mem:
                 torch.manual_seed(0)
                 with torch.device("meta") if meta else nullcontext():
                     model = Transformer(ModelConfig(**BUILD_MODEL))
                 if source == "import" and not meta:
-                    model.load_state_dict(checkpoint.load_hf_llama(hf)[1])
+                    model.load_state_dict(hf.load_hf_llama(hf)[1])
                 model = make_stage(model, mesh.pp_rank, mesh.pp)
                 if layout == "fsdp" and world > 1:
-                    parallel.fully_shard_model(model, mesh)
+                    fsdp.fully_shard_model(model, mesh)
                 if meta:
-                    parallel.materialize(model, "cpu")
+                    build.materialize(model, "cpu")
                     model.init_rope()
                     if source == "import":
-                        checkpoint.load_hf_parts(checkpoint.hf_llama_index(hf)[1], parallel.local_parts(model))
+                        hf.load_hf_parts(hf.hf_llama_index(hf)[1], build.local_parts(model))
                     else:
-                        parallel.init_weights(model, 0)
+                        build.init_weights(model, 0)
             row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
             del model
     rows = parallel.all_gather_object(row, mesh)
@@ -755,7 +770,6 @@ def build_worker(layout, hf):
 
 
 def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
-    import checkpoint
     cfg = ModelConfig(**BUILD_MODEL)
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -764,13 +778,13 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
           f"vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M parameters, fp32: {whole:.1f} MB whole, "
           f"largest single parameter {largest:.1f} MB); peak MB of tensors a rank allocates (counted by "
-          f"parallel.TensorMemory), the busiest rank")
+          f"build.TensorMemory), the busiest rank")
     print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | {'old build':>9} | "
           f"{'old import':>10}")
     print("-" * 62)
     with tempfile.TemporaryDirectory() as tmp:
         hf = os.path.join(tmp, "hf")
-        checkpoint.save_hf_llama(hf, model.state_dict(), cfg)
+        hf.save_hf_llama(hf, model.state_dict(), cfg)
         del model
         for layout, world in layouts:
             r = run_ranks(build_worker, world, layout, hf)
@@ -807,20 +821,89 @@ def table_sample(batches=(1, 8), repeats=3):
           f"the cache: the second row of each batch mixes {block - 1} cached steps with {block + 1} full ones")
 
 
+READING_PROBE = r"""
+import json, os, runpy, sys
+root, args = sys.argv[1], sys.argv[2:]
+seen, entry, snap = {}, [0], {}
+def project(path):  # the repository's own top-level .py files, bench.py aside
+    p = os.path.abspath(path)
+    return os.path.dirname(p) == root and p.endswith(".py") and os.path.basename(p) != "bench.py"
+def hook(frame, event, arg):
+    co = frame.f_code
+    if event == "call" and co.co_name == "step" and not snap and ("optim" in co.co_filename or project(co.co_filename)):
+        snap.update(seen=dict(seen), entry=entry[0])
+    if event == "call" and co.co_flags & 0x1 and project(co.co_filename) and co not in seen:
+        lines = [ln for _, _, ln in co.co_lines() if ln]
+        seen[co] = (os.path.basename(co.co_filename), co.co_name, co.co_firstlineno, max(lines + [co.co_firstlineno]))
+def trace(frame, event, arg):
+    if frame.f_code.co_filename == os.path.join(root, "train.py") and frame.f_code.co_name == "<module>":
+        entry[0] = max(entry[0], frame.f_lineno)
+        return trace
+sys.argv = ["train.py"] + args
+sys.path.insert(0, root)
+sys.setprofile(hook)
+sys.settrace(trace)
+try:
+    runpy.run_path(os.path.join(root, "train.py"), run_name="__main__")
+except SystemExit:
+    pass
+finally:
+    sys.setprofile(None)
+    sys.settrace(None)
+out = {"first": [snap.get("entry", 0), list(snap.get("seen", {}).values())], "run": [entry[0], list(seen.values())]}
+print("READING " + json.dumps(out), file=sys.__stderr__, flush=True)
+"""
+
+
+def reading_count(entry, funcs):
+    """(total lines, {file: [(name, first, last)]}): train.py lines 1..entry plus every function
+    span outside it; a span nested in another counted span of the same file is not counted again."""
+    kept = []
+    for t in sorted(set(map(tuple, funcs)), key=lambda t: (t[0], t[2], -t[3])):
+        if t[0] != "train.py" and not (kept and kept[-1][0] == t[0] and kept[-1][2] <= t[2] and t[3] <= kept[-1][3]):
+            kept.append(t)
+    per_file = {}
+    for f, name, a, b in kept:
+        per_file.setdefault(f, []).append((name, a, b))
+    return entry + sum(b - a + 1 for f, _, a, b in kept), per_file
+
+
+def table_reading(functions=False):
+    out = os.path.join(tempfile.mkdtemp(), "out")
+    args = ["max_iters=1", "sample_tokens=0", "eval_interval=1000", f"out_dir={out}"]
+    root = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", READING_PROBE, root] + args, capture_output=True, text=True)
+    line = [x for x in p.stderr.splitlines() if x.startswith("READING ")]
+    assert line, p.stderr[-2000:]
+    res = json.loads(line[0][len("READING "):])
+    print("## reading cost of one plain iteration: python train.py " + " ".join(args[:3]))
+    print(f"{'':28} | {'lines':>6} | {'files':>5} | split per file (lines / functions)")
+    print("-" * 100)
+    for label, key in (("to the first optimizer step", "first"), ("the whole 1-iteration run", "run")):
+        entry, funcs = res[key]
+        total, per_file = reading_count(entry, funcs)
+        split = [f"train.py 1-{entry}"] + [f"{f} {sum(b - a + 1 for _, a, b in v)}/{len(v)}"
+                                            for f, v in sorted(per_file.items())]
+        print(f"{label:28} | {total:6} | {len(per_file) + 1:5} | " + ", ".join(split))
+        if functions:
+            for f, v in sorted(per_file.items()):
+                print(f"    {f}: " + ", ".join(f"{n} {b - a + 1}" for n, a, b in v))
+
+
 TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": table_tp, "memory": table_memory,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
-          "race": table_race}
+          "race": table_race, "reading": table_reading}
 ROWS = {"single": single_row, "lora": lora_row}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--row":
         print(json.dumps(ROWS[sys.argv[2]](**json.loads(sys.argv[3]))))
         sys.exit(0)
-    names = sys.argv[1:] or list(TABLES)
+    names = [a for a in sys.argv[1:] if a != "--functions"] or list(TABLES)
     for name in names:
         if name not in TABLES:
             sys.exit(f"error: unknown table '{name}': choose from {', '.join(TABLES)}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     for name in names:
-        TABLES[name]()
+        TABLES[name](**({"functions": True} if name == "reading" and "--functions" in sys.argv else {}))

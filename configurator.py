@@ -16,9 +16,12 @@ default is a list (a list key, such as `phases`, is a Python literal on the comm
 """
 
 import ast
+import os
 import difflib
 import sys
 import traceback
+
+from model import ModelConfig
 
 
 class UserError(ValueError):
@@ -123,3 +126,180 @@ def script_defaults(path):
             except ValueError:
                 pass  # computed, not a default
     return out
+
+
+# ---- the one validation pass ----------------------------------------------------------
+# Every constraint on the config is stated here once, checked before anything touches the
+# disk or a process group. Per key: its choices and ranges. Between keys: the layout, and the
+# table of refused combinations (data: docs/configuration.md renders it, a test keeps the two
+# in sync). What can only be known from a checkpoint or a model directory (its shape, its
+# LoRA settings) is checked where that is read, with check_layout below for the layout part.
+
+CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
+           "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16"),
+           "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
+AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
+              "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
+              "pp_virtual")
+NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
+                "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
+                "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
+IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
+            "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
+POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
+
+# The combinations of options that are refused: (name, refused when (c: the config, o: the
+# keys given), the message: what is wrong and the fix; {key} is the config's value).
+REFUSALS = [
+    ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
+     "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
+    ("fsdp with tp", lambda c, o: c["tp"] > 1 and c["fsdp"],
+     "fsdp=True with tp > 1 is not supported: use plain data parallel over dp (fsdp=False)"),
+    ("zero with tp", lambda c, o: c["tp"] > 1 and c["zero"],
+     "zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its checkpoint gathering does "
+     "not know them): use plain data parallel over dp (zero=0)"),
+    ("LoRA with tp", lambda c, o: c["tp"] > 1 and (c["lora_rank"] or c["lora_from"]),
+     "LoRA with tp > 1 is not supported: the adapters would need their own slices; use tp=1 for LoRA runs"),
+    ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
+     "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need the full logits; use tp=1, "
+     "or one dataset"),
+    ("interleaved with fsdp", lambda c, o: c["pp_schedule"] == "interleaved" and c["fsdp"],
+     "pp_schedule=interleaved with fsdp=True is not supported (FSDP's per-block hooks expect one forward and "
+     "backward per micro-batch): use plain data parallel (fsdp=False) or pp_schedule=1f1b"),
+    ("tie_embeddings with pp", lambda c, o: c["pp"] > 1 and c["tie_embeddings"],
+     "tie_embeddings=True with pp > 1: the embedding (first stage) and the head (last stage) would be one tensor "
+     "on two ranks; use tie_embeddings=False"),
+    ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
+     "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
+     "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
+    ("fsdp with ddp_impl", lambda c, o: c["fsdp"] and "ddp_impl" in o,
+     "fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be ignored: drop one of the two"),
+    ("zero with fsdp", lambda c, o: c["zero"] and c["fsdp"],
+     "zero={zero} with fsdp=True: fsdp is ZeRO stage 3 and already shards optimizer state and gradients; use one "
+     "of the two"),
+    ("zero with ddp_impl other than bucketed", lambda c, o: c["zero"] and c["ddp_impl"] != "bucketed",
+     "zero={zero} shards along the buckets of ddp_impl=bucketed, so ddp_impl={ddp_impl} cannot carry it: drop "
+     "ddp_impl"),
+    ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
+     "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+    ("muon with zero", lambda c, o: c["optim"] == "muon" and c["zero"],
+     "optim=muon with zero={zero}: Muon orthogonalizes each weight matrix whole, and zero={zero} slices them over "
+     "ranks; use optim=adamw, or data parallel, fsdp or pipeline stages"),
+    ("muon with tp", lambda c, o: c["optim"] == "muon" and c["tp"] > 1,
+     "optim=muon with tp={tp}: Muon orthogonalizes each weight matrix whole, and tp={tp} slices them over ranks; "
+     "use optim=adamw, or data parallel, fsdp or pipeline stages"),
+    ("muon with LoRA", lambda c, o: c["optim"] == "muon" and (c["lora_rank"] or c["lora_from"]),
+     "optim=muon with LoRA: Muon orthogonalizes each weight matrix whole, and LoRA trains adapters only; use "
+     "optim=adamw, or data parallel, fsdp or pipeline stages"),
+]
+
+
+def validate(c, overrides, world):
+    """Checks the whole config `c` (train.py's keys; `overrides`: the keys the user gave) for
+    `world` processes. Returns what it derives: {"dp", "layer_counts": pp_layers as a list or
+    None, "lora_targets": a sorted list, "sources": {dataset: weight}}."""
+    for key, choices in CHOICES.items():
+        check(c[key] in choices, f"{key}={c[key]!r} is not one of {', '.join(choices)}")
+    check(c["zero"] in (0, 1, 2), f"zero={c['zero']} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use "
+                                  f"fsdp=True")
+    for key in AT_LEAST_1:
+        check(c[key] >= 1, f"{key}={c[key]} must be at least 1")
+    for key in NOT_NEGATIVE:
+        check(c[key] >= 0, f"{key}={c[key]} must not be negative")
+    for key, (lo, hi) in IN_RANGE.items():
+        check(lo <= c[key] < hi, f"{key}={c[key]} must be in [{lo}, {hi})")
+    for key in POSITIVE:
+        check(c[key] > 0, f"{key}={c[key]} must be positive")
+    for name, refused, message in REFUSALS:
+        check(not refused(c, overrides), message.format(**c))
+    sources = {c["dataset"]: 1.0}
+    if c["datasets"] or c["phases"]:  # mixture: mixture.py (pure checks, nothing read yet)
+        import mixture
+        sources = mixture.parse_mixture(c["datasets"]) if c["datasets"] else sources
+        mixture.parse_phases(c["phases"], [mixture.source_name(s) for s in sources])
+    lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
+    check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
+          f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
+    # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
+    n_embd, n_head, n_kv_head = c["n_embd"], c["n_head"], c["n_kv_head"]
+    check(n_embd % n_head == 0, f"n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head")
+    check(n_head % n_kv_head == 0, f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each key/value head "
+                                   f"serves a whole group of query heads; use a divisor of n_head")
+    check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
+                                     f"rotate pairs of features; change n_embd or n_head")
+    ffn_dim = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=c["ffn_dim"]).ffn_dim
+    dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
+    check_files(c)
+    return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
+
+
+def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
+    """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
+    shape, when it comes from a checkpoint). Returns (dp, pp_layers as a list or None)."""
+    pp, tp, v = c["pp"], c["tp"], c["pp_virtual"]
+    check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
+                           f"processes (torchrun --nproc_per_node=N), or change pp")
+    check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
+                                  f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
+    dp = world // (pp * tp)
+    # tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width
+    for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
+        check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
+                           f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+    check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least one")
+    check(pp * v <= n_layer, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} layers{where}: "
+                             f"every virtual stage needs at least one; lower pp_virtual")
+    check((c["pp_schedule"] == "interleaved") == (v > 1) and (v == 1 or pp > 1),
+          f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp > 1 and "
+          f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
+    check(c["grad_accum_steps"] % dp == 0,
+          f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
+          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
+          f"fewer ranks")
+    check(c["pp_schedule"] != "interleaved" or c["grad_accum_steps"] // dp % pp == 0,
+          f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each pipeline gets "
+          f"grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple of {pp * dp} for grad_accum_steps")
+    counts = None
+    if c["pp_layers"].strip():
+        spec = c["pp_layers"]
+        check(all(s.strip().isdigit() for s in spec.split(",")), f"pp_layers='{spec}' is not a comma-separated "
+                                                                 f"list of layer counts, e.g. pp_layers=3,1")
+        counts = [int(s) for s in spec.split(",")]
+        check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == n_layer,
+              f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
+              f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
+    return dp, counts
+
+
+def check_files(c):
+    """Where the weights come from and where the run writes."""
+    init_from, out_dir, export_hf = c["init_from"], c["out_dir"], c["export_hf"]
+    check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
+          f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
+          f"Hugging Face LLaMA directory)")
+    check(out_dir.strip() != "", "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
+    check(not os.path.exists(out_dir) or os.path.isdir(out_dir), f"out_dir={out_dir} is a file, not a directory: "
+                                                                 f"pick another out_dir")
+    writable = os.path.abspath(out_dir)
+    while not os.path.exists(writable):  # the nearest directory that exists is where out_dir will be made
+        writable = os.path.dirname(writable)
+    check(os.access(writable, os.W_OK | os.X_OK), f"out_dir={out_dir} is not writable ({writable} is read-only to "
+                                                  f"this user): fix its permissions or pick another out_dir")
+    check(not export_hf or not os.path.exists(export_hf) or (os.path.isdir(export_hf) and not os.listdir(export_hf)),
+          f"export_hf={export_hf} already exists and is not an empty directory: remove it or export elsewhere "
+          f"(checked now rather than after the run has trained)")
+
+
+def check(ok, problem):
+    """A mistake in the config: one line that names it and the fix, and nothing touched yet."""
+    if not ok:
+        raise UserError(problem)
+
+
+def refusals_markdown():
+    """REFUSALS as the Markdown table that docs/configuration.md shows (tests/test_docs.py
+    checks that the doc holds exactly this)."""
+    rows = ["| refused combination | what the run says (the reason and the fix) |", "|---|---|"]
+    rows += [f"| {name} | {message} |" for name, _, message in REFUSALS]
+    return "\n".join(rows)

@@ -1,41 +1,21 @@
 """
-Tokenizers, dataset preparation and the deterministic batch loader.
+Tokenizers and the deterministic batch loader (prepare.py makes the datasets it reads).
 
-    python data.py stdlib                       # the embedded default corpus -> data/stdlib
-    python data.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
-    python data.py docs.jsonl --name docs --text_field text
-    python data.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
+A dataset is data/NAME/{train.bin, val.bin, meta.json} (and {train,val}.mask.bin for chat
+data). Loader reads one: the global batch of iteration `it` is a pure function of the seed
+and `it`, and each data-parallel rank takes its slice of it. mixture.py draws from several.
 
-prepare() turns a source into data/NAME/{train.bin, val.bin, meta.json}: every document's
-tokens followed by <|endoftext|>, packed end to end, stored as uint16 when the vocabulary
-fits and uint32 otherwise. A chat dataset (JSONL conversations) also writes
-{train,val}.mask.bin: one byte per token, 1 where the loss counts (the assistant's words).
-A dataset is built in a directory beside its target and swapped in when complete (meta.json
-last), so a dataset directory with a meta.json is complete, and a failed re-prepare leaves
-the old one as it was. Nothing here reads train.py's config: everything is an argument.
-
-Loader reads one prepared dataset; MixtureLoader draws each sequence of a global batch from
-one of several (datasets=stdlib:0.7,notes:0.3), with curriculum phases that change the
-weights from a given iteration on.
+    python data.py stdlib        # prepare a dataset: prepare.py's command line
 """
 
-import argparse
-import ast
-import glob
 import json
-import math
 import os
-import shutil
-import sys
-import sysconfig
-import time
-import zlib
 
 import numpy as np
 import tiktoken
 import torch
 
-from configurator import UserError, excepthook
+from configurator import UserError
 
 EOT = "<|endoftext|>"
 # the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
@@ -171,281 +151,33 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
-# ---------------------------------------------------------------------------------------
-# sources: each yields (doc_id, text, n_replaced) for every document
+def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh):
+    """The directory of dataset `source` (a name under data/, or a directory), prepared from
+    `prep` (data_source=; 'stdlib' for the default corpus) first if it is not there yet:
+    rank 0 prepares it (prepare.py), the others wait."""
+    data_dir = source if os.sep in source else os.path.join("data", source)
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        prep = prep or ("stdlib" if source == "stdlib" else "")
+        if not prep:
+            raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
+                            f"a directory, glob or .jsonl file to prepare it from (or run `python data.py SOURCE "
+                            f"--out {data_dir}`)")
+        if mesh.master:
+            import prepare
+            mesh.print0(f"preparing {data_dir} from {prep} (once)")
+            prepare.prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or ())
+        if mesh.backend:
+            torch.distributed.barrier()
+    return data_dir
 
 
-def _decode(raw):
-    """UTF-8 text and the number of undecodable bytes replaced by U+FFFD."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
-
-
-def stdlib_files():
-    """The .py files of the running interpreter's standard library (site-packages excluded),
-    sorted: the default corpus, present on every machine that can run this trainer."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    return root, files
-
-
-def resolve_source(source):
-    """(kind, root, files) for 'stdlib', a directory of .txt files, a glob, or .jsonl files."""
-    if source == "stdlib":
-        root, files = stdlib_files()
-        return "text", root, files
-    if os.path.isdir(source):
-        files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
-        root = source
-    elif os.path.isfile(source):
-        files, root = [source], os.path.dirname(source)
-    else:
-        files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-        root = os.path.dirname(source.split("*")[0]) or "."
-        if not files:
-            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of .txt files, "
-                            f"a glob such as 'notes/*.txt', or a .jsonl file")
-    if not files:
-        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or a .jsonl file")
-    jsonl = [f.endswith(".jsonl") for f in files]
-    if any(jsonl) and not all(jsonl):
-        raise UserError(f"data source '{source}' mixes .jsonl and other files: prepare them separately")
-    return ("jsonl" if all(jsonl) else "text"), root, files
-
-
-def _records(path, text_field):
-    """(lineno, record, n_replaced) for each non-blank line of a JSONL file."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line, bad = _decode(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg}): each line must be one "
-                                f"JSON object such as {{\"{text_field}\": \"...\"}}") from None
-            yield lineno, record, bad
-
-
-def _is_chat(record):
-    return isinstance(record, dict) and ("messages" in record or "prompt" in record or "response" in record)
-
-
-def detect_format(kind, files, text_field="text", format="auto"):
-    """'chat' or 'text': `format`, or with 'auto' what the first non-blank JSONL record is."""
-    if format not in ("auto", "text", "chat"):
-        raise UserError(f"format='{format}' is unknown: use auto, text or chat")
-    if kind == "text":
-        if format == "chat":
-            raise UserError("format=chat needs .jsonl files of {\"messages\": [...]} or {\"prompt\", \"response\"} "
-                            "records: convert the data or use format=text")
-        return "text"
-    if format != "auto":
-        return format
-    for path in files:
-        for _, record, _ in _records(path, text_field):
-            return "chat" if _is_chat(record) and text_field not in record else "text"
-    return "text"
-
-
-CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
-
-
-def chat_messages(record, where):
-    """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
-    if not _is_chat(record):
-        raise UserError(f"{where}: not a chat record (the source's first record is one): write every line as "
-                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or prepare text separately")
-    if "messages" not in record:
-        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
-            raise UserError(f"{where}: 'prompt' and 'response' must both be strings: write "
-                            f"{{\"prompt\": \"...\", \"response\": \"...\"}}")
-        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-    messages = record["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise UserError(f"{where}: 'messages' is not a list of {{\"role\", \"content\"}} objects: write {CHAT_EXAMPLE}")
-    if not messages:
-        raise UserError(f"{where}: empty conversation: give at least a user and an assistant message, or drop the line")
-    for i, m in enumerate(messages, 1):
-        if m.get("role") not in ROLES:
-            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use system, user or assistant")
-        if not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: message {i}'s content is {type(m.get('content')).__name__}, not a string: "
-                            f"write the text as \"content\": \"...\"")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only counts assistant "
-                        f"replies): add one or drop the line")
-    return messages
-
-
-def iter_documents(kind, root, files, text_field="text", format="text"):
-    """(doc_id, text, n_replaced) for each document; with format='chat', (doc_id, messages,
-    n_replaced) for each conversation instead."""
-    for path in files:
-        rel = os.path.relpath(path, root)
-        if kind == "text":
-            with open(path, "rb") as f:
-                text, bad = _decode(f.read())
-            yield rel, text, bad
-            continue
-        for lineno, record, bad in _records(path, text_field):
-            if format == "chat":
-                yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}"), bad
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                if _is_chat(record):
-                    raise UserError(f"{path}:{lineno}: a chat record in a text source (its first record is text): "
-                                    f"prepare chat and text files separately")
-                raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line needs one "
-                                f"(or pass --text_field NAME)")
-            yield f"{rel}:{lineno}", record[text_field], bad
-
-
-def is_val(doc_id, val_fraction):
-    """A document's split is a function of its id (path, or path:line) alone, so adding files
-    to a corpus never moves an existing document between train and val."""
-    return zlib.crc32(doc_id.encode()) % 10_000 < val_fraction * 10_000
-
-
-# ---------------------------------------------------------------------------------------
-# prepare
-
-
-def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
-            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto"):
-    """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
-
-    A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
-    is rendered with render_chat and also writes {train,val}.mask.bin; the tokenizer then
-    gets CHAT_TOKENS before `extra_tokens` (a list, or the path of a file of them).
-
-    Streams: documents are read and encoded a batch (~batch_mb of text) at a time, and only
-    that batch's tokens exist as Python ints. The encoding runs on `workers` threads through
-    tiktoken's batch API: its Rust core releases the GIL, so threads use every core without
-    pickling text to worker processes."""
-    if isinstance(extra_tokens, str):
-        extra_tokens = load_extra_tokens(extra_tokens)
-    kind, root, files = resolve_source(source)
-    fmt = detect_format(kind, files, text_field, format)
-    chat = fmt == "chat"
-    if chat:
-        extra_tokens = CHAT_TOKENS + [t for t in extra_tokens if t not in CHAT_TOKENS]
-    enc = get_tokenizer(tokenizer, vocab_size, list(extra_tokens))
-    vocab = enc.n_vocab
-    dtype = token_dtype(vocab)
-    workers = workers or os.cpu_count() or 1
-    # built in a directory beside the target and swapped in when complete: a failure half-way
-    # leaves an existing dataset as it was
-    final = os.path.normpath(out_dir)
-    work = f"{final}.tmp{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
-    out = {name: open(os.path.join(work, name), "wb") for name in names}
-    tokens = {"train": 0, "val": 0}
-    learned = {"train": 0, "val": 0}  # tokens with mask 1
-    docs = {"train": 0, "val": 0}
-    n_chars = n_replaced = files_with_replaced = 0
-    t0 = last_print = time.time()
-
-    def write(doc_id, ids, mask=None):
-        split = "val" if is_val(doc_id, val_fraction) else "train"
-        np.asarray(ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
-        if mask is not None:
-            np.asarray(mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
-            learned[split] += sum(mask)
-        tokens[split] += len(ids) + 1
-        docs[split] += 1
-
-    def flush(batch):
-        if chat:
-            contents = encode_chat_contents(enc, [messages for _, messages in batch], num_threads=workers)
-            for (doc_id, messages), content in zip(batch, contents):
-                write(doc_id, *render_chat(enc, messages, content))
-        else:
-            for (doc_id, _), ids in zip(batch, encode_batch(enc, [t for _, t in batch], num_threads=workers)):
-                write(doc_id, ids)
-
-    def discard():
-        for f in out.values():
-            f.close()
-        shutil.rmtree(work, ignore_errors=True)
-
-    try:
-        batch, batch_bytes = [], 0
-        for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt):
-            if not doc:
-                continue  # an empty document would be a lone <|endoftext|>
-            size = sum(len(m["content"]) for m in doc) if chat else len(doc)
-            n_replaced += bad
-            files_with_replaced += bad > 0
-            batch.append((doc_id, doc))
-            batch_bytes += size
-            n_chars += size
-            if batch_bytes >= batch_mb * 2 ** 20:
-                flush(batch)
-                batch, batch_bytes = [], 0
-                if verbose and time.time() - last_print > 2:
-                    last_print = time.time()
-                    n = tokens["train"] + tokens["val"]
-                    print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
-                          f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
-        flush(batch)
-    except BaseException:
-        discard()  # a bad record halfway: leave no partial files behind
-        raise
-    for f in out.values():
-        f.close()
-    if tokens["train"] == 0:
-        discard()
-        raise UserError(f"data source '{source}' has no documents{' for train' if docs['val'] else ''}: "
-                        f"add non-empty files or lower val_fraction")
-    if tokens["val"] == 0:
-        discard()
-        raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
-                        f"{docs['train']} documents): add documents or raise val_fraction")
-    base_vocab = vocab - len(extra_tokens)
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base_vocab,
-            "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
-            "chat_tokens": CHAT_TOKENS if chat else [],
-            "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
-            "train_tokens": tokens["train"], "val_tokens": tokens["val"],
-            "train_docs": docs["train"], "val_docs": docs["val"],
-            "text_chars": n_chars, "replaced_bytes": n_replaced}
-    if chat:
-        meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
-    with open(os.path.join(work, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
-        for name in os.listdir(final):
-            if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
-                os.replace(os.path.join(final, name), os.path.join(work, name))
-        old = f"{final}.old{os.getpid()}"
-        os.replace(final, old)
-        os.replace(work, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(work, final)
-    if verbose:
-        dt = time.time() - t0
-        n = tokens["train"] + tokens["val"]
-        print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
-              f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
-              f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
-        if chat:
-            print(f"prepare: chat: {learned['train']:,}/{learned['val']:,} train/val tokens are assistant replies "
-                  f"(the loss counts only those)", flush=True)
-        if n_replaced:
-            print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
-                  f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD", flush=True)
-    return meta
+def check_tokenizer(meta, where, tokenizer, vocab_size):
+    """The data was tokenized as this run says (tokenizer=, vocab_size=)."""
+    base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
+    if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
+        raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this "
+                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another "
+                        f"dataset")
 
 
 def load_meta(data_dir):
@@ -573,252 +305,6 @@ def doc_ids(x, eot_token):
     return is_eot.cumsum(-1) - is_eot
 
 
-# ---------------------------------------------------------------------------------------
-# mixtures of datasets, and curriculum phases
-
-
-def parse_mixture(spec):
-    """{source: weight} from 'stdlib:0.7,notes:0.3' (a source without ':w' weighs 1). A source
-    is a dataset name under data/ or a directory; its name in logs and phases is its base name."""
-    mixture = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            raise UserError(f"datasets={spec!r} has an empty entry: write e.g. datasets=stdlib:0.7,notes:0.3")
-        source, _, w = part.rpartition(":") if ":" in part else (part, "", "1")
-        try:
-            weight = float(w)
-        except ValueError:
-            raise UserError(f"datasets: weight {w!r} of '{source}' is not a number: write e.g. {source}:0.5") from None
-        if not weight > 0 or not math.isfinite(weight):
-            raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive (leave a source out "
-                            f"to not use it)")
-        if source_name(source) in map(source_name, mixture):
-            raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source once")
-        mixture[source] = weight
-    return mixture
-
-
-def source_name(source):
-    return os.path.basename(source.rstrip("/\\")) or source
-
-
-def parse_phases(phases, names):
-    """[(start_iter, {name: weight}, lr_scale)] from `phases`: a list (a config file) or a
-    string holding one (the command line), of (start, {name: weight}) or (start, weights,
-    lr_scale) tuples, starts strictly increasing and >= 0. Sources a phase leaves out weigh 0."""
-    if isinstance(phases, str):
-        try:
-            phases = ast.literal_eval(phases) if phases.strip() else []
-        except (ValueError, SyntaxError):
-            raise UserError(f"phases={phases!r} is not a Python literal: write e.g. "
-                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, 0.5)]'") from None
-    example = "(400, {\"a\": 0.5, \"b\": 0.5}, 0.5)"
-    if not isinstance(phases, (list, tuple)):
-        raise UserError(f"phases must be a list of {example}-like tuples, not {type(phases).__name__}")
-    out = []
-    for p in phases:
-        if not (isinstance(p, (list, tuple)) and len(p) in (2, 3) and isinstance(p[0], int)
-                and not isinstance(p[0], bool) and isinstance(p[1], dict)):
-            raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, weights, "
-                            f"lr_scale): write e.g. {example}")
-        start, weights, scale = p[0], p[1], (p[2] if len(p) == 3 else 1.0)
-        if start < 0:
-            raise UserError(f"phase at iteration {start} starts before 0: phases start at iteration 0 or later")
-        if out and start <= out[-1][0]:
-            raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: list phases by "
-                            f"increasing start iteration, one phase per start")
-        for name, w in weights.items():
-            if name not in names:
-                raise UserError(f"phase at iteration {start} names source '{name}', which is not one of "
-                                f"{', '.join(names)}: add it to datasets= or fix the name")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
-                raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights must be positive "
-                                f"(leave a source out of a phase to not draw from it)")
-        if not weights:
-            raise UserError(f"phase at iteration {start} has no sources: give at least one {{source: weight}}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
-        out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
-    return out
-
-
-def temper(weights, temperature):
-    """weights ** (1 / temperature), normalized: T > 1 flattens the mixture toward uniform,
-    T < 1 sharpens it, T = 1 only normalizes."""
-    if not temperature > 0:
-        raise UserError(f"mix_temperature={temperature} must be positive (1.0: the weights as given)")
-    w = np.asarray(weights, dtype=np.float64) ** (1.0 / temperature)
-    return w / w.sum()
-
-
-def check_tokenizers(metas):
-    """The meta of the vocabulary that covers every source, or a UserError when two sources
-    were encoded with different tokenizers. Sources may differ only in extra tokens where one
-    list extends the other (a text dataset and a chat dataset of the same base: the chat
-    tokens come after every base id, so a text token means the same in both)."""
-    widest_name, widest = next(iter(metas.items()))
-    for name, meta in metas.items():
-        ours = (meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]), meta["eot_token"])
-        theirs = (widest["tokenizer"], widest.get("base_vocab_size", widest["vocab_size"]), widest["eot_token"])
-        a, b = list(meta.get("extra_tokens", [])), list(widest.get("extra_tokens", []))
-        if ours != theirs or (a[:len(b)] != b and b[:len(a)] != a):
-            raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different tokenizers "
-                            f"({theirs[0]}/{theirs[1]} + {len(b)} extra tokens vs {ours[0]}/{ours[1]} + {len(a)}): "
-                            f"prepare them with the same tokenizer, vocab_size and extra tokens")
-        if len(a) > len(b):
-            widest_name, widest = name, meta
-    return widest
-
-
-def _mix64(x):
-    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic): a counter-based hash."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def slot_uniforms(seed, iters, n_slots):
-    """Uniform [0, 1) floats of shape (len(iters), n_slots), one per (seed, it, slot): a hash
-    of the three, so any iteration's draws come without the ones before it, and a block of
-    iterations in one vectorised call."""
-    it = np.asarray(iters, dtype=np.uint64)[:, None]
-    slot = np.arange(n_slots, dtype=np.uint64)[None, :]
-    h = _mix64(_mix64(_mix64(np.full(1, seed, dtype=np.uint64) ^ np.uint64(0x6D6978)) + it) + slot)
-    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
-
-
-class MixtureLoader:
-    """Batches from a mixture of prepared datasets ("sources"), a pure function of
-    (seed, iteration, phases) like Loader's.
-
-    Slot j of iteration it's global batch (G = batch_size * grad_accum_steps slots) takes its
-    source from the uniform u(seed, it, j) (slot_uniforms: a counter-based hash) against the
-    cumulative weights of the phase in force at it (weights ** (1 / mix_temperature),
-    normalized). Each source keeps Loader's endless order of its own chunks (epochs
-    shuffled from (seed, epoch)); a slot of source s takes the next sample of s's stream:
-    position = draws of s in all slots of iterations [0, it) + its rank among the slots of s
-    in it. That count is derived, not saved: the draws of iterations [0, it) are recomputed
-    in vectorised blocks (one hash per slot: about a second for 100k iterations x 64 slots)
-    and their cumulative per-source counts cached, so resume needs only `it`, on any layout. Change
-    the phases and the past is recomputed as if the new ones had always been in force.
-
-    Rank r takes its fixed slice of the global batch (micro-batches [r * k, (r + 1) * k)) as
-    Loader does. batch() also returns each sequence's source index; a text source in a
-    mixture with a chat one gets a loss mask of ones. One source and no phases: exactly
-    Loader's batches."""
-
-    BLOCK = 4096  # iterations whose draws are computed in one vectorised call
-
-    def __init__(self, loaders, names, base_weights, phases=(), temperature=1.0):
-        self.loaders, self.names = loaders, list(names)
-        first = loaders[0]
-        self.seed, self.batch_size, self.global_batch = first.seed, first.batch_size, first.global_batch
-        self.micro_steps, self.first_micro = first.micro_steps, first.first_micro
-        self.chat = any(loader.mask is not None for loader in loaders)
-        # phase table: starts, and per phase the cumulative tempered weights (over self.names) and LR scale
-        table = [(0, dict(zip(names, base_weights)), 1.0)] + [p for p in phases if p[0] > 0]
-        if phases and phases[0][0] == 0:
-            table[0] = phases[0]
-        self.starts = np.array([p[0] for p in table], dtype=np.int64)
-        self.weights = np.stack([self._tempered(p[1], temperature) for p in table])
-        self.cdf = np.cumsum(self.weights, axis=1)
-        self.cdf[:, -1] = 1.0  # a uniform < 1 always lands on some source
-        self.scales = [p[2] for p in table]
-        self._counts = np.zeros((1, len(names)), dtype=np.int64)  # row i: draws per source before iteration i
-
-    @property
-    def n_chunks(self):
-        return sum(loader.n_chunks for loader in self.loaders)
-
-    def epoch(self, it):
-        """Epochs of the most-repeated source after `it` iterations."""
-        return max(n / loader.n_chunks for n, loader in zip(self.counts_before(it), self.loaders))
-
-    def _tempered(self, weights, temperature):
-        w = np.array([weights.get(n, 0.0) for n in self.names])
-        out = np.zeros_like(w)
-        out[w > 0] = temper(w[w > 0], temperature)
-        return out
-
-    def phase(self, it):
-        return int(np.searchsorted(self.starts, it, side="right")) - 1
-
-    def lr_scale(self, it):
-        """The learning-rate factor of the phase in force at iteration it."""
-        return self.scales[self.phase(it)]
-
-    def sources(self, iters):
-        """Source index of every slot of the given iterations: (len(iters), G) int64."""
-        iters = np.asarray(iters, dtype=np.int64)
-        if len(self.names) == 1:
-            return np.zeros((len(iters), self.global_batch), dtype=np.int64)
-        u = slot_uniforms(self.seed, iters, self.global_batch)
-        cdf = self.cdf[np.searchsorted(self.starts, iters, side="right") - 1]  # (n, S)
-        return (u[:, :, None] >= cdf[:, None, :-1]).sum(-1)
-
-    def counts_before(self, it):
-        """Draws of each source in all slots of iterations [0, it): cached, extended in blocks."""
-        while len(self._counts) <= it:
-            lo = len(self._counts) - 1
-            src = self.sources(np.arange(lo, lo + self.BLOCK))
-            per_iter = np.stack([(src == s).sum(1) for s in range(len(self.names))], axis=1)
-            self._counts = np.concatenate([self._counts, self._counts[-1] + np.cumsum(per_iter, axis=0)])
-        return self._counts[it]
-
-    def global_samples(self, it):
-        """(source, sample) of every slot of iteration it: two (G,) arrays; `sample` is the
-        position in the source's endless stream."""
-        src = self.sources([it])[0]
-        sample = np.empty_like(src)
-        before = self.counts_before(it)
-        for s in range(len(self.names)):
-            sel = src == s
-            sample[sel] = before[s] + np.arange(sel.sum())
-        return src, sample
-
-    def batch(self, it):
-        """This rank's (x, y, loss_mask, source) for iteration it: as Loader.batch, plus the
-        source index of each sequence, shape (micro_steps, batch_size)."""
-        src, sample = self.global_samples(it)
-        lo, n = self.first_micro * self.batch_size, self.micro_steps * self.batch_size
-        src, sample = src[lo:lo + n], sample[lo:lo + n]
-        x = y = mask = None
-        for s, loader in enumerate(self.loaders):
-            sel = np.nonzero(src == s)[0]
-            if not len(sel):
-                continue
-            xs, ys, ms = loader.rows(sample[sel])
-            if x is None:
-                x, y = xs.new_empty((n, *xs.shape[1:])), ys.new_empty((n, *ys.shape[1:]))
-                mask = torch.ones(y.shape, dtype=torch.float32) if self.chat else None
-            x[sel], y[sel] = xs, ys
-            if ms is not None:
-                mask[sel] = ms
-        shape = (self.micro_steps, self.batch_size, -1)
-        return (x.view(shape), y.view(shape), None if mask is None else mask.view(shape),
-                torch.from_numpy(src).view(self.micro_steps, self.batch_size))
-
-
-# ---------------------------------------------------------------------------------------
-
-if __name__ == "__main__":
-    sys.excepthook = excepthook
-    ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json")
-    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
-                    "(of text, or of chat conversations for SFT)")
-    ap.add_argument("--name", help="dataset name (default: stdlib, or the source's base name)")
-    ap.add_argument("--out", help="output directory (default: data/NAME)")
-    ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
-    ap.add_argument("--vocab_size", type=int, default=8192, help="truncate the BPE to N ids (0: keep it whole)")
-    ap.add_argument("--val_fraction", type=float, default=0.01)
-    ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
-    ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
-    ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")
-    ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
-                    help="JSONL records: text, chat conversations, or auto (from the first record)")
-    args = ap.parse_args()
-    name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
-    prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,
-            args.val_fraction, args.text_field, args.workers,
-            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format)
+if __name__ == "__main__":  # `python data.py SOURCE ...`: the command line of prepare.py
+    import prepare
+    prepare.main()

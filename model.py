@@ -6,18 +6,16 @@ Parameter names follow Meta's LLaMA / torchtitan (tok_embeddings, layers.{i}.att
 ..., norm, output), and the layers live in a ModuleDict keyed by their global index, so a
 pipeline stage that owns layers 4..7 still calls them layers.4 ... layers.7 and every
 checkpoint uses the same names whatever the layout. This file knows nothing of ranks and
-reads no files (checkpoint.py does: our checkpoints, safetensors, Hugging Face LLaMA, PEFT).
+reads no files (checkpoint.py, hf.py and lora.py do), holds no optimizer (optim.py).
 """
 
 import math
-import time
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 
@@ -111,7 +109,7 @@ class Attention(nn.Module):
         # cos/sin continue), to which x's are appended; x's queries attend to all of them.
         B, T, C = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        # the head counts come from the shapes: under tensor parallelism (parallel.py) wq, wk,
+        # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq, wk,
         # wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
         n_head, n_kv_head = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
         q = q.view(B, T, n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
@@ -186,6 +184,20 @@ def init_tensor(name, shape, n_layer, seed):
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
 
+def document_mask(doc_ids):
+    """(B, 1, T, T) boolean attention mask from doc_ids (B, T): position i sees j iff j <= i
+    and both are in the same document. A dense mask, built once and shared by every block. On
+    GPU this takes SDPA off its flash kernel (to the memory-efficient one, which still computes
+    the masked blocks); the fast way there is a varlen kernel that skips the masked blocks
+    entirely (flash_attn_varlen_func with cu_seqlens, the documents' start offsets, or
+    FlexAttention with a document mask). At our sequence lengths T x T booleans per row are
+    small and the math is the same."""
+    T = doc_ids.shape[1]
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]                      # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    return (same_doc & causal)[:, None]                                        # (B, 1, T, T)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -245,17 +257,7 @@ class Transformer(nn.Module):
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        mask = None  # None: SDPA's own causal mask (is_causal=True)
-        if doc_ids is not None:
-            # A dense (B, 1, T, T) boolean mask, built once and shared by every block. On GPU
-            # this takes SDPA off its flash kernel (to the memory-efficient one, which still
-            # computes the masked blocks); the fast way there is a varlen kernel that
-            # skips the masked blocks entirely (flash_attn_varlen_func with cu_seqlens, the
-            # documents' start offsets, or FlexAttention with a document mask). At our
-            # sequence lengths T x T booleans per row are small and the math is the same.
-            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]                      # (B, T, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-            mask = (same_doc & causal)[:, None]                                        # (B, 1, T, T)
+        mask = None if doc_ids is None else document_mask(doc_ids)  # None: SDPA's own causal mask
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
@@ -328,81 +330,6 @@ class Transformer(nn.Module):
         return idx
 
 
-# What the softmax and cross-entropy over the vocabulary cost per logit, in matmul FLOPs. They do
-# ~5 FLOPs per logit but are memory-bound: each logit (fp32) is written, read and rewritten
-# several times in forward and backward. Measured on the 2-core CPU (one block and the head with
-# its loss, forward and backward, 8 x 128 tokens, the default model): the head and loss take
-# 7.9x a block's time where the matmul FLOPs alone say 4.9x; this constant closes that gap.
-LOSS_FLOPS_PER_LOGIT = 160
-
-
-def stage_costs(cfg):
-    """Forward cost per token of the pieces a pipeline stage can hold, in matmul FLOPs: (one
-    block, the head with its loss, the embedding lookup). A block: 2 per weight of its matmuls
-    plus the attention scores and values at full length (as flops_per_token counts them); the
-    head: its vocab x n_embd matmul plus LOSS_FLOPS_PER_LOGIT per logit for the softmax and
-    cross-entropy; the embedding: a row copy. Backward costs about twice the forward of each,
-    so the proportions, all that the split uses, are the same for training."""
-    head_dim = cfg.n_embd // cfg.n_head
-    attn = cfg.n_embd * head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
-    block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + 4 * cfg.n_embd * cfg.block_size
-    return block, (2 * cfg.n_embd + LOSS_FLOPS_PER_LOGIT) * cfg.vocab_size, cfg.n_embd
-
-
-def pipeline_split(cfg, stages):
-    """Layers per pipeline stage (a list of `stages` counts, each >= 1, summing to n_layer)
-    that balances the estimated cost: the first stage also pays for the embedding, the last
-    for the head and the loss (Megatron's "account for embedding and loss in the pipeline
-    split"). Greedy water-filling: every stage starts with one layer and each further layer
-    goes to the stage that would be cheapest with it (the earliest on a tie); for layers
-    of equal cost this minimises the most expensive stage. With a tiny head it is nearly the
-    even split (10 layers on 4 stages: 2, 3, 3, 2); the default model (4 layers, and its
-    8192 x 128 head with the loss costs ~8 layers) on 2 stages: 3, 1; 16 such layers: 12, 4."""
-    assert 1 <= stages <= cfg.n_layer, f"{stages} pipeline stages for {cfg.n_layer} layers"
-    block, head, emb = stage_costs(cfg)
-    extra = [0] * stages
-    extra[0] += emb
-    extra[-1] += head
-    counts = [1] * stages
-    for _ in range(cfg.n_layer - stages):
-        s = min(range(stages), key=lambda s: (counts[s] + 1) * block + extra[s])
-        counts[s] += 1
-    return counts
-
-
-def stage_layers(counts, stage):
-    """The contiguous range of global layer indices of (virtual) pipeline stage `stage`, for
-    the layer counts per stage `counts` (pipeline_split's, or the user's pp_layers)."""
-    start = sum(counts[:stage])
-    return range(start, start + counts[stage])
-
-
-def make_stage(model, stage, pp, counts=None, virtual=1):
-    """Cuts a full model down to what pipeline rank `stage` of `pp` holds, in place. With
-    virtual=1 that is one stage: its layer range, plus the embedding on stage 0 and the final
-    norm and head on the last. With virtual=V (interleaved 1F1B) there are V * pp virtual
-    stages and this rank holds V of them, v * pp + stage for v = 0 .. V-1: its chunks, kept
-    in one module (one ModuleDict of global layer names, so checkpoints, clipping and data
-    parallel see one model) and listed in model.chunks, which forward(chunk=c) runs. The
-    embedding belongs to virtual stage 0 (chunk 0 of stage 0), the head to the last (chunk
-    V-1 of stage pp-1). counts: layers per virtual stage (default: pipeline_split).
-    Building the whole model first and dropping the rest gives every stage exactly the
-    weights the single-process model starts with (same seed, same names)."""
-    if pp == 1:
-        return model
-    counts = counts or pipeline_split(model.cfg, pp * virtual)
-    assert len(counts) == pp * virtual and sum(counts) == model.cfg.n_layer and min(counts) >= 1, \
-        f"layer counts {counts} do not split {model.cfg.n_layer} layers into {pp} x {virtual} stages"
-    model.chunks = [stage_layers(counts, v * pp + stage) for v in range(virtual)]
-    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for chunk in model.chunks for i in chunk})
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < pp - 1:
-        model.norm = model.output = None
-    return model
-
-
-@torch.no_grad()
 def grow_vocab(model, new_vocab_size):
     """Grows the embedding and the head of `model` (a whole model or a pipeline stage, which
     grows what it has) to new_vocab_size rows, in place: e.g. for a tokenizer with added
@@ -433,98 +360,6 @@ def grow_vocab(model, new_vocab_size):
     return model
 
 
-# ---------------------------------------------------------------------------------------
-# LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen weight W plus a trainable low-rank update,
-#   y = x W^T + (alpha / r) * dropout(x) A^T B^T,   A: (r, in), B: (out, r)
-# B starts at zero, so at step 0 the model is exactly the base model; only A and B train.
-# The names follow PEFT's LoraLayer (lora_A.weight, lora_B.weight, scaling = lora_alpha / r,
-# dropout on the adapter's input only, A Kaiming-uniform), so that an adapter maps one to
-# one onto PEFT's files (checkpoint.py writes and reads them).
-
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
-
-
-class LoRALinear(nn.Module):
-    """An nn.Linear (no bias) with a LoRA adapter. The base weight stays `.weight`, so the
-    base's names in checkpoints and Hugging Face files do not change."""
-
-    def __init__(self, base, rank, alpha, dropout=0.0):
-        super().__init__()
-        assert base.bias is None, "LoRALinear wraps bias-free linears (all of this model's)"
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight  # the same Parameter: frozen by apply_lora, not copied
-        # skip_init: no draw from the global RNG here (reset_adapter has its own generator)
-        dev = base.weight.device
-        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device=dev)   # weight (r, in)
-        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, device=dev)  # weight (out, r)
-        self.scaling = alpha / rank
-        self.lora_dropout = nn.Dropout(dropout)
-        self.merged = False
-
-    @torch.no_grad()
-    def reset_adapter(self, generator):
-        # PEFT's (and nn.Linear's) init for A: Kaiming-uniform with a = sqrt(5), i.e.
-        # U(-1/sqrt(in), 1/sqrt(in)); B zero: the update B A is zero until B has learned.
-        # Drawn on the CPU (a CPU generator), then copied: the same values on every device.
-        a = torch.empty(self.lora_A.weight.shape)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        self.lora_A.weight.copy_(a)
-        nn.init.zeros_(self.lora_B.weight)
-
-    def delta(self):
-        """The update the adapter adds to the weight: (alpha / r) B A, shape (out, in)."""
-        return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
-
-    def forward(self, x):
-        y = F.linear(x, self.weight)
-        if self.merged:  # W already holds W + (alpha / r) B A
-            return y
-        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-
-    @torch.no_grad()
-    def merge(self):
-        """W <- W + (alpha / r) B A: one matmul per call again, for inference or export."""
-        if not self.merged:
-            self.weight += self.delta().to(self.weight.dtype)
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        """W <- W - (alpha / r) B A: back to the base weight (up to float rounding)."""
-        if self.merged:
-            self.weight -= self.delta().to(self.weight.dtype)
-            self.merged = False
-
-
-def apply_lora(model, rank, alpha, dropout, targets, seed):
-    """Puts a LoRA adapter on every linear of `model` whose name ends in one of `targets`
-    (of LORA_TARGETS), in place, and freezes every other parameter. Returns the names of the
-    wrapped linears. Works on a whole model or a pipeline stage (which wraps what it has).
-    Each A is drawn from its own generator, seeded by (seed, its module's name): the same
-    adapter whatever the layout, though a pipeline stage builds only some of them."""
-    unknown = set(targets) - set(LORA_TARGETS)
-    assert not unknown, f"unknown LoRA targets {sorted(unknown)}; choose from {LORA_TARGETS}"
-    for p in model.parameters():
-        p.requires_grad_(False)
-    wrapped = []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and name.split(".")[-1] in targets:
-            lora = LoRALinear(module, rank, alpha, dropout)
-            lora.reset_adapter(torch.Generator().manual_seed(param_seed(seed, name)))
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, lora)
-            wrapped.append(name)
-    return wrapped
-
-
-def merge_lora(model):
-    """Merges every adapter of `model` into its weight (see LoRALinear.merge)."""
-    for m in model.modules():
-        if isinstance(m, LoRALinear):
-            m.merge()
-    return model
-
-
 def masked_cross_entropy(logits, targets, loss_mask=None):
     """Mean cross-entropy over positions whose mask is 1; without a mask, over all of them."""
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
@@ -533,109 +368,3 @@ def masked_cross_entropy(logits, targets, loss_mask=None):
     mask = loss_mask.flatten().to(loss.dtype)
     # clamp: a micro-batch with no target tokens contributes 0, not NaN
     return (loss * mask).sum() / mask.sum().clamp(min=1)
-
-
-def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
-    """FLOP/s of a square matmul on this device: the achievable peak that MFU is measured
-    against when peak_flops is not given (on CPU, float32; nobody publishes a number for
-    your laptop)."""
-    g = torch.Generator(device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
-    a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
-    b = torch.rand(n, n, device=device, dtype=dtype, generator=g)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    a @ b  # warm up
-    sync()
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-        sync()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
-
-
-# ---- the optimizer: Muon for the hidden matrices, AdamW for the rest -----------------------
-
-
-def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, dtype=torch.bfloat16):
-    """An approximately orthogonal matrix with the row and column spaces of g (2-D): U V^T of
-    its SVD g = U S V^T, by a quintic Newton-Schulz iteration on X = g / |g| (every singular
-    value in (0, 1]) that pushes each singular value towards 1 (to about 0.7-1.2: the
-    coefficients trade precision for speed, which does not hurt training). Works on the short
-    side (X X^T is the smaller Gram matrix). In bfloat16 by default, as Keller Jordan's
-    reference and torch.optim.Muon do (on a CPU, whose bf16 matmuls are slow, float32)."""
-    a, b, c = coefficients
-    x = g.to(dtype)
-    if g.size(0) > g.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
-        x = torch.addmm(x, poly, x, beta=a)                     # a X + (b G + c G^2) X
-    return x.T if g.size(0) > g.size(1) else x
-
-
-class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers") for the param groups
-    marked muon=True, AdamW for the others, in one optimizer so that the loop, clipping and
-    checkpoints see one `param_groups` and one `state` (keyed by parameter).
-
-    Muon, per matrix W (m x n) with gradient G: a momentum buffer B = mu B + (1 - mu) G, the
-    update O = newton_schulz((1 - mu) G + mu B) (Nesterov), i.e. that direction with every
-    singular value ~1 (a step as large along rare directions as along common ones), and
-    W -= lr * 0.2 * sqrt(max(m, n)) * O after decoupled weight decay. The 0.2 sqrt(max(m, n))
-    gives O the RMS of a typical AdamW update (Liu et al. 2025, "Muon is scalable for LLM
-    training"), so one learning rate and one schedule serve both kinds of group. It needs
-    each matrix whole: an FSDP shard (a DTensor) is gathered for it, one matrix at a time;
-    ZeRO's flat slices and tensor-parallel slices are not, and train.py refuses those. The AdamW groups follow torch.optim.AdamW (single-tensor) step by
-    step; tests check both halves against torch's own optimizers."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
-                 ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      muon=False))
-        self.ns_dtype = ns_dtype
-        for group in self.param_groups:
-            assert not group["muon"] or all(p.dim() == 2 for p in group["params"]), "Muon is for 2-D matrices"
-
-    def orthogonalize(self, gs):
-        """Newton-Schulz of each matrix, here. Data parallel swaps in parallel.shared_orthogonalize
-        (each rank a share of the matrices, then an all-gather) as tensor parallelism swaps the loss."""
-        out = []
-        for g in gs:
-            if isinstance(g, DTensor):
-                # FSDP: this rank holds rows of the matrix; the orthogonalization needs all of
-                # them. Gather, orthogonalize (every rank the same), keep this rank's rows.
-                full = newton_schulz(g.full_tensor(), dtype=self.ns_dtype)
-                out.append(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None))
-            else:
-                out.append(newton_schulz(g, dtype=self.ns_dtype))
-        return out
-
-    @torch.no_grad()
-    def step(self):
-        muon = []  # (matrix, its Nesterov gradient, lr): orthogonalized together after the loop
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                p.mul_(1 - lr * wd)  # decoupled weight decay, as AdamW
-                if group["muon"]:
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    buf, mu = state["momentum_buffer"], group["momentum"]
-                    buf.lerp_(p.grad, 1 - mu)                           # B = mu B + (1 - mu) G
-                    muon.append((p, p.grad.lerp(buf, mu), lr))          # Nesterov: (1 - mu) G + mu B
-                else:
-                    if not state:
-                        state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                                     exp_avg_sq=torch.zeros_like(p))
-                    (beta1, beta2), step = group["betas"], state["step"].add_(1).item()
-                    state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
-        for (p, _, lr), update in zip(muon, self.orthogonalize([g for _, g, _ in muon])):
-            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))

@@ -18,8 +18,9 @@ import torch
 import checkpoint
 import configurator
 import data
+import hf
 import parallel
-from model import merge_lora
+from lora import merge_lora
 
 
 def load_model(path):
@@ -72,7 +73,7 @@ def main(argv):
         os.replace(tmp, cfg["export"])
         print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:
-        checkpoint.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
+        hf.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
         print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its tokenizer) to "
               f"{cfg['export_hf']}")
     if cfg["export"] or cfg["export_hf"]:

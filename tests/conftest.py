@@ -9,7 +9,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import data  # noqa: E402
+import prepare
+import workarounds
 
 # a tiny model and batch: a run of 20 iterations takes a few seconds on one core
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
@@ -44,7 +45,7 @@ def tiny_model(**kw):
 
 def write_corpus(root, n_docs=40, chars=3000):
     """A small .txt corpus cut from the standard library's sources (real text, deterministic)."""
-    _, files = data.stdlib_files()
+    _, files = prepare.stdlib_files()
     os.makedirs(root, exist_ok=True)
     for i, path in enumerate(files[:n_docs]):
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -63,7 +64,7 @@ def corpus(tmp_path_factory):
 def dataset(tmp_path_factory, corpus):
     """The tiny corpus prepared with a 512-id tokenizer; val holds about a fifth of the files."""
     out = str(tmp_path_factory.mktemp("data") / "tiny")
-    data.prepare(corpus, out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    prepare.prepare(corpus, out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
     return out
 
 
@@ -94,6 +95,7 @@ def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     import torch
+
     import parallel
     torch.set_num_threads(1)
     mesh = parallel.setup("cpu", dist_timeout_s=120, pp=pp, tp=tp)
@@ -101,7 +103,7 @@ def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
         torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         parallel.teardown(mesh)
-    parallel.exit_now()  # not through the interpreter's shutdown, where gloo's threads can abort
+    workarounds.exit_now()  # not through the interpreter's shutdown, where gloo's threads can abort
 
 
 def spawn(fn, world, *args, pp=1, tp=1):
@@ -109,6 +111,7 @@ def spawn(fn, world, *args, pp=1, tp=1):
     result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
     processes can import it."""
     import tempfile
+
     import torch
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
@@ -175,5 +178,5 @@ def chat_dataset(tmp_path_factory):
     src = root / "chat.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     out = str(root / "data")
-    data.prepare(str(src), out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    prepare.prepare(str(src), out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
     return out

@@ -8,12 +8,24 @@ import pytest
 import safetensors.torch  # a dependency of transformers: the reference implementation of the format
 import tiktoken
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import data
+import prepare
 from configurator import UserError
-from checkpoint import (hf_config_to_ours, hf_tokenizer, load_hf_llama, read_safetensors, save_hf_llama,
-                        write_safetensors)
+from hf import (
+    hf_config_to_ours,
+    hf_tokenizer,
+    load_hf_llama,
+    read_safetensors,
+    save_hf_llama,
+    write_safetensors,
+)
 from model import ModelConfig, Transformer
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -140,7 +152,7 @@ def stdlib_lines(n=1000, per_file=20):
     """n non-empty lines of the default corpus, the same ones on every run: the first per_file
     lines of files spread over the sorted standard library (every 2n / per_file-th file, as
     some are short), indentation kept."""
-    _, files = data.stdlib_files()
+    _, files = prepare.stdlib_files()
     lines = []
     for path in files[::max(1, len(files) // (2 * n // per_file))]:
         with open(path, encoding="utf-8", errors="replace") as f:

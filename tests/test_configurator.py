@@ -61,7 +61,9 @@ def test_command_line_values_are_never_executed(tmp_path):
 
 def test_script_defaults_reads_literals_without_running_the_script(tmp_path):
     import os
+
     from conftest import ROOT
+
     from configurator import script_defaults
     script = tmp_path / "s.py"
     script.write_text("import sys\na = 1\nb = 'x'  # note\nc = a * 2\nsys.exit(3)\n")

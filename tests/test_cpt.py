@@ -7,12 +7,13 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
+from conftest import RUN, read_metrics, run_train, torchrun
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-import data
 import checkpoint
-from conftest import RUN, read_metrics, run_train, torchrun
+import data
 from model import ModelConfig, Transformer
+
 
 def test_continual_pretraining_from_hf_on_two_ranks(hf_dir, dataset, tmp_path):
     out, export = str(tmp_path / "run"), str(tmp_path / "exported")

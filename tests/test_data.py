@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import data
+import prepare
 from configurator import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
@@ -51,10 +52,10 @@ def test_prepare_directory_round_trip(tmp_path):
     for name, text in texts.items():
         (src / name).write_text(text, encoding="utf-8")
     (src / "ignored.md").write_text("not a .txt file")
-    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 600, val_fraction=0.3, workers=2, verbose=False)
+    meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 600, val_fraction=0.3, workers=2, verbose=False)
     train, val = read_docs(tmp_path / "out", "train"), read_docs(tmp_path / "out", "val")
     assert sorted(train + val) == sorted(texts.values())
-    assert sorted(val) == sorted(t for n, t in texts.items() if data.is_val(n, 0.3))
+    assert sorted(val) == sorted(t for n, t in texts.items() if prepare.is_val(n, 0.3))
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 600
     assert (meta["train_docs"], meta["val_docs"]) == (len(train), len(val)) and len(val) > 0
     assert meta["train_tokens"] == os.path.getsize(tmp_path / "out" / "train.bin") // 2
@@ -64,7 +65,7 @@ def test_prepare_jsonl_round_trip_and_uint32(tmp_path):
     records = [{"text": f"line {i} " + TEXTS[i % len(TEXTS)], "id": i} for i in range(25)]
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
-    meta = data.prepare(str(path), str(tmp_path / "out"), "cl100k_base", 0, val_fraction=0.3, verbose=False)
+    meta = prepare.prepare(str(path), str(tmp_path / "out"), "cl100k_base", 0, val_fraction=0.3, verbose=False)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277  # the full vocabulary does not fit uint16
     docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")
     assert sorted(docs) == sorted(r["text"] for r in records)
@@ -76,28 +77,28 @@ def test_split_is_stable_when_files_are_added(tmp_path):
         src.mkdir()
         for i in range(n):
             (src / f"f{i}.txt").write_text(f"file {i}")
-        data.prepare(str(src), str(tmp_path / f"out{n}"), "cl100k_base", 512, val_fraction=0.3, verbose=False)
+        prepare.prepare(str(src), str(tmp_path / f"out{n}"), "cl100k_base", 512, val_fraction=0.3, verbose=False)
     small, large = read_docs(tmp_path / "out20", "val"), read_docs(tmp_path / "out40", "val")
     assert set(small) <= set(large) and len(large) > len(small)
 
 
 def test_prepare_errors(tmp_path):
     with pytest.raises(UserError, match="not found"):
-        data.prepare(str(tmp_path / "missing"), str(tmp_path / "o"), "cl100k_base", 512)
+        prepare.prepare(str(tmp_path / "missing"), str(tmp_path / "o"), "cl100k_base", 512)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
     with pytest.raises(UserError, match="no documents"):
-        data.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
     (tmp_path / "nodocs").mkdir()
     with pytest.raises(UserError, match="no .txt files"):
-        data.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
+        prepare.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": broken\n')
     with pytest.raises(UserError, match=r"bad.jsonl:3: malformed JSON"):
-        data.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
+        prepare.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2: no string field 'text'"):
-        data.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
+        prepare.prepare(str(bad), str(tmp_path / "o"), "cl100k_base", 512)
     assert not os.path.exists(tmp_path / "o" / "meta.json")  # nothing half-written looks complete
 
 
@@ -106,7 +107,7 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path, capsys):
     src.mkdir()
     for i in range(10):
         (src / f"{i}.txt").write_bytes(b"caf\xe9 ok \xff\xfe end" if i == 3 else b"clean text %d" % i)
-    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, val_fraction=0.5)
+    meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, val_fraction=0.5)
     assert meta["replaced_bytes"] == 3
     assert "3 undecodable bytes in 1 documents were replaced" in capsys.readouterr().out
     docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")

@@ -5,11 +5,20 @@ import os
 
 import pytest
 import torch
+from conftest import (
+    CFG,
+    REFERENCE,
+    assert_same_curve,
+    read_metrics,
+    run_train,
+    spawn,
+    torchrun,
+)
 
+import fsdp
+import hf
 import parallel
-from conftest import CFG, REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import ModelConfig, Transformer
-
 
 
 @pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False"]), (4, ["pp=2"])])
@@ -61,8 +70,8 @@ def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
     assert set(a) == set(b) and "layers.3.feed_forward.w2.weight" in a
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
-    one = checkpoint.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
-    two = checkpoint.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
+    one = hf.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
+    two = hf.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
     assert set(one) == set(two)
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -72,7 +81,7 @@ def one_step_memory(mesh, shard):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     if shard:
-        parallel.fully_shard_model(model, mesh)
+        fsdp.fully_shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.rank))
     model(x[:, :-1], x[:, 1:])[1].backward()

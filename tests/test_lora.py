@@ -8,13 +8,26 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import (
+    RUN,
+    TINY,
+    assert_same_curve,
+    read_metrics,
+    run_train,
+    spawn,
+    torchrun,
+)
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 import checkpoint
+import fsdp
+import hf
+import lora
 from configurator import UserError
-from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, spawn, torchrun
-from model import LoRALinear, ModelConfig, Transformer, apply_lora, make_stage, merge_lora
+from lora import LoRALinear, apply_lora, merge_lora
+from model import ModelConfig, Transformer
+from pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
 # every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3
@@ -34,7 +47,7 @@ def single(hf_dir, dataset, tmp_path_factory):
 
 
 def base_model(hf_dir):
-    _, sd = checkpoint.load_hf_llama(hf_dir)
+    _, sd = hf.load_hf_llama(hf_dir)
     model = Transformer(CFG)
     model.load_state_dict(sd)
     return model.eval()
@@ -100,7 +113,7 @@ def fsdp_memory(mesh):
     torch.manual_seed(0)
     model = Transformer(CFG)
     apply_lora(model, 4, 8.0, 0.0, ["wq", "wk", "wv", "wo"], seed=1)
-    parallel.fully_shard_model(model, mesh)
+    fsdp.fully_shard_model(model, mesh)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = ids()
     model(x[:, :-1], x[:, 1:])[1].backward()
@@ -175,9 +188,9 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
     # default PEFT also saves the whole head beside an lm_head adapter: refused, not half-read
     peft.save_pretrained(single["root"] / "peft_with_head")
     with pytest.raises(UserError, match="save_embedding_layers"):
-        checkpoint.load_peft_lora(single["root"] / "peft_with_head")
+        lora.load_peft_lora(single["root"] / "peft_with_head")
     peft.save_pretrained(single["root"] / "peft_saved", save_embedding_layers=False)
-    settings, sd = checkpoint.load_peft_lora(single["root"] / "peft_saved")
+    settings, sd = lora.load_peft_lora(single["root"] / "peft_saved")
     assert settings["rank"] == 4 and settings["targets"] == sorted(ALL.split(","))
     for n, t in sd.items():
         torch.testing.assert_close(t, ours.state_dict()[n], rtol=0, atol=0)
@@ -198,8 +211,8 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     assert "lora: r=4" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out))
     if exports:
-        _, want = checkpoint.load_peft_lora(single["root"] / "adapter")
-        _, got = checkpoint.load_peft_lora(tmp_path / "adapter")
+        _, want = lora.load_peft_lora(single["root"] / "adapter")
+        _, got = lora.load_peft_lora(tmp_path / "adapter")
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
@@ -208,7 +221,7 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["lora_rank=4", "lora_targets=wq,qkv"], "lora_targets='wq,qkv'"),
     (["lora_rank=4"], "LoRA adapts a trained model"),
-    (["lora_rank=-1"], "lora_rank=-1 is negative"),
+    (["lora_rank=-1"], "lora_rank=-1 must not be negative"),
     (["export_lora=x"], "export_lora= needs a LoRA run"),
 ])
 def test_lora_mistakes_are_one_line(args, message, dataset, tmp_path):

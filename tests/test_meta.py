@@ -5,40 +5,44 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-import checkpoint
-import parallel
 from conftest import spawn
 from test_fsdp import check_one_nth, one_step_memory
-from model import ModelConfig, Transformer, make_stage
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp
+import parallel
+import build
+import hf
+import tensor_parallel
+from model import ModelConfig, Transformer
+from pipeline import make_stage
 
 # layers dominate (16 of them, a 64-token vocabulary), so 1/4 of the model is well above the
 # fixed overhead of one parameter drawn whole
 CFG = dict(vocab_size=64, block_size=16, n_layer=16, n_head=4, n_kv_head=2, n_embd=64)
 
 
-def build(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf=None):
+def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=None):
     """train.py's model section at one layout: (model, peak bytes of tensors allocated). meta=False:
     the old way, the whole model built (and imported) first, then cut and sharded."""
-    with parallel.TensorMemory() as mem:
+    with build.TensorMemory() as mem:
         torch.manual_seed(0)
         with torch.device("meta") if meta else nullcontext():
             model = Transformer(ModelConfig(**cfg))
-        if hf and not meta:
-            model.load_state_dict(checkpoint.load_hf_llama(hf)[1])
+        if hf_dir and not meta:
+            model.load_state_dict(hf.load_hf_llama(hf_dir)[1])
         model = make_stage(model, stage, pp)
         if tp is not None:
-            parallel.tensor_parallel(model, tp)
+            tensor_parallel.tensor_parallel(model, tp)
         if dp_mesh is not None:
-            parallel.fully_shard_model(model, SimpleNamespace(dp_mesh=dp_mesh, device=torch.device("cpu")))
+            fsdp.fully_shard_model(model, SimpleNamespace(dp_mesh=dp_mesh, device=torch.device("cpu")))
         if meta:
-            parallel.materialize(model, "cpu")
+            build.materialize(model, "cpu")
             model.init_rope()
-            if hf:
-                checkpoint.load_hf_parts(checkpoint.hf_llama_index(hf)[1], parallel.local_parts(model))
+            if hf_dir:
+                hf.load_hf_parts(hf.hf_llama_index(hf_dir)[1], build.local_parts(model))
             else:
-                parallel.init_weights(model, 0)
+                build.init_weights(model, 0)
     return model, mem.peak
 
 
@@ -46,12 +50,12 @@ def full_tensors(model):
     """{name: the full tensor} of what this rank holds (a stage's), gathered over FSDP / tp."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, parallel.DTensor) else parallel.tp_gather(p, p) if hasattr(p, "_tp_dim") else p
+        t = p.full_tensor() if isinstance(p, parallel.DTensor) else tensor_parallel.tp_gather(p, p) if hasattr(p, "_tp_dim") else p
         out[name] = t.detach().clone()
     return out
 
 
-def layouts(mesh, hf):
+def layouts(mesh, hf_dir):
     """On 4 ranks: fsdp=4, pp=4, fsdp=2 x pp=2, tp=2 x pp=2, each built on meta; the import at
     fsdp=4 and pp=4; and the old whole-then-shard build and import, for their peaks. (dp=2
     builds the whole model on each rank, as one process does.)"""
@@ -60,11 +64,11 @@ def layouts(mesh, hf):
     tp = SimpleNamespace(tp=2, tp_rank=x, tp_group=grid["x"].get_group())
     runs = {"fsdp4": dict(dp_mesh=mesh.dp_mesh), "pp4": dict(stage=mesh.rank, pp=4),
             "fsdp2_pp2": dict(dp_mesh=grid["dp"], stage=x, pp=2), "tp2_pp2": dict(tp=tp, stage=grid["dp"].get_local_rank(), pp=2),
-            "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf=hf), "hf_pp4": dict(stage=mesh.rank, pp=4, hf=hf),
-            "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh), "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf=hf)}
+            "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf_dir=hf_dir), "hf_pp4": dict(stage=mesh.rank, pp=4, hf_dir=hf_dir),
+            "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh), "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf_dir=hf_dir)}
     out = {}
     for key, kw in runs.items():
-        model, peak = build(CFG, **kw)
+        model, peak = build_model(CFG, **kw)
         out[key] = {"peak": peak, "weights": full_tensors(model)}
     return out, one_step_memory(mesh, True)  # test_fsdp's check at fsdp=4, on these processes
 
@@ -77,12 +81,12 @@ def test_meta_build_is_layout_free_and_holds_a_quarter_per_rank(tmp_path):
     largest = max(t.numel() * t.element_size() for t in whole.values())
     # an imported model: other weights than the fresh ones
     torch.manual_seed(1)
-    hf = str(tmp_path / "hf")
-    checkpoint.save_hf_llama(hf, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
-    imported = checkpoint.load_hf_llama(hf)[1]
+    hf_dir = str(tmp_path / "hf")
+    hf.save_hf_llama(hf_dir, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
+    imported = hf.load_hf_llama(hf_dir)[1]
     assert not torch.equal(imported["layers.0.attention.wq.weight"], whole["layers.0.attention.wq.weight"])
 
-    ranks, steps = zip(*spawn(layouts, 4, hf))
+    ranks, steps = zip(*spawn(layouts, 4, hf_dir))
     check_one_nth(steps)
     bound = model_bytes / 4 + 4 * largest  # a quarter, plus a fixed overhead: one parameter drawn whole (and copies)
     for key in ranks[0]:

@@ -7,9 +7,11 @@ import os
 
 import numpy as np
 import pytest
+from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import data
-from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
+import mixture
+import prepare
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +29,18 @@ def sources(tmp_path_factory, dataset):
     out = {"tiny": dataset}
     for name, src, vocab in (("chat", chat, 512), ("notes", notes, 512), ("wide", notes, 600)):
         out[name] = str(root / name)
-        data.prepare(str(src), out[name], "cl100k_base", vocab, val_fraction=0.2, verbose=False)
+        prepare.prepare(str(src), out[name], "cl100k_base", vocab, val_fraction=0.2, verbose=False)
     return out
 
 
-def mixture(sources, names, weights, phases=(), temperature=1.0, batch_size=4, grad_accum_steps=2, dp_rank=0, dp=1):
+def mix_loader(sources, names, weights, phases=(), temperature=1.0, batch_size=4, grad_accum_steps=2, dp_rank=0, dp=1):
     loaders = [data.Loader(sources[n], "train", 32, batch_size, grad_accum_steps, 1337, dp_rank, dp) for n in names]
-    return data.MixtureLoader(loaders, names, weights, data.parse_phases(list(phases), names), temperature)
+    return mixture.MixtureLoader(loaders, names, weights, mixture.parse_phases(list(phases), names), temperature)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_shares_follow_the_weights_and_every_stream_is_read_in_order(sources, temperature):
-    mix = mixture(sources, ["tiny", "notes"], [0.7, 0.3], temperature=temperature)
+    mix = mix_loader(sources, ["tiny", "notes"], [0.7, 0.3], temperature=temperature)
     src = mix.sources(np.arange(1000))  # 1,000 global batches of 8 slots
     want = np.array([0.7, 0.3]) ** (1 / temperature)
     want /= want.sum()
@@ -53,7 +55,7 @@ def test_shares_follow_the_weights_and_every_stream_is_read_in_order(sources, te
             seen[k] += list(sample[s == k])
     for k in (0, 1):
         assert seen[k] == list(range(len(seen[k])))
-    fresh = mixture(sources, ["tiny", "notes"], [0.7, 0.3], temperature=temperature)
+    fresh = mix_loader(sources, ["tiny", "notes"], [0.7, 0.3], temperature=temperature)
     for it in (39, 7, 0):
         a, b = fresh.batch(it), mix.batch(it)
         assert all((u == v).all() for u, v in zip(a[:2] + a[3:], b[:2] + b[3:]))
@@ -61,7 +63,7 @@ def test_shares_follow_the_weights_and_every_stream_is_read_in_order(sources, te
 
 def test_phases_switch_the_weights_and_lr_and_ranks_take_their_slice(sources):
     phases = [(0, {"tiny": 1.0}), (6, {"tiny": 0.5, "chat": 0.5}, 0.5)]
-    mix = mixture(sources, ["tiny", "chat"], [1.0, 1.0], phases)
+    mix = mix_loader(sources, ["tiny", "chat"], [1.0, 1.0], phases)
     src = mix.sources(np.arange(12))
     assert (src[:6] == 0).all() and (src[6:] == 1).any() and (src[6:] == 0).any()
     assert [mix.lr_scale(i) for i in (0, 5, 6, 100)] == [1.0, 1.0, 0.5, 0.5]
@@ -70,28 +72,28 @@ def test_phases_switch_the_weights_and_lr_and_ranks_take_their_slice(sources):
     x, y, mask, s = mix.batch(7)
     assert mask is not None and (mask[s == 0] == 1).all() and (mask[s == 1] == 0).any()
     # two data-parallel ranks: their slices, side by side, are the one-process global batch
-    halves = [mixture(sources, ["tiny", "chat"], [1.0, 1.0], phases, dp_rank=r, dp=2).batch(7) for r in (0, 1)]
+    halves = [mix_loader(sources, ["tiny", "chat"], [1.0, 1.0], phases, dp_rank=r, dp=2).batch(7) for r in (0, 1)]
     for j in range(4):
         assert (np.concatenate([h[j] for h in halves]) == np.asarray((x, y, mask, s)[j])).all()
     # one source, no phases: exactly the plain Loader's batches
-    one, plain = mixture(sources, ["tiny"], [1.0]), data.Loader(sources["tiny"], "train", 32, 4, 2, 1337)
+    one, plain = mix_loader(sources, ["tiny"], [1.0]), data.Loader(sources["tiny"], "train", 32, 4, 2, 1337)
     for it in (0, 3, 500):
         assert all((a == b).all() for a, b in zip(one.batch(it)[:2], plain.batch(it)[:2]))
 
 
 def test_phases_parse_and_refuse(sources):
     names = ["a", "b"]
-    assert data.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
+    assert mixture.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
         [(0, {"a": 1.0}, 1.0), (6, {"a": 0.5, "b": 0.5}, 0.5)]
     for bad, match in (("[(-1, {'a': 1.0})]", "before 0"), ("[(5, {'a': 1.0}), (3, {'b': 1.0})]", "increasing"),
                        ("[(0, {'c': 1.0})]", "'c'"), ("[(0, {'a': 0})]", "positive"), ("[(0, 'a')]", "is not .start_iter"),
                        ("[(0, {'a': 1.0}, -1)]", "lr_scale"), ("[(0,", "literal")):
         with pytest.raises(data.UserError, match=match):
-            data.parse_phases(bad, names)
+            mixture.parse_phases(bad, names)
     with pytest.raises(data.UserError, match="different tokenizers"):
-        data.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "wide")})
+        mixture.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "wide")})
     chat_meta = data.load_meta(sources["chat"])  # text + chat of one base: the chat vocabulary covers both
-    assert data.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "chat")}) == chat_meta
+    assert mixture.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "chat")}) == chat_meta
 
 
 MIX = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "lr_decay_iters=8", "doc_mask=True",
@@ -116,7 +118,7 @@ def test_mixture_run_logs_sources_and_resumes_exactly_across_a_phase(mix_run, so
     train = {r["iter"]: r for r in rows if "loss" in r}
     assert "[tiny " in stdout and "val loss" in stdout
     # per-source losses, each over its own target tokens of the global batch, average to the loss
-    mix = mixture(sources, ["tiny", "chat", "notes"], [0.7, 0.2, 0.1],
+    mix = mix_loader(sources, ["tiny", "chat", "notes"], [0.7, 0.2, 0.1],
                   [(0, {"tiny": 1.0, "chat": 1.0}), (6, {"tiny": 0.5, "chat": 0.5, "notes": 1.0}, 0.5)], 2.0,
                   grad_accum_steps=4)
     for it, r in train.items():

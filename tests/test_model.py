@@ -3,11 +3,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_model
-from model import (KVCache, ModelConfig, MuonWithAdamW, apply_rope, grow_vocab, make_stage, masked_cross_entropy,
-                   newton_schulz, rope_tables)
 
+from model import (
+    KVCache,
+    ModelConfig,
+    apply_rope,
+    grow_vocab,
+    masked_cross_entropy,
+    rope_tables,
+)
+from optim import MuonWithAdamW, newton_schulz
+from pipeline import make_stage
 
 tiny = tiny_model
 

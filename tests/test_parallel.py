@@ -7,18 +7,28 @@ import signal
 import subprocess
 import sys
 import time
-
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn as nn
+from conftest import (
+    CFG,
+    REFERENCE,
+    ROOT,
+    TINY,
+    assert_same_curve,
+    free_port,
+    read_metrics,
+    run_train,
+    spawn,
+    torchrun,
+)
 from torch.nn.parallel import DistributedDataParallel
 
-import parallel
-from conftest import CFG, REFERENCE, ROOT, TINY, assert_same_curve, free_port, read_metrics, run_train, spawn, torchrun
-from model import ModelConfig, Transformer
+import data_parallel
 
+from model import ModelConfig, Transformer
 
 
 def global_batch(n_micro):
@@ -39,7 +49,7 @@ def single_process_grads(n_micro):
 def wrap(model, mesh, impl, bucket_mb, **torch_kwargs):
     if impl == "torch":
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **torch_kwargs)
-    return parallel.NaiveDataParallel(model, mesh) if impl == "naive" else parallel.DataParallel(model, mesh, bucket_mb)
+    return data_parallel.NaiveDataParallel(model, mesh) if impl == "naive" else data_parallel.DataParallel(model, mesh, bucket_mb)
 
 
 def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
@@ -91,7 +101,7 @@ def no_sync_steps(mesh, n_micro, bucket_mb):
     out = {f"{impl}{how}": dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=how == "_no_sync")
            for impl in ("bucketed", "naive") for how in ("", "_no_sync")}
     # forgetting no_sync on the earlier micro-steps is caught, not silently wrong
-    model = parallel.DataParallel(Transformer(ModelConfig(**CFG)), mesh, bucket_mb)
+    model = data_parallel.DataParallel(Transformer(ModelConfig(**CFG)), mesh, bucket_mb)
     data = global_batch(2)
     try:
         for k in range(2):
@@ -282,11 +292,11 @@ def test_a_dead_or_hung_rank_ends_the_run_within_the_timeout(fault, dataset, tmp
 
 
 KEEP_FREED = """
-import sys, torch, parallel
+import sys, torch, workarounds
 from model import ModelConfig, Transformer
 faults = lambda: int(open("/proc/self/stat").read().split()[9])  # minor page faults so far
 if sys.argv[1] == "keep":
-    assert parallel.keep_freed_memory()
+    assert workarounds.keep_freed_memory()
 torch.set_num_threads(1)
 model = Transformer(ModelConfig(vocab_size=8192, block_size=128, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
 x = torch.randint(0, 8192, (4, 128))  # logits and their gradients: 16 MB each

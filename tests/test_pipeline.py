@@ -2,15 +2,16 @@
 and torch.distributed.pipelining, activation counts, and train.py under torchrun."""
 
 
+import conftest
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import parallel
-import conftest
 from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
-from model import ModelConfig, Transformer, make_stage, pipeline_split, stage_costs, stage_layers
+
+import pipeline
+from model import ModelConfig, Transformer
+from pipeline import make_stage, pipeline_split, stage_costs, stage_layers
 
 CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4
 B = 2
@@ -51,7 +52,7 @@ def run_schedules(mesh, m, weights=None):
         stage = stage_of(mesh, virtual)
         micro = [(x[k], y[k], None, None) for k in range(m)]
         trace = []
-        loss, peak = parallel.pipeline_step(schedule, stage, mesh, micro, (B, 16, 32), weights=weights, trace=trace,
+        loss, peak = pipeline.pipeline_step(schedule, stage, mesh, micro, (B, 16, 32), weights=weights, trace=trace,
                                             virtual=virtual)
         out[schedule] = {"loss": loss.item(), "peak": peak, "trace": [e[:2] + e[4:] for e in trace],
                          "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
@@ -208,7 +209,7 @@ def test_interleaved_schedule_idles_exactly_the_theory(pp):
     # (p-1)/(m+p-1) for V*m >> p; a schedule that waited one round too many would fail this
     for virtual in (1, 2, 3):
         for m in (pp, 2 * pp, 4 * pp):
-            rounds = parallel.interleaved_rounds(pp, virtual, m)
+            rounds = pipeline.interleaved_rounds(pp, virtual, m)
             for row in rounds:  # every rank runs each of its ops once
                 ops = [op for op in row if op is not None]
                 assert sorted(ops) == sorted((kind, c, k) for kind in "FB" for c in range(virtual) for k in range(m))

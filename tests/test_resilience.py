@@ -10,9 +10,9 @@ import sys
 import time
 
 import torch
-
-import checkpoint
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train
+
+import rundir
 
 # long enough to be interrupted mid-run (a few seconds), with a checkpoint every 5 iterations
 LONG = [*TINY, "max_iters=60", "lr_decay_iters=60", "ckpt_interval=5", "eval_interval=20", "keep_ckpts=3"]
@@ -203,7 +203,7 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
     finished = re.search(r"saved checkpoint \S+iter_0000004 \(async: finished at iteration (\d+)\)", stdout)
     assert finished and int(finished[1]) > 4, stdout[-2000:]  # the loop went on while iteration 4 was written
     assert latest() == "iter_0000004" and "iter_0000008" not in os.listdir(ckpt)  # the killed save never became latest
-    killed = checkpoint.read_metrics(os.path.join(out, "metrics.jsonl"))  # a line torn by the kill is dropped
+    killed = rundir.read_metrics(os.path.join(out, "metrics.jsonl"))  # a line torn by the kill is dropped
     # run again (no save before the end): it resumes from iteration 4, removes the killed save's
     # temporary directory, and repeats the killed run's iterations from 4 on bit for bit
     p = run_train(["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *common, f"out_dir={out}",

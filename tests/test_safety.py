@@ -16,12 +16,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, TINY, read_metrics, run_train
 
 import checkpoint
+import rundir
 import data
+import fsdp
+import hf
 import parallel
+import prepare
 from configurator import UserError
-from conftest import ROOT, TINY, read_metrics, run_train
 from model import ModelConfig, Transformer
 
 
@@ -104,8 +108,8 @@ def tiny_model(n_embd=32, seed=0):
 
 def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
     path = str(tmp_path / "m.safetensors")
-    checkpoint.write_safetensors(path, {"a": torch.ones(4), "b": torch.zeros(4)})
-    assert set(checkpoint.read_safetensors(path)) == {"a", "b"}
+    hf.write_safetensors(path, {"a": torch.ones(4), "b": torch.zeros(4)})
+    assert set(hf.read_safetensors(path)) == {"a", "b"}
 
     def rewrite(header, extra=b""):
         raw = json.dumps(header).encode()
@@ -115,13 +119,13 @@ def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
     f32 = lambda begin: {"dtype": "F32", "shape": [4], "data_offsets": [begin, begin + 16]}  # noqa: E731
     rewrite({"a": f32(0), "b": f32(0)}, bytes(0))  # b aliases a (and 16 bytes at the end are nobody's)
     with pytest.raises(UserError, match="overlap|gap"):
-        checkpoint.read_safetensors(path)
+        hf.read_safetensors(path)
     rewrite({"a": f32(0), "b": f32(8)})  # overlapping
     with pytest.raises(UserError, match="overlap|gap"):
-        checkpoint.read_safetensors(path)
+        hf.read_safetensors(path)
     rewrite({"a": f32(0), "b": f32(16)}, bytes(8))  # trailing bytes nobody owns
     with pytest.raises(UserError, match="end"):
-        checkpoint.read_safetensors(path)
+        hf.read_safetensors(path)
 
 
 def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(tmp_path):
@@ -146,7 +150,7 @@ def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(t
                                                                             "iter_12345678"]
     # a killed save's temporary directory is removed by the next run that locks out_dir
     os.makedirs(os.path.join(root, ".tmp_iter_0000010"))
-    fd = checkpoint.lock_out_dir(out)
+    fd = rundir.lock_out_dir(out)
     try:
         assert not os.path.exists(os.path.join(root, ".tmp_iter_0000010"))
     finally:
@@ -224,20 +228,20 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
 
 
 def test_hf_config_with_non_positive_sizes_is_refused():
-    hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    cfg = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 0, "head_dim": 8}
     with pytest.raises(UserError, match="num_attention_heads=0"):
-        checkpoint.hf_config_to_ours(hf)
+        hf.hf_config_to_ours(cfg)
     with pytest.raises(UserError, match="hidden_size=-32"):
-        checkpoint.hf_config_to_ours({**hf, "num_attention_heads": 4, "hidden_size": -32})
+        hf.hf_config_to_ours({**cfg, "num_attention_heads": 4, "hidden_size": -32})
 
 
 def test_torn_metrics_line_is_dropped(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
         f.write('{"iter": 0, "loss": 1.0}\n{"iter": 1, "loss": 0.9}\n{"iter": 2, "lo')
-    assert checkpoint.read_metrics(path) == [{"iter": 0, "loss": 1.0}, {"iter": 1, "loss": 0.9}]
-    assert checkpoint.read_metrics(str(tmp_path / "absent.jsonl")) == []
+    assert rundir.read_metrics(path) == [{"iter": 0, "loss": 1.0}, {"iter": 1, "loss": 0.9}]
+    assert rundir.read_metrics(str(tmp_path / "absent.jsonl")) == []
 
 
 def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_path):
@@ -251,7 +255,7 @@ def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_pat
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not any(r["iter"] >= 5 and "loss" in r for r in checkpoint.read_metrics(os.path.join(out, "metrics.jsonl"))):
+        while not any(r["iter"] >= 5 and "loss" in r for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl"))):
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-2000:]
             time.sleep(0.1)
         t0 = time.time()
@@ -277,13 +281,13 @@ def test_failed_reprepare_keeps_the_existing_dataset(dataset, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
     with pytest.raises(UserError, match="malformed JSON"):
-        data.prepare(str(bad), target, "cl100k_base", 512, verbose=False)
+        prepare.prepare(str(bad), target, "cl100k_base", 512, verbose=False)
     assert {n: open(os.path.join(target, n), "rb").read() for n in os.listdir(target)} == before
     assert [n for n in os.listdir(tmp_path) if n not in ("ds", "bad.jsonl")] == []  # no temp dir left
     # and a successful re-prepare replaces it whole
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(30)))
-    data.prepare(str(good), target, "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    prepare.prepare(str(good), target, "cl100k_base", 512, val_fraction=0.2, verbose=False)
     assert data.load_meta(target)["source"] == str(good)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds", "good.jsonl"]
 
@@ -321,10 +325,10 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
 
 def _save_and_find_with_a_corrupt_share(mesh, out):
     hashed = []  # (what, file name) this rank hashed
-    sha256 = checkpoint._sha256
-    checkpoint._sha256 = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
+    sha256 = checkpoint.sha256_file
+    checkpoint.sha256_file = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
     model = tiny_model()
-    parallel.fully_shard_model(model, mesh)
+    fsdp.fully_shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters())
     for it in (1, 2):
         checkpoint.save(out, it, model, opt, {"rng_cpu": []}, {"iter": it}, mesh, 0)

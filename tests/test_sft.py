@@ -6,10 +6,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torchrun
 
 import data
+import prepare
 from configurator import UserError
-from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torchrun
 from model import ModelConfig, Transformer
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
@@ -83,7 +84,7 @@ def test_text_dataset_with_extra_tokens(tmp_path):
     texts = [f"doc {i}: call <|tool|> then <|result|>{i} <|endoftext|> stays text" for i in range(20)]
     for i, t in enumerate(texts):
         (src / f"{i}.txt").write_text(t)
-    meta = data.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, 0.3, extra_tokens=EXTRA, verbose=False)
+    meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, 0.3, extra_tokens=EXTRA, verbose=False)
     assert meta["vocab_size"] == 514 and meta["base_vocab_size"] == 512 and meta["extra_tokens"] == EXTRA
     assert meta["format"] == "text" and meta["chat_tokens"] == []
     assert not os.path.exists(tmp_path / "out" / "train.mask.bin")
@@ -189,7 +190,7 @@ def chat_with_extra_tokens(tmp_path_factory):
     src = write_jsonl(root / "sft.jsonl", [records[0], "", *records[1:]])  # a blank line is skipped
     tokens_file = root / "tokens.txt"
     tokens_file.write_text("<|tool|>\n<|result|>\n<|user|>\n")  # a chat token listed again is not added twice
-    meta = data.prepare(src, str(root / "out"), "cl100k_base", 512, val_fraction=0.2,
+    meta = prepare.prepare(src, str(root / "out"), "cl100k_base", 512, val_fraction=0.2,
                         extra_tokens=str(tokens_file), verbose=False)
     return str(root / "out"), meta, records
 
@@ -215,7 +216,7 @@ def test_chat_dataset_round_trips(chat_with_extra_tokens):
         cuts = np.flatnonzero(tokens == enc.eot_token) + 1
         got = [(t.tolist(), m.tolist()) for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts)[:-1])]
         want = [data.render_chat(enc, as_messages(r)) for r, line in zip(records, lines)
-                if data.is_val(f"sft.jsonl:{line}", 0.2) == (split == "val")]
+                if prepare.is_val(f"sft.jsonl:{line}", 0.2) == (split == "val")]
         assert got == [(ids + [enc.eot_token], m + [0]) for ids, m in want]
         assert meta[f"{split}_docs"] == len(want) > 0
 
@@ -265,7 +266,7 @@ def test_bad_chat_records_name_file_and_line(tmp_path, line, match):
     good = json.dumps({"prompt": "q", "response": "a"})
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, "", line])
     with pytest.raises(UserError, match=rf"bad.jsonl:4: .*{match}"):
-        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+        prepare.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
     assert os.listdir(tmp_path) == ["bad.jsonl"]  # no partial files, no meta.json, no temp directory
 
 
@@ -274,18 +275,18 @@ def test_format_detection_and_mixing(tmp_path):
     chat = json.dumps({"prompt": "q", "response": "a"})
     path = write_jsonl(tmp_path / "mix.jsonl", [text, chat])
     with pytest.raises(UserError, match=r"mix.jsonl:2: a chat record in a text source"):
-        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+        prepare.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
     with pytest.raises(UserError, match=r"mix.jsonl:1: not a chat record"):
-        data.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, format="chat", verbose=False)
+        prepare.prepare(path, str(tmp_path / "o"), "cl100k_base", 512, format="chat", verbose=False)
     files = [path]
-    assert data.detect_format("jsonl", files) == "text"
+    assert prepare.detect_format("jsonl", files) == "text"
     write_jsonl(tmp_path / "mix.jsonl", ["", chat, text])
-    assert data.detect_format("jsonl", files) == "chat"
-    assert data.detect_format("jsonl", files, format="text") == "text"
+    assert prepare.detect_format("jsonl", files) == "chat"
+    assert prepare.detect_format("jsonl", files, format="text") == "text"
     with pytest.raises(UserError, match="format=chat needs .jsonl"):
-        data.detect_format("text", ["a.txt"], format="chat")
+        prepare.detect_format("text", ["a.txt"], format="chat")
     with pytest.raises(UserError, match="format='sft' is unknown"):
-        data.detect_format("jsonl", files, format="sft")
+        prepare.detect_format("jsonl", files, format="sft")
 
 
 def test_doc_ids():

@@ -7,10 +7,18 @@ curve at tp=2, tp=2 x pp=2 and tp=2 x dp=2, and checkpoints moved between tp lay
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    REFERENCE,
+    assert_same_curve,
+    read_metrics,
+    run_train,
+    spawn,
+    torchrun,
+)
 
 import parallel
+import tensor_parallel
 from configurator import UserError
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from model import Block, ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
@@ -25,7 +33,7 @@ def batch(seed=0):
 
 def gathered_grads(model):
     """name -> the full gradient (tp slices gathered), for comparison with the whole model's."""
-    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
+    return {n: tensor_parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
 
 
 def tp_checks(mesh):
@@ -38,13 +46,13 @@ def tp_checks(mesh):
     V = 64 // mesh.tp
     for masked in (False, True):
         part = logits[..., mesh.tp_rank * V:(mesh.tp_rank + 1) * V].clone().requires_grad_()
-        loss = parallel.vocab_parallel_cross_entropy(part, y, mask if masked else None, start=mesh.tp_rank * V,
+        loss = tensor_parallel.vocab_parallel_cross_entropy(part, y, mask if masked else None, start=mesh.tp_rank * V,
                                                      group=mesh.tp_group)
         loss.backward()
         out[f"ce_{masked}"] = (loss.detach(), part.grad)
     # a whole model, sharded: its loss and gathered gradients
     torch.manual_seed(0)
-    model = parallel.tensor_parallel(Transformer(ModelConfig(**CFG)), mesh)
+    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CFG)), mesh)
     x, y, mask = batch()
     _, loss = model(x, y, mask)
     loss.backward()
@@ -93,13 +101,18 @@ def test_a_vocabulary_tp_does_not_divide_is_one_line():
     mesh = parallel.Mesh(rank=0, local_rank=0, world=2, dp=1, pp=1, dp_rank=0, pp_rank=0, device=torch.device("cpu"),
                          backend="gloo", tp=2)
     with pytest.raises(UserError, match="tp=2 does not divide vocab_size=63"):
-        parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "vocab_size": 63})), mesh)
+        tensor_parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "vocab_size": 63})), mesh)
 
 
 def block_peer(mesh):
     """One block, sharded by us and by torch's parallelize_module (Colwise / Rowwise): the same
     input, output and gradients."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     from model import rope_tables
     cfg = ModelConfig(**CFG)
     cos, sin = rope_tables(cfg.n_embd // cfg.n_head, 16, cfg.rope_theta)
@@ -112,7 +125,7 @@ def block_peer(mesh):
             holder = Transformer(ModelConfig(**{**CFG, "n_layer": 1}))  # tensor_parallel shards a model (or a stage)
             holder.layers["0"] = block
             holder.tok_embeddings = holder.output = None
-            parallel.tensor_parallel(holder, mesh)
+            tensor_parallel.tensor_parallel(holder, mesh)
         else:
             parallelize_module(block, mesh.tp_mesh, {
                 **{f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}, "attention.wo": RowwiseParallel(),

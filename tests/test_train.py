@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, TINY, read_metrics, run_train, torchrun
 
 from configurator import UserError
-from conftest import ROOT, TINY, read_metrics, run_train, torchrun
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
 

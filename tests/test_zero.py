@@ -1,13 +1,15 @@
-"""ZeRO stages 1 and 2 (parallel.ZeroDataParallel + ZeroOptimizer) on real gloo processes:
+"""ZeRO stages 1 and 2 (zero.ZeroDataParallel + ZeroOptimizer) on real gloo processes:
 the single-process curve through train.py, torch's ZeroRedundancyOptimizer as a peer, the
 per-rank memory, and checkpoints that move between zero, fsdp and one process."""
 
 import pytest
 import torch
+from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+import data_parallel
 import parallel
-from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
+import zero
 from model import ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
@@ -40,13 +42,13 @@ def three_steps(mesh, kind):
     groups = [{"params": decay, "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     if kind == "torch_zero":  # torch's ZeRO-1 over our all-reduce: the peer
-        ddp = parallel.DataParallel(model, mesh, 0.002)
+        ddp = data_parallel.DataParallel(model, mesh, 0.002)
         opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                       process_group=mesh.dp_group)
         opt.add_param_group(groups[1])
     else:
-        ddp = parallel.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
-        opt = parallel.ZeroOptimizer(ddp, groups, lr=1e-2)
+        ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
+        opt = zero.ZeroOptimizer(ddp, groups, lr=1e-2)
     norms = []
     for step in range(3):
         opt.zero_grad(set_to_none=True)
@@ -79,8 +81,8 @@ def one_step_memory(mesh, stage):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     if stage:
-        ddp = parallel.ZeroDataParallel(model, mesh, 0.01, stage)
-        opt = parallel.ZeroOptimizer(ddp, [{"params": list(model.parameters())}], lr=1e-3)
+        ddp = zero.ZeroDataParallel(model, mesh, 0.01, stage)
+        opt = zero.ZeroOptimizer(ddp, [{"params": list(model.parameters())}], lr=1e-3)
     else:
         ddp, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.rank))

@@ -1,0 +1,136 @@
+"""
+The meta-device build: train.py builds the model with shapes only, cuts its pipeline stage,
+applies tensor parallel and FSDP there, and only then gives each rank storage for what it
+holds and fills it: fresh weights drawn per parameter name (the same bits a single process
+draws), or its part of an imported file or a checkpoint. No rank ever holds the whole model.
+TensorMemory counts what a rank allocates on the way (bench.py, tests).
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model import init_tensor
+
+# ---- meta-device build: no rank ever holds the whole model ------------------------------
+# train.py builds the model on the meta device (shapes, no storage), cuts its pipeline stage,
+# applies tensor parallel and FSDP there, then gives each rank storage for what it holds
+# (materialize) and fills it: fresh weights, an imported file or a checkpoint, each rank
+# reading only its own part (local_parts says which part of which full tensor that is).
+
+
+def materialize(model, device):
+    """Real (uninitialized) storage on `device` for the meta parameters and buffers of
+    `model`, in place. FSDP2 re-points its shards at the new storage in its own to_empty.
+    Otherwise we swap each Parameter by hand: nn.Module.to_empty would make new Parameters
+    per module, which unties a tied head from the embedding and drops the attributes that
+    tensor_parallel sets (_tp_dim, _tp_group)."""
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return model.to_empty(device=device)
+    new = {}  # meta Parameter -> its replacement (a tied weight is one Parameter under two names)
+    for m in model.modules():
+        for key, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                if p not in new:
+                    new[p] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    new[p].__dict__.update(p.__dict__)
+                m._parameters[key] = new[p]
+        for key, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[key] = torch.empty_like(b, device=device)
+    return model
+
+
+def local_parts(model):
+    """(name, local, full_shape, dim, start, stop) for each parameter of `model` (a tied one
+    once): `local` is the tensor this rank holds, the slice [start, stop) along `dim` of the
+    full tensor of shape full_shape; dim None: the whole tensor. An FSDP shard is a block of
+    rows (dim 0, torch.chunk's split, as DTensor's Shard(0) cuts), a tensor-parallel slice
+    one chunk along its _tp_dim; a layout with both is refused by train.py."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            assert len(p.placements) == 1 and p.placements[0].is_shard(0), f"{name}: {p.placements}, not FSDP's Shard(0)"
+            local, n, r = p.to_local(), p.device_mesh.size(), p.device_mesh.get_local_rank()
+            size = -(-p.shape[0] // n)  # torch.chunk's chunk size
+            start = min(r * size, p.shape[0])
+            dim, stop = 0, min(start + size, p.shape[0])
+        elif hasattr(p, "_tp_dim"):
+            local, dim, n = p, p._tp_dim, dist.get_world_size(p._tp_group)
+            size = p.shape[dim]
+            start, stop = dist.get_rank(p._tp_group) * size, (dist.get_rank(p._tp_group) + 1) * size
+        else:
+            yield name, p, tuple(p.shape), None, 0, 0
+            continue
+        full = tuple(p.shape) if isinstance(p, DTensor) else tuple(p.shape[:dim]) + (size * n,) + tuple(p.shape[dim + 1:])
+        assert local.shape[dim] == stop - start, f"{name}: local {tuple(local.shape)} is not rows {start}:{stop} of {full}"
+        yield name, local, full, dim, start, stop
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Fresh weights for the parameters this rank holds (after materialize): each one drawn
+    whole on the CPU from its own generator (model.init_tensor: seeded by the run's seed and
+    its name), and this rank's slice kept. The same bits as `Transformer(cfg)` with that seed
+    in one process, whatever the layout; the price is one transient of the largest single
+    parameter (the embedding or a SwiGLU matrix), not of the model."""
+    for name, local, shape, dim, start, stop in local_parts(model):
+        full = init_tensor(name, shape, model.cfg.n_layer, seed)
+        local.copy_(full if dim is None else full.narrow(dim, start, stop - start))
+
+
+class TensorMemory(TorchDispatchMode):
+    """Counts the bytes of CPU tensor storage created while active and still alive (`now`)
+    and the most at any moment (`peak`): what a rank allocates while it builds or imports the
+    model (bench.py, tests). Storage that existed before is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.seen = set()
+
+    def _free(self, key, n):
+        self.seen.discard(key)
+        self.now -= n
+
+    @staticmethod
+    def _cpu_storages(tree):
+        for t in torch.utils._pytree.tree_leaves(tree):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                s = t.untyped_storage()
+                yield (s.data_ptr(), s.nbytes()), s
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        old = {key for key, _ in self._cpu_storages((args, kwargs))}  # a view or an in-place result is not new
+        for key, s in self._cpu_storages(out):
+            if key not in self.seen and key not in old and s.nbytes():
+                self.seen.add(key)
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self._free, key, s.nbytes())
+        return out
+
+
+def fill(model, src, seed, mesh, device):
+    """Storage on `device` for the part of the meta-built `model` this rank holds, then its
+    weights from `src` (rundir.Source): a Hugging Face directory's tensors (of a shard only its
+    rows), another run's checkpoint (DCP reads only what this rank holds), or fresh weights:
+    this rank's slices of what a single process draws. A run that resumes starts from the
+    fresh ones until its checkpoint is loaded, with the optimizer state, once that exists."""
+    materialize(model, device)
+    model.init_rope(mesh.device)  # buffers derived from the config, not loaded
+    with torch.no_grad():
+        if src.kind == "hf":
+            import hf
+            hf.load_hf_parts(src.hf_index, local_parts(model))
+        elif src.kind == "run":
+            import checkpoint
+            checkpoint.load(src.path, model)
+        else:
+            init_weights(model, seed)

@@ -1,0 +1,50 @@
+"""
+FSDP2 (ZeRO-3) with torch's fully_shard, applied to a built model (or pipeline stage) from
+outside: each transformer block is one unit, then the root (embedding, final norm, head).
+"""
+
+
+import torch
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+# ---------------------------------------------------------------------------------------
+# FSDP2: fully sharded data parallel (ZeRO-3) with torch's fully_shard
+#
+# Each dp rank keeps 1/dp of every parameter, of its gradient and of its optimizer state.
+# A block's full weights exist only while it runs: all-gathered before its forward (and
+# again before its backward, if resharded after forward), and its gradients are
+# reduce-scattered back to shards after its backward. Wrapping each block separately is
+# what bounds the memory: only one block is whole at a time, and the next block's
+# all-gather overlaps the current block's compute.
+
+
+def fully_shard_model(model, mesh, reshard_after_forward=True, bf16=False, offload=False):
+    """Shards `model` (a whole model or a pipeline stage) over mesh.dp_mesh, in place: each
+    transformer block, then the root (embedding, final norm, head). bf16: compute in bf16
+    with fp32 gradient reduction (CUDA); otherwise everything stays fp32. offload: the
+    parameter shards (so the optimizer state and its step too) live in CPU memory and are
+    copied to the GPU for each block's use (CPUOffloadPolicy); on a CPU device there is
+    nothing to move and it is not set."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+          if bf16 else MixedPrecisionPolicy())
+    kw = dict(mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+              offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu" else OffloadPolicy())
+    for block in model.layers.values():
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def reshard(model):
+    """Frees gathered FSDP weights. With reshard_after_forward=False a forward leaves them
+    gathered for its backward; after a forward without backward (evaluation) nothing else
+    would free them, and the parameters would not be the optimizer's shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -1,0 +1,303 @@
+"""
+Mixtures of datasets (datasets=stdlib:0.7,notes:0.3): MixtureLoader draws each sequence of a
+global batch from one of several prepared datasets, by weights tempered with
+mix_temperature, with curriculum phases that change the weights (and scale the learning
+rate) from a given iteration on; and the per-source losses that train.py logs. A run with
+one dataset never enters this file.
+"""
+
+import ast
+import math
+import os
+
+import numpy as np
+import torch
+
+from configurator import UserError
+
+# ---------------------------------------------------------------------------------------
+# mixtures of datasets, and curriculum phases
+
+
+def parse_mixture(spec):
+    """{source: weight} from 'stdlib:0.7,notes:0.3' (a source without ':w' weighs 1). A source
+    is a dataset name under data/ or a directory; its name in logs and phases is its base name."""
+    mixture = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            raise UserError(f"datasets={spec!r} has an empty entry: write e.g. datasets=stdlib:0.7,notes:0.3")
+        source, _, w = part.rpartition(":") if ":" in part else (part, "", "1")
+        try:
+            weight = float(w)
+        except ValueError:
+            raise UserError(f"datasets: weight {w!r} of '{source}' is not a number: write e.g. {source}:0.5") from None
+        if not weight > 0 or not math.isfinite(weight):
+            raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive (leave a source out "
+                            f"to not use it)")
+        if source_name(source) in map(source_name, mixture):
+            raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source once")
+        mixture[source] = weight
+    return mixture
+
+
+def source_name(source):
+    return os.path.basename(source.rstrip("/\\")) or source
+
+
+def parse_phases(phases, names):
+    """[(start_iter, {name: weight}, lr_scale)] from `phases`: a list (a config file) or a
+    string holding one (the command line), of (start, {name: weight}) or (start, weights,
+    lr_scale) tuples, starts strictly increasing and >= 0. Sources a phase leaves out weigh 0."""
+    if isinstance(phases, str):
+        try:
+            phases = ast.literal_eval(phases) if phases.strip() else []
+        except (ValueError, SyntaxError):
+            raise UserError(f"phases={phases!r} is not a Python literal: write e.g. "
+                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, 0.5)]'") from None
+    example = "(400, {\"a\": 0.5, \"b\": 0.5}, 0.5)"
+    if not isinstance(phases, (list, tuple)):
+        raise UserError(f"phases must be a list of {example}-like tuples, not {type(phases).__name__}")
+    out = []
+    for p in phases:
+        if not (isinstance(p, (list, tuple)) and len(p) in (2, 3) and isinstance(p[0], int)
+                and not isinstance(p[0], bool) and isinstance(p[1], dict)):
+            raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, weights, "
+                            f"lr_scale): write e.g. {example}")
+        start, weights, scale = p[0], p[1], (p[2] if len(p) == 3 else 1.0)
+        if start < 0:
+            raise UserError(f"phase at iteration {start} starts before 0: phases start at iteration 0 or later")
+        if out and start <= out[-1][0]:
+            raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: list phases by "
+                            f"increasing start iteration, one phase per start")
+        for name, w in weights.items():
+            if name not in names:
+                raise UserError(f"phase at iteration {start} names source '{name}', which is not one of "
+                                f"{', '.join(names)}: add it to datasets= or fix the name")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+                raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights must be positive "
+                                f"(leave a source out of a phase to not draw from it)")
+        if not weights:
+            raise UserError(f"phase at iteration {start} has no sources: give at least one {{source: weight}}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
+        out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
+    return out
+
+
+def temper(weights, temperature):
+    """weights ** (1 / temperature), normalized: T > 1 flattens the mixture toward uniform,
+    T < 1 sharpens it, T = 1 only normalizes."""
+    if not temperature > 0:
+        raise UserError(f"mix_temperature={temperature} must be positive (1.0: the weights as given)")
+    w = np.asarray(weights, dtype=np.float64) ** (1.0 / temperature)
+    return w / w.sum()
+
+
+def check_tokenizers(metas):
+    """The meta of the vocabulary that covers every source, or a UserError when two sources
+    were encoded with different tokenizers. Sources may differ only in extra tokens where one
+    list extends the other (a text dataset and a chat dataset of the same base: the chat
+    tokens come after every base id, so a text token means the same in both)."""
+    widest_name, widest = next(iter(metas.items()))
+    for name, meta in metas.items():
+        ours = (meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]), meta["eot_token"])
+        theirs = (widest["tokenizer"], widest.get("base_vocab_size", widest["vocab_size"]), widest["eot_token"])
+        a, b = list(meta.get("extra_tokens", [])), list(widest.get("extra_tokens", []))
+        if ours != theirs or (a[:len(b)] != b and b[:len(a)] != a):
+            raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different tokenizers "
+                            f"({theirs[0]}/{theirs[1]} + {len(b)} extra tokens vs {ours[0]}/{ours[1]} + {len(a)}): "
+                            f"prepare them with the same tokenizer, vocab_size and extra tokens")
+        if len(a) > len(b):
+            widest_name, widest = name, meta
+    return widest
+
+
+def _mix64(x):
+    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic): a counter-based hash."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def slot_uniforms(seed, iters, n_slots):
+    """Uniform [0, 1) floats of shape (len(iters), n_slots), one per (seed, it, slot): a hash
+    of the three, so any iteration's draws come without the ones before it, and a block of
+    iterations in one vectorised call."""
+    it = np.asarray(iters, dtype=np.uint64)[:, None]
+    slot = np.arange(n_slots, dtype=np.uint64)[None, :]
+    h = _mix64(_mix64(_mix64(np.full(1, seed, dtype=np.uint64) ^ np.uint64(0x6D6978)) + it) + slot)
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+class MixtureLoader:
+    """Batches from a mixture of prepared datasets ("sources"), a pure function of
+    (seed, iteration, phases) like Loader's.
+
+    Slot j of iteration it's global batch (G = batch_size * grad_accum_steps slots) takes its
+    source from the uniform u(seed, it, j) (slot_uniforms: a counter-based hash) against the
+    cumulative weights of the phase in force at it (weights ** (1 / mix_temperature),
+    normalized). Each source keeps Loader's endless order of its own chunks (epochs
+    shuffled from (seed, epoch)); a slot of source s takes the next sample of s's stream:
+    position = draws of s in all slots of iterations [0, it) + its rank among the slots of s
+    in it. That count is derived, not saved: the draws of iterations [0, it) are recomputed
+    in vectorised blocks (one hash per slot: about a second for 100k iterations x 64 slots)
+    and their cumulative per-source counts cached, so resume needs only `it`, on any layout. Change
+    the phases and the past is recomputed as if the new ones had always been in force.
+
+    Rank r takes its fixed slice of the global batch (micro-batches [r * k, (r + 1) * k)) as
+    Loader does. batch() also returns each sequence's source index; a text source in a
+    mixture with a chat one gets a loss mask of ones. One source and no phases: exactly
+    Loader's batches."""
+
+    BLOCK = 4096  # iterations whose draws are computed in one vectorised call
+
+    def __init__(self, loaders, names, base_weights, phases=(), temperature=1.0):
+        self.loaders, self.names = loaders, list(names)
+        first = loaders[0]
+        self.seed, self.batch_size, self.global_batch = first.seed, first.batch_size, first.global_batch
+        self.micro_steps, self.first_micro = first.micro_steps, first.first_micro
+        self.chat = any(loader.mask is not None for loader in loaders)
+        # phase table: starts, and per phase the cumulative tempered weights (over self.names) and LR scale
+        table = [(0, dict(zip(names, base_weights)), 1.0)] + [p for p in phases if p[0] > 0]
+        if phases and phases[0][0] == 0:
+            table[0] = phases[0]
+        self.starts = np.array([p[0] for p in table], dtype=np.int64)
+        self.weights = np.stack([self._tempered(p[1], temperature) for p in table])
+        self.cdf = np.cumsum(self.weights, axis=1)
+        self.cdf[:, -1] = 1.0  # a uniform < 1 always lands on some source
+        self.scales = [p[2] for p in table]
+        self._counts = np.zeros((1, len(names)), dtype=np.int64)  # row i: draws per source before iteration i
+
+    @property
+    def n_chunks(self):
+        return sum(loader.n_chunks for loader in self.loaders)
+
+    def epoch(self, it):
+        """Epochs of the most-repeated source after `it` iterations."""
+        return max(n / loader.n_chunks for n, loader in zip(self.counts_before(it), self.loaders))
+
+    def _tempered(self, weights, temperature):
+        w = np.array([weights.get(n, 0.0) for n in self.names])
+        out = np.zeros_like(w)
+        out[w > 0] = temper(w[w > 0], temperature)
+        return out
+
+    def phase(self, it):
+        return int(np.searchsorted(self.starts, it, side="right")) - 1
+
+    def lr_scale(self, it):
+        """The learning-rate factor of the phase in force at iteration it."""
+        return self.scales[self.phase(it)]
+
+    def sources(self, iters):
+        """Source index of every slot of the given iterations: (len(iters), G) int64."""
+        iters = np.asarray(iters, dtype=np.int64)
+        if len(self.names) == 1:
+            return np.zeros((len(iters), self.global_batch), dtype=np.int64)
+        u = slot_uniforms(self.seed, iters, self.global_batch)
+        cdf = self.cdf[np.searchsorted(self.starts, iters, side="right") - 1]  # (n, S)
+        return (u[:, :, None] >= cdf[:, None, :-1]).sum(-1)
+
+    def counts_before(self, it):
+        """Draws of each source in all slots of iterations [0, it): cached, extended in blocks."""
+        while len(self._counts) <= it:
+            lo = len(self._counts) - 1
+            src = self.sources(np.arange(lo, lo + self.BLOCK))
+            per_iter = np.stack([(src == s).sum(1) for s in range(len(self.names))], axis=1)
+            self._counts = np.concatenate([self._counts, self._counts[-1] + np.cumsum(per_iter, axis=0)])
+        return self._counts[it]
+
+    def global_samples(self, it):
+        """(source, sample) of every slot of iteration it: two (G,) arrays; `sample` is the
+        position in the source's endless stream."""
+        src = self.sources([it])[0]
+        sample = np.empty_like(src)
+        before = self.counts_before(it)
+        for s in range(len(self.names)):
+            sel = src == s
+            sample[sel] = before[s] + np.arange(sel.sum())
+        return src, sample
+
+    def batch(self, it):
+        """This rank's (x, y, loss_mask, source) for iteration it: as Loader.batch, plus the
+        source index of each sequence, shape (micro_steps, batch_size)."""
+        src, sample = self.global_samples(it)
+        lo, n = self.first_micro * self.batch_size, self.micro_steps * self.batch_size
+        src, sample = src[lo:lo + n], sample[lo:lo + n]
+        x = y = mask = None
+        for s, loader in enumerate(self.loaders):
+            sel = np.nonzero(src == s)[0]
+            if not len(sel):
+                continue
+            xs, ys, ms = loader.rows(sample[sel])
+            if x is None:
+                x, y = xs.new_empty((n, *xs.shape[1:])), ys.new_empty((n, *ys.shape[1:]))
+                mask = torch.ones(y.shape, dtype=torch.float32) if self.chat else None
+            x[sel], y[sel] = xs, ys
+            if ms is not None:
+                mask[sel] = ms
+        shape = (self.micro_steps, self.batch_size, -1)
+        return (x.view(shape), y.view(shape), None if mask is None else mask.view(shape),
+                torch.from_numpy(src).view(self.micro_steps, self.batch_size))
+
+
+# ---- what train.py calls ----------------------------------------------------------------
+
+
+def setup(loaders, val_loaders, sources, phases, temperature):
+    """A mixture run's train loader (MixtureLoader over every source's Loader), its val
+    loaders by source name, and the weights that average the sources' val losses."""
+    names = [source_name(s) for s in sources]
+    train = MixtureLoader(loaders, names, list(sources.values()), parse_phases(phases, names), temperature)
+    weights = dict(zip(names, temper(list(sources.values()), temperature)))
+    return train, dict(zip(names, val_loaders.values())), weights
+
+
+def val_losses(val, weights):
+    """(the val loss: the sources' weighted by the mixture, {"val_loss/<source>": each one's})."""
+    by_source = {f"val_loss/{n}": v for n, v in val.items()} if len(val) > 1 else {}
+    return sum(weights[n] * v for n, v in val.items()), by_source
+
+
+def train_losses(sums, sources):
+    """{"loss/<source>": mean over its target tokens in the global batch} from SourceLosses' all-reduced sums."""
+    return {f"loss/{source_name(s)}": total / n for s, (total, n) in zip(sources, sums.tolist()) if n > 0}
+
+
+def compact(by_source):
+    """' [a 3.210, b 4.021]' of {'loss/a': 3.21, ...} for stdout."""
+    return " [" + ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in by_source.items()) + "]"
+
+
+class SourceLosses:
+    """Each source's (token-loss sum, target tokens) in a training step. The model returns a
+    micro-batch's mean loss; the loss per source needs each sequence's token sum. A forward
+    hook on the model (on the last pipeline stage: the one with the logits) recomputes them
+    from the logits of every training forward, so the plain loop and the pipeline schedules
+    run unchanged; they run the forwards in micro-batch order, so the k-th row block is
+    micro-batch k's. sums() hands this step's rows over, summed per source."""
+
+    def __init__(self, model, n_sources, mesh):
+        self.rows, self.n, self.device = [], n_sources, mesh.device
+        model.register_forward_hook(self.record)
+
+    def record(self, module, args, output):
+        logits, loss = output
+        if not module.training or loss is None:
+            return
+        targets, loss_mask = args[1], args[2] if len(args) > 2 else None
+        with torch.no_grad():
+            ce = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1).float(), targets.flatten(),
+                                                   reduction="none").view(targets.shape).double()
+            m = torch.ones_like(ce) if loss_mask is None else loss_mask.double()
+            self.rows.append(torch.stack([(ce * m).sum(1), m.sum(1)], dim=1))
+
+    def sums(self, src):
+        """(sources, 2) sums of this rank's sequences (zeros on a stage without the head); src:
+        each sequence's source, (micro_steps, batch_size)."""
+        out = torch.zeros(self.n, 2, dtype=torch.float64, device=self.device)
+        if self.rows:
+            out.index_add_(0, src.flatten().to(self.device), torch.cat(self.rows))
+        self.rows = []
+        return out

@@ -1,0 +1,344 @@
+"""
+Dataset preparation: a corpus -> data/NAME/{train.bin, val.bin, meta.json}.
+
+    python data.py stdlib                       # the embedded default corpus -> data/stdlib
+    python data.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
+    python data.py docs.jsonl --name docs --text_field text
+    python data.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
+
+(`python prepare.py ...` is the same command.) Every document's tokens followed by
+<|endoftext|>, packed end to end, stored as uint16 when the vocabulary fits and uint32
+otherwise. A chat dataset (JSONL conversations) also writes {train,val}.mask.bin: one byte
+per token, 1 where the loss counts (the assistant's words). A dataset is built in a
+directory beside its target and swapped in when complete (meta.json last), so a dataset
+directory with a meta.json is complete, and a failed re-prepare leaves the old one as it
+was. Nothing here reads train.py's config: everything is an argument.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import time
+import zlib
+
+import numpy as np
+
+from configurator import UserError, excepthook
+from data import (
+    CHAT_TOKENS,
+    ROLES,
+    encode_batch,
+    encode_chat_contents,
+    get_tokenizer,
+    load_extra_tokens,
+    render_chat,
+    token_dtype,
+)
+
+# ---------------------------------------------------------------------------------------
+# sources: each yields (doc_id, text, n_replaced) for every document
+
+
+def _decode(raw):
+    """UTF-8 text and the number of undecodable bytes replaced by U+FFFD."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+
+
+def stdlib_files():
+    """The .py files of the running interpreter's standard library (site-packages excluded),
+    sorted: the default corpus, present on every machine that can run this trainer."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return root, files
+
+
+def resolve_source(source):
+    """(kind, root, files) for 'stdlib', a directory of .txt files, a glob, or .jsonl files."""
+    if source == "stdlib":
+        root, files = stdlib_files()
+        return "text", root, files
+    if os.path.isdir(source):
+        files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
+        root = source
+    elif os.path.isfile(source):
+        files, root = [source], os.path.dirname(source)
+    else:
+        files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+        root = os.path.dirname(source.split("*")[0]) or "."
+        if not files:
+            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of .txt files, "
+                            f"a glob such as 'notes/*.txt', or a .jsonl file")
+    if not files:
+        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or a .jsonl file")
+    jsonl = [f.endswith(".jsonl") for f in files]
+    if any(jsonl) and not all(jsonl):
+        raise UserError(f"data source '{source}' mixes .jsonl and other files: prepare them separately")
+    return ("jsonl" if all(jsonl) else "text"), root, files
+
+
+def _records(path, text_field):
+    """(lineno, record, n_replaced) for each non-blank line of a JSONL file."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line, bad = _decode(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg}): each line must be one "
+                                f"JSON object such as {{\"{text_field}\": \"...\"}}") from None
+            yield lineno, record, bad
+
+
+def _is_chat(record):
+    return isinstance(record, dict) and ("messages" in record or "prompt" in record or "response" in record)
+
+
+def detect_format(kind, files, text_field="text", format="auto"):
+    """'chat' or 'text': `format`, or with 'auto' what the first non-blank JSONL record is."""
+    if format not in ("auto", "text", "chat"):
+        raise UserError(f"format='{format}' is unknown: use auto, text or chat")
+    if kind == "text":
+        if format == "chat":
+            raise UserError("format=chat needs .jsonl files of {\"messages\": [...]} or {\"prompt\", \"response\"} "
+                            "records: convert the data or use format=text")
+        return "text"
+    if format != "auto":
+        return format
+    for path in files:
+        for _, record, _ in _records(path, text_field):
+            return "chat" if _is_chat(record) and text_field not in record else "text"
+    return "text"
+
+
+CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+
+
+def chat_messages(record, where):
+    """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
+    if not _is_chat(record):
+        raise UserError(f"{where}: not a chat record (the source's first record is one): write every line as "
+                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or prepare text separately")
+    if "messages" not in record:
+        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
+            raise UserError(f"{where}: 'prompt' and 'response' must both be strings: write "
+                            f"{{\"prompt\": \"...\", \"response\": \"...\"}}")
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise UserError(f"{where}: 'messages' is not a list of {{\"role\", \"content\"}} objects: write {CHAT_EXAMPLE}")
+    if not messages:
+        raise UserError(f"{where}: empty conversation: give at least a user and an assistant message, or drop the line")
+    for i, m in enumerate(messages, 1):
+        if m.get("role") not in ROLES:
+            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use system, user or assistant")
+        if not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: message {i}'s content is {type(m.get('content')).__name__}, not a string: "
+                            f"write the text as \"content\": \"...\"")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only counts assistant "
+                        f"replies): add one or drop the line")
+    return messages
+
+
+def iter_documents(kind, root, files, text_field="text", format="text"):
+    """(doc_id, text, n_replaced) for each document; with format='chat', (doc_id, messages,
+    n_replaced) for each conversation instead."""
+    for path in files:
+        rel = os.path.relpath(path, root)
+        if kind == "text":
+            with open(path, "rb") as f:
+                text, bad = _decode(f.read())
+            yield rel, text, bad
+            continue
+        for lineno, record, bad in _records(path, text_field):
+            if format == "chat":
+                yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}"), bad
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                if _is_chat(record):
+                    raise UserError(f"{path}:{lineno}: a chat record in a text source (its first record is text): "
+                                    f"prepare chat and text files separately")
+                raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line needs one "
+                                f"(or pass --text_field NAME)")
+            yield f"{rel}:{lineno}", record[text_field], bad
+
+
+def is_val(doc_id, val_fraction):
+    """A document's split is a function of its id (path, or path:line) alone, so adding files
+    to a corpus never moves an existing document between train and val."""
+    return zlib.crc32(doc_id.encode()) % 10_000 < val_fraction * 10_000
+
+
+# ---------------------------------------------------------------------------------------
+# prepare
+
+
+def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
+            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto"):
+    """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
+
+    A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
+    is rendered with render_chat and also writes {train,val}.mask.bin; the tokenizer then
+    gets CHAT_TOKENS before `extra_tokens` (a list, or the path of a file of them).
+
+    Streams: documents are read and encoded a batch (~batch_mb of text) at a time, and only
+    that batch's tokens exist as Python ints. The encoding runs on `workers` threads through
+    tiktoken's batch API: its Rust core releases the GIL, so threads use every core without
+    pickling text to worker processes."""
+    if isinstance(extra_tokens, str):
+        extra_tokens = load_extra_tokens(extra_tokens)
+    kind, root, files = resolve_source(source)
+    fmt = detect_format(kind, files, text_field, format)
+    chat = fmt == "chat"
+    if chat:
+        extra_tokens = CHAT_TOKENS + [t for t in extra_tokens if t not in CHAT_TOKENS]
+    enc = get_tokenizer(tokenizer, vocab_size, list(extra_tokens))
+    vocab = enc.n_vocab
+    dtype = token_dtype(vocab)
+    workers = workers or os.cpu_count() or 1
+    # built in a directory beside the target and swapped in when complete: a failure half-way
+    # leaves an existing dataset as it was
+    final = os.path.normpath(out_dir)
+    work = f"{final}.tmp{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
+    out = {name: open(os.path.join(work, name), "wb") for name in names}
+    tokens = {"train": 0, "val": 0}
+    learned = {"train": 0, "val": 0}  # tokens with mask 1
+    docs = {"train": 0, "val": 0}
+    n_chars = n_replaced = files_with_replaced = 0
+    t0 = last_print = time.time()
+
+    def write(doc_id, ids, mask=None):
+        split = "val" if is_val(doc_id, val_fraction) else "train"
+        np.asarray(ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
+        if mask is not None:
+            np.asarray(mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
+            learned[split] += sum(mask)
+        tokens[split] += len(ids) + 1
+        docs[split] += 1
+
+    def flush(batch):
+        if chat:
+            contents = encode_chat_contents(enc, [messages for _, messages in batch], num_threads=workers)
+            for (doc_id, messages), content in zip(batch, contents):
+                write(doc_id, *render_chat(enc, messages, content))
+        else:
+            for (doc_id, _), ids in zip(batch, encode_batch(enc, [t for _, t in batch], num_threads=workers)):
+                write(doc_id, ids)
+
+    def discard():
+        for f in out.values():
+            f.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    try:
+        batch, batch_bytes = [], 0
+        for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt):
+            if not doc:
+                continue  # an empty document would be a lone <|endoftext|>
+            size = sum(len(m["content"]) for m in doc) if chat else len(doc)
+            n_replaced += bad
+            files_with_replaced += bad > 0
+            batch.append((doc_id, doc))
+            batch_bytes += size
+            n_chars += size
+            if batch_bytes >= batch_mb * 2 ** 20:
+                flush(batch)
+                batch, batch_bytes = [], 0
+                if verbose and time.time() - last_print > 2:
+                    last_print = time.time()
+                    n = tokens["train"] + tokens["val"]
+                    print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
+                          f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
+        flush(batch)
+    except BaseException:
+        discard()  # a bad record halfway: leave no partial files behind
+        raise
+    for f in out.values():
+        f.close()
+    if tokens["train"] == 0:
+        discard()
+        raise UserError(f"data source '{source}' has no documents{' for train' if docs['val'] else ''}: "
+                        f"add non-empty files or lower val_fraction")
+    if tokens["val"] == 0:
+        discard()
+        raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
+                        f"{docs['train']} documents): add documents or raise val_fraction")
+    base_vocab = vocab - len(extra_tokens)
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base_vocab,
+            "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
+            "chat_tokens": CHAT_TOKENS if chat else [],
+            "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
+            "train_tokens": tokens["train"], "val_tokens": tokens["val"],
+            "train_docs": docs["train"], "val_docs": docs["val"],
+            "text_chars": n_chars, "replaced_bytes": n_replaced}
+    if chat:
+        meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
+    with open(os.path.join(work, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
+        for name in os.listdir(final):
+            if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
+                os.replace(os.path.join(final, name), os.path.join(work, name))
+        old = f"{final}.old{os.getpid()}"
+        os.replace(final, old)
+        os.replace(work, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(work, final)
+    if verbose:
+        dt = time.time() - t0
+        n = tokens["train"] + tokens["val"]
+        print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
+              f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
+              f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
+        if chat:
+            print(f"prepare: chat: {learned['train']:,}/{learned['val']:,} train/val tokens are assistant replies "
+                  f"(the loss counts only those)", flush=True)
+        if n_replaced:
+            print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
+                  f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD", flush=True)
+    return meta
+
+
+# ---------------------------------------------------------------------------------------
+
+def main():
+    sys.excepthook = excepthook
+    ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json")
+    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
+                    "(of text, or of chat conversations for SFT)")
+    ap.add_argument("--name", help="dataset name (default: stdlib, or the source's base name)")
+    ap.add_argument("--out", help="output directory (default: data/NAME)")
+    ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
+    ap.add_argument("--vocab_size", type=int, default=8192, help="truncate the BPE to N ids (0: keep it whole)")
+    ap.add_argument("--val_fraction", type=float, default=0.01)
+    ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
+    ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
+    ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")
+    ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
+                    help="JSONL records: text, chat conversations, or auto (from the first record)")
+    args = ap.parse_args()
+    name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
+    prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,
+            args.val_fraction, args.text_field, args.workers,
+            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format)
+
+
+if __name__ == "__main__":
+    main()

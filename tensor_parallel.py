@@ -1,0 +1,193 @@
+"""
+Tensor parallel, by hand (Megatron-LM): tensor_parallel() swaps each block's matmuls for
+column / row slices in place, and the embedding, head and loss for vocabulary-parallel ones.
+model.py knows none of it.
+"""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from configurator import UserError
+
+# ---------------------------------------------------------------------------------------
+# tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
+#
+# The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per
+# block, two pairs:
+#   attention:    x -> f -> [wq, wk, wv column-parallel: this rank's heads] -> attention of
+#                 those heads -> [wo row-parallel: a partial sum of the output] -> g -> out
+#   feed-forward: x -> f -> [w1, w3 column-parallel: a slice of the hidden width] -> silu(.) * .
+#                 -> [w2 row-parallel] -> g -> out
+# f (CopyToTP) is the identity forward and an all-reduce of the input's gradient backward
+# (each rank's slice contributes to the gradient of the whole, replicated x); g
+# (ReduceFromTP) is an all-reduce forward (the partial sums of the row-parallel matmul add
+# up to the full output) and the identity backward. So 2 all-reduces forward and 2 backward
+# per block, each of B x T x n_embd. Everything between f and g is local: a head needs only
+# its own q, k, v columns, and silu(w1 x) * w3 x is elementwise in the hidden width.
+# Norms, residuals and dropout run on the replicated (B, T, n_embd) on every tp rank.
+# The embedding is split by vocabulary rows (a rank looks up the ids it owns, zeros for the
+# others, and g sums them); the head by vocabulary columns, and the loss is computed from
+# the logit slices without gathering them (vocab_parallel_cross_entropy).
+# model.py knows none of this: tensor_parallel() swaps each weight for its slice in place,
+# and the attention reads its local head counts from the shapes it holds. Every sharded
+# parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
+# clipping and checkpoints (gather to the full tensor, slice on load) read.
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce (sum) of the gradient over the tp group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) over the tp group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()  # the all-reduce is in place; the partial sum may be saved for backward elsewhere
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding with rows [start, start + V / tp) of the table on this rank:
+    ids outside its range look up zeros, and g adds the ranks' lookups into the full one.
+    Its parameter keeps the name `weight`, so checkpoints see tok_embeddings.weight."""
+
+    def __init__(self, weight, start, group):
+        super().__init__()
+        self.weight, self.start, self.group = weight, start, group
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, n_embd)
+        x = x.masked_fill(outside[..., None], 0.0)
+        return ReduceFromTP.apply(x, self.group)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logit slices (N, V / tp), columns [start, start + V / tp)
+    of the full (N, V), without gathering them: the row max and the sum of exp are
+    all-reduced (max, then sum) over the tp group, and so is the target's logit, which lives
+    on one rank. Backward is local: softmax - one_hot on this rank's columns. Targets equal
+    to ignore_index (-100, as F.cross_entropy) give loss 0 and no gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        logits = logits.float()
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # the global row max, for a stable exp
+        shifted = logits - m[:, None]
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])  # is the target's column on this rank?
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local[:, None])[:, 0].masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([sum_exp, target_logit])  # one all-reduce for the two sums
+        dist.all_reduce(both, group=group)
+        sum_exp, target_logit = both[0], both[1]
+        valid = targets != -100
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (N,)
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local] -= mine.to(g.dtype)
+        g *= (grad * valid.to(grad.dtype))[:, None]
+        return g, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, start=0, group=None):
+    """model.masked_cross_entropy for logit slices (B, T, V / tp): the mean over the
+    positions whose mask is 1 (all without a mask); the same value on every tp rank."""
+    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+    if loss_mask is None:
+        return loss.mean()
+    mask = loss_mask.flatten().to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _shard(module, dim, mesh):
+    """module.weight -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
+    full = module.weight
+    part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(), requires_grad=full.requires_grad)
+    part._tp_dim, part._tp_group = dim, mesh.tp_group
+    module.weight = part
+    return part
+
+
+def tensor_parallel(model, mesh):
+    """Shards `model` (a whole model or a pipeline stage, built whole) over mesh.tp_group,
+    in place: column-parallel wq, wk, wv, w1, w3 (dim 0, whole heads per rank), row-parallel
+    wo, w2 (dim 1), vocabulary-parallel embedding and head with the loss computed from the
+    logit slices. Norms stay replicated. Returns the model; a no-op at tp=1."""
+    if mesh.tp == 1:
+        return model
+    cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
+    for key, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head), ("ffn_dim", cfg.ffn_dim),
+                   ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise UserError(f"tp={tp} does not divide {key}={n}: every tp rank needs an equal share (whole heads, "
+                            f"an equal slice of the SwiGLU width and of the vocabulary); use a tp that divides it")
+    f = lambda module, args: (CopyToTP.apply(args[0], group), *args[1:])  # noqa: E731
+    g = lambda module, args, out: ReduceFromTP.apply(out, group)  # noqa: E731
+    for block in model.layers.values():
+        att, ffn = block.attention, block.feed_forward
+        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
+            _shard(lin, 0, mesh)
+            lin.out_features //= tp
+        for lin in (att.wo, ffn.w2):  # row-parallel: a slice of the inputs, a partial sum of the output
+            _shard(lin, 1, mesh)
+            lin.in_features //= tp
+        for m in (att, ffn):  # one f before and one g after each half of the block
+            m.register_forward_pre_hook(f)
+            m.register_forward_hook(g)
+    start = mesh.tp_rank * cfg.vocab_size // tp  # this rank's first vocabulary row
+    if model.tok_embeddings is not None:
+        emb = model.tok_embeddings
+        model.tok_embeddings = VocabParallelEmbedding(_shard(emb, 0, mesh), start, group)
+    if model.output is not None:
+        if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
+            model.output.weight = model.tok_embeddings.weight
+        else:
+            _shard(model.output, 0, mesh)
+        model.output.out_features //= tp
+        model.output.register_forward_pre_hook(f)
+        model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
+    return model
+
+
+def tp_gather(t, p):
+    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over p's tp group)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._tp_group))]
+    dist.all_gather(parts, t.contiguous(), group=p._tp_group)
+    return torch.cat(parts, dim=p._tp_dim)
+
+
+def tp_slice(full, p):
+    """This rank's slice of the full tensor `full`, cut like parameter `p`."""
+    return full.chunk(dist.get_world_size(p._tp_group), p._tp_dim)[dist.get_rank(p._tp_group)]
