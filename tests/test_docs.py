@@ -1,0 +1,82 @@
+"""The docs stay true: every config key of train.py and sample.py with its default in
+docs/configuration.md, the compatibility matrix rendered from configurator.REFUSALS, the
+README's file map naming every .py file, and the README as a map of at most 200 lines."""
+
+import ast
+import os
+import re
+
+import pytest
+
+import configurator
+from conftest import ROOT
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def keys_of(source, stop):
+    """{key: default} of the literal assignments of `source`'s statements up to the first
+    statement that `stop` accepts: train.py's commented globals, sample.py's main() locals."""
+    out = {}
+    for node in source:
+        if stop(node):
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+def train_keys():
+    body = ast.parse(read("train.py")).body
+    is_setup = lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sys.excepthook"  # noqa: E731
+    return keys_of([n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))], is_setup)
+
+
+def sample_keys():
+    main = next(n for n in ast.parse(read("sample.py")).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return keys_of(main.body, lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "defaults")
+
+
+def doc_table(text, heading):
+    """{key: default text} of the `| key | default | what it does |` rows under `heading` (up to the next ## heading)."""
+    section = text.split(heading, 1)[1]
+    section = re.split(r"\n## ", section, maxsplit=1)[0]
+    rows = re.findall(r"^\| *`?([a-z_0-9]+)`? *\| *`([^`]*)` *\|", section, flags=re.M)
+    return dict(rows)
+
+
+@pytest.mark.parametrize("which", ["train.py", "sample.py"])
+def test_every_key_is_documented_with_its_default(which):
+    keys = train_keys() if which == "train.py" else sample_keys()
+    assert len(keys) > (60 if which == "train.py" else 8)  # the parse found the defaults
+    doc = read("docs/configuration.md")
+    heading = "## train.py" if which == "train.py" else "## sample.py"
+    assert heading in doc, f"docs/configuration.md needs a '{heading}' section"
+    documented = doc_table(doc, heading)
+    missing = sorted(set(keys) - set(documented))
+    assert not missing, f"keys of {which} without a row in docs/configuration.md: {missing}"
+    extra = sorted(set(documented) - set(keys))
+    assert not extra, f"docs/configuration.md documents keys {which} does not have: {extra}"
+    wrong = {k: (documented[k], repr(v)) for k, v in keys.items() if documented[k] != repr(v)}
+    assert not wrong, f"defaults in docs/configuration.md that differ from {which} (doc, code): {wrong}"
+
+
+def test_the_compatibility_matrix_is_the_refusal_table():
+    doc = read("docs/configuration.md")
+    table = configurator.refusals_markdown()
+    assert table in doc, "docs/configuration.md's '## Refused combinations' must hold configurator.refusals_markdown():\n" + table
+    names = [name for name, _, _ in configurator.REFUSALS]
+    assert len(names) == len(set(names)) and all(f"| {n} |" in doc for n in names)
+
+
+def test_readme_is_a_map_that_names_every_file():
+    readme = read("README.md")
+    assert len(readme.splitlines()) <= 200
+    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    missing = [f for f in files if f"`{f}`" not in readme]
+    assert not missing, f"README.md's file map lacks {missing}"
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
