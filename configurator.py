@@ -80,37 +80,43 @@ def configure(defaults, argv):
         if "=" not in arg:
             if arg.startswith("-"):
                 raise UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
-            # a config file: run it in a namespace that can see the defaults, keep what it assigned
-            try:
-                with open(arg) as f:
-                    source = f.read()
-            except OSError as e:
-                raise UserError(f"cannot read config file '{arg}' ({e.strerror}): pass an existing "
-                                f"file such as config/tiny.py, or key=value") from None
-            scope = {k: overrides.get(k, v) for k, v in defaults.items()}
-            before = dict(scope)
-            try:
-                exec(compile(source, arg, "exec"), scope)
-            except Exception as e:  # the user's own file: name the line, not our traceback
-                lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
-                line = e.lineno if isinstance(e, SyntaxError) else (lines or ["?"])[-1]
-                raise UserError(f"config file {arg}:{line}: {type(e).__name__}: {e}: fix that line") from None
-            for key, value in scope.items():
-                if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
-                    continue
-                if key not in defaults:
-                    raise _unknown(key, defaults, f"in {arg}")
-                if key in before and value is before[key]:
-                    continue
-                overrides[key] = _typed(key, value, defaults[key], f"in {arg}")
-        else:
-            key, raw = arg.split("=", 1)
-            key = key.lstrip("-")
-            if key not in defaults:
-                raise _unknown(key, defaults, "on the command line")
-            value = _parse_value(raw, defaults[key])
-            overrides[key] = _typed(key, value, defaults[key], "on the command line")
+            overrides.update(_config_file(arg, defaults, overrides))
+            continue
+        key, raw = arg.split("=", 1)
+        key = key.lstrip("-")
+        if key not in defaults:
+            raise _unknown(key, defaults, "on the command line")
+        overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key], "on the command line")
     return overrides
+
+
+def _config_file(path, defaults, overrides):
+    """The keys a config file assigns: it runs in a namespace that sees the defaults (and the
+    overrides before it), and what it changed is kept, type-checked like the command line."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read config file '{path}' ({e.strerror}): pass an existing "
+                        f"file such as config/tiny.py, or key=value") from None
+    scope = {k: overrides.get(k, v) for k, v in defaults.items()}
+    before = dict(scope)
+    try:
+        exec(compile(source, path, "exec"), scope)
+    except Exception as e:  # the user's own file: name the line, not our traceback
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        line = e.lineno if isinstance(e, SyntaxError) else (lines or ["?"])[-1]
+        raise UserError(f"config file {path}:{line}: {type(e).__name__}: {e}: fix that line") from None
+    assigned = {}
+    for key, value in scope.items():
+        if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
+            continue
+        if key not in defaults:
+            raise _unknown(key, defaults, f"in {path}")
+        if key in before and value is before[key]:
+            continue
+        assigned[key] = _typed(key, value, defaults[key], f"in {path}")
+    return assigned
 
 
 def script_defaults(path):
@@ -237,39 +243,47 @@ def validate(c, overrides, world):
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
     """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
     shape, when it comes from a checkpoint). Returns (dp, pp_layers as a list or None)."""
-    pp, tp, v = c["pp"], c["tp"], c["pp_virtual"]
+    pp, tp = c["pp"], c["tp"]
     check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
                            f"processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
     dp = world // (pp * tp)
-    # tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width
-    for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
-        check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
-                           f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+    check(c["grad_accum_steps"] % dp == 0,
+          f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
+          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
+          f"fewer ranks")
+    if tp > 1:  # tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width
+        for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
+            check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
+                               f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+    if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():
+        return dp, _check_pipeline(c, dp, n_layer, where)
+    return dp, None
+
+
+def _check_pipeline(c, dp, n_layer, where):
+    """The stages and their layers (pipeline.py). Returns pp_layers as a list, or None."""
+    pp, v = c["pp"], c["pp_virtual"]
     check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least one")
     check(pp * v <= n_layer, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} layers{where}: "
                              f"every virtual stage needs at least one; lower pp_virtual")
     check((c["pp_schedule"] == "interleaved") == (v > 1) and (v == 1 or pp > 1),
           f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp > 1 and "
           f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
-    check(c["grad_accum_steps"] % dp == 0,
-          f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
-          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
-          f"fewer ranks")
     check(c["pp_schedule"] != "interleaved" or c["grad_accum_steps"] // dp % pp == 0,
           f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each pipeline gets "
           f"grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple of {pp * dp} for grad_accum_steps")
-    counts = None
-    if c["pp_layers"].strip():
-        spec = c["pp_layers"]
-        check(all(s.strip().isdigit() for s in spec.split(",")), f"pp_layers='{spec}' is not a comma-separated "
-                                                                 f"list of layer counts, e.g. pp_layers=3,1")
-        counts = [int(s) for s in spec.split(",")]
-        check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == n_layer,
-              f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
-              f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
-    return dp, counts
+    if not c["pp_layers"].strip():
+        return None
+    spec = c["pp_layers"]
+    check(all(s.strip().isdigit() for s in spec.split(",")), f"pp_layers='{spec}' is not a comma-separated "
+                                                             f"list of layer counts, e.g. pp_layers=3,1")
+    counts = [int(s) for s in spec.split(",")]
+    check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == n_layer,
+          f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
+          f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
+    return counts
 
 
 def check_files(c):

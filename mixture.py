@@ -13,6 +13,7 @@ import os
 import numpy as np
 import torch
 
+import data
 from configurator import UserError
 
 # ---------------------------------------------------------------------------------------
@@ -245,13 +246,18 @@ class MixtureLoader:
 # ---- what train.py calls ----------------------------------------------------------------
 
 
-def setup(loaders, val_loaders, sources, phases, temperature):
-    """A mixture run's train loader (MixtureLoader over every source's Loader), its val
-    loaders by source name, and the weights that average the sources' val losses."""
+def setup(sources, phases, temperature, prepared, loader):
+    """A mixture run's data: each source's directory from `prepared(source)`, its loaders from
+    `loader(directory, split)`. Returns (the directories comma-joined, which checkpoints
+    record; the meta of the vocabulary that covers every source; the train MixtureLoader; the
+    val loaders by source name; the weights that average the sources' val losses)."""
+    dirs = [prepared(s) for s in sources]
+    meta = check_tokenizers({s: data.load_meta(d) for s, d in zip(sources, dirs)})
     names = [source_name(s) for s in sources]
-    train = MixtureLoader(loaders, names, list(sources.values()), parse_phases(phases, names), temperature)
+    train = MixtureLoader([loader(d, "train") for d in dirs], names, list(sources.values()),
+                          parse_phases(phases, names), temperature)
     weights = dict(zip(names, temper(list(sources.values()), temperature)))
-    return train, dict(zip(names, val_loaders.values())), weights
+    return ",".join(dirs), meta, train, {n: loader(d, "val") for n, d in zip(names, dirs)}, weights
 
 
 def val_losses(val, weights):

@@ -234,24 +234,14 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None, chunk=None):
         """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
-        parallelism this rank's vocabulary slice), loss or None):
-        the loss is the mean cross-entropy over the target positions where loss_mask is 1 (all
-        of them without a mask).
-
-        doc_ids: which document of a packed row each position belongs to. With it, attention
-        is block-diagonal causal: position i sees j iff j <= i and both are in the same
-        document, so a document never attends across the boundary into the one before it.
-        Rotary positions stay the absolute positions in the packed row; relative positions
-        within a document, all that RoPE scores see, are the same either way.
-
-        A pipeline stage (see make_stage) without the embedding takes the hidden states
-        (B, T, n_embd) of the previous stage as `idx` (and the same doc_ids), and one without
-        the head returns its hidden states in place of the logits. chunk=c (interleaved
-        pipeline stages, see make_stage): run only this stage's c-th chunk of layers, with
-        the embedding only in chunk 0 and the head only in the last chunk.
-
-        cache: {layer name: KVCache} (generate's): idx continues the tokens the caches hold,
-        at positions len(cache) onwards, and their keys and values are appended."""
+        parallelism this rank's vocabulary slice), loss or None): the loss is the mean
+        cross-entropy over the target positions where loss_mask is 1 (all without a mask).
+        doc_ids: the document of each position of a packed row; with it a position attends
+        only within its own document (rotary positions stay those of the row).
+        cache: {layer name: KVCache} (generate's): idx continues the tokens the caches hold.
+        A pipeline stage (pipeline.py) may lack the embedding (idx: the previous stage's hidden
+        states) or the head (returns its hidden states); chunk=c runs an interleaved stage's
+        c-th chunk of layers."""
         T = idx.shape[1]
         start = len(next(iter(cache.values()))) if cache else 0  # the position of idx[:, 0]
         if start + T > self.cfg.block_size:

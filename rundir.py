@@ -8,10 +8,13 @@ draws the same dropout masks as the uninterrupted one.
 
 import errno
 import fcntl
+import functools
 import json
 import os
 import shutil
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +22,7 @@ import torch
 import checkpoint
 from configurator import UserError, check, check_layout
 from model import ModelConfig
-from parallel import gather_to_master
+from parallel import broadcast_object, gather_to_master
 
 
 def clean_stale(out_dir):
@@ -155,7 +158,8 @@ def weights_source(out_dir, init_from, mesh):
     checkpoint (corrupt ones are reported and skipped); (2) init_from= another run of ours;
     (3) init_from= a Hugging Face LLaMA directory (its files checked, no weights read yet);
     (4) fresh."""
-    ckpt = checkpoint.find(out_dir, mesh, warn=mesh.print0)
+    saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)  # rank 0's view decides
+    ckpt = checkpoint.find(out_dir, mesh, warn=mesh.print0) if saved else None
     check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has no checkpoint: use "
                                                         f"init_from=auto (or scratch), or the out_dir of the run to "
                                                         f"continue")
@@ -215,3 +219,59 @@ def load_whole_into(model, src):
         model.load_state_dict(weights)
     else:
         checkpoint.load(src.path, model, no_dist=True)
+
+
+# ---- this run's saves, and its stop requests -------------------------------------------
+
+
+class Saves:
+    """This run's checkpoints. save(it, meta) starts one on every rank (with ckpt_async it is
+    written in the background: the loop pauses only to copy the state to CPU); finish(now),
+    once every rank has written it, makes it the latest. One save is in flight at most."""
+
+    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, delay_s, resumed_from):
+        self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
+        self.keep, self.asynchronous, self.delay_s, self.resumed_from = keep, asynchronous, delay_s, resumed_from
+        self.group = checkpoint.save_group(mesh) if asynchronous else None  # its own process group (checkpoint.py)
+        self.pending = None  # the save in flight: started, not finished yet
+
+    def save(self, it, meta):
+        """Every rank writes its part (weights and optimizer state under global names: the whole
+        model once, whatever the layout, so any layout resumes it); rank 0 adds every rank's RNG
+        states and `meta`, the run's metadata (meta.json)."""
+        self.finish(it)  # the previous save first
+        self.pending = checkpoint.start_save(self.out_dir, it, self.model, self.optimizer, rng_states(self.mesh),
+                                             meta, self.mesh, self.asynchronous, self.group, self.delay_s)
+        if not self.asynchronous:
+            self.finish(it)
+
+    def written(self):
+        """This rank has written its part of the save in flight (the loop's all-reduce adds the answers)."""
+        return self.pending is not None and checkpoint.written(self.pending)
+
+    def finish(self, now):
+        """Makes the save in flight the latest checkpoint. Every rank calls it at the same point
+        (`now`: the iteration then); a failed write raises here."""
+        if self.pending is not None:
+            done, self.pending = self.pending, None
+            path = checkpoint.finish_save(done, self.keep, self.resumed_from)
+            self.mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})"
+                                                           if self.asynchronous else ""))
+
+
+def catch_signals(mesh):
+    """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C finish the step in progress, then the
+    run checkpoints and exits 0: the stop is agreed by all ranks at the end of the step, in the
+    same all-reduce as the loss. Returns the list of signals received, which the loop reads."""
+    received = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))
+    return received
+
+
+def _on_signal(received, rank, signum, frame):
+    if signum == signal.SIGINT and received:  # a second Ctrl-C: quit at once
+        os._exit(130)
+    received.append(signum)
+    print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)

@@ -13,7 +13,6 @@ lines marked with the file that implements them, e.g. `# tensor parallel: tensor
 import json
 import math
 import os
-import signal
 import sys
 import time
 import uuid
@@ -35,12 +34,10 @@ from optim import build_optimizer, get_lr
 # defaults: every one can be overridden by a config file or key=value
 # I/O
 out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
-init_from = "auto"              # 'auto': resume if out_dir has a checkpoint, else start fresh; 'resume': must resume;
-                                # 'scratch': a new model (refused if out_dir already has checkpoints); or a path:
-                                # a Hugging Face LLaMA directory, or another run's out_dir, to start from its weights
+init_from = "auto"              # 'auto': resume out_dir's checkpoint, else fresh; 'resume' (must), 'scratch' (must not);
+                                # or a path to start from its weights: a Hugging Face LLaMA directory, a run's out_dir
 export_hf = ""                  # at the end, also write the model as a Hugging Face LLaMA directory here
-export_shard_mb = 5000.0        # export_hf: weights past this many MB (10^6 bytes) are split into shards +
-                                # model.safetensors.index.json (5000: huggingface_hub's default 5GB; 0: one file)
+export_shard_mb = 5000.0        # export_hf: shards of this many MB + an index (5000: huggingface_hub's; 0: one file)
 eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
 eval_iters = 10                 # global batches of val data per evaluation
 log_interval = 10               # print and append to metrics.jsonl every this many iterations
@@ -55,8 +52,7 @@ dataset = "stdlib"              # a name under data/, or a directory holding tra
 datasets = ""                   # a mixture instead of `dataset`: 'stdlib:0.7,notes:0.3' (names or directories)
 mix_temperature = 1.0           # mixture weights become weights ** (1 / T), normalized (T > 1: flatter)
 phases = []                     # curriculum: [(start_iter, {source: weight}), (start_iter, weights, lr_scale), ...]
-data_source = ""                # what to prepare when the dataset is missing: '' = 'stdlib' for dataset 'stdlib';
-                                # else 'stdlib', a directory or glob of .txt files, or a .jsonl file
+data_source = ""                # prepare a missing dataset from: 'stdlib', a directory or glob of .txt, or a .jsonl
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
 extra_tokens = ""               # a file of domain strings (one per line) to add to the tokenizer when preparing data
@@ -119,15 +115,12 @@ pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwa
 pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
 pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
 pp_trace = False                # print the pipeline schedule as an ASCII timeline (second iteration)
-ddp_impl = "bucketed"           # data parallel: 'bucketed' (hand-written, overlapped), 'naive' (one all-reduce
-                                # per parameter after backward) or 'torch' (DistributedDataParallel)
+ddp_impl = "bucketed"           # data parallel: 'bucketed' (overlapped), 'naive' (per parameter) or 'torch' (DDP)
 ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
 fsdp = False                    # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
 reshard_after_forward = True    # fsdp: free each block's gathered weights after its forward (gather again for backward)
-zero = 0                        # ZeRO over the dp ranks: 0 plain data parallel, 1 shard the optimizer state, 2 and the
-                                # gradients (stage 3 is fsdp=True); with one dp rank there is nothing to shard
-offload = False                 # zero=1/2 or fsdp: optimizer state (fsdp: parameters too) in CPU memory, AdamW steps
-                                # there (CUDA; on a CPU device it changes nothing)
+zero = 0                        # ZeRO over dp: 1 shards the optimizer state, 2 also the gradients (3 is fsdp=True)
+offload = False                 # zero/fsdp on CUDA: optimizer state (fsdp: and parameters) in CPU memory, stepped there
 sample_tokens = 120             # tokens to generate at the end of the run (0: none)
 # ---------------------------------------------------------------------------------------
 
@@ -159,28 +152,28 @@ if mesh.master:  # one run per out_dir: a second one fails here, before it write
 # ---- data: one dataset, or a mixture --------------------------------------------------
 sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
 mixing = len(sources) > 1 or bool(phases)
-data_dirs = [data.prepared(s, data_source if not datasets else "", tokenizer, vocab_size, val_fraction, extra_tokens,
-                           mesh) for s in sources]
-metas = [data.load_meta(d) for d in data_dirs]
-if mixing:  # mixture: mixture.py
+
+
+def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
+    return data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+
+
+if not mixing:
+    data_dir = data.prepared(dataset, data_source, tokenizer, vocab_size, val_fraction, extra_tokens, mesh)
+    meta = data.load_meta(data_dir)  # the tokenizer and vocabulary the data was prepared with
+    train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
+else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     import mixture
-meta = mixture.check_tokenizers(dict(zip(sources, metas))) if mixing else metas[0]  # the vocabulary of every source
-data_dir = ",".join(data_dirs)  # what checkpoints record
+    data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
+        sources, phases, mix_temperature, lambda source: data.prepared(
+            source, data_source if not datasets else "", tokenizer, vocab_size, val_fraction, extra_tokens, mesh),
+        loader)
 data.check_tokenizer(meta, data_dir, tokenizer, vocab_size)
-loaders = [data.Loader(d, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
-           for d in data_dirs]
-val_loaders = {d: data.Loader(d, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
-               for d in data_dirs}
-train_loader = loaders[0]
-if mixing:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
-    train_loader, val_loaders, val_weights = mixture.setup(loaders, val_loaders, sources, phases, mix_temperature)
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
-# One of four places, first match wins: (1) this run's own newest intact checkpoint (resume:
-# weights, optimizer state, RNG and iteration; loaded once the layout exists); (2) init_from=
-# another run of ours (its newest checkpoint's weights, a fresh optimizer); (3) init_from= a
-# Hugging Face LLaMA directory; (4) fresh random weights from the seed.
+# First match wins: (1) this run's own newest checkpoint (resume); (2) init_from= another run of
+# ours; (3) init_from= a Hugging Face LLaMA directory; (4) fresh random weights from the seed.
 src = rundir.weights_source(out_dir, init_from, mesh)
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
@@ -192,11 +185,9 @@ if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, derived["lora_targets"], src)
 configurator.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
-# The model is built whole on the CPU by a single process, and by every rank when LoRA (its
-# frozen base is loaded whole first) or vocabulary growth (new rows are the mean of all old
-# rows) need the whole tensors. Otherwise it is built on the meta device (shapes only), cut,
-# sliced and sharded there, and only then given storage and this rank's weights: no rank
-# ever holds the whole model (build.py).
+# Built whole by one process, and by every rank when LoRA or vocabulary growth need the whole
+# tensors; else on the meta device (shapes only): cut, sliced and sharded there, then given
+# storage and this rank's weights, so no rank ever holds the whole model (build.py).
 whole_first = world == 1 or lora is not None or model_cfg.vocab_size < meta["vocab_size"]
 torch.manual_seed(seed)  # each weight is drawn from (seed, its name): the same bits on every layout
 with nullcontext() if whole_first else torch.device("meta"):
@@ -206,8 +197,7 @@ if whole_first and src.kind in ("hf", "run"):  # (2), (3): read the whole model
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
 if model_cfg.vocab_size < meta["vocab_size"]:
-    # vocabulary expansion: the data has tokens the model has never seen (extra and chat
-    # tokens); new embedding and head rows start at the mean of the existing ones
+    # vocabulary expansion: the data has tokens the model has never seen (extra and chat tokens)
     mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
     grow_vocab(raw_model, meta["vocab_size"])
     model_cfg = raw_model.cfg
@@ -253,14 +243,11 @@ def micro_batches(x, y, mask):
 
 
 def token_weights(y, mask):
-    """Each of this rank's micro-batches' weight in the mean over ALL target tokens of the
-    global batch: n_k * dp / N, where n_k counts micro-batch k's target tokens (its loss-mask
-    ones; without a mask, all) and N those of every micro-batch of every dp rank. A model's
-    loss is the mean over its micro-batch, so loss_k * n_k is its token sum; the dp average
-    divides by dp, which the factor dp undoes. Without masks every n_k is the same and the
-    weight is 1 / micro_steps, the classic recipe, and no count needs to travel."""
+    """Micro-batch k's weight in the mean over ALL target tokens of the global batch: n_k * dp / N
+    (n_k: its target tokens, the loss-mask ones; N: those of every micro-batch of every dp rank).
+    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes."""
     if mask is None:
-        return [1.0 / y.size(0)] * y.size(0)  # = n * dp / (n * micro_steps * dp), exactly
+        return [1.0 / y.size(0)] * y.size(0)  # every n_k equal: 1 / micro_steps, the classic recipe
     n = mask.sum(dim=(1, 2)).double()
     total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
     return (n * mesh.dp / max(total, 1.0)).tolist()
@@ -319,51 +306,17 @@ def log(record):
             wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-pending = None  # the save in flight (ckpt_async): started, not finished yet
-save_group = checkpoint.save_group(mesh) if ckpt_async else None  # its own process group (see checkpoint.py)
+saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async, fault_save_delay_s,
+                     resumed_from=src.path if src.kind == "resume" else None)  # never pruned
 
 
 def save(it):
-    """Every rank writes its part (weights and optimizer state under global names: the whole
-    model once, whatever the layout, so any layout resumes it); rank 0 adds every rank's RNG
-    states and the run's metadata. With ckpt_async the write goes on in the background and
-    finish_save() completes it later; one save is in flight at most."""
-    global pending
-    finish_save(it)  # the previous save first
-    info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
-            "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
-    pending = checkpoint.start_save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh), info, mesh,
-                                    ckpt_async, save_group, fault_save_delay_s)
-    if not ckpt_async:
-        finish_save(it)
+    saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
+                    "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
+                    "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora})
 
 
-def finish_save(now):
-    """Makes the save in flight, once every rank has written it, the latest checkpoint. Every
-    rank calls it at the same point (`now`: the iteration then); a failed write raises here."""
-    global pending
-    if pending is not None:
-        done, pending = pending, None
-        path = checkpoint.finish_save(done, keep_ckpts, resumed_from=src.path if src.kind == "resume" else None)
-        mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})" if ckpt_async else ""))
-
-
-signals = []  # SIGTERM / SIGUSR1 (preemption notice) / Ctrl-C received
-
-
-def on_signal(signum, frame):
-    # finish the step in progress, checkpoint and exit 0: the stop is agreed by all ranks at
-    # the end of the step, in the same all-reduce as the loss. A second Ctrl-C exits at once.
-    if signum == signal.SIGINT and signals:
-        os._exit(130)
-    signals.append(signum)
-    print(f"rank {mesh.rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
-
-
-for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-    signal.signal(sig, on_signal)
+signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
 if fault_nan_at >= 0:  # testing the NaN guard: these iterations' loss (so all their gradients) become NaN
     raw_model.register_forward_hook(lambda m, args, out: (out[0], out[1] * math.nan) if m.training and out[1] is not
                                     None and fault_nan_at <= it < fault_nan_at + fault_nan_steps else None)
@@ -431,7 +384,7 @@ while True:
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
     # / dp; tp ranks hold the same loss tp times), the stop flag, the ranks whose async save is written
     totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,
-                                        "saved": pending is not None and checkpoint.written(pending),
+                                        "saved": saves.written(),
                                         **({"sources": per_source.sums(src_ids[0])} if per_source else {})}, mesh)
     loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp), totals["stop"].item() > 0
     # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards, ZeRO
@@ -444,7 +397,7 @@ while True:
     # ================================ TRAINING SECTION END ==================================
     # everything that follows now is diagnostics, logging, the NaN guard's decision and an async save's end
     if totals["saved"].item() == mesh.world:  # every rank has written the save in flight: make it the latest
-        finish_save(it + 1)
+        saves.finish(it + 1)
     dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
     if trace is not None:  # pipeline: pipeline.py
         pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
@@ -457,7 +410,7 @@ while True:
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
         log({"iter": it, "loss": None, "grad_norm": None, "skipped": "non-finite loss or grad norm"})
         if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
-            finish_save(it)  # an async save in flight is the latest checkpoint once finished
+            saves.finish(it)  # an async save in flight is the latest checkpoint once finished
             it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
                                                             bad_streak, it, nan_action)
             bad_streak = 0
@@ -476,7 +429,7 @@ while True:
     it += 1
 
 # ---- the end --------------------------------------------------------------------------
-finish_save(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
+saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
 if mesh.master and wandb_log:
