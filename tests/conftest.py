@@ -22,6 +22,9 @@ TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "b
 # a clip that clips (its grad norms reach 0.87)
 REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "grad_clip=0.5"]
 
+# two pipeline stages, each two chunks of one of REFERENCE's layers (interleaved 1F1B)
+INTERLEAVED = ["pp=2", "pp_schedule=interleaved", "pp_virtual=2", "pp_layers=1,1,1,1"]
+
 # the model that in-process and spawned tests build directly (ModelConfig keyword arguments)
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 

@@ -21,7 +21,8 @@ import parallel
 from model import ModelConfig, Transformer
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False"]), (4, ["pp=2"])])
+# offload=True: on a CPU device there is nothing to move, the same path (run so that the combination runs)
+@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False", "offload=True"]), (4, ["pp=2"])])
 def test_fsdp_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: gradient accumulation is on at every layout here
@@ -37,7 +38,7 @@ def test_muon_under_fsdp_and_pipeline_gives_the_single_process_curve(dataset, tm
     args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "lr_schedule=wsd", "cooldown_frac=0.5"]
     single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
     run_train([*args, f"out_dir={single}"], cwd=tmp_path)
-    p = torchrun(4, [*args, f"out_dir={sharded}", "fsdp=True", "pp=2", "compile=True"], cwd=tmp_path)
+    p = torchrun(4, [*args, f"out_dir={sharded}", "fsdp=True", "pp=2", "compile=True", "offload=True"], cwd=tmp_path)
     assert "(fsdp: 1/2" in p.stdout
     assert_same_curve(read_metrics(single), read_metrics(sharded), rtol=1e-3)  # compiled vs eager
     lrs = [r["lr"] for r in read_metrics(single) if "lr" in r]  # warmup 2, flat, then down over the last 4

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from conftest import (
     CFG,
+    INTERLEAVED,
     REFERENCE,
     ROOT,
     TINY,
@@ -371,15 +372,44 @@ def test_unused_parameters_and_fixed_bucket_order():
             assert rank["bucketed"][step]["in_backward"] == launched_in_backward, step
 
 
-# one run per implementation (their gradients are compared in-process above); compile=True is
-# checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
-@pytest.mark.parametrize("nproc, impl, extra", [(2, "bucketed", []), (2, "torch", []), (4, "naive", [])])
-def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, dataset, reference_run, tmp_path):
+# one run per implementation (their gradients are compared in-process above), each at dp=2 beside
+# another layout train.py accepts with it: torch DDP around tensor-parallel blocks, naive under the
+# interleaved pipeline; compile=True is checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
+@pytest.mark.parametrize("nproc, impl, extra, layout", [(2, "bucketed", [], "dp=2 x pp=1"),
+                                                        (4, "torch", ["tp=2"], "dp=2 x pp=1 x tp=2"),
+                                                        (4, "naive", INTERLEAVED, "dp=2 x pp=2")])
+def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
                          *extra], cwd=tmp_path)
-    assert f"dp={nproc} x pp=1" in p.stdout
-    assert_same_curve(reference_run, read_metrics(out), rtol=1e-3 if extra else 3e-4)
+    assert layout in p.stdout, p.stdout[-2000:]
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+@pytest.fixture(scope="module")
+def tied_run(dataset, tmp_path_factory):
+    """optim -> one process's metrics for REFERENCE with the head tied to the embedding (on demand)."""
+    runs = {}
+
+    def get(optim):
+        if optim not in runs:
+            out = str(tmp_path_factory.mktemp("tied") / "run")
+            run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", f"optim={optim}"],
+                      cwd=os.path.dirname(out))
+            runs[optim] = read_metrics(out)
+        return runs[optim]
+    return get
+
+
+# a tied head is one tensor that takes two gradients (embedding and head): under each layout that
+# accepts it (pp refuses it), cut in vocabulary slices, ZeRO slices or FSDP shards
+@pytest.mark.parametrize("nproc, extra", [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
+                                          (2, ["fsdp=True", "optim=muon"])])
+def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, tied_run, tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", "ddp_bucket_mb=0.01",
+                     *extra], cwd=tmp_path)
+    assert_same_curve(tied_run("muon" if "optim=muon" in extra else "adamw"), read_metrics(out))
 
 
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):

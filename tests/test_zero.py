@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from conftest import INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import checkpoint
@@ -20,8 +20,10 @@ from model import ModelConfig, Transformer
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
+# under a pipeline dp is half the world (4 ranks: dp=2 x pp=2): ZeRO averages over dp, not the world
 @pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
-                                          (4, ["zero=1", "pp=2"])])
+                                          (4, ["zero=2", "pp=2", "offload=True"]),
+                                          (4, ["zero=1", *INTERLEAVED, "offload=True"])])
 def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     # the reference clips (grad_clip=0.5): the norm from the slices must be the whole model's
     assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 0.5
