@@ -22,7 +22,8 @@ from model import ModelConfig, Transformer
 
 
 # offload=True: on a CPU device there is nothing to move, the same path (run so that the combination runs)
-@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False", "offload=True"]), (4, ["pp=2"])])
+@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False", "offload=True"]), (4, ["pp=2"])],
+                         ids=["fsdp2", "fsdp4-no-reshard-offload", "fsdp2-pp2"])
 def test_fsdp_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: gradient accumulation is on at every layout here

@@ -377,7 +377,8 @@ def test_unused_parameters_and_fixed_bucket_order():
 # interleaved pipeline; compile=True is checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
 @pytest.mark.parametrize("nproc, impl, extra, layout", [(2, "bucketed", [], "dp=2 x pp=1"),
                                                         (4, "torch", ["tp=2"], "dp=2 x pp=1 x tp=2"),
-                                                        (4, "naive", INTERLEAVED, "dp=2 x pp=2")])
+                                                        (4, "naive", INTERLEAVED, "dp=2 x pp=2")],
+                         ids=["bucketed", "torch-tp2", "naive-interleaved"])
 def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
@@ -404,7 +405,7 @@ def tied_run(dataset, tmp_path_factory):
 # a tied head is one tensor that takes two gradients (embedding and head): under each layout that
 # accepts it (pp refuses it), cut in vocabulary slices, ZeRO slices or FSDP shards
 @pytest.mark.parametrize("nproc, extra", [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
-                                          (2, ["fsdp=True", "optim=muon"])])
+                                          (2, ["fsdp=True", "optim=muon"])], ids=["tp2-naive", "zero2-offload", "fsdp-muon"])
 def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, tied_run, tmp_path):
     out = str(tmp_path / "run")
     torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", "ddp_bucket_mb=0.01",

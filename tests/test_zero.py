@@ -23,7 +23,8 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_emb
 # under a pipeline dp is half the world (4 ranks: dp=2 x pp=2): ZeRO averages over dp, not the world
 @pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
                                           (4, ["zero=2", "pp=2", "offload=True"]),
-                                          (4, ["zero=1", *INTERLEAVED, "offload=True"])])
+                                          (4, ["zero=1", *INTERLEAVED, "offload=True"])],
+                         ids=["zero1", "zero2-offload", "zero2-dp4", "zero2-pp2-offload", "zero1-interleaved-offload"])
 def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     # the reference clips (grad_clip=0.5): the norm from the slices must be the whole model's
     assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 0.5
