@@ -1,3 +1,14 @@
+"""Fixtures and helpers shared by the tests, and the suite's two rules.
+
+1. Every layout, resumed or not, reproduces the single-process run of the same config
+   (assert_same_curve), with real gloo processes on CPU (torchrun, spawn).
+2. Every hand-written piece is checked at least once against an implementation that shares
+   none of our code (torch's DDP, ZeroRedundancyOptimizer, clip_grad_norm_, lr_scheduler,
+   pipelining and parallelize_module; transformers, peft, safetensors): rule 1 compares our
+   code with itself, and a mistake in a function both sides call passes it. docs/tests.md
+   lists each piece with its peer, and each combination of options train.py accepts with its run.
+"""
+
 import json
 import os
 import subprocess

@@ -154,15 +154,18 @@ def assert_same_sources(a, b):
         assert all(abs(la[i] - lb[i]) < 1e-5 * max(1.0, abs(la[i])) for i in la), key
 
 
-def test_mixture_on_two_data_parallel_ranks_equals_one_process(mix_run, sources, tmp_path):
+# each data-parallel kind train.py accepts with a mixture (per-source losses are summed over dp)
+@pytest.mark.parametrize("extra", [{}, {"zero": 2, "offload": True}, {"fsdp": True}, {"ddp_impl": "naive"}],
+                         ids=["bucketed", "zero2-offload", "fsdp", "naive"])
+def test_mixture_on_two_data_parallel_ranks_equals_one_process(extra, mix_run, sources, tmp_path):
     out = str(tmp_path / "dp2")
-    torchrun(2, mix_args(sources, out_dir=out), cwd=tmp_path)
+    torchrun(2, mix_args(sources, out_dir=out, **extra), cwd=tmp_path)
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
 def test_mixture_on_two_pipeline_stages_equals_one_process(mix_run, sources, tmp_path):
-    out = str(tmp_path / "pp2")
-    torchrun(2, mix_args(sources, out_dir=out, pp=2), cwd=tmp_path)
+    out = str(tmp_path / "pp2")  # interleaved: two chunks of one layer per stage
+    torchrun(2, mix_args(sources, out_dir=out, pp=2, pp_schedule="interleaved", pp_virtual=2), cwd=tmp_path)
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
