@@ -405,7 +405,8 @@ def tied_run(dataset, tmp_path_factory):
 # a tied head is one tensor that takes two gradients (embedding and head): under each layout that
 # accepts it (pp refuses it), cut in vocabulary slices, ZeRO slices or FSDP shards
 @pytest.mark.parametrize("nproc, extra", [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
-                                          (2, ["fsdp=True", "optim=muon"])], ids=["tp2-naive", "zero2-offload", "fsdp-muon"])
+                                          (2, ["fsdp=True", "optim=muon"])],
+                         ids=["tp2-naive", "zero2-offload", "fsdp-muon"])
 def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, tied_run, tmp_path):
     out = str(tmp_path / "run")
     torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", "ddp_bucket_mb=0.01",
