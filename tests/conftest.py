@@ -1,3 +1,14 @@
+"""Fixtures and helpers shared by the tests, and the suite's two rules.
+
+1. Every layout, resumed or not, reproduces the single-process run of the same config
+   (assert_same_curve), with real gloo processes on CPU (torchrun, spawn).
+2. Every hand-written piece is checked at least once against an implementation that shares
+   none of our code (torch's DDP, ZeroRedundancyOptimizer, clip_grad_norm_, lr_scheduler,
+   pipelining and parallelize_module; transformers, peft, safetensors): rule 1 compares our
+   code with itself, and a mistake in a function both sides call passes it. docs/tests.md
+   lists each piece with its peer, and each combination of options train.py accepts with its run.
+"""
+
 import json
 import os
 import subprocess
@@ -21,6 +32,9 @@ TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "b
 # the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches,
 # a clip that clips (its grad norms reach 0.87)
 REFERENCE = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "grad_clip=0.5"]
+
+# two pipeline stages, each two chunks of one of REFERENCE's layers (interleaved 1F1B)
+INTERLEAVED = ["pp=2", "pp_schedule=interleaved", "pp_virtual=2", "pp_layers=1,1,1,1"]
 
 # the model that in-process and spawned tests build directly (ModelConfig keyword arguments)
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import (
     CFG,
+    INTERLEAVED,
     REFERENCE,
     assert_same_curve,
     read_metrics,
@@ -21,7 +22,9 @@ import parallel
 from model import ModelConfig, Transformer
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False"]), (4, ["pp=2"])])
+# offload=True: on a CPU device there is nothing to move, the same path (run so that the combination runs)
+@pytest.mark.parametrize("nproc, extra", [(2, []), (4, ["reshard_after_forward=False", "offload=True"]), (4, ["pp=2"])],
+                         ids=["fsdp2", "fsdp4-no-reshard-offload", "fsdp2-pp2"])
 def test_fsdp_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: gradient accumulation is on at every layout here
@@ -33,13 +36,16 @@ def test_fsdp_gives_the_single_process_curve(nproc, extra, dataset, reference_ru
 def test_muon_under_fsdp_and_pipeline_gives_the_single_process_curve(dataset, tmp_path):
     """Muon needs whole matrices: under FSDP each one is gathered for the orthogonalization
     (and this rank's rows kept); a pipeline stage orthogonalizes its own layers. fsdp over 2
-    ranks x 2 stages, each stage compiled, reproduces one plain process, with wsd as the schedule."""
+    ranks x 2 stages, each stage compiled, reproduces one plain process, with wsd as the schedule;
+    so do naive data parallel x the interleaved pipeline (a stage's two chunks, each its own layers)."""
     args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "lr_schedule=wsd", "cooldown_frac=0.5"]
     single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
     run_train([*args, f"out_dir={single}"], cwd=tmp_path)
-    p = torchrun(4, [*args, f"out_dir={sharded}", "fsdp=True", "pp=2", "compile=True"], cwd=tmp_path)
+    p = torchrun(4, [*args, f"out_dir={sharded}", "fsdp=True", "pp=2", "compile=True", "offload=True"], cwd=tmp_path)
     assert "(fsdp: 1/2" in p.stdout
     assert_same_curve(read_metrics(single), read_metrics(sharded), rtol=1e-3)  # compiled vs eager
+    torchrun(4, [*args, f"out_dir={tmp_path / 'interleaved'}", *INTERLEAVED, "ddp_impl=naive"], cwd=tmp_path)
+    assert_same_curve(read_metrics(single), read_metrics(tmp_path / "interleaved"))
     lrs = [r["lr"] for r in read_metrics(single) if "lr" in r]  # warmup 2, flat, then down over the last 4
     assert lrs[1] == lrs[2] == lrs[3] == lrs[4] == 1e-2 and lrs[4] > lrs[5] > lrs[6] > lrs[7] > 1e-3, lrs
 

@@ -202,7 +202,8 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
     assert abs(read_metrics(out)[0]["val_loss"] - final[0]) < 1e-5
 
 
-@pytest.mark.parametrize("extra", [[], ["pp=2"], ["fsdp=True"]], ids=["dp2", "pp2", "fsdp2"])
+@pytest.mark.parametrize("extra", [[], ["pp=2"], ["fsdp=True"], ["zero=1", "offload=True"], ["ddp_impl=torch"]],
+                         ids=["dp2", "pp2", "fsdp2", "zero1-offload", "torch-dp2"])
 def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     out = str(tmp_path / "run")
     exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []  # pp / fsdp rebuild the model on rank 0

@@ -110,11 +110,11 @@ def mix_args(sources, **extra):
 def mix_run(sources, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mixrun") / "run")
     p = run_train(mix_args(sources, out_dir=out), cwd=os.path.dirname(out))
-    return read_metrics(out), p.stdout
+    return read_metrics(out), p.stdout, out
 
 
 def test_mixture_run_logs_sources_and_resumes_exactly_across_a_phase(mix_run, sources, tmp_path):
-    rows, stdout = mix_run
+    rows, stdout, _ = mix_run
     train = {r["iter"]: r for r in rows if "loss" in r}
     assert "[tiny " in stdout and "val loss" in stdout
     # per-source losses, each over its own target tokens of the global batch, average to the loss
@@ -154,16 +154,42 @@ def assert_same_sources(a, b):
         assert all(abs(la[i] - lb[i]) < 1e-5 * max(1.0, abs(la[i])) for i in la), key
 
 
-def test_mixture_on_two_data_parallel_ranks_equals_one_process(mix_run, sources, tmp_path):
+# each data-parallel kind train.py accepts with a mixture (per-source losses are summed over dp)
+@pytest.mark.parametrize("extra", [{}, {"zero": 2, "offload": True}, {"fsdp": True}, {"ddp_impl": "naive"}],
+                         ids=["bucketed", "zero2-offload", "fsdp", "naive"])
+def test_mixture_on_two_data_parallel_ranks_equals_one_process(extra, mix_run, sources, tmp_path):
     out = str(tmp_path / "dp2")
-    torchrun(2, mix_args(sources, out_dir=out), cwd=tmp_path)
+    torchrun(2, mix_args(sources, out_dir=out, **extra), cwd=tmp_path)
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
 def test_mixture_on_two_pipeline_stages_equals_one_process(mix_run, sources, tmp_path):
-    out = str(tmp_path / "pp2")
-    torchrun(2, mix_args(sources, out_dir=out, pp=2), cwd=tmp_path)
+    out = str(tmp_path / "pp2")  # interleaved: two chunks of one layer per stage
+    torchrun(2, mix_args(sources, out_dir=out, pp=2, pp_schedule="interleaved", pp_virtual=2), cwd=tmp_path)
     assert_same_sources(mix_run[0], read_metrics(out))
+
+
+# the options no other run pairs with a mixture, or with each other: Muon with tied embeddings
+# (dp=2); LoRA on that tied base (dp=2), and (every target) on an untied one under the
+# interleaved pipeline (pp refuses a tied model)
+LORA_ALL = ["lora_rank=4", "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,output"]
+
+
+@pytest.mark.parametrize("case", ["tied-dp2", "interleaved"])
+def test_mixture_with_muon_lora_and_tied_embeddings_equals_one_process(case, mix_run, sources, tmp_path):
+    def same_on_two_ranks(name, options, layout):
+        single, sharded = str(tmp_path / name), str(tmp_path / f"{name}_2")
+        run_train([*mix_args(sources, out_dir=single), *options], cwd=tmp_path)
+        torchrun(2, [*mix_args(sources, out_dir=sharded), *options, *layout], cwd=tmp_path)
+        assert_same_sources(read_metrics(single), read_metrics(sharded))
+        return single
+    if case == "tied-dp2":
+        base = same_on_two_ranks("muon", ["optim=muon", "tie_embeddings=True"], [])
+        # (not the head: it is the embedding, and lora.py refuses an adapter on a tied head)
+        same_on_two_ranks("lora", [*LORA_ALL[:2], "lora_targets=wq,wk,wv,wo,w1,w2,w3", f"init_from={base}"], [])
+    else:
+        same_on_two_ranks("lora", [*LORA_ALL, f"init_from={mix_run[2]}"], ["pp=2", "pp_schedule=interleaved",
+                                                                          "pp_virtual=2"])
 
 
 @pytest.mark.parametrize("args, match", [

@@ -13,7 +13,7 @@ from model import (
     masked_cross_entropy,
     rope_tables,
 )
-from optim import MuonWithAdamW, newton_schulz
+from optim import MuonWithAdamW, get_lr, newton_schulz
 from pipeline import make_stage
 
 tiny = tiny_model
@@ -253,3 +253,28 @@ def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
     for shape in [(64, 16), (16, 64)]:
         sv = torch.linalg.svdvals(newton_schulz(torch.randn(shape, generator=g), dtype=torch.float32))
         assert 0.6 < sv.min() and sv.max() < 1.25, sv
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_lr_schedule_equals_torch_schedulers(schedule):
+    """get_lr against the same schedule chained from torch's schedulers: linear warmup, then a
+    cosine (or flat, then a linear cooldown over the last quarter) to min_lr at lr_decay_iters,
+    and min_lr after it."""
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+    c = dict(learning_rate=1e-2, min_lr=1e-3, warmup_iters=5, lr_decay_iters=40, max_iters=50, lr_schedule=schedule,
+             cooldown_frac=0.25)
+    lr, lo, warmup, decay = 1e-2, 1e-3, 5, 40
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    after = ConstantLR(opt, factor=lo / lr, total_iters=10 ** 9)
+    warm = LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    if schedule == "cosine":
+        parts, milestones = [warm, CosineAnnealingLR(opt, T_max=decay - warmup, eta_min=lo), after], [warmup, decay]
+    else:
+        cool = 10  # a quarter of 40
+        parts = [warm, ConstantLR(opt, factor=1.0, total_iters=0), LinearLR(opt, 1.0, lo / lr, total_iters=cool), after]
+        milestones = [warmup, decay - cool, decay]
+    sched = SequentialLR(opt, parts, milestones)
+    for it in range(50):
+        assert math.isclose(get_lr(it, c), opt.param_groups[0]["lr"], rel_tol=1e-9), it
+        opt.step()
+        sched.step()

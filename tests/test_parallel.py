@@ -1,5 +1,7 @@
 """Data parallel on real gloo processes: the hand-written versions against the single-process
-run and against torch's DistributedDataParallel, then train.py under torchrun end to end."""
+run and against torch's DistributedDataParallel; global-norm clipping (parallel.clip_grad_norm_)
+against torch.nn.utils.clip_grad_norm_ on whole, replicated, FSDP, ZeRO, tensor-parallel and
+pipeline-stage gradients; then train.py under torchrun end to end."""
 
 import os
 import shutil
@@ -14,6 +16,7 @@ import torch
 import torch.nn as nn
 from conftest import (
     CFG,
+    INTERLEAVED,
     REFERENCE,
     ROOT,
     TINY,
@@ -27,7 +30,10 @@ from conftest import (
 from torch.nn.parallel import DistributedDataParallel
 
 import data_parallel
-
+import fsdp
+import parallel
+import tensor_parallel
+import zero
 from model import ModelConfig, Transformer
 
 
@@ -96,6 +102,144 @@ def test_dp_gradients_equal_single_process_and_torch_ddp():
             torch.testing.assert_close(ranks[0][impl]["grads"][name], ranks[0]["torch"]["grads"][name])
             torch.testing.assert_close(ranks[1][impl]["grads"][name], ranks[0][impl]["grads"][name], rtol=0, atol=0)
 
+
+# ---- clipping against torch.nn.utils.clip_grad_norm_ ----
+# The peer shares none of our code: torch's clip on the whole model's gradients in one process.
+# Ours must give its norm and its clipped gradients whatever holds the gradients: one process,
+# replicas, FSDP shards, ZeRO slices (stage 1: views of whole gradients; stage 2: reduced
+# chunks), tensor-parallel slices with replicated norm gains, pipeline stages. Two max_norms:
+# half the norm (clips) and twice it (must leave the gradients alone: never scale them up).
+CLIP_CFG = dict(CFG, ffn_dim=64)  # tp=2 cuts the SwiGLU width in two
+
+
+def clip_batch():
+    data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(7))
+    return data[:, :-1], data[:, 1:]
+
+
+def clip_model_grads(model, rows=slice(None)):
+    """Backward of the mean loss over `rows` of clip_batch (all: the whole model's gradient)."""
+    x, y = clip_batch()
+    model(x[rows], y[rows])[1].backward()
+    return model
+
+
+def torch_clipped(max_norm):
+    """(total norm, {name: clipped gradient}) from torch's clip on the single-process gradients."""
+    torch.manual_seed(0)
+    model = clip_model_grads(Transformer(ModelConfig(**CLIP_CFG)))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm, {n: p.grad for n, p in model.named_parameters()}
+
+
+def clip_max_norms():
+    norm = torch_clipped(0.0)[0].item()  # max_norm=0: torch scales everything to zero; we only need its norm
+    return [norm / 2, norm * 2]
+
+
+def assert_clipped_like_torch(norm, grads, max_norm, what):
+    want_norm, want = torch_clipped(max_norm)
+    torch.testing.assert_close(torch.as_tensor(norm), want_norm, rtol=1e-5, atol=0, msg=f"{what}: norm")
+    assert set(grads) == set(want), what
+    for n, g in want.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=f"{what} at max_norm={max_norm:.3g}: {n}")
+
+
+def test_clipping_equals_torch_in_one_process():
+    mesh = parallel.setup("cpu")
+    for max_norm in clip_max_norms():
+        torch.manual_seed(0)
+        model = clip_model_grads(Transformer(ModelConfig(**CLIP_CFG)))
+        norm = parallel.clip_grad_norm_(model.parameters(), max_norm, mesh)
+        assert_clipped_like_torch(norm, {n: p.grad for n, p in model.named_parameters()}, max_norm, "one process")
+
+
+def clip_over_dp(mesh, max_norms):
+    """This rank's clipped gradients under each data-parallel kind, each rank on half the batch:
+    {kind: [(norm, gradients) per max_norm]}: replicas and FSDP give every whole gradient
+    (FSDP's gathered), ZeRO this rank's slices as {name: [(start, flat piece)]}."""
+    rows = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    out = {}
+    for kind in ("dp", "fsdp", "zero1", "zero2"):
+        out[kind] = []
+        for max_norm in max_norms:
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(**CLIP_CFG))
+            names = {p: n for n, p in model.named_parameters()}
+            if kind == "dp":  # replicas: every rank holds the whole mean gradient, counted once
+                clip_model_grads(data_parallel.DataParallel(model, mesh, 0.002), rows).wait()
+                norm = parallel.clip_grad_norm_(model.parameters(), max_norm, mesh)
+                grads = {n: p.grad for n, p in model.named_parameters()}
+            elif kind == "fsdp":
+                clip_model_grads(fsdp.fully_shard_model(model, mesh), rows)
+                norm = parallel.clip_grad_norm_(model.parameters(), max_norm, mesh)
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            else:
+                ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
+                clip_model_grads(ddp, rows).wait()
+                opt = zero.ZeroOptimizer(ddp, [{"params": list(model.parameters())}], lr=1e-3)
+                norm = parallel.clip_grad_norm_(opt.params, max_norm, mesh, sharded=True)
+                grads = {}
+                for s in ddp.shards:
+                    grads.setdefault(names[s.param], []).append((s.start, s.tensor.grad.clone()))
+            out[kind].append((norm, grads))
+    return out
+
+
+def clip_over_tp_and_pp(mesh, max_norms):
+    """tp=2 x pp=2: each rank clips the tensor-parallel slices of its stage's parameters (the
+    whole model's backward runs on every rank; the stages split its parameters as a pipeline
+    does: the embedding and layer 0, then layer 1, the norm and the head).
+    [(norm, {name: (gradient slice, the dimension it is cut along or None)}) per max_norm]"""
+    out = []
+    for max_norm in max_norms:
+        torch.manual_seed(0)
+        model = clip_model_grads(tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CLIP_CFG)), mesh))
+        mine = {n: p for n, p in model.named_parameters()
+                if n.startswith(("tok_embeddings.", "layers.0.")) == mesh.first_stage}
+        norm = parallel.clip_grad_norm_(mine.values(), max_norm, mesh)
+        out.append((norm, {n: (p.grad, getattr(p, "_tp_dim", None)) for n, p in mine.items()}))
+    return out
+
+
+def zero_gathered(ranks, shapes):
+    """Whole gradients from every rank's ZeRO slices; each element must come from exactly one slice."""
+    out = {}
+    for n, shape in shapes.items():
+        flat, count = torch.zeros(shape).view(-1), torch.zeros(shape.numel())
+        for pieces in ranks:
+            for start, g in pieces.get(n, []):
+                flat[start:start + g.numel()] += g
+                count[start:start + g.numel()] += 1
+        assert (count == 1).all(), n
+        out[n] = flat.view(shape)
+    return out
+
+
+def test_clipping_sharded_gradients_equals_torch_on_the_whole():
+    max_norms = clip_max_norms()
+    shapes = {n: g.shape for n, g in torch_clipped(0.0)[1].items()}
+    dp_ranks = spawn(clip_over_dp, 2, max_norms)
+    tp_pp_ranks = spawn(clip_over_tp_and_pp, 4, max_norms, pp=2, tp=2)
+    for k, max_norm in enumerate(max_norms):
+        for kind in ("dp", "fsdp"):
+            for r, rank in enumerate(dp_ranks):
+                assert_clipped_like_torch(*rank[kind][k], max_norm, f"{kind} rank {r}")
+        for kind in ("zero1", "zero2"):
+            for r, rank in enumerate(dp_ranks):
+                torch.testing.assert_close(rank[kind][k][0], dp_ranks[0][kind][k][0], rtol=0, atol=0)
+            assert_clipped_like_torch(dp_ranks[0][kind][k][0], zero_gathered([rank[kind][k][1] for rank in dp_ranks],
+                                                                               shapes), max_norm, kind)
+        # ranks (stage 0: tp 0, 1; stage 1: tp 0, 1): a stage's tp slices concatenated, its replicated gains from tp 0
+        grads = {}
+        for stage in (0, 1):
+            (norm0, part0), (norm1, part1) = tp_pp_ranks[2 * stage][k], tp_pp_ranks[2 * stage + 1][k]
+            for n, (g, dim) in part0.items():
+                grads[n] = g if dim is None else torch.cat([g, part1[n][0]], dim)
+                if dim is None:  # a replicated gain holds the same gradient on both tp ranks
+                    torch.testing.assert_close(part1[n][0], g, rtol=0, atol=0)
+        for r, rank in enumerate(tp_pp_ranks):
+            assert_clipped_like_torch(rank[k][0], grads, max_norm, f"tp=2 x pp=2 (norm of rank {r})")
 
 def no_sync_steps(mesh, n_micro, bucket_mb):
     out = {f"{impl}{how}": dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=how == "_no_sync")
@@ -228,15 +372,46 @@ def test_unused_parameters_and_fixed_bucket_order():
             assert rank["bucketed"][step]["in_backward"] == launched_in_backward, step
 
 
-# one run per implementation (their gradients are compared in-process above); compile=True is
-# checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
-@pytest.mark.parametrize("nproc, impl, extra", [(2, "bucketed", []), (2, "torch", []), (4, "naive", [])])
-def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, dataset, reference_run, tmp_path):
+# one run per implementation (their gradients are compared in-process above), each at dp=2 beside
+# another layout train.py accepts with it: torch DDP around tensor-parallel blocks, naive under the
+# interleaved pipeline; compile=True is checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
+@pytest.mark.parametrize("nproc, impl, extra, layout", [(2, "bucketed", [], "dp=2 x pp=1"),
+                                                        (4, "torch", ["tp=2"], "dp=2 x pp=1 x tp=2"),
+                                                        (4, "naive", INTERLEAVED, "dp=2 x pp=2")],
+                         ids=["bucketed", "torch-tp2", "naive-interleaved"])
+def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
                          *extra], cwd=tmp_path)
-    assert f"dp={nproc} x pp=1" in p.stdout
-    assert_same_curve(reference_run, read_metrics(out), rtol=1e-3 if extra else 3e-4)
+    assert layout in p.stdout, p.stdout[-2000:]
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+@pytest.fixture(scope="module")
+def tied_run(dataset, tmp_path_factory):
+    """optim -> one process's metrics for REFERENCE with the head tied to the embedding (on demand)."""
+    runs = {}
+
+    def get(optim):
+        if optim not in runs:
+            out = str(tmp_path_factory.mktemp("tied") / "run")
+            run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", f"optim={optim}"],
+                      cwd=os.path.dirname(out))
+            runs[optim] = read_metrics(out)
+        return runs[optim]
+    return get
+
+
+# a tied head is one tensor that takes two gradients (embedding and head): under each layout that
+# accepts it (pp refuses it), cut in vocabulary slices, ZeRO slices or FSDP shards
+@pytest.mark.parametrize("nproc, extra", [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
+                                          (2, ["fsdp=True", "optim=muon"])],
+                         ids=["tp2-naive", "zero2-offload", "fsdp-muon"])
+def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, tied_run, tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", "ddp_bucket_mb=0.01",
+                     *extra], cwd=tmp_path)
+    assert_same_curve(tied_run("muon" if "optim=muon" in extra else "adamw"), read_metrics(out))
 
 
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):

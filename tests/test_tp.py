@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    INTERLEAVED,
     REFERENCE,
     assert_same_curve,
     read_metrics,
@@ -165,9 +166,11 @@ def clipped_run(dataset, tmp_path_factory):
 
 
 # (the dp=2 run also recomputes each block in backward: the forward all-reduces run again there;
-# the tp=2 run is compiled: the sharded blocks, their collectives and the vocabulary-parallel loss)
-@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "compile=True"]), (4, ["tp=2", "pp=2"]),
-                                           (4, ["tp=2", "grad_ckpt=True"])])
+# the tp=2 run is compiled: the sharded blocks, their collectives and the vocabulary-parallel loss;
+# the pipeline is interleaved, two chunks a stage: tp x pp with 1F1B is a leg of test_fsdp.py's chain)
+@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "compile=True"]), (4, ["tp=2", *INTERLEAVED]),
+                                           (4, ["tp=2", "grad_ckpt=True"])],
+                         ids=["tp2-compile", "tp2-interleaved", "tp2-dp2-grad_ckpt"])
 def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clipped_run, tmp_path):
     out = str(tmp_path / "run")
     p = torchrun(nproc, [*CLIPPED, f"dataset={dataset}", f"out_dir={out}", *layout, "ddp_bucket_mb=0.01"],

@@ -1,12 +1,17 @@
 """ZeRO stages 1 and 2 (zero.ZeroDataParallel + ZeroOptimizer) on real gloo processes:
-the single-process curve through train.py, torch's ZeroRedundancyOptimizer as a peer, the
-per-rank memory, and checkpoints that move between zero, fsdp and one process."""
+the single-process curve through train.py (also under a pipeline), torch's
+ZeroRedundancyOptimizer as a peer, the per-rank memory, an exact resume of a ZeRO run into
+ZeRO (stage 1 -> 1 -> 2 -> 2) and into one process (moves to fsdp: test_fsdp.py's chain)."""
+
+import os
+import shutil
 
 import pytest
 import torch
-from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
+from conftest import INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+import checkpoint
 import data_parallel
 import parallel
 import zero
@@ -15,8 +20,11 @@ from model import ModelConfig, Transformer
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
+# under a pipeline dp is half the world (4 ranks: dp=2 x pp=2): ZeRO averages over dp, not the world
 @pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
-                                          (4, ["zero=1", "pp=2"])])
+                                          (4, ["zero=2", "pp=2", "offload=True"]),
+                                          (4, ["zero=1", *INTERLEAVED, "offload=True"])],
+                         ids=["zero1", "zero2-offload", "zero2-dp4", "zero2-pp2-offload", "zero1-interleaved-offload"])
 def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     # the reference clips (grad_clip=0.5): the norm from the slices must be the whole model's
     assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 0.5
@@ -27,6 +35,47 @@ def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_ru
                  cwd=tmp_path)
     assert f"({extra[0]}: 1/{nproc // (2 if 'pp=2' in extra else 1)} of the optimizer" in p.stdout, p.stdout[-2000:]
     assert_same_curve(reference_run, read_metrics(out))
+
+
+# 12 iterations whatever max_iters a leg stops at (the schedule's length is lr_decay_iters);
+# tiny buckets, so each rank's slices cut across parameters
+RESUME = [*REFERENCE, "lr_decay_iters=12", "ckpt_interval=100", "ddp_bucket_mb=0.01"]
+
+
+@pytest.fixture(scope="module")
+def zero_run(dataset, tmp_path_factory):
+    """REFERENCE for 12 iterations at zero=1 on 2 ranks, uninterrupted: (out_dir, metrics).
+    At 2 ranks zero=2 gives the same bits (a sum of two numbers has one order, and both
+    stages step the same slices), so this one run is the reference for either stage."""
+    out = str(tmp_path_factory.mktemp("zero_run") / "run")
+    torchrun(2, [*RESUME, f"dataset={dataset}", f"out_dir={out}", "zero=1", "max_iters=12"], cwd=os.path.dirname(out))
+    return out, read_metrics(out)
+
+
+def final_weights(out_dir):
+    return checkpoint.load_whole(os.path.join(out_dir, "ckpt", "iter_0000012"))[0].state_dict()
+
+
+def test_zero_resumes_exactly_into_zero_and_moves_to_one_process(zero_run, dataset, tmp_path):
+    """One out_dir, each leg resuming the last: zero=1 to 3, zero=1 to 6, zero=2 to 9, zero=2 to
+    12 is the uninterrupted run bit for bit (losses, grad norms, val losses, final weights):
+    every leg must reload the AdamW moments of its slices, saved whole, into the slices of
+    the next layout. The checkpoint at 9, written by zero=2, continued by one process gives
+    the same curve up to rounding (its moments read whole)."""
+    out, one = str(tmp_path / "run"), str(tmp_path / "one")
+    chain = [*RESUME, f"dataset={dataset}", f"out_dir={out}", "init_from=auto"]
+    for stage, stop in ((1, 3), (1, 6), (2, 9)):
+        torchrun(2, [*chain, f"zero={stage}", f"max_iters={stop}"], cwd=tmp_path)
+    shutil.copytree(out, one)
+    torchrun(2, [*chain, "zero=2", "max_iters=12"], cwd=tmp_path)
+    ref_dir, ref = zero_run
+    assert_same_curve(ref, read_metrics(out), exact=True)
+    want, got = final_weights(ref_dir), final_weights(out)
+    assert all(torch.equal(want[n], got[n]) for n in want), [n for n in want if not torch.equal(want[n], got[n])]
+    run_train([*RESUME, f"dataset={dataset}", f"out_dir={one}", "init_from=auto", "max_iters=12"], cwd=tmp_path)
+    assert_same_curve(ref, read_metrics(one))
+    for n, t in final_weights(one).items():
+        torch.testing.assert_close(t, want[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
 def batch(rank, step):
