@@ -15,7 +15,9 @@ This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
 
 import hashlib
+import io
 import json
+import math
 import os
 import pickle
 import re
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import fsdp
 import lora as lora_mod
-from configurator import UserError
+from configurator import MAX_SIZES, UserError, json_field, read_json
 from model import ModelConfig, Transformer
 from parallel import (
     all_gather_object,
@@ -62,9 +64,18 @@ def _fsync_dir(path):
 
 
 def _write_atomic(path, write):
+    """write(f) into a new file renamed to `path`: never through a link planted at either
+    name (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at
+    `path` itself). The bytes are made in memory first, so a full disk is an OSError
+    (ENOSPC) of the write, not a serializer's complaint about its position."""
+    buf = io.BytesIO()
+    write(buf)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(buf.getbuffer())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -191,22 +202,39 @@ def _write_manifest(path, known=None):
     _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
+SHA256 = re.compile(r"[0-9a-f]{64}")
+REQUIRED_FILES = ("meta.json", "state.pt", ".metadata")  # and DCP's __R_N.distcp data files
+
+
 def _read_manifest(path):
-    """(files, None) or (None, what is wrong)."""
+    """(files, None) or (None, what is wrong). A checkpoint is trusted only with a manifest
+    that lists every file it holds, each with its size and sha256: a manifest that leaves a
+    file out would leave that file unchecked."""
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            files = json.load(f)["files"]
-        if not all(isinstance(w, dict) and type(w.get("bytes")) is int for w in files.values()):
-            raise TypeError("malformed entry")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, "manifest.json is missing or unreadable (a save that did not finish?)"
+        files = json_field(read_json(os.path.join(path, "manifest.json"), "a save that did not finish?"), "files",
+                           dict, "manifest.json", "a save that did not finish?")
+    except UserError as e:
+        return None, f"manifest.json is missing or unreadable ({str(e)[:200]})"
+    for name, want in files.items():
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and want["bytes"] >= 0
+                and isinstance(want.get("sha256"), str) and SHA256.fullmatch(want["sha256"])):
+            return None, f"manifest.json: the entry of {name[:80]!r} is not {{bytes, sha256}}"
+    try:
+        present = set(os.listdir(path)) - {"manifest.json"}
+    except OSError as e:
+        return None, describe_error(e)
+    unlisted = sorted((present | set(REQUIRED_FILES)) - set(files))
+    if unlisted:
+        return None, f"manifest.json does not list {', '.join(n[:80] for n in unlisted[:3])}"
     return files, None
 
 
 def _check_file(path, name, want, checksum=True):
     p = os.path.join(path, name)
-    if os.path.basename(name) != name or not os.path.isfile(p):
-        return f"{name} is missing"
+    if os.path.basename(name) != name or name in ("", ".", "..") or not os.path.isfile(p):
+        return f"{name[:80]} is missing"
+    if os.path.islink(p):
+        return f"{name} is a symbolic link, not a file of the checkpoint"
     if os.path.getsize(p) != want["bytes"]:
         return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
     if checksum and sha256_file(p) != want.get("sha256"):
@@ -241,6 +269,18 @@ def verify(path, mesh=None):
     if world > 1:
         problems = [p for ps in all_gather_object(problems, mesh) for p in ps]
     return problems[0] if problems else None
+
+
+def all_finite(model, collective=False):
+    """True on every rank iff every weight of the model, on every rank (collective: all
+    ranks of the default group call it), is finite. A NaN guard that rolls back must find
+    finite weights there: saves and loads check."""
+    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                                 for p in model.parameters())))
+    if collective:
+        bad = bad.cuda() if dist.get_backend() == "nccl" else bad
+        dist.all_reduce(bad)
+    return bad.item() == 0
 
 
 def _agree(ok, mesh):
@@ -349,6 +389,12 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
             pending.error = e
     if not _agree(pending.error is None, mesh):
         return pending  # nothing started on any rank; finish_save reports it
+    if not all_finite(model, bool(mesh.backend)):  # never a checkpoint that a rollback or a resume could not use
+        if mesh.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
+                        f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
+                        f"from the last checkpoint")
     init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
     state, writer, no_dist = train_state(model, optimizer), _Writer(tmp, delay_s), not mesh.backend
     if asynchronous:
@@ -462,17 +508,79 @@ def find(out_dir, mesh, warn=print):
     return None
 
 
+MAX_ITER = 10 ** 12
+
+
+def check_meta(meta, path):
+    """None if a checkpoint's meta.json (a dict) holds what resuming and loading use, with the
+    right types and ranges, else what is wrong. The iteration must be the directory's."""
+    fix = "not a checkpoint this trainer wrote"
+    try:
+        it = json_field(meta, "iter", int, "meta.json", fix, 0, MAX_ITER)
+        m = CKPT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+        if m and int(m[1]) != it:
+            return f"meta.json says iteration {it}, but the directory is {m[0]}"
+        model = json_field(meta, "model", dict, "meta.json", fix)
+        fields = ModelConfig.__dataclass_fields__
+        if set(model) - set(fields):
+            return f"meta.json: model has unknown keys {sorted(set(model) - set(fields))[:3]}"
+        for key, f in fields.items():
+            kind = {int: int, float: float, bool: bool}[type(f.default)]
+            json_field(model, key, kind, "meta.json model", fix, 0 if kind is not bool else None,
+                       MAX_SIZES.get(key), required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
+        if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                                                   "block_size", "rope_theta", "norm_eps")):
+            return "meta.json: a model size, rope_theta or norm_eps is not positive"
+        ModelConfig(**model)
+        config = json_field(meta, "config", dict, "meta.json", fix, required=False) or {}
+        json_field(config, "tokenizer", str, "meta.json config", fix, required=False)
+        json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"], required=False)
+        skip = json_field(meta, "skip_iters", list, "meta.json", fix, required=False) or []
+        extra = json_field(meta, "extra_tokens", list, "meta.json", fix, required=False) or []
+        if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):
+            return "meta.json: skip_iters or extra_tokens holds the wrong type"
+        lora = json_field(meta, "lora", dict, "meta.json", fix, required=False)
+        if lora:
+            json_field(lora, "rank", int, "meta.json lora", fix, 1, MAX_SIZES["n_embd"])
+            json_field(lora, "alpha", float, "meta.json lora", fix, 1e-12)
+            json_field(lora, "dropout", float, "meta.json lora", fix, 0, 0.999999)
+            base = json_field(lora, "base", dict, "meta.json lora", fix)
+            json_field(base, "path", str, "meta.json lora base", fix)
+            json_field(base, "sha256", str, "meta.json lora base", fix)
+            if base.get("kind") not in ("hf", "ckpt"):
+                return "meta.json: lora base kind is not hf or ckpt"
+            if not isinstance(lora.get("targets"), (list, str)):
+                return "meta.json: lora targets are not a list"
+    except (UserError, ValueError) as e:
+        return str(e)[:200]
+    return None
+
+
+def check_state(state):
+    """None if a checkpoint's state.pt holds one CPU random state per saving rank (and
+    optionally CUDA ones), else what is wrong."""
+    if not isinstance(state, dict) or set(state) - {"rng_cpu", "rng_cuda"}:
+        return "state.pt is not {rng_cpu, rng_cuda}"
+    cpu_size = torch.get_rng_state().numel()
+    for key, streams in state.items():
+        if not isinstance(streams, list) or (key == "rng_cpu" and not streams) or not all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+                and (key != "rng_cpu" or t.numel() == cpu_size) for t in streams):
+            return f"state.pt: {key} is not a list of random states"
+    return None if "rng_cpu" in state else "state.pt has no rng_cpu"
+
+
 def _read_small(path):
     """(meta, state, None): meta.json (iteration, config, model shape) and state.pt (RNG
-    states) of a checkpoint; or (None, None, what is wrong). weights_only=True: a checkpoint
-    is data, never code."""
+    states) of a checkpoint, checked (check_meta, check_state); or (None, None, what is
+    wrong). weights_only=True: a checkpoint is data, never code."""
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        return None, None, f"meta.json: {describe_error(e)}"
-    if not isinstance(meta, dict) or type(meta.get("iter")) is not int:
-        return None, None, "meta.json has no iteration number"
+        meta = read_json(os.path.join(path, "meta.json"), "not a checkpoint this trainer wrote")
+    except UserError as e:
+        return None, None, f"meta.json: {str(e)[:200]}"
+    problem = check_meta(meta, path)
+    if problem:
+        return None, None, problem
     try:
         with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
             warnings.simplefilter("ignore")
@@ -481,7 +589,8 @@ def _read_small(path):
         # torch's message starts with a paragraph on the weights_only default; the cause is further down
         cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
         return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {describe_error(e)}"
-    return meta, state, None
+    problem = check_state(state)
+    return (None, None, problem) if problem else (meta, state, None)
 
 
 def read_meta(path):
@@ -594,6 +703,9 @@ def load(path, model, optimizer=None, no_dist=False):
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
+    if not all_finite(model, not no_dist and dist.is_initialized()):
+        raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier checkpoint (point "
+                        f"ckpt/latest at it), or start over with init_from=scratch and a new out_dir")
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
         optimizer.load_full_state(state["optim"], {p: n for n, p in model.named_parameters()})
 
