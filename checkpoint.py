@@ -532,9 +532,9 @@ def check_meta(meta, path):
                                                    "block_size", "rope_theta", "norm_eps")):
             return "meta.json: a model size, rope_theta or norm_eps is not positive"
         ModelConfig(**model)
-        config = json_field(meta, "config", dict, "meta.json", fix, required=False) or {}
-        json_field(config, "tokenizer", str, "meta.json config", fix, required=False)
-        json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"], required=False)
+        config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
+        json_field(config, "tokenizer", str, "meta.json config", fix)
+        json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"])
         skip = json_field(meta, "skip_iters", list, "meta.json", fix, required=False) or []
         extra = json_field(meta, "extra_tokens", list, "meta.json", fix, required=False) or []
         if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):
@@ -549,7 +549,7 @@ def check_meta(meta, path):
             json_field(base, "sha256", str, "meta.json lora base", fix)
             if base.get("kind") not in ("hf", "ckpt"):
                 return "meta.json: lora base kind is not hf or ckpt"
-            if not isinstance(lora.get("targets"), (list, str)):
+            if not isinstance(lora.get("targets"), list) or not all(isinstance(t, str) for t in lora["targets"]):
                 return "meta.json: lora targets are not a list"
     except (UserError, ValueError) as e:
         return str(e)[:200]

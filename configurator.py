@@ -396,7 +396,7 @@ def loads_json(text, where, fix):
     except RecursionError:
         raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the number checks
-        raise UserError(f"{where} is not valid JSON ({str(e).splitlines()[0][:120]}): {fix}") from None
+        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:120]}): {fix}") from None
     if _depth(obj) > MAX_JSON_DEPTH:
         raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}")
     return obj
@@ -432,10 +432,12 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
           if kind is float else isinstance(v, kind))
     if ok and (lo is not None and v < lo or hi is not None and v > hi):
         raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
+    if key not in obj:
+        raise UserError(f"{where} lacks {key}: {fix}")
     if not ok:
         what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
                 dict: "an object", list: "a list"}.get(kind, getattr(kind, "__name__", str(kind)))
-        raise UserError(f"{where}: {key}={str(v)[:60]!r} is {'missing' if key not in obj else 'not ' + what}: {fix}")
+        raise UserError(f"{where}: {key}={str(v)[:60]!r} is not {what}: {fix}")
     return v
 
 

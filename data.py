@@ -233,9 +233,11 @@ class Loader:
         if not os.path.isfile(path):
             raise UserError(f"{path} is missing: {redo}")
         dtype = np.dtype(meta["dtype"])  # one of TOKEN_DTYPES (load_meta)
-        if os.path.getsize(path) == 0 or os.path.getsize(path) % dtype.itemsize:
-            raise UserError(f"{path} has {os.path.getsize(path)} bytes, not a positive multiple of {dtype.itemsize} "
-                            f"({dtype.name} tokens): the file is empty, truncated or damaged; {redo}")
+        if os.path.getsize(path) == 0:  # numpy cannot map it, and it holds no sequence
+            raise UserError(f"{path} is empty: {redo}")
+        if os.path.getsize(path) % dtype.itemsize:
+            raise UserError(f"{path} has {os.path.getsize(path)} bytes, not a multiple of {dtype.itemsize} "
+                            f"({dtype.name} tokens): the file is truncated or damaged; {redo}")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or
         # a device assert on GPU): one pass over the mapped file, a second per GB

@@ -284,6 +284,8 @@ def saved_shape(src, overrides, base_vocab, c, world):
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
+    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
+                 where=f" for the model in {src.where}")
     return cfg
 
 

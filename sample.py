@@ -80,7 +80,10 @@ def main(argv):
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above
-        torch.save(weights, tmp)
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+            torch.save(weights, f)  # a new file, never through a link
         os.replace(tmp, cfg["export"])
         print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:

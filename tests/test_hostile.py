@@ -173,7 +173,7 @@ def nan_weights(b, tmp):
     opt = torch.optim.AdamW(model.parameters())
     with torch.no_grad():
         model.norm.weight.fill_(math.nan)
-    meta = {"iter": 1, "model": asdict(model.cfg)}
+    meta = {"iter": 1, "model": asdict(model.cfg), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
     return lambda: checkpoint.save(os.path.join(tmp, "nan"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
                                    meta, mesh, 0)
 
@@ -242,7 +242,7 @@ def full_disk_save(b, tmp):
         os.fsync = enospc
         try:
             checkpoint.save(os.path.join(tmp, "s"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
-                            {"iter": 1, "model": asdict(model.cfg)}, mesh, 0)
+                            {"iter": 1, "model": asdict(model.cfg), "config": {}}, mesh, 0)
         except UserError as e:
             assert "No space left on device" in str(e), e
             raise

@@ -53,9 +53,9 @@ RNG = {"rng_cpu": [torch.get_rng_state()]}  # what state.pt must hold
 
 
 def meta(it):
-    """The least meta.json a checkpoint must hold: its iteration and its model's shape."""
+    """The least meta.json a checkpoint must hold: its iteration, its model's shape, its tokenizer."""
     return {"iter": it, "model": asdict(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2,
-                                                    n_embd=32))}
+                                                    n_embd=32)), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
 
 
 def last_line(p):
@@ -320,7 +320,7 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
     with pytest.raises(UserError, match=f"not a multiple of {dtype.itemsize}"):
         loader(d)
     d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write("{not json"))
-    with pytest.raises(UserError, match="meta.json is not valid JSON"):
+    with pytest.raises(UserError, match="meta.json: malformed JSON"):
         loader(d)
     d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write('{"tokenizer": "cl100k_base"}'))
     with pytest.raises(UserError, match="meta.json lacks"):
