@@ -370,6 +370,7 @@ CASES = [
     (8, ".lock a directory", "raises", lock_with("dir")),
     (8, ".lock a FIFO", "raises", lock_with("fifo")),
     (8, "config.json a directory", "raises", lock_with("dir", "config.json")),
+    (8, "config.json a FIFO", "raises", lock_with("fifo", "config.json")),
     (8, "full disk on a metrics append", "raises", full_disk),
     (8, "lora_rank=10**9", "raises", validated(lora_rank=10 ** 9)),
     (8, "vocab_size=10**10", "raises", validated(vocab_size=10 ** 10)),
