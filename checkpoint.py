@@ -15,13 +15,11 @@ This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
 
 import hashlib
+import io
 import json
 import os
-import pickle
-import re
 import shutil
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,14 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 import fsdp
 import lora as lora_mod
+from ckpt_files import CKPT_NAME, dcp_metadata, describe_error, read_manifest, read_small
 from configurator import UserError
 from model import ModelConfig, Transformer
 from parallel import (
@@ -62,9 +57,18 @@ def _fsync_dir(path):
 
 
 def _write_atomic(path, write):
+    """write(f) into a new file renamed to `path`: never through a link planted at either
+    name (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at
+    `path` itself). The bytes are made in memory first, so a full disk is an OSError
+    (ENOSPC) of the write, not a serializer's complaint about its position."""
+    buf = io.BytesIO()
+    write(buf)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(buf.getbuffer())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -145,12 +149,6 @@ def init_adamw_state(model, optimizer):
                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
-def describe_error(e):
-    """An exception in a few words: its type and the first line of its message."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
-
-
 def _cause(e):
     """The exception behind DCP's CheckpointException, whose own text is only
     'CheckpointException ranks:dict_keys([0])': the lowest failing rank's."""
@@ -158,9 +156,6 @@ def _cause(e):
         failure = e.failures[min(e.failures)]
         return failure[0] if isinstance(failure, tuple) else failure
     return e
-
-
-CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on
 
 
 def _checkpoints(root):
@@ -191,22 +186,12 @@ def _write_manifest(path, known=None):
     _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
-def _read_manifest(path):
-    """(files, None) or (None, what is wrong)."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            files = json.load(f)["files"]
-        if not all(isinstance(w, dict) and type(w.get("bytes")) is int for w in files.values()):
-            raise TypeError("malformed entry")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, "manifest.json is missing or unreadable (a save that did not finish?)"
-    return files, None
-
-
 def _check_file(path, name, want, checksum=True):
     p = os.path.join(path, name)
-    if os.path.basename(name) != name or not os.path.isfile(p):
-        return f"{name} is missing"
+    if os.path.basename(name) != name or name in ("", ".", "..") or not os.path.isfile(p):
+        return f"{name[:80]} is missing"
+    if os.path.islink(p):
+        return f"{name} is a symbolic link, not a file of the checkpoint"
     if os.path.getsize(p) != want["bytes"]:
         return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
     if checksum and sha256_file(p) != want.get("sha256"):
@@ -218,8 +203,8 @@ def _check_contents(path):
     """None if meta.json, state.pt and .metadata load safely, else what is wrong. A manifest
     proves only that the files are those that were written; a crafted checkpoint comes with
     a matching one."""
-    problem = _read_small(path)[2]
-    return problem or _dcp_metadata(path)[1]
+    problem = read_small(path)[2]
+    return problem or dcp_metadata(path)[1]
 
 
 def verify(path, mesh=None):
@@ -228,7 +213,7 @@ def verify(path, mesh=None):
     ranks every rank hashes its share of the files (a large checkpoint is too much for one
     rank while the others wait in a collective); all ranks get the same answer."""
     world, rank = (mesh.world, mesh.rank) if mesh is not None and mesh.backend else (1, 0)
-    files, problem = _read_manifest(path) if rank == 0 else (None, None)
+    files, problem = read_manifest(path) if rank == 0 else (None, None)
     if world > 1:
         files, problem = broadcast_object((files, problem), mesh)
     if problem:
@@ -241,6 +226,18 @@ def verify(path, mesh=None):
     if world > 1:
         problems = [p for ps in all_gather_object(problems, mesh) for p in ps]
     return problems[0] if problems else None
+
+
+def all_finite(model, collective=False):
+    """True on every rank iff every weight of the model, on every rank (collective: all
+    ranks of the default group call it), is finite. A NaN guard that rolls back must find
+    finite weights there: saves and loads check."""
+    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                                 for p in model.parameters())))
+    if collective:
+        bad = bad.cuda() if dist.get_backend() == "nccl" else bad
+        dist.all_reduce(bad)
+    return bad.item() == 0
 
 
 def _agree(ok, mesh):
@@ -259,7 +256,7 @@ def _prune(root, keep, protect):
         return
     complete = []
     for it, n in sorted(_checkpoints(root).items()):
-        files, problem = _read_manifest(os.path.join(root, n))
+        files, problem = read_manifest(os.path.join(root, n))
         if problem is None and not any(_check_file(os.path.join(root, n), f, w, checksum=False)
                                        for f, w in files.items()):
             complete.append(n)
@@ -349,6 +346,12 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
             pending.error = e
     if not _agree(pending.error is None, mesh):
         return pending  # nothing started on any rank; finish_save reports it
+    if not all_finite(model, bool(mesh.backend)):  # never a checkpoint that a rollback or a resume could not use
+        if mesh.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
+                        f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
+                        f"from the last checkpoint")
     init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
     state, writer, no_dist = train_state(model, optimizer), _Writer(tmp, delay_s), not mesh.backend
     if asynchronous:
@@ -462,84 +465,20 @@ def find(out_dir, mesh, warn=print):
     return None
 
 
-def _read_small(path):
-    """(meta, state, None): meta.json (iteration, config, model shape) and state.pt (RNG
-    states) of a checkpoint; or (None, None, what is wrong). weights_only=True: a checkpoint
-    is data, never code."""
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        return None, None, f"meta.json: {describe_error(e)}"
-    if not isinstance(meta, dict) or type(meta.get("iter")) is not int:
-        return None, None, "meta.json has no iteration number"
-    try:
-        with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
-            warnings.simplefilter("ignore")
-            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
-    except Exception as e:  # weights_only refuses any class but tensors and plain containers
-        # torch's message starts with a paragraph on the weights_only default; the cause is further down
-        cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
-        return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {describe_error(e)}"
-    return meta, state, None
-
-
 def read_meta(path):
-    """meta.json and state.pt of a checkpoint (see _read_small); a UserError naming the file
+    """meta.json and state.pt of a checkpoint (see read_small); a UserError naming the file
     if either is unreadable or not plain data."""
-    meta, state, problem = _read_small(path)
+    meta, state, problem = read_small(path)
     if problem:
         raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an intact "
                         f"checkpoint, or use init_from=scratch")
     return meta, state
 
 
-# torch.distributed.checkpoint reads .metadata with plain pickle.load, which runs whatever a
-# crafted file asks for. We unpickle it ourselves with only the classes a Metadata of our
-# checkpoints is made of (listed from real ones, with and without FSDP shards) and hand DCP
-# the result. BytesStorageMetadata is left out on purpose: DCP reads such entries with
-# torch.load(weights_only=False), and our checkpoints hold tensors only.
-_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-    "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.strided, by its name
-    ("pathlib", "PosixPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}")
-
-
-def _dcp_metadata(path):
-    """(DCP's Metadata of the checkpoint, None), or (None, what is wrong)."""
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except Exception as e:  # anything a damaged or crafted pickle raises
-        return None, (f".metadata is refused ({describe_error(e)}): not a checkpoint index this trainer writes, and "
-                      f"unpickling it as DCP does could run code")
-    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
-        return None, ".metadata is refused (not a DCP Metadata)"
-    for key, entry in md.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            return None, f".metadata is refused (entry {str(key)[:80]!r} is not a tensor)"
-    for info in md.storage_data.values():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
-            return None, f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)"
-    return md, None
-
-
 def read_dcp_metadata(path):
     """DCP's Metadata of a checkpoint, read without running code; a UserError naming the file
     if it holds anything but what DCP writes for our tensors."""
-    md, problem = _dcp_metadata(path)
+    md, problem = dcp_metadata(path)
     if problem:
         raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
                         f"init_from=scratch")
@@ -594,6 +533,9 @@ def load(path, model, optimizer=None, no_dist=False):
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
+    if not all_finite(model, not no_dist and dist.is_initialized()):
+        raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier checkpoint (point "
+                        f"ckpt/latest at it), or start over with init_from=scratch and a new out_dir")
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
         optimizer.load_full_state(state["optim"], {p: n for n, p in model.named_parameters()})
 

@@ -16,10 +16,15 @@ default is a list (a list key, such as `phases`, is a Python literal on the comm
 """
 
 import ast
-import os
 import difflib
+import json
+import math
+import os
+import stat
 import sys
 import traceback
+
+import torch
 
 from model import ModelConfig
 
@@ -217,6 +222,16 @@ def validate(c, overrides, world):
         check(lo <= c[key] < hi, f"{key}={c[key]} must be in [{lo}, {hi})")
     for key in POSITIVE:
         check(c[key] > 0, f"{key}={c[key]} must be positive")
+    for key, value in c.items():  # 1e999 parses as inf: a rate, eps or alpha of inf trains NaN weights
+        check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not a finite number: give a "
+                                                                     f"finite one")
+    check(c["min_lr"] <= c["learning_rate"], f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}: "
+                                             f"the decay would raise the rate; lower min_lr")
+    check(0 <= c["seed"] < 2 ** 32, f"seed={c['seed']} is out of range: use an integer in [0, 2**32)")
+    check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width n_embd={c['n_embd']}: an "
+                                         f"adapter's rank is at most its layer's width; lower lora_rank")
+    check(c["device"].split(":")[0] != "mps" or torch.backends.mps.is_available(),
+          f"device={c['device']} but Apple's MPS is not available on this machine: use device=cpu or device=auto")
     for name, refused, message in REFUSALS:
         check(not refused(c, overrides), message.format(**c))
     sources = {c["dataset"]: 1.0}
@@ -236,6 +251,7 @@ def validate(c, overrides, world):
                                      f"rotate pairs of features; change n_embd or n_head")
     ffn_dim = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=c["ffn_dim"]).ffn_dim
     dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
+    check_memory(c, world, c["n_layer"], n_embd, ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
     return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
 
@@ -277,13 +293,48 @@ def _check_pipeline(c, dp, n_layer, where):
     if not c["pp_layers"].strip():
         return None
     spec = c["pp_layers"]
-    check(all(s.strip().isdigit() for s in spec.split(",")), f"pp_layers='{spec}' is not a comma-separated "
-                                                             f"list of layer counts, e.g. pp_layers=3,1")
+    check(all(s.strip().isascii() and s.strip().isdigit() for s in spec.split(",")),
+          f"pp_layers='{spec}' is not a comma-separated list of layer counts, e.g. pp_layers=3,1")
     counts = [int(s) for s in spec.split(",")]
     check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == n_layer,
           f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
           f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
     return counts
+
+
+# Sanity bounds of a model's sizes, far past any model trained here, checked before anything
+# is built from a file's numbers; check_memory is the real bound.
+MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "n_embd": 2 ** 17,
+             "ffn_dim": 2 ** 20, "block_size": 2 ** 24}
+
+
+def memory_bytes_available():
+    """This machine's memory for one run: RAM (or the address-space limit, if lower) plus
+    the GPUs' memory."""
+    import resource
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    ram = min(ram, limit) if limit > 0 else ram
+    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) \
+        if torch.cuda.is_available() else 0
+    return ram + gpus
+
+
+def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
+    """A lower estimate of the bytes this run needs, against what the machine holds: weights,
+    gradients and AdamW's two moments (16 bytes a parameter, however the ranks shard them),
+    one micro-batch's logits (their softmax and gradient), and the eval batches held at once.
+    A size that cannot fit is refused here, before any allocation, with the estimate."""
+    params = vocab_size * n_embd * (1 if tie else 2) + n_layer * (4 * n_embd * n_embd + 3 * n_embd * ffn_dim)
+    rows = c["batch_size"] * c["block_size"]
+    need = {"weights and optimizer state": 16 * params, "a micro-batch's logits": 12 * rows * vocab_size * world,
+            "the eval batches": 16 * c["eval_iters"] * c["grad_accum_steps"] * rows}
+    have = memory_bytes_available()
+    check(sum(need.values()) <= have,
+          f"this run needs at least {sum(need.values()) / 2 ** 30:,.1f} GiB ("
+          + ", ".join(f"{k} {v / 2 ** 30:,.1f}" for k, v in need.items())
+          + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, vocab_size, "
+            f"batch_size, block_size or eval_iters")
 
 
 def check_files(c):
@@ -309,6 +360,99 @@ def check(ok, problem):
     """A mistake in the config: one line that names it and the fix, and nothing touched yet."""
     if not ok:
         raise UserError(problem)
+
+
+# ---- files from outside: JSON read with limits -----------------------------------------
+# Every JSON file the trainer reads (a dataset's meta.json, a checkpoint's manifest.json and
+# meta.json, Hugging Face config.json and index, adapter_config.json, safetensors headers,
+# metrics.jsonl) goes through loads_json: no NaN or Infinity, no integer past 20 digits, no
+# nesting past MAX_JSON_DEPTH, and every failure one UserError naming the file and the fix.
+# The readers then check each field they use (json_field) before anything is allocated.
+MAX_JSON_DEPTH = 64
+MAX_JSON_BYTES = 1 << 30
+
+
+def _json_int(s):
+    if len(s) > 20:
+        raise ValueError(f"an integer of {len(s)} digits")
+    return int(s)
+
+
+def _json_float(s):
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {s[:24]} is out of range")
+    return v
+
+
+def _json_constant(s):
+    raise ValueError(f"{s} is not a number")
+
+
+def _depth(obj):
+    """How deeply obj's lists and dicts nest (1 for a flat one), iteratively."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > MAX_JSON_DEPTH:
+                break
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def loads_json(text, where, fix):
+    """The JSON value of `text` (str or bytes) from `where`, within the limits above; a
+    UserError '{where}: {what is wrong}: {fix}' otherwise."""
+    try:
+        obj = json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the number checks
+        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:120]}): {fix}") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}")
+    return obj
+
+
+def read_json(path, fix, kind=dict):
+    """loads_json of the regular file `path` (a directory, FIFO or device is refused without
+    blocking), which must hold a JSON `kind` (dict: an object; None: anything)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise UserError(f"{path} is not a regular file: {fix}")
+            if st.st_size > MAX_JSON_BYTES:
+                raise UserError(f"{path} has {st.st_size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            raw = f.read()
+    except OSError as e:
+        raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
+    obj = loads_json(raw, path, fix)
+    if kind is not None and not isinstance(obj, kind):
+        raise UserError(f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
+    return obj
+
+
+def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
+    """obj[key], checked: of type `kind` (int: not bool; float: int or float, finite), in
+    [lo, hi] when those are given. Absent (or null) and not required: None."""
+    if obj.get(key) is None and not required:
+        return None
+    v = obj.get(key)
+    ok = (type(v) is int if kind is int else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
+          if kind is float else isinstance(v, kind))
+    if ok and (lo is not None and v < lo or hi is not None and v > hi):
+        raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
+    if key not in obj:
+        raise UserError(f"{where} lacks {key}: {fix}")
+    if not ok:
+        what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+                dict: "an object", list: "a list"}.get(kind, getattr(kind, "__name__", str(kind)))
+        raise UserError(f"{where}: {key}={str(v)[:60]!r} is not {what}: {fix}")
+    return v
 
 
 def refusals_markdown():

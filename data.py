@@ -8,14 +8,13 @@ and `it`, and each data-parallel rank takes its slice of it. mixture.py draws fr
     python data.py stdlib        # prepare a dataset: prepare.py's command line
 """
 
-import json
 import os
 
 import numpy as np
 import tiktoken
 import torch
 
-from configurator import UserError
+from configurator import UserError, json_field, read_json
 
 EOT = "<|endoftext|>"
 # the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
@@ -180,20 +179,29 @@ def check_tokenizer(meta, where, tokenizer, vocab_size):
                         f"dataset")
 
 
+TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}  # what prepare writes: dtype -> ids it can hold
+
+
 def load_meta(data_dir):
+    """A prepared dataset's meta.json, its fields checked (types, ranges, dtype from
+    TOKEN_DTYPES) before anything is mapped or built from them."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
                         f"`python data.py SOURCE --out {data_dir}` or set data_source= to prepare it")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}): prepare the dataset again") from None
-    missing = [k for k in ("tokenizer", "vocab_size", "eot_token", "dtype") if k not in meta] \
-        if isinstance(meta, dict) else ["everything (not a JSON object)"]
-    if missing:
-        raise UserError(f"{path} lacks {', '.join(missing)}: it was not written by prepare; prepare the dataset again")
+    fix = "it was not written by prepare; prepare the dataset again"
+    meta = read_json(path, fix)
+    json_field(meta, "tokenizer", str, path, fix)
+    json_field(meta, "dtype", str, path, fix)
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise UserError(f"{path}: dtype={meta['dtype'][:40]!r} is not one of {', '.join(TOKEN_DTYPES)}: {fix}")
+    vocab = json_field(meta, "vocab_size", int, path, fix, 1, TOKEN_DTYPES[meta["dtype"]])
+    json_field(meta, "eot_token", int, path, fix, 0, vocab - 1)
+    json_field(meta, "base_vocab_size", int, path, fix, 1, vocab, required=False)
+    if not all(isinstance(t, str) for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
+        raise UserError(f"{path}: extra_tokens is not a list of strings: {fix}")
+    if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat"):
+        raise UserError(f"{path}: format={meta['format'][:40]!r} is not text or chat: {fix}")
     return meta
 
 
@@ -224,10 +232,9 @@ class Loader:
         redo = f"prepare the dataset again (`python data.py SOURCE --out {data_dir}`)"
         if not os.path.isfile(path):
             raise UserError(f"{path} is missing: {redo}")
-        try:
-            dtype = np.dtype(meta["dtype"])
-        except TypeError:
-            raise UserError(f"{data_dir}/meta.json: dtype {meta['dtype']!r} is not a numpy dtype: {redo}") from None
+        dtype = np.dtype(meta["dtype"])  # one of TOKEN_DTYPES (load_meta)
+        if os.path.getsize(path) == 0:  # numpy cannot map it, and it holds no sequence
+            raise UserError(f"{path} is empty: {redo}")
         if os.path.getsize(path) % dtype.itemsize:
             raise UserError(f"{path} has {os.path.getsize(path)} bytes, not a multiple of {dtype.itemsize} "
                             f"({dtype.name} tokens): the file is truncated or damaged; {redo}")

@@ -13,7 +13,7 @@ import shutil
 
 import torch
 
-from configurator import UserError
+from configurator import MAX_SIZES, UserError, loads_json, read_json
 from model import ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -46,10 +46,8 @@ def read_safetensors_header(path):
             raise _corrupt(path, f"header length {n} is larger than the file ({size} bytes)")
         if n > MAX_HEADER_BYTES:
             raise _corrupt(path, f"header length {n} is above the 100 MB limit")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _corrupt(path, f"header is not valid UTF-8 JSON ({e})") from None
+        header = loads_json(f.read(n), f"{path}: the header", "the file is damaged or not safetensors: copy or "
+                                                             "download it again")
     if not isinstance(header, dict):
         raise _corrupt(path, f"header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
@@ -183,21 +181,34 @@ def hf_config_to_ours(hf):
         return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only plain LLaMA models "
                          f"(LlamaForCausalLM without those variants) can be loaded")
 
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
+              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head"}
+    for field, ours in bounds.items():
+        if field == "num_key_value_heads" and hf.get(field) is None:
+            continue
         if type(hf.get(field)) is not int:
             raise refuse(field, "missing or not an int")
-        if hf[field] <= 0:
-            raise refuse(field, "a size must be positive")
-    kv = hf.get("num_key_value_heads")
-    if kv is not None and (type(kv) is not int or kv <= 0):
-        raise refuse("num_key_value_heads", "a size must be a positive int")
+        if not 0 < hf[field] <= MAX_SIZES[ours]:
+            raise refuse(field, f"a size must be positive and at most {MAX_SIZES[ours]}")
+    # a string "false" is truthy, "abc" no eps: the types JSON gives, strictly
+    for field, kinds in (("tie_word_embeddings", bool), ("attention_bias", bool), ("mlp_bias", bool),
+                         ("rms_norm_eps", (int, float)), ("rope_theta", (int, float)), ("rope_parameters", dict),
+                         ("hidden_act", str), ("model_type", str), ("head_dim", int)):
+        if hf.get(field) is not None and (not isinstance(hf[field], kinds) or
+                                          type(hf[field]) is bool and kinds is not bool):
+            raise refuse(field, f"a JSON {type(hf[field]).__name__} where {field} needs "
+                                f"{getattr(kinds, '__name__', 'number')}")
+    rope = hf.get("rope_parameters") or {}
+    for field, value in (("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+                         ("rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))):
+        if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+            raise refuse(field, "must be a positive finite number")
     if hf.get("model_type") != "llama":
         raise refuse("model_type", "not a LLaMA model")
     if hf.get("rope_scaling") is not None:
         raise refuse("rope_scaling", "scaled rotary positions are not implemented")
     # transformers >= 5 writes rope_theta (and rope_type, its rope_scaling) under rope_parameters
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    if not isinstance(rope.get("rope_type", "default"), str) or rope.get("rope_type", "default") != "default":
         raise refuse("rope_parameters", "scaled rotary positions are not implemented")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise refuse("attention_bias" if hf.get("attention_bias") else "mlp_bias", "biases are not implemented")
@@ -231,26 +242,21 @@ def hf_llama_index(path):
     model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
     Reads config.json and the safetensors headers only, and checks that the tensors are
     exactly the model's, of the right shapes; load_hf_llama or load_hf_parts read the data."""
-    def read_json(file):
-        try:
-            with open(os.path.join(path, file)) as f:
-                obj = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}/{file} is not valid JSON ({e}): copy or download it again") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}/{file} holds a JSON {type(obj).__name__}, not an object: "
-                            f"copy or download it again")
-        return obj
+    def read(file):
+        return read_json(os.path.join(path, file), "copy or download it again")
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"{path}: no config.json; point at a Hugging Face model directory "
                         f"(what save_pretrained writes)")
-    kwargs = hf_config_to_ours(read_json("config.json"))
+    kwargs = hf_config_to_ours(read("config.json"))
     if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        weight_map = read_json("model.safetensors.index.json").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise UserError(f"{path}/model.safetensors.index.json has no weight_map of file names: "
-                            f"copy or download it again")
+        weight_map = read("model.safetensors.index.json").get("weight_map")
+        # a shard is a file of this directory: not ../elsewhere, not /proc/self/environ
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")
+                and not os.path.islink(os.path.join(path, f)) for f in weight_map.values()):
+            raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of names to .safetensors "
+                            f"files in that directory: copy or download it again")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]

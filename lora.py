@@ -6,7 +6,6 @@ adapter_model.safetensors) in and out.
 """
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -16,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from configurator import LORA_TARGETS, UserError
+from configurator import LORA_TARGETS, UserError, read_json
 from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_export_dir
 from model import param_seed
 from parallel import broadcast_object
@@ -213,15 +212,11 @@ def load_peft_lora(path):
     def bad(problem, fix="only plain LoRA adapters of a LlamaForCausalLM can be loaded"):
         return UserError(f"{path}: {problem}; {fix}")
 
-    try:
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            cfg = json.load(f)
-    except OSError:
+    if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what save_pretrained "
-                                            "or export_lora writes)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"adapter_config.json is not valid JSON ({e})", "copy or export it again") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+                                            "or export_lora writes)")
+    cfg = read_json(os.path.join(path, "adapter_config.json"), "copy or export it again")
+    if cfg.get("peft_type") != "LORA":
         raise bad(f"peft_type={cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'")
     for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
                        ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
@@ -229,9 +224,10 @@ def load_peft_lora(path):
         if cfg.get(key, plain) not in (plain, None):
             raise bad(f"{key}={cfg[key]!r} is a LoRA variant that is not implemented here")
     r, alpha, drop = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("lora_dropout", 0.0)
-    if type(r) is not int or r < 1 or not isinstance(alpha, (int, float)) or not isinstance(drop, (int, float)):
-        raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r} are not a positive int and two numbers",
-                  "fix adapter_config.json")
+    if (type(r) is not int or not 1 <= r <= 65536 or type(alpha) not in (int, float) or not 0 < alpha < 1e30
+            or type(drop) not in (int, float) or not 0 <= drop < 1):
+        raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r}: r must be an int in [1, 65536], lora_alpha "
+                  f"a positive finite number, lora_dropout in [0, 1)", "fix adapter_config.json")
     modules = cfg.get("target_modules")
     from_hf = {v: k for k, v in PEFT_TARGETS.items()}
     if not isinstance(modules, list) or not modules or not all(m in from_hf for m in modules):

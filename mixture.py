@@ -79,7 +79,7 @@ def parse_phases(phases, names):
                                 f"(leave a source out of a phase to not draw from it)")
         if not weights:
             raise UserError(f"phase at iteration {start} has no sources: give at least one {{source: weight}}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
             raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
         out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
     return out
@@ -90,7 +90,9 @@ def temper(weights, temperature):
     T < 1 sharpens it, T = 1 only normalizes."""
     if not temperature > 0:
         raise UserError(f"mix_temperature={temperature} must be positive (1.0: the weights as given)")
-    w = np.asarray(weights, dtype=np.float64) ** (1.0 / temperature)
+    # in logs: 0.1 ** (1 / 0.001) underflows to 0, and 0 / 0 would be NaN weights
+    logw = np.log(np.asarray(weights, dtype=np.float64)) / temperature
+    w = np.exp(logw - logw.max())
     return w / w.sum()
 
 

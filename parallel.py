@@ -105,6 +105,7 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp):
     one GPU per local rank, gloo on CPU) and builds the dp x pp x tp grid. A collective that
     waits longer than dist_timeout_s (a dead or hung peer) raises instead of hanging."""
     world, rank, local_rank = (int(os.environ[k]) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    die_with_parent()
     assert world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the world of {world}"
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
@@ -133,6 +134,50 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp):
                 tp_group=grid.get_group("tp"), tp_mesh=grid["tp"])
 
 
+def die_with_parent():
+    """A rank ends when its launcher does (torchrun killed with SIGKILL cannot stop its
+    workers, which would train on and hold out_dir's lock): Linux's parent-death signal,
+    elsewhere a thread that watches the parent's pid."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl
+            os._exit(1)
+        return
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent_watch").start()
+
+
+def _store():
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=5))
+    return store
+
+
+def _tell_peers_refused():
+    """Marks in the process group's store (under torchrun: the launcher's, which outlives
+    this rank) that this run ended on a UserError, already printed."""
+    try:
+        _store().set("refused", "1")
+    except Exception:  # the store is gone too: the peers will say a collective failed
+        pass
+
+
+def _peer_refused():
+    try:
+        return _store().check(["refused"])
+    except Exception:
+        return False
+
+
 def excepthook(kind, err, tb):
     """train.py's sys.excepthook: configurator's (a UserError is one line, a bug keeps its
     traceback) plus the two cases only a process group has. A collective that failed
@@ -141,12 +186,20 @@ def excepthook(kind, err, tb):
     with a live process group we leave at once: the interpreter's shutdown with gloo's
     threads still holding work can hang or abort, which would stall torchrun's restart."""
     out = sys.__stderr__
-    if isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
+    collective = isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out",
+                                                                                "timed out"))
+    if collective and _peer_refused():
+        pass  # a peer has printed the reason (a UserError); the broken collective is only its echo
+    elif collective:
         print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process died or waited "
               f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
               f"only slow (e.g. a long save)", file=out, flush=True)
     else:
         configurator_excepthook(kind, err, tb)
+        if isinstance(err, UserError) and dist.is_initialized():
+            _tell_peers_refused()
+    if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
+        sys.modules["rundir"].remove_refused()
     if dist.is_initialized():
         out.flush()
         sys.stdout.flush()

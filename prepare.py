@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -27,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from configurator import UserError, excepthook
+from configurator import UserError, excepthook, loads_json
 from data import (
     CHAT_TOKENS,
     ROLES,
@@ -94,11 +95,8 @@ def _records(path, text_field):
             line, bad = _decode(raw)
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg}): each line must be one "
-                                f"JSON object such as {{\"{text_field}\": \"...\"}}") from None
+            record = loads_json(line, f"{path}:{lineno}", f"each line must be one JSON object such as "
+                                                           f"{{\"{text_field}\": \"...\"}}")
             yield lineno, record, bad
 
 
@@ -186,6 +184,26 @@ def is_val(doc_id, val_fraction):
 # prepare
 
 
+def clean_stale(final):
+    """Removes NAME.tmpPID / NAME.oldPID beside dataset `final` whose process is gone: a
+    preparation that was killed half-way (like checkpoint.py's .tmp_iter_* directories)."""
+    parent, base = os.path.split(final)
+    for n in os.listdir(parent or ".") if os.path.isdir(parent or ".") else []:
+        m = re.fullmatch(re.escape(base) + r"\.(?:tmp|old)(\d+)", n)
+        if m and not _alive(int(m[1])):
+            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
             text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto"):
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
@@ -208,11 +226,14 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     enc = get_tokenizer(tokenizer, vocab_size, list(extra_tokens))
     vocab = enc.n_vocab
     dtype = token_dtype(vocab)
+    if type(workers) is not int or workers < 0:
+        raise UserError(f"workers={workers} must be a whole number >= 0 (0: one thread per core)")
     workers = workers or os.cpu_count() or 1
     # built in a directory beside the target and swapped in when complete: a failure half-way
     # leaves an existing dataset as it was
     final = os.path.normpath(out_dir)
     work = f"{final}.tmp{os.getpid()}"
+    clean_stale(final)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]

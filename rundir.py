@@ -10,17 +10,19 @@ import errno
 import fcntl
 import functools
 import json
+import math
 import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 from dataclasses import dataclass
 
 import torch
 
 import checkpoint
-from configurator import UserError, check, check_layout
+from configurator import UserError, check, check_layout, check_memory, loads_json
 from model import ModelConfig
 from parallel import broadcast_object, gather_to_master
 
@@ -37,15 +39,49 @@ def clean_stale(out_dir):
 _held_locks = []  # the lock files' descriptors: open until the process exits
 
 
+_made = []  # what lock_out_dir created (out_dir, its .lock): removed again if the run is refused
+
+
+def _regular_or_absent(path, fix):
+    """A file the run writes in out_dir must be a plain file (or not there yet): never a
+    link, a directory or a FIFO someone put there, which the run would write through."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "not a regular file"
+        raise UserError(f"{path} is {kind}, not a file this trainer wrote: {fix}")
+
+
 def lock_out_dir(out_dir):
     """Makes this process the only run writing to out_dir (two at once would interleave
     metrics and overwrite each other's checkpoints): an exclusive flock on out_dir/.lock, held
     until the process exits; the kernel releases it when the process dies, however it dies.
-    The file names the holder (host, pid) for the message another run gets. Then removes the
-    temporary directories of killed saves. Rank 0 calls it. Returns the descriptor."""
-    os.makedirs(out_dir, exist_ok=True)
+    The file names the holder (host, pid) for the message another run gets. The lock file,
+    config.json, metrics.jsonl and ckpt/latest must be plain files (never followed links).
+    Then removes the temporary directories of killed saves. Rank 0 calls it. Returns the
+    descriptor."""
+    if not os.path.isdir(out_dir):
+        try:
+            os.makedirs(out_dir)
+        except OSError as e:
+            raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
+        _made.append(out_dir)
     path = os.path.join(out_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fix = "remove it (or pick another out_dir)"
+    for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
+        _regular_or_absent(os.path.join(out_dir, name), fix)
+    if os.path.islink(os.path.join(out_dir, "ckpt")):
+        raise UserError(f"{out_dir}/ckpt is a symbolic link, not a directory this trainer made: {fix}")
+    existed = os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot open {path} ({e.strerror or e}): {fix}") from None
+    if not existed:
+        _made.append(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -53,18 +89,66 @@ def lock_out_dir(out_dir):
         os.close(fd)
         if e.errno not in (errno.EAGAIN, errno.EACCES):
             raise UserError(f"cannot lock {path} ({checkpoint.describe_error(e)}): put out_dir on a filesystem with file locks") from None
+        _made.clear()  # the other run's
         try:
             who = json.loads(holder)
-            pid, host = who["pid"], who["host"]
+            pid, host = int(who["pid"]), str(who["host"])[:100]
         except (ValueError, KeyError, TypeError):
             pid, host = "?", "?"
         raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
                         f"or use another out_dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
     _held_locks.append(fd)
     clean_stale(out_dir)
     return fd
+
+
+def remove_refused():
+    """A run that ends in an error leaves nothing it made behind: the .lock it created, and
+    out_dir if it created it and nothing else is in it (a run that saved keeps all). The
+    excepthook calls this."""
+    for path in reversed(_made):
+        try:
+            os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+        except OSError:
+            pass
+    _made.clear()
+
+
+def write_file(path, text):
+    """`text` into out_dir's file `path`, whole: a temp file created exclusively beside it and
+    renamed over it, so a link planted at `path` is replaced, never written through. A full
+    disk is one line."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the permissions of "
+                        f"{os.path.dirname(path) or '.'}") from None
+
+
+def append_metrics(path, record):
+    """One line of metrics.jsonl: JSON (a non-finite number becomes null, which JSON has),
+    appended without following a link; a full disk is one line."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot append to {path} ({e.strerror or e}): free disk space, then resume "
+                        f"(init_from=auto)") from None
 
 
 def read_metrics(path):
@@ -76,8 +160,8 @@ def read_metrics(path):
         with open(path, "rb") as f:
             for line in f:
                 try:
-                    r = json.loads(line)
-                except ValueError:  # a torn line (UnicodeDecodeError is a ValueError too)
+                    r = loads_json(line, path, "")
+                except UserError:  # a torn line
                     continue
                 if isinstance(r, dict) and type(r.get("iter")) is int:
                     rows.append(r)
@@ -93,9 +177,7 @@ def truncate_metrics(path, upto):
     if upto and os.path.exists(path):
         old = read_metrics(path)  # a torn last line (killed mid-append) is dropped
         old = [r for r in old if r["iter"] < upto or ("val_loss" in r and r["iter"] == upto)]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in old)
-    os.replace(path + ".tmp", path)
+    write_file(path, "".join(json.dumps(r) + "\n" for r in old))
 
 
 def rng_states(mesh):
@@ -206,6 +288,8 @@ def saved_shape(src, overrides, base_vocab, c, world):
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
+    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
+                 where=f" for the model in {src.where}")
     return cfg
 
 

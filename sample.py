@@ -9,6 +9,7 @@ Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it i
 into one whole model here. train.py's end-of-run sample and export use the functions below.
 """
 
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -58,6 +59,16 @@ def main(argv):
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv)}
 
+    check = configurator.check
+    check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,
+          f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
+    for key in ("max_new_tokens", "num_samples", "top_k"):
+        check(cfg[key] >= 0, f"{key}={cfg[key]} must not be negative")
+    check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
+    check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
+    export_dir = os.path.dirname(os.path.abspath(cfg["export"])) if cfg["export"] else "."
+    check(os.path.isdir(export_dir), f"export={cfg['export']}: the directory {export_dir} does not exist: create it "
+                                     f"or export elsewhere")
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
     if path is None:
         raise configurator.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
@@ -69,7 +80,10 @@ def main(argv):
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above
-        torch.save(weights, tmp)
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+            torch.save(weights, f)  # a new file, never through a link
         os.replace(tmp, cfg["export"])
         print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:

@@ -289,8 +289,7 @@ else:
     torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
 if mesh.master:
     rundir.truncate_metrics(metrics_path, start_iter)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
     if wandb_log:
         import wandb
         run_id = run_id or uuid.uuid4().hex[:8]  # kept in checkpoints: a resumed run logs to the same wandb run
@@ -300,8 +299,7 @@ if mesh.master:
 
 def log(record):
     if mesh.master:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        rundir.append_metrics(metrics_path, record)
         if wandb_log:
             wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -46,6 +47,15 @@ def plant(path, name, marker):
         pickle.dump(Payload(marker), f)
     os.remove(os.path.join(path, "manifest.json"))
     checkpoint._write_manifest(path)
+
+
+RNG = {"rng_cpu": [torch.get_rng_state()]}  # what state.pt must hold
+
+
+def meta(it):
+    """The least meta.json a checkpoint must hold: its iteration, its model's shape, its tokenizer."""
+    return {"iter": it, "model": asdict(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2,
+                                                    n_embd=32)), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
 
 
 def last_line(p):
@@ -89,7 +99,7 @@ def test_dcp_metadata_reader_allows_what_dcp_writes_only(tmp_path):
     mesh = parallel.setup("cpu")
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters())
-    path = checkpoint.save(str(tmp_path), 3, model, opt, {"rng_cpu": [torch.get_rng_state()]}, {"iter": 3}, mesh, 0)
+    path = checkpoint.save(str(tmp_path), 3, model, opt, RNG, meta(3), mesh, 0)
     md = checkpoint.read_dcp_metadata(path)
     assert "model.norm.weight" in md.state_dict_metadata and "optim.norm.weight.exp_avg" in md.state_dict_metadata
     # a storage entry that points outside the checkpoint directory
@@ -133,8 +143,8 @@ def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(t
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters())
     out, root = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
-    save = lambda it, keep, resumed=None: checkpoint.save(out, it, model, opt, {"rng_cpu": []},  # noqa: E731
-                                                          {"iter": it}, mesh, keep, resumed_from=resumed)
+    save = lambda it, keep, resumed=None: checkpoint.save(out, it, model, opt, RNG,  # noqa: E731
+                                                          meta(it), mesh, keep, resumed_from=resumed)
     save(4, 0)
     save(8, 0)
     shutil.copytree(os.path.join(root, "iter_0000008"), os.path.join(root, "iter_0000012"))
@@ -161,7 +171,7 @@ def test_checkpoint_before_any_step_loads_and_materialized_state_is_exact(tmp_pa
     mesh = parallel.setup("cpu")
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    path = checkpoint.save(str(tmp_path), 0, model, opt, {"rng_cpu": []}, {"iter": 0}, mesh, 0)  # no step yet
+    path = checkpoint.save(str(tmp_path), 0, model, opt, RNG, meta(0), mesh, 0)  # no step yet
     fresh_model = tiny_model(seed=1)
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2, weight_decay=0.1)
     checkpoint.load(path, fresh_model, fresh_opt)
@@ -183,7 +193,7 @@ def test_shape_mismatch_and_disk_full_name_the_cause(tmp_path, monkeypatch):
     mesh = parallel.setup("cpu")
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters())
-    path = checkpoint.save(str(tmp_path), 1, model, opt, {"rng_cpu": []}, {"iter": 1}, mesh, 0)
+    path = checkpoint.save(str(tmp_path), 1, model, opt, RNG, meta(1), mesh, 0)
     with pytest.raises(UserError, match=r"tok_embeddings.weight.*\(64, 32\).*\(64, 48\)"):
         checkpoint.load(path, tiny_model(n_embd=48), no_dist=True)
     import torch.distributed.checkpoint.filesystem as fs
@@ -192,7 +202,7 @@ def test_shape_mismatch_and_disk_full_name_the_cause(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(fs, "_write_item", full)
     with pytest.raises(UserError, match="No space left on device") as e:
-        checkpoint.save(str(tmp_path), 2, model, opt, {"rng_cpu": []}, {"iter": 2}, mesh, 0)
+        checkpoint.save(str(tmp_path), 2, model, opt, RNG, meta(2), mesh, 0)
     assert "CheckpointException" not in str(e.value)
 
 
@@ -202,7 +212,7 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     opt = torch.optim.AdamW(model.parameters())
     want = {k: v.clone() for k, v in model.state_dict().items()}
     out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
-    pending = checkpoint.start_save(out, 1, model, opt, {"rng_cpu": []}, {"iter": 1}, mesh, asynchronous=True,
+    pending = checkpoint.start_save(out, 1, model, opt, RNG, meta(1), mesh, asynchronous=True,
                                     delay_s=0.5)
     assert not checkpoint.written(pending)  # the write sleeps (fault_save_delay_s) while "training" goes on:
     with torch.no_grad():
@@ -220,7 +230,7 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(fs, "_write_item", full)
-    pending = checkpoint.start_save(out, 2, model, opt, {"rng_cpu": []}, {"iter": 2}, mesh, asynchronous=True)
+    pending = checkpoint.start_save(out, 2, model, opt, RNG, meta(2), mesh, asynchronous=True)
     with pytest.raises(UserError, match="saving checkpoint iter_0000002 failed .*No space left on device"):
         checkpoint.finish_save(pending, 0)
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
@@ -310,7 +320,7 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
     with pytest.raises(UserError, match=f"not a multiple of {dtype.itemsize}"):
         loader(d)
     d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write("{not json"))
-    with pytest.raises(UserError, match="meta.json is not valid JSON"):
+    with pytest.raises(UserError, match="meta.json: malformed JSON"):
         loader(d)
     d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write('{"tokenizer": "cl100k_base"}'))
     with pytest.raises(UserError, match="meta.json lacks"):
@@ -331,7 +341,7 @@ def _save_and_find_with_a_corrupt_share(mesh, out):
     fsdp.fully_shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters())
     for it in (1, 2):
-        checkpoint.save(out, it, model, opt, {"rng_cpu": []}, {"iter": it}, mesh, 0)
+        checkpoint.save(out, it, model, opt, RNG, meta(it), mesh, 0)
     saving, hashed[:] = list(hashed), []
     path = os.path.join(out, "ckpt", "iter_0000002")
     listed = sorted(json.load(open(os.path.join(path, "manifest.json")))["files"])

@@ -1,0 +1,182 @@
+"""
+The files of one of our checkpoints, read as hostile: manifest.json (it must list every
+file with its size and sha256), meta.json and state.pt (each field checked: types, ranges,
+the iteration that of the directory), and torch.distributed.checkpoint's .metadata (unpickled
+with only the classes DCP writes for our tensors). Each reader answers (value, None) or
+(None, what is wrong, in a few words): checkpoint.find skips a checkpoint that fails and
+falls back to the previous intact one. Nothing here writes.
+"""
+
+import os
+import pickle
+import re
+import warnings
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from configurator import MAX_SIZES, UserError, json_field, read_json
+from model import ModelConfig
+
+
+def describe_error(e):
+    """An exception in a few words: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
+
+
+CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on
+
+
+SHA256 = re.compile(r"[0-9a-f]{64}")
+REQUIRED_FILES = ("meta.json", "state.pt", ".metadata")  # and DCP's __R_N.distcp data files
+
+
+def read_manifest(path):
+    """(files, None) or (None, what is wrong). A checkpoint is trusted only with a manifest
+    that lists every file it holds, each with its size and sha256: a manifest that leaves a
+    file out would leave that file unchecked."""
+    try:
+        files = json_field(read_json(os.path.join(path, "manifest.json"), "a save that did not finish?"), "files",
+                           dict, "manifest.json", "a save that did not finish?")
+    except UserError as e:
+        return None, f"manifest.json is missing or unreadable ({str(e).removeprefix(path + os.sep)[:200]})"
+    for name, want in files.items():
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and want["bytes"] >= 0
+                and isinstance(want.get("sha256"), str) and SHA256.fullmatch(want["sha256"])):
+            return None, f"manifest.json: the entry of {name[:80]!r} is not {{bytes, sha256}}"
+    try:
+        present = set(os.listdir(path)) - {"manifest.json"}
+    except OSError as e:
+        return None, describe_error(e)
+    unlisted = sorted((present | set(REQUIRED_FILES)) - set(files))
+    if unlisted:
+        return None, f"manifest.json does not list {', '.join(n[:80] for n in unlisted[:3])}"
+    return files, None
+
+
+MAX_ITER = 10 ** 12
+
+
+def check_meta(meta, path):
+    """None if a checkpoint's meta.json (a dict) holds what resuming and loading use, with the
+    right types and ranges, else what is wrong. The iteration must be the directory's."""
+    fix = "not a checkpoint this trainer wrote"
+    try:
+        it = json_field(meta, "iter", int, "meta.json", fix, 0, MAX_ITER)
+        m = CKPT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+        if m and int(m[1]) != it:
+            return f"meta.json says iteration {it}, but the directory is {m[0]}"
+        model = json_field(meta, "model", dict, "meta.json", fix)
+        fields = ModelConfig.__dataclass_fields__
+        if set(model) - set(fields):
+            return f"meta.json: model has unknown keys {sorted(set(model) - set(fields))[:3]}"
+        for key, f in fields.items():
+            kind = {int: int, float: float, bool: bool}[type(f.default)]
+            json_field(model, key, kind, "meta.json model", fix, 0 if kind is not bool else None,
+                       MAX_SIZES.get(key), required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
+        if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                                                   "block_size", "rope_theta", "norm_eps")):
+            return "meta.json: a model size, rope_theta or norm_eps is not positive"
+        ModelConfig(**model)
+        config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
+        json_field(config, "tokenizer", str, "meta.json config", fix)
+        json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"])
+        skip = json_field(meta, "skip_iters", list, "meta.json", fix, required=False) or []
+        extra = json_field(meta, "extra_tokens", list, "meta.json", fix, required=False) or []
+        if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):
+            return "meta.json: skip_iters or extra_tokens holds the wrong type"
+        lora = json_field(meta, "lora", dict, "meta.json", fix, required=False)
+        if lora:
+            json_field(lora, "rank", int, "meta.json lora", fix, 1, MAX_SIZES["n_embd"])
+            json_field(lora, "alpha", float, "meta.json lora", fix, 1e-12)
+            json_field(lora, "dropout", float, "meta.json lora", fix, 0, 0.999999)
+            base = json_field(lora, "base", dict, "meta.json lora", fix)
+            json_field(base, "path", str, "meta.json lora base", fix)
+            json_field(base, "sha256", str, "meta.json lora base", fix)
+            if base.get("kind") not in ("hf", "ckpt"):
+                return "meta.json: lora base kind is not hf or ckpt"
+            if not isinstance(lora.get("targets"), list) or not all(isinstance(t, str) for t in lora["targets"]):
+                return "meta.json: lora targets are not a list"
+    except (UserError, ValueError) as e:
+        return str(e)[:200]
+    return None
+
+
+def check_state(state):
+    """None if a checkpoint's state.pt holds one CPU random state per saving rank (and
+    optionally CUDA ones), else what is wrong."""
+    if not isinstance(state, dict) or set(state) - {"rng_cpu", "rng_cuda"}:
+        return "state.pt is not {rng_cpu, rng_cuda}"
+    cpu_size = torch.get_rng_state().numel()
+    for key, streams in state.items():
+        if not isinstance(streams, list) or (key == "rng_cpu" and not streams) or not all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+                and (key != "rng_cpu" or t.numel() == cpu_size) for t in streams):
+            return f"state.pt: {key} is not a list of random states"
+    return None if "rng_cpu" in state else "state.pt has no rng_cpu"
+
+
+def read_small(path):
+    """(meta, state, None): meta.json (iteration, config, model shape) and state.pt (RNG
+    states) of a checkpoint, checked (check_meta, check_state); or (None, None, what is
+    wrong). weights_only=True: a checkpoint is data, never code."""
+    try:
+        meta = read_json(os.path.join(path, "meta.json"), "not a checkpoint this trainer wrote")
+    except UserError as e:
+        return None, None, f"meta.json: {str(e)[:200]}"
+    problem = check_meta(meta, path)
+    if problem:
+        return None, None, problem
+    try:
+        with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
+            warnings.simplefilter("ignore")
+            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses any class but tensors and plain containers
+        # torch's message starts with a paragraph on the weights_only default; the cause is further down
+        cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
+        return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {describe_error(e)}"
+    problem = check_state(state)
+    return (None, None, problem) if problem else (meta, state, None)
+
+
+# torch.distributed.checkpoint reads .metadata with plain pickle.load, which runs whatever a
+# crafted file asks for. We unpickle it ourselves with only the classes a Metadata of our
+# checkpoints is made of (listed from real ones, with and without FSDP shards) and hand DCP
+# the result. BytesStorageMetadata is left out on purpose: DCP reads such entries with
+# torch.load(weights_only=False), and our checkpoints hold tensors only.
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+    "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.strided, by its name
+    ("pathlib", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def dcp_metadata(path):
+    """(DCP's Metadata of the checkpoint, None), or (None, what is wrong)."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as e:  # anything a damaged or crafted pickle raises
+        return None, (f".metadata is refused ({describe_error(e)}): not a checkpoint index this trainer writes, and "
+                      f"unpickling it as DCP does could run code")
+    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        return None, ".metadata is refused (not a DCP Metadata)"
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            return None, f".metadata is refused (entry {str(key)[:80]!r} is not a tensor)"
+    for info in md.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
+            return None, f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)"
+    return md, None

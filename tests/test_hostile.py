@@ -1,0 +1,440 @@
+"""The hostile-input table: crafted files and arguments, each numbered by the case of issue 27
+it covers (1 segfault, 2 symlinks, 3 manifest, 4 non-finite, 5 Hugging Face types, 6 malformed
+small files, 7 data, 8 tracebacks, 9 accepted silently, 10 faults). Every case must end in one
+`error:` line (a UserError of one line, in process; a non-zero exit with one error line and no
+traceback, for the few that need the whole program), or, for checkpoint damage, in find()
+falling back to the previous intact checkpoint with one warning naming why; nothing outside
+out_dir changes. One tiny base run is shared; most cases run in this process."""
+
+import json
+import math
+import os
+import shutil
+import socket
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, TINY, run_train
+
+import checkpoint
+import configurator
+import data
+import hf
+import lora
+import mixture
+import parallel
+import prepare
+import rundir
+import sample
+from configurator import UserError
+from model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def base(dataset, tmp_path_factory):
+    """A tiny run with checkpoints at iterations 2 and 4, a tiny HF directory and a PEFT adapter."""
+    root = tmp_path_factory.mktemp("hostile")
+    out = str(root / "run")
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=4", "ckpt_interval=2", "keep_ckpts=0",
+               "eval_interval=100"], cwd=str(root))
+    cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    hf.save_hf_llama(str(root / "hf"), model.state_dict(), cfg)
+    lora.apply_lora(model, 4, 8.0, 0.0, ["wq", "wv"], seed=0)
+    lora.save_peft_lora(str(root / "adapter"), model, {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                                                       "targets": ["wq", "wv"], "base": {}})
+    defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
+    return {"root": str(root), "run": out, "data": dataset, "defaults": defaults, "hf": str(root / "hf"),
+            "adapter": str(root / "adapter")}
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def edit_json(path, change):
+    with open(path) as f:
+        obj = json.load(f)
+    obj = change(obj)
+    with open(path, "w") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj))
+
+
+def rehash(ckpt):
+    """Rewrites the manifest so that checksums alone would accept the crafted files."""
+    os.remove(os.path.join(ckpt, "manifest.json"))
+    checkpoint._write_manifest(ckpt)
+
+
+# ---- the cases: (issue case, name, kind, make(base, tmp) -> what to check) -----------------
+# kinds: "raises": make returns a callable that must raise a one-line UserError;
+# "fallback": make returns a run directory whose newest checkpoint find() must skip;
+# "run": make returns (script, args, out_dir): a whole program that must refuse;
+# "holds": make returns a callable that must return True (the input is handled soundly).
+
+
+def bad_dataset(field, value, split=None, content=None):
+    def make(b, tmp):
+        d = copy(b["data"], os.path.join(tmp, "ds"))
+        edit_json(os.path.join(d, "meta.json"), lambda m: {**m, field: value} if field else m)
+        if split:
+            with open(os.path.join(d, f"{split}.bin"), "wb") as f:
+                f.write(content)
+        return lambda: data.Loader(d, split or "train", 32, 4, 2, 0)
+    return make
+
+
+def validated(**changes):
+    def make(b, tmp):
+        return lambda: configurator.validate({**b["defaults"], **changes}, changes, 1)
+    return make
+
+
+def hf_config(**changes):
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        edit_json(os.path.join(d, "config.json"), lambda c: {**c, **changes})
+        return lambda: hf.hf_llama_index(d)
+    return make
+
+
+def hf_config_raw(text):
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        edit_json(os.path.join(d, "config.json"), lambda c: text)
+        return lambda: hf.hf_llama_index(d)
+    return make
+
+
+def hf_weight_map(target):
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        names = list(hf.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
+        with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {n: target for n in names}}, f)
+        return lambda: hf.hf_llama_index(d)
+    return make
+
+
+def adapter(**changes):
+    def make(b, tmp):
+        d = copy(b["adapter"], os.path.join(tmp, "adapter"))
+        edit_json(os.path.join(d, "adapter_config.json"), lambda c: {**c, **changes} if changes else
+                  '{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}')
+        return lambda: lora.load_peft_lora(d)
+    return make
+
+
+def damaged(file, change):
+    """The run's newest checkpoint (iteration 4) with `file` changed by change(path); the
+    manifest recomputed unless the change is to the manifest itself."""
+    def make(b, tmp):
+        out = copy(b["run"], os.path.join(tmp, "run"))
+        ckpt = os.path.join(out, "ckpt", "iter_0000004")
+        change(os.path.join(ckpt, file))
+        if file != "manifest.json":
+            rehash(ckpt)
+        return out
+    return make
+
+
+def distcp_ff_and_empty_manifest(path):
+    ckpt = os.path.dirname(path)
+    name = next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+    with open(os.path.join(ckpt, name), "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff" * 64)
+    with open(path, "w") as f:
+        json.dump({"files": {}}, f)
+
+
+def write(text):
+    def change(path):
+        with open(path, "w") as f:
+            f.write(text)
+    return change
+
+
+def in_place(change):
+    return lambda path: edit_json(path, change)
+
+
+def torch_save(obj):
+    return lambda path: torch.save(obj, path)
+
+
+def nan_weights(b, tmp):
+    mesh = parallel.setup("cpu")
+    model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model.norm.weight.fill_(math.nan)
+    meta = {"iter": 1, "model": asdict(model.cfg), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
+    return lambda: checkpoint.save(os.path.join(tmp, "nan"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
+                                   meta, mesh, 0)
+
+
+def nan_checkpoint(b, tmp):
+    """A checkpoint whose weights are all NaN, with a manifest that matches: load refuses it."""
+    out = copy(b["run"], os.path.join(tmp, "run"))
+    path = os.path.join(out, "ckpt", "iter_0000004")
+    model, _ = checkpoint.load_whole(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(math.nan)
+    import torch.distributed.checkpoint as dcp
+    md = checkpoint.read_dcp_metadata(path)
+    state = {"model": checkpoint.trainable_state(model)}
+    opt = {k.removeprefix("optim."): torch.zeros(tuple(v.size)) for k, v in md.state_dict_metadata.items()
+           if k.startswith("optim.")}
+    for n in os.listdir(path):
+        if n.endswith(".distcp") or n == ".metadata":
+            os.remove(os.path.join(path, n))
+    dcp.save({**state, "optim": opt}, checkpoint_id=path, no_dist=True)
+    rehash(path)
+    return lambda: checkpoint.load(path, Transformer(model.cfg), no_dist=True)
+
+
+def lock_with(kind, name=".lock"):
+    """out_dir/name as a symlink to a file outside, a directory or a FIFO."""
+    def make(b, tmp):
+        out = os.path.join(tmp, "out")
+        os.makedirs(out)
+        target = os.path.join(tmp, "outside.txt")
+        if kind == "symlink":
+            os.symlink(target, os.path.join(out, name))
+        elif kind == "dir":
+            os.makedirs(os.path.join(out, name))
+        else:
+            os.mkfifo(os.path.join(out, name))
+        return lambda: rundir.lock_out_dir(out)
+    return make
+
+
+def full_disk(b, tmp):
+    def enospc(*a, **k):
+        raise OSError(28, os.strerror(28))
+
+    def call():
+        real = os.open
+        os.open = enospc
+        try:
+            rundir.append_metrics(os.path.join(tmp, "metrics.jsonl"), {"iter": 0})
+        finally:
+            os.open = real
+    return call
+
+
+def full_disk_save(b, tmp):
+    mesh = parallel.setup("cpu")
+    model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+
+    def call():
+        real = os.fsync
+
+        def enospc(fd):
+            raise OSError(28, os.strerror(28))
+        os.fsync = enospc
+        try:
+            checkpoint.save(os.path.join(tmp, "s"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
+                            {"iter": 1, "model": asdict(model.cfg), "config": {}}, mesh, 0)
+        except UserError as e:
+            assert "No space left on device" in str(e), e
+            raise
+        finally:
+            os.fsync = real
+    return call
+
+
+def sample_args(*args):
+    def make(b, tmp):
+        return lambda: sample.main([f"out_dir={b['run']}", *args])
+    return make
+
+
+def prepare_workers(b, tmp):
+    return lambda: prepare.prepare("stdlib", os.path.join(tmp, "d"), "cl100k_base", 512, workers=-3, verbose=False)
+
+
+def tempered_weights_stay_finite(b, tmp):
+    return lambda: bool(np.isfinite(mixture.temper([0.1, 0.9], 0.001)).all() and
+                        np.isfinite(mixture.temper([1.0, 1.0], 0.001)).all())
+
+
+def stale_prepare_dir_is_cleaned(b, tmp):
+    def call():
+        stale = os.path.join(tmp, "d.tmp999999999")  # no such pid
+        os.makedirs(stale)
+        prepare.clean_stale(os.path.join(tmp, "d"))
+        return not os.path.exists(stale)
+    return call
+
+
+def ranks_die_with_launcher(b, tmp):
+    """A child that sets the parent-death signal dies when its parent is SIGKILLed."""
+    def call():
+        import subprocess
+        import sys
+        import time
+        marker = os.path.join(tmp, "alive")
+        code = (f"import os, sys, time; sys.path.insert(0, {ROOT!r}); import parallel; "
+                f"pid = os.fork()\nif pid == 0:\n    parallel.die_with_parent()\n    time.sleep(3)\n"
+                f"    open({marker!r}, 'w').close()\n    os._exit(0)\nelse:\n    print(pid, flush=True); time.sleep(30)")
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        p.stdout.readline()  # the child is forked
+        p.kill()
+        p.wait()
+        time.sleep(4)
+        return not os.path.exists(marker)
+    return call
+
+
+def busy_out_dir_under_torchrun(b, tmp):
+    out = os.path.join(tmp, "busy")
+    fd = rundir.lock_out_dir(out)  # this process holds it: the run's rank 0 refuses, rank 1 must stay silent
+    rundir._made.clear()
+    return ("torchrun", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=2"], out, fd)
+
+
+def refused_run(b, tmp):
+    return ("train.py", [*TINY, f"dataset={os.path.join(tmp, 'missing')}", f"out_dir={os.path.join(tmp, 'new')}"],
+            os.path.join(tmp, "new"), None)
+
+
+def symlinked_lock_run(b, tmp):
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    os.symlink(os.path.join(tmp, "outside.txt"), os.path.join(out, ".lock"))
+    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"], out, None)
+
+
+def symlinked_config_run(b, tmp):
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    os.symlink(os.path.join(tmp, "outside.txt"), os.path.join(out, "config.json"))
+    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"], out, None)
+
+
+U16 = np.array([1, 2, 3], dtype=np.int16).tobytes()
+CASES = [
+    (1, "dtype object", "raises", bad_dataset("dtype", "object")),
+    (2, ".lock symlink", "raises", lock_with("symlink")),
+    (2, "config.json symlink", "raises", lock_with("symlink", "config.json")),
+    (2, "metrics.jsonl symlink", "raises", lock_with("symlink", "metrics.jsonl")),
+    (2, ".lock symlink, whole run", "run", symlinked_lock_run),
+    (2, "config.json symlink, whole run", "run", symlinked_config_run),
+    (3, "empty manifest and 0xFF in a .distcp", "fallback", damaged("manifest.json", distcp_ff_and_empty_manifest)),
+    (3, "manifest without sha256", "fallback", damaged("manifest.json", in_place(
+        lambda m: {"files": {n: {"bytes": w["bytes"]} for n, w in m["files"].items()}}))),
+    (3, "manifest leaves a file out", "fallback", damaged("manifest.json", in_place(
+        lambda m: {"files": {n: w for n, w in m["files"].items() if n != "state.pt"}}))),
+    (4, "learning_rate=1e999", "raises", validated(learning_rate=float("inf"))),
+    (4, "phase lr_scale=1e999", "raises", validated(datasets="a:1,b:1", phases=[(0, {"a": 1.0}, float("inf"))])),
+    (4, "rms_norm_eps=-1", "raises", hf_config(rms_norm_eps=-1)),
+    (4, "rope_theta=0", "raises", hf_config(rope_theta=0)),
+    (4, "adapter lora_alpha=NaN", "raises", adapter()),
+    (4, "a save of NaN weights", "raises", nan_weights),
+    (4, "a checkpoint of NaN weights", "raises", nan_checkpoint),
+    (5, "tie_word_embeddings 'false'", "raises", hf_config(tie_word_embeddings="false")),
+    (5, "rms_norm_eps 'abc'", "raises", hf_config(rms_norm_eps="abc")),
+    (5, "rope_parameters a list", "raises", hf_config(rope_parameters=[1, 2])),
+    (5, "num_hidden_layers 3000000", "raises", hf_config(num_hidden_layers=3000000)),
+    (5, "weight_map ../elsewhere", "raises", hf_weight_map("../elsewhere/x.safetensors")),
+    (5, "weight_map /proc/self/environ", "raises", hf_weight_map("/proc/self/environ")),
+    (6, "200k-deep manifest", "fallback", damaged("manifest.json", write("[" * 200000))),
+    (6, "state.pt of {}", "fallback", damaged("state.pt", torch_save({}))),
+    (6, "meta.json without model", "fallback", damaged("meta.json", in_place(
+        lambda m: {k: v for k, v in m.items() if k != "model"}))),
+    (6, "meta.json with an extra model key", "fallback", damaged("meta.json", in_place(
+        lambda m: {**m, "model": {**m["model"], "extra": 1}}))),
+    (6, "meta.json iter -7", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": -7}))),
+    (6, "meta.json iter 10**30", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": 10 ** 30}))),
+    (7, "int16 data with -1", "raises", bad_dataset("dtype", "int16", "train", np.full(99, -1, np.int16).tobytes())),
+    (7, "empty val.bin", "raises", bad_dataset(None, None, "val", b"")),
+    (7, "vocab_size '8192'", "raises", bad_dataset("vocab_size", "8192")),
+    (7, "float32 data with NaN", "raises", bad_dataset("dtype", "float32", "train",
+                                                       np.full(99, np.nan, np.float32).tobytes())),
+    (8, "deep JSON in a dataset's meta.json", "raises", bad_dataset("extra", json.loads("[" * 100 + "]" * 100))),
+    (8, "5000-digit integer in config.json", "raises", hf_config_raw('{"vocab_size": ' + "9" * 5000 + "}")),
+    (8, "seed=-1", "raises", validated(seed=-1)),
+    (8, "seed=2**64", "raises", validated(seed=2 ** 64)),
+    (8, "device=mps on Linux", "raises", validated(device="mps")),
+    (8, "pp_layers=²,2", "raises", validated(pp_layers="²,2")),
+    (8, "data.py --workers -3", "raises", prepare_workers),
+    (8, "sample.py export= into a missing directory", "raises", sample_args("export=/nonexistent/dir/w.pt")),
+    (8, ".lock a directory", "raises", lock_with("dir")),
+    (8, ".lock a FIFO", "raises", lock_with("fifo")),
+    (8, "config.json a directory", "raises", lock_with("dir", "config.json")),
+    (8, "config.json a FIFO", "raises", lock_with("fifo", "config.json")),
+    (8, "full disk on a metrics append", "raises", full_disk),
+    (8, "lora_rank=10**9", "raises", validated(lora_rank=10 ** 9)),
+    (8, "vocab_size=10**10", "raises", validated(vocab_size=10 ** 10)),
+    (8, "batch_size=10**8", "raises", validated(batch_size=10 ** 8)),
+    (8, "n_embd=10**6", "raises", validated(n_embd=2 ** 20, n_head=2 ** 10, n_kv_head=2 ** 10)),
+    (8, "eval_iters=10**7", "raises", validated(eval_iters=10 ** 7)),
+    (9, "adapter lora_alpha negative", "raises", adapter(lora_alpha=-16)),
+    (9, "mix_temperature=0.001 keeps the weights finite", "holds", tempered_weights_stay_finite),
+    (9, "min_lr > learning_rate", "raises", validated(min_lr=1.0)),
+    (9, "sample.py temperature=-1", "raises", sample_args("temperature=-1")),
+    (9, "sample.py max_new_tokens=-3", "raises", sample_args("max_new_tokens=-3")),
+    (10, "ranks die with their launcher", "holds", ranks_die_with_launcher),
+    (10, "stale data/NAME.tmpPID is cleaned", "holds", stale_prepare_dir_is_cleaned),
+    (10, "busy out_dir under torchrun: one line", "run", busy_out_dir_under_torchrun),
+    (10, "disk full on a save says so", "raises", full_disk_save),
+    (10, "a refused run leaves nothing behind", "run", refused_run),
+]
+
+
+def snapshot(root, skip):
+    """{path: bytes or kind} of everything under root except the tree `skip`."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if os.path.join(d, x) != skip]
+        for f in files:
+            p = os.path.join(d, f)
+            out[p] = os.readlink(p) if os.path.islink(p) else "fifo" if not os.path.isfile(p) else open(p, "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{name}" for n, name, _, _ in CASES])
+def test_hostile_input(case, base, tmp_path):
+    _, name, kind, make = case
+    tmp = str(tmp_path)
+    with open(os.path.join(tmp, "outside.txt"), "w") as f:
+        f.write("the user's file")
+    made = make(base, tmp)
+    out = made[2] if kind == "run" else os.path.join(tmp, "out")
+    before = snapshot(tmp, out)
+    if kind == "raises":
+        with pytest.raises(UserError) as e:
+            made()
+        assert "\n" not in str(e.value) and str(e.value).strip(), str(e.value)
+    elif kind == "holds":
+        assert made() is True
+    elif kind == "fallback":
+        warnings = []
+        found = checkpoint.find(made, None, warn=warnings.append)
+        assert found == os.path.join(made, "ckpt", "iter_0000002"), (found, warnings)
+        assert len(warnings) == 1 and "iter_0000004 is corrupt (" in warnings[0], warnings
+        before = after = None  # the crafted copy itself is what changed
+    else:
+        script, args, out, fd = made
+        if script == "torchrun":
+            p = run_train(["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args], tmp,
+                          check=False, timeout=120, script="-m torch.distributed.run")
+            os.close(fd)
+        else:
+            p = run_train(args, tmp, check=False, timeout=120, script=script)
+        errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+        ranks = p.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]  # not torchrun's own
+        assert p.returncode != 0 and "Traceback" not in ranks and len(errors) == 1, p.stderr[-3000:]
+        if name == "a refused run leaves nothing behind":
+            assert not os.path.exists(out)
+    if before is not None:
+        after = snapshot(tmp, out)
+        assert after == before, sorted(set(after.items()) ^ set(before.items()))[:3]
