@@ -138,6 +138,7 @@ globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
 derived = configurator.validate(config, overrides, world)  # everything, before anything touches disk or peers
+grad_accum_steps = config["grad_accum_steps"]  # the default is raised to a multiple of dp if the layout needs it
 started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 # ---- setup ----------------------------------------------------------------------------

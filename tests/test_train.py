@@ -218,7 +218,8 @@ MISTAKES = {
     "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe, interleaved",
     "2: pp=2 pp_schedule=interleaved": "interleaved 1F1B needs pp > 1 and pp_virtual >= 2",
     "2: pp=2 pp_virtual=2 pp_schedule=interleaved": "pp=2 x pp_virtual=2 virtual stages but only n_layer=2 layers",
-    "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved": "each pipeline gets grad_accum_steps / dp = 1",
+    "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved grad_accum_steps=2":
+        "each pipeline gets grad_accum_steps / dp = 1",
     "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved grad_accum_steps=4 fsdp=True":
         "pp_schedule=interleaved with fsdp=True is not supported",
     "2: pp=2 pp_layers=2,1": "pp_layers='2,1' must give 2 layer counts (one per stage), each at least 1, summing to",
@@ -236,8 +237,6 @@ MISTAKES = {
     "export_hf=@full": "already exists and is not an empty directory",
     "optim=sgd": "optim='sgd' is not one of adamw, muon",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
-    "2: optim=muon zero=1": "optim=muon with zero=1: Muon orthogonalizes each weight matrix whole",
-    "2: optim=muon tp=2": "optim=muon with tp=2",
 }
 
 
