@@ -154,11 +154,6 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linea
 REFUSALS = [
     ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
      "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
-    ("fsdp with tp", lambda c, o: c["tp"] > 1 and c["fsdp"],
-     "fsdp=True with tp > 1 is not supported: use plain data parallel over dp (fsdp=False)"),
-    ("zero with tp", lambda c, o: c["tp"] > 1 and c["zero"],
-     "zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its checkpoint gathering does "
-     "not know them): use plain data parallel over dp (zero=0)"),
     ("LoRA with tp", lambda c, o: c["tp"] > 1 and (c["lora_rank"] or c["lora_from"]),
      "LoRA with tp > 1 is not supported: the adapters would need their own slices; use tp=1 for LoRA runs"),
     ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],

@@ -56,6 +56,21 @@ def test_muon_on_sharded_layouts_gives_the_single_process_curve(nproc, extra, da
     assert_same_curve(muon_reference, read_metrics(out), rtol=1e-5)
 
 
+def test_muon_moves_through_the_2d_layouts(dataset, muon_reference, tmp_path):
+    """One out_dir through zero=2 x tp=2 -> fsdp x tp=2 -> one process, each leg resuming the
+    last (whole momentum buffers, gathered from ZeRO pieces, tp slices and FSDP shards, and
+    cut again): the single-process Muon curve."""
+    out = str(tmp_path / "run")
+    chain = [*[a for a in MUON if not a.startswith("max_iters=")], f"dataset={dataset}", f"out_dir={out}",
+             "lr_decay_iters=8", "ddp_bucket_mb=0.01", "keep_ckpts=0"]
+    p = torchrun(4, [*chain, "max_iters=3", "zero=2", "tp=2"], cwd=tmp_path)
+    assert "dp=2 x pp=1 x tp=2" in p.stdout and "(zero=2: 1/2 of the optimizer and grads) (tp:" in p.stdout
+    p = torchrun(4, [*chain, "max_iters=6", "fsdp=True", "tp=2"], cwd=tmp_path)
+    assert "(fsdp: 1/2 of each) (tp:" in p.stdout
+    run_train([*chain, "max_iters=8"], cwd=tmp_path)
+    assert_same_curve(muon_reference, read_metrics(out), rtol=1e-5)
+
+
 def batch(rank, step):
     return torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
 
