@@ -101,3 +101,27 @@ def check_one_nth(ranks):
 
 def test_fsdp_holds_one_nth_per_rank():
     check_one_nth(spawn(one_step_memory, 2, True))  # n=4: test_meta.py, on the processes it starts anyway
+
+
+def bf16_forward(mesh, shard):
+    """One forward under bf16 autocast (dtype=bfloat16's path, on CPU): the loss, and the dtypes
+    that a block's weight and the residual stream have inside it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    if shard:
+        fsdp.fully_shard_model(model, mesh)
+    seen = {}
+    model.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.update(weight=str(m.weight.dtype)))
+    model.layers["1"].register_forward_pre_hook(lambda m, args: seen.update(residual=str(args[0].dtype)))
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x[:, :-1], x[:, 1:])
+    return {"loss": loss.detach().float(), **seen}
+
+
+def test_fsdp_in_bf16_keeps_fp32_weights_and_residual_as_one_process_does():
+    one = spawn(bf16_forward, 1, False)[0]
+    sharded = spawn(bf16_forward, 2, True)[0]
+    assert one["weight"] == one["residual"] == "torch.float32"  # autocast casts inside the matmuls only
+    assert sharded["weight"] == sharded["residual"] == "torch.float32", sharded
+    assert torch.equal(sharded["loss"], one["loss"])  # the same bits: fsdp gathers the fp32 weights
