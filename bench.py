@@ -686,9 +686,11 @@ ITERS2 = 3
 def table_memory2d():
     whole = run_ranks(layout2d_worker, 1, "dp", "adamw")
     total = whole["params"] + whole["grads"] + whole["optimizer"]
-    print(f"\n## 2D layouts: bytes per rank, the default model ({Transformer(ModelConfig(**MODEL)).num_params() / 1e6:.2f}M "
+    n = Transformer(ModelConfig(**MODEL)).num_params()
+    print(f"\n## 2D layouts: bytes per rank, the default model ({n / 1e6:.2f}M "
           f"parameters, fp32, AdamW), 4 ranks; the busiest rank")
-    print(f"{'layout':<16} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | {'of one process':>14}")
+    print(f"{'layout':<16} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | "
+          f"{'of one process':>14}")
     print("-" * 82)
     for name, layout, world in (("one process", "dp", 1), ("tp=2", "tp2+dp", 2), ("fsdp=4", "fsdp", 4),
                                 ("tp=2 x fsdp=2", "tp2+fsdp", 4), ("tp=2 x zero=2", "tp2+zero2", 4),
@@ -706,9 +708,11 @@ def table_memory2d():
     print("-" * 74)
     one = run_ranks(layout2d_worker, 1, "dp", "muon")
     for name, layout, world in (("one process", "dp", 1), ("dp=4", "dp", 4), ("zero=2", "zero2", 4),
-                                ("fsdp=4", "fsdp", 4), ("tp=2 (x dp=2)", "tp2+dp", 4), ("tp=2 x fsdp=2", "tp2+fsdp", 4)):
+                                ("fsdp=4", "fsdp", 4), ("tp=2 (x dp=2)", "tp2+dp", 4),
+                                ("tp=2 x fsdp=2", "tp2+fsdp", 4)):
         r = one if world == 1 else run_ranks(layout2d_worker, world, layout, "muon")
-        print(f"{name:<16} {world:>5} | {r['ns_gflop']:13.3f} | {r['ns_gflop'] / one['ns_gflop']:12.2f} | {r['ns_ms']:16.1f}")
+        share = r["ns_gflop"] / one["ns_gflop"]
+        print(f"{name:<16} {world:>5} | {r['ns_gflop']:13.3f} | {share:12.2f} | {r['ns_ms']:16.1f}")
     print("Each matrix is orthogonalized whole by one rank of its stage's dp x tp ranks, in rounds of largest "
           "first: a rank's share is about 1/world (more when the matrices do not divide evenly); the time "
           "includes assembling the matrices (zero: an all-reduce of pieces, fsdp: all-gathers, tp: all-gathers) "

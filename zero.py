@@ -173,7 +173,8 @@ class ZeroOptimizer:
         step is assembled whole on every rank (the pieces' sum over dp, zeros elsewhere: exact;
         under tp then its slices gathered), orthogonalized by one rank, shared; each rank keeps
         its pieces of the results."""
-        mine = {t._whole: (self.shard_of[t], g) for t, g in zip(pieces, gs)}  # a rank holds one piece of a matrix at most
+        # a rank holds one piece of a matrix at most (its chunk is one range of the bucket)
+        mine = {t._whole: (self.shard_of[t], g) for t, g in zip(pieces, gs)}
         mats = [p for p in self.muon_params if self.model.used[p]]
         tp = self.mesh.tp > 1
         if tp:

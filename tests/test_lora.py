@@ -32,7 +32,8 @@ from pipeline import make_stage
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
 # every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3;
 # the default optim=muon (the adapters train with AdamW)
-LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}", "fault_nan_at=4",
+LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}",
+        "fault_nan_at=4",
         "ckpt_interval=3", "grad_clip=0.5"]
 CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=96)
 
