@@ -31,7 +31,12 @@ def materialize(model, device):
     per module, which unties a tied head from the embedding and drops the attributes that
     tensor_parallel sets (_tp_dim, _tp_group)."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return model.to_empty(device=device)
+        marks = [(m, k, p._tp_dim, p._tp_group) for m in model.modules() for k, p in m._parameters.items()
+                 if p is not None and hasattr(p, "_tp_dim")]
+        model.to_empty(device=device)
+        for m, k, dim, group in marks:  # fsdp x tp: the new parameters keep their tp marks
+            m._parameters[k]._tp_dim, m._parameters[k]._tp_group = dim, group
+        return model
     new = {}  # meta Parameter -> its replacement (a tied weight is one Parameter under two names)
     for m in model.modules():
         for key, p in m._parameters.items():
@@ -49,25 +54,28 @@ def materialize(model, device):
 def local_parts(model):
     """(name, local, full_shape, dim, start, stop) for each parameter of `model` (a tied one
     once): `local` is the tensor this rank holds, the slice [start, stop) along `dim` of the
-    full tensor of shape full_shape; dim None: the whole tensor. An FSDP shard is a block of
-    rows (dim 0, torch.chunk's split, as DTensor's Shard(0) cuts), a tensor-parallel slice
-    one chunk along its _tp_dim; a layout with both is refused by train.py."""
+    full tensor of shape full_shape; dim None: the whole tensor. A tensor-parallel slice is
+    one chunk along its _tp_dim; an FSDP shard is a chunk along the dimension of its Shard
+    (torch.chunk's split, as DTensor cuts): rows, or under fsdp x tp a chunk of the tp slice
+    along the same _tp_dim (fsdp.py shards it so), which is again one range of the full tensor."""
     for name, p in model.named_parameters():
+        n_tp, r_tp = (dist.get_world_size(p._tp_group), dist.get_rank(p._tp_group)) if hasattr(p, "_tp_dim") else (1, 0)
         if isinstance(p, DTensor):
-            assert len(p.placements) == 1 and p.placements[0].is_shard(0), f"{name}: {p.placements}, not FSDP's Shard(0)"
+            assert len(p.placements) == 1 and p.placements[0].is_shard(), f"{name}: {p.placements}, not FSDP's Shard"
+            dim = p.placements[0].dim
+            assert n_tp == 1 or dim == p._tp_dim, f"{name}: FSDP's Shard({dim}) across the tp cut {p._tp_dim}"
             local, n, r = p.to_local(), p.device_mesh.size(), p.device_mesh.get_local_rank()
-            size = -(-p.shape[0] // n)  # torch.chunk's chunk size
-            start = min(r * size, p.shape[0])
-            dim, stop = 0, min(start + size, p.shape[0])
-        elif hasattr(p, "_tp_dim"):
-            local, dim, n = p, p._tp_dim, dist.get_world_size(p._tp_group)
-            size = p.shape[dim]
-            start, stop = dist.get_rank(p._tp_group) * size, (dist.get_rank(p._tp_group) + 1) * size
+            size = -(-p.shape[dim] // n)  # torch.chunk's chunk size
+            lo = min(r * size, p.shape[dim])
+            start, stop = r_tp * p.shape[dim] + lo, r_tp * p.shape[dim] + min(lo + size, p.shape[dim])
+        elif n_tp > 1:
+            local, dim = p, p._tp_dim
+            start, stop = r_tp * p.shape[dim], (r_tp + 1) * p.shape[dim]
         else:
             yield name, p, tuple(p.shape), None, 0, 0
             continue
-        full = tuple(p.shape) if isinstance(p, DTensor) else tuple(p.shape[:dim]) + (size * n,) + tuple(p.shape[dim + 1:])
-        assert local.shape[dim] == stop - start, f"{name}: local {tuple(local.shape)} is not rows {start}:{stop} of {full}"
+        full = tuple(p.shape[:dim]) + (p.shape[dim] * n_tp,) + tuple(p.shape[dim + 1:])
+        assert local.shape[dim] == stop - start, f"{name}: local {tuple(local.shape)} is not {start}:{stop} of {full}"
         yield name, local, full, dim, start, stop
 
 

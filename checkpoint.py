@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -85,7 +86,7 @@ def train_state(model, optimizer):
     fsdp.reshard(model)
     names = {p: n for n, p in model.named_parameters()}
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
-        return {"model": trainable_state(model), "optim": optimizer.full_state(names)}
+        return _tp_gathered({"model": trainable_state(model), "optim": optimizer.full_state(names)}, model)
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
     return _tp_gathered({"model": trainable_state(model), "optim": optim}, model)
 
@@ -103,23 +104,37 @@ def _tp_params(model):
     return {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_tp_dim")}
 
 
+TP_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizer state shaped like its parameter
+
+
 def _tp_gathered(state, model):
-    """state with every tp slice (model weights and their AdamW moments) replaced by the full tensor."""
+    """state with every tp slice (model weights and their optimizer state) replaced by the full
+    tensor (under fsdp x tp a slice is itself sharded over dp: gathered over dp first)."""
     for name, p in _tp_params(model).items():
-        for part, key in (("model", name), ("optim", f"{name}.exp_avg"), ("optim", f"{name}.exp_avg_sq")):
+        for part, key in [("model", name)] + [("optim", f"{name}.{k}") for k in TP_STATE]:
             if key in state.get(part, {}):
-                state[part][key] = tp_gather(state[part][key], p)
+                t = state[part][key]
+                state[part][key] = tp_gather(t.full_tensor() if isinstance(t, DTensor) else t, p)
     return state
 
 
+def _tp_local(full, p):
+    """This rank's part of a full tensor cut like p: its tp slice (under fsdp x tp, its dp shard of that)."""
+    t = tp_slice(full, p)
+    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else t
+
+
 def _tp_scatter(state, model, optimizer):
-    """After loading full tensors into state: this rank's slices into the model's state and the optimizer."""
+    """After loading full tensors into state: this rank's parts into state, and into the
+    optimizer (ZeRO takes its pieces from state afterwards)."""
     for name, p in _tp_params(model).items():
         if name in state["model"]:
-            state["model"][name] = tp_slice(state["model"][name], p)
-        for k in ("exp_avg", "exp_avg_sq"):
-            if optimizer is not None and f"{name}.{k}" in state.get("optim", {}):
-                optimizer.state[p][k].copy_(tp_slice(state["optim"][f"{name}.{k}"], p))
+            state["model"][name] = _tp_local(state["model"][name], p)
+        for k in TP_STATE:
+            if f"{name}.{k}" in state.get("optim", {}):
+                state["optim"][f"{name}.{k}"] = _tp_local(state["optim"][f"{name}.{k}"], p)
+                if optimizer is not None and not isinstance(optimizer, ZeroOptimizer):
+                    optimizer.state[p][k].copy_(state["optim"][f"{name}.{k}"])
 
 
 def trainable_state(model):

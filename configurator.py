@@ -165,11 +165,6 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linea
 REFUSALS = [
     ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
      "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
-    ("fsdp with tp", lambda c, o: c["tp"] > 1 and c["fsdp"],
-     "fsdp=True with tp > 1 is not supported: use plain data parallel over dp (fsdp=False)"),
-    ("zero with tp", lambda c, o: c["tp"] > 1 and c["zero"],
-     "zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its checkpoint gathering does "
-     "not know them): use plain data parallel over dp (zero=0)"),
     ("LoRA with tp", lambda c, o: c["tp"] > 1 and (c["lora_rank"] or c["lora_from"]),
      "LoRA with tp > 1 is not supported: the adapters would need their own slices; use tp=1 for LoRA runs"),
     ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
@@ -194,15 +189,6 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
-    ("muon with zero", lambda c, o: c["optim"] == "muon" and c["zero"],
-     "optim=muon with zero={zero}: Muon orthogonalizes each weight matrix whole, and zero={zero} slices them over "
-     "ranks; use optim=adamw, or data parallel, fsdp or pipeline stages"),
-    ("muon with tp", lambda c, o: c["optim"] == "muon" and c["tp"] > 1,
-     "optim=muon with tp={tp}: Muon orthogonalizes each weight matrix whole, and tp={tp} slices them over ranks; "
-     "use optim=adamw, or data parallel, fsdp or pipeline stages"),
-    ("muon with LoRA", lambda c, o: c["optim"] == "muon" and (c["lora_rank"] or c["lora_from"]),
-     "optim=muon with LoRA: Muon orthogonalizes each weight matrix whole, and LoRA trains adapters only; use "
-     "optim=adamw, or data parallel, fsdp or pipeline stages"),
 ]
 
 
@@ -250,10 +236,28 @@ def validate(c, overrides, world):
     check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
                                      f"rotate pairs of features; change n_embd or n_head")
     ffn_dim = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=c["ffn_dim"]).ffn_dim
+    default_batch_for_layout(c, overrides, world)
     dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
     check_memory(c, world, c["n_layer"], n_embd, ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
     return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
+
+
+def default_batch_for_layout(c, overrides, world):
+    """grad_accum_steps not given (the default 2) but the layout needs a multiple of dp (of
+    dp x pp with interleaved 1F1B): raised to the next one, with a note, so that every
+    layout runs with the defaults. A value the user gave is checked, never changed."""
+    pp, tp = c["pp"], c["tp"]
+    if "grad_accum_steps" in overrides or world % (pp * tp):
+        return
+    unit = world // (pp * tp) * (pp if c["pp_schedule"] == "interleaved" else 1)
+    if c["grad_accum_steps"] % unit:
+        raised = -(-c["grad_accum_steps"] // unit) * unit
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, a multiple of the "
+                  f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
+                  f"set grad_accum_steps= to choose", flush=True)
+        c["grad_accum_steps"] = raised
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):

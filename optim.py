@@ -1,9 +1,10 @@
 """
 The optimizer side of training: Muon (Newton-Schulz orthogonalized momentum) for the
 layers' weight matrices together with AdamW for embeddings, head and gains in one
-optimizer, and how Muon meets layouts: under FSDP each sharded matrix is gathered for its
-orthogonalization; under plain data parallel the dp ranks split the orthogonalizing
-(shared_orthogonalize) instead of all repeating it.
+optimizer, and how Muon meets layouts: each matrix is orthogonalized whole, once, by one of
+the ranks that hold it (its FSDP shards, ZeRO pieces or tensor-parallel slices gathered
+first), and the results are shared (orthogonalize_shared), so each rank does 1/(dp x tp) of
+the work; the LR schedule.
 """
 
 import math
@@ -45,9 +46,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     W -= lr * 0.2 * sqrt(max(m, n)) * O after decoupled weight decay. The 0.2 sqrt(max(m, n))
     gives O the RMS of a typical AdamW update (Liu et al. 2025, "Muon is scalable for LLM
     training"), so one learning rate and one schedule serve both kinds of group. It needs
-    each matrix whole: an FSDP shard (a DTensor) is gathered for it, one matrix at a time;
-    ZeRO's flat slices and tensor-parallel slices are not, and train.py refuses those. The AdamW groups follow torch.optim.AdamW (single-tensor) step by
-    step; tests check both halves against torch's own optimizers."""
+    each matrix whole: with several ranks, orthogonalize is swapped for sharded_orthogonalize
+    (ZeRO: zero.ZeroOptimizer's), which gathers the parts and shares the work; momentum and
+    weight decay are elementwise and run on whatever part a rank holds. The AdamW groups
+    follow torch.optim.AdamW (single-tensor) step by step; tests check both halves against
+    torch's own optimizers."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
                  ns_dtype=torch.bfloat16):
@@ -55,21 +58,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                       muon=False))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
-            assert not group["muon"] or all(p.dim() == 2 for p in group["params"]), "Muon is for 2-D matrices"
+            assert not group["muon"] or all(len(whole_shape(p)) == 2 for p in group["params"]), \
+                "Muon is for 2-D matrices"
 
-    def orthogonalize(self, gs):
-        """Newton-Schulz of each matrix, here. Data parallel swaps in parallel.shared_orthogonalize
-        (each rank a share of the matrices, then an all-gather) as tensor parallelism swaps the loss."""
-        out = []
-        for g in gs:
-            if isinstance(g, DTensor):
-                # FSDP: this rank holds rows of the matrix; the orthogonalization needs all of
-                # them. Gather, orthogonalize (every rank the same), keep this rank's rows.
-                full = newton_schulz(g.full_tensor(), dtype=self.ns_dtype)
-                out.append(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None))
-            else:
-                out.append(newton_schulz(g, dtype=self.ns_dtype))
-        return out
+    def orthogonalize(self, params, gs):
+        """Newton-Schulz of each whole matrix, here. With more than one rank build_optimizer
+        swaps in sharded_orthogonalize (parts gathered whole, the work shared), as tensor
+        parallelism swaps the loss."""
+        return [newton_schulz(g, dtype=self.ns_dtype) for g in gs]
 
     @torch.no_grad()
     def step(self):
@@ -96,40 +92,86 @@ class MuonWithAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                     denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
-        for (p, _, lr), update in zip(muon, self.orthogonalize([g for _, g, _ in muon])):
-            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        updates = self.orthogonalize([p for p, _, _ in muon], [g for _, g, _ in muon])
+        for (p, _, lr), update in zip(muon, updates):
+            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(whole_shape(p))))
 
 
-def shared_orthogonalize(mesh, dtype):
-    """Muon's Newton-Schulz under data parallel (not FSDP): after the all-reduce every dp rank
-    holds the same mean gradients, so orthogonalizing every matrix on every rank repeats the
-    same work dp times. Instead each rank orthogonalizes a share of the matrices (largest
-    first, each to the least loaded rank, by the iteration's cost m n min(m, n)) and one
-    all-gather hands everyone the results: 1/dp of the work, the same bits on every rank.
-    Returns the function that replaces MuonWithAdamW.orthogonalize."""
-    def orthogonalize(gs):
-        if not gs:
-            return []
-        load, owner = [0] * mesh.dp, [0] * len(gs)
-        for i in sorted(range(len(gs)), key=lambda i: -gs[i].numel() * min(gs[i].shape)):
-            owner[i] = min(range(mesh.dp), key=lambda r: load[r])
-            load[owner[i]] += gs[i].numel() * min(gs[i].shape)
-        owned = [[i for i in range(len(gs)) if owner[i] == r] for r in range(mesh.dp)]
-        size = max(sum(gs[i].numel() for i in mine) for mine in owned)
-        flat = torch.zeros(size, dtype=gs[0].dtype, device=gs[0].device)  # this rank's results, padded
-        offset = 0
-        for i in owned[mesh.dp_rank]:
-            flat[offset:offset + gs[i].numel()] = newton_schulz(gs[i], dtype=dtype).flatten()
-            offset += gs[i].numel()
-        every = [torch.empty_like(flat) for _ in range(mesh.dp)]
-        dist.all_gather(every, flat, group=mesh.dp_group)
-        out = [None] * len(gs)
-        for r, mine in enumerate(owned):
-            offset = 0
-            for i in mine:
-                out[i] = every[r][offset:offset + gs[i].numel()].view_as(gs[i])
-                offset += gs[i].numel()
-        return out
+def whole_shape(p):
+    """The shape of the whole matrix of which p is this rank's part: a ZeRO piece names its
+    parameter (_whole), a tensor-parallel slice is cut along _tp_dim (an FSDP DTensor's shape
+    is already its global one: the whole matrix, or the tp slice under fsdp x tp)."""
+    p = getattr(p, "_whole", p)
+    shape = list(p.shape)
+    if hasattr(p, "_tp_dim"):
+        shape[p._tp_dim] *= dist.get_world_size(p._tp_group)
+    return shape
+
+
+def orthogonalize_shared(shapes, whole, part, ranks, dtype, device):
+    """Muon's Newton-Schulz when matrices are spread over ranks, the way nanochat's and
+    modded-nanogpt's distributed Muon do it: every rank of `ranks` holds parts of the same
+    matrices (or, under plain data parallel, the same whole ones), so each whole matrix is
+    orthogonalized by one of them and the results are shared. Matrix i, of shape shapes[i],
+    is assembled by whole(i) (a collective every rank calls for every i, in the same order:
+    FSDP's full_tensor, ZeRO's pieces summed, tp slices gathered) and this rank keeps
+    part(i, update) of the result. In rounds of n (the ranks), largest matrices first, so
+    each round's matrices cost about the same: rank r orthogonalizes the round's r-th, then one
+    all-gather (over each group of `ranks`, innermost first) gives everyone the round's
+    results. Each rank does 1/n of the work; at most a round's matrices are whole at once.
+    ranks: [(process group, its size, this rank's index in it)], innermost first."""
+    n, me, stride = 1, 0, 1
+    for _, size, rank in ranks:
+        me, stride, n = me + rank * stride, stride * size, n * size
+    order = sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i]))
+    out = [None] * len(shapes)
+    for at in range(0, len(order), n):
+        round_ = order[at:at + n]
+        mine = None
+        for r, i in enumerate(round_):
+            full = whole(i)
+            if r == me:
+                mine = newton_schulz(full, dtype=dtype).to(full.dtype)
+        flat = torch.zeros(max(math.prod(shapes[i]) for i in round_), device=device)  # padded to the largest
+        if mine is not None:
+            flat[:mine.numel()] = mine.flatten()
+        for group, size, _ in ranks:  # every rank's result: [rank 0's, rank 1's, ...] in that order
+            if size > 1:
+                every = [torch.empty_like(flat) for _ in range(size)]
+                dist.all_gather(every, flat, group=group)
+                flat = torch.cat(every)
+        every = flat.view(n, -1)
+        for r, i in enumerate(round_):
+            out[i] = part(i, every[r][:math.prod(shapes[i])].view(shapes[i]))
+    return out
+
+
+def sharing_ranks(mesh):
+    """The ranks that hold parts of the same matrices, for orthogonalize_shared: a stage's
+    tp group inside its dp group."""
+    return [(mesh.tp_group, mesh.tp, mesh.tp_rank), (mesh.dp_group, mesh.dp, mesh.dp_rank)]
+
+
+def sharded_orthogonalize(mesh, dtype):
+    """MuonWithAdamW.orthogonalize for more than one rank: the gradient of a plain parameter is
+    the same whole matrix on every dp rank (after the all-reduce); an FSDP shard (a DTensor)
+    is gathered over the dp ranks, a tensor-parallel slice over the tp ranks (both, under
+    fsdp x tp), and this rank keeps its part of the result. Returns the function."""
+    def orthogonalize(params, gs):
+        if mesh.tp > 1:
+            from tensor_parallel import tp_gather, tp_slice
+
+        def whole(i):
+            g = gs[i].full_tensor() if isinstance(gs[i], DTensor) else gs[i]
+            return tp_gather(g, params[i]) if hasattr(params[i], "_tp_dim") else g
+
+        def part(i, update):
+            p = params[i]
+            update = tp_slice(update, p) if hasattr(p, "_tp_dim") else update
+            return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None) \
+                if isinstance(p, DTensor) else update
+        return orthogonalize_shared([whole_shape(p) for p in params], whole, part, sharing_ranks(mesh), dtype,
+                                    mesh.device)
     return orthogonalize
 
 
@@ -141,27 +183,34 @@ def build_optimizer(raw_model, model, mesh, c, zero=False):
     weights), weight decay on 2-D weights only, and the gradients that clipping measures and
     the step uses: the model's, or (ZeRO) this rank's slices of them. optim=muon: Muon for the
     layers' matrices (a stage's, with pp), AdamW for the embedding, head and gains; the token
-    embedding's rate is embed_lr_scale times the rest (a row learns only when its token appears)."""
+    embedding's rate is embed_lr_scale times the rest (a row learns only when its token appears).
+    LoRA's adapters train with AdamW under optim=muon too: a rank-r factor is no weight matrix
+    whose update Muon's scaling is made for (and B starts at zero)."""
     trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
-    hidden = [p for n, p in trains if c["optim"] == "muon" and p.dim() == 2 and n.startswith("layers.")]
+    lora = len(trains) < len(list(raw_model.parameters()))  # a frozen base: LoRA
+    if c["optim"] == "muon" and lora:
+        mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole weight matrices)")
+    muon = c["optim"] == "muon" and not lora
+    hidden = [p for n, p in trains if muon and p.dim() == 2 and n.startswith("layers.")]
     embedding = [p for n, p in trains if n == "tok_embeddings.weight"]  # (with tie_embeddings also the head)
     decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]  # head (+ AdamW: matmuls)
     no_decay = [p for n, p in trains if p.dim() < 2]                                                # norm gains
     groups = [{"params": embedding, "weight_decay": c["weight_decay"], "lr_scale": c["embed_lr_scale"]},
-              {"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+              {"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": hidden, "weight_decay": c["weight_decay"], "muon": True}]
     groups = [g for g in groups if g["params"]]  # a pipeline stage without the embedding, LoRA (frozen embedding)
     betas, fused = (c["beta1"], c["beta2"]), mesh.device.type == "cuda" and not c["offload"]
-    if zero:  # ZeRO: zero.py (AdamW on this rank's slices, then an all-gather of the updated weights)
+    muon_kw = dict(lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],
+                   ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
+    if zero:  # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)
         import zero as zero_py
-        optimizer = zero_py.ZeroOptimizer(model, groups, c["offload"], lr=c["learning_rate"], betas=betas, fused=fused)
+        optimizer = zero_py.ZeroOptimizer(model, groups, c["offload"], muon_kw if muon else None,
+                                          lr=c["learning_rate"], betas=betas, fused=fused)
         return optimizer, optimizer.params
-    if c["optim"] == "muon":
-        groups.append({"params": hidden, "weight_decay": c["weight_decay"], "muon": True})
-        optimizer = MuonWithAdamW(groups, lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],
-                                  ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
-        if mesh.dp > 1 and not any(isinstance(p, DTensor) for p in hidden):
-            # every dp rank holds the same mean gradients: share the orthogonalizing
-            optimizer.orthogonalize = shared_orthogonalize(mesh, optimizer.ns_dtype)
+    if muon:
+        optimizer = MuonWithAdamW(groups, **muon_kw)
+        if mesh.dp > 1 or mesh.tp > 1:  # parts of the matrices, or the same ones, on several ranks
+            optimizer.orthogonalize = sharded_orthogonalize(mesh, optimizer.ns_dtype)
     else:
         optimizer = torch.optim.AdamW(groups, lr=c["learning_rate"], betas=betas, fused=fused)
     return optimizer, list(raw_model.parameters())

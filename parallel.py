@@ -307,6 +307,8 @@ def memory_line(model, optimizer, mesh, zero, fsdp, offload):
     mem = memory_bytes(model, optimizer)
     split = (f" (fsdp: 1/{mesh.dp} of each)" if fsdp else
              f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if zero else "")
+    if mesh.tp > 1:
+        split += f" (tp: the matrices' 1/{mesh.tp} slices{', sharded over dp' if zero or fsdp else ''})"
     if offload and (zero or fsdp) and mesh.device.type == "cuda":
         split += " (optimizer in CPU memory)"
     return "memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split

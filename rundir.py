@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -188,12 +189,21 @@ def rng_states(mesh):
     return None if every is None else {f"rng_{k}": [r[k] for r in every] for k in every[0]}
 
 
-def set_rng_states(state, mesh):
-    """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved it)."""
-    r = (mesh.rank - mesh.tp_rank) % len(state["rng_cpu"])  # a tp group shares one stream (its replicated dropout)
-    torch.set_rng_state(state["rng_cpu"][r])
+def set_rng_states(state, mesh, meta):
+    """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved
+    it; meta: its meta.json). A tp group shares one stream (its replicated dropout), so the
+    saved run had world / tp distinct streams, entry k * tp being stream k; this rank's is
+    stream rank // tp. A rank with no saved stream (resumed into more dp ranks or stages than
+    the checkpoint had) starts a fresh one from (seed, its stream, the iteration): never one
+    that another rank continues, which would repeat its dropout and NEFTune draws."""
+    saved_tp = meta["config"].get("tp", 1)
+    k, n = mesh.rank // mesh.tp, len(state["rng_cpu"]) // saved_tp
+    if k >= n:
+        torch.manual_seed(zlib.crc32(f"rng/{meta['config']['seed']}/{k}/{meta['iter']}".encode()))
+        return
+    torch.set_rng_state(state["rng_cpu"][k * saved_tp])
     if mesh.device.type == "cuda" and "rng_cuda" in state:
-        torch.cuda.set_rng_state(state["rng_cuda"][r])
+        torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
 
 
 def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action):
@@ -208,7 +218,7 @@ def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_actio
                         f"check the data around these iterations, or raise nan_max_consecutive")
     meta, state = checkpoint.read_meta(path)
     checkpoint.load(path, model, optimizer)
-    set_rng_states(state, mesh)
+    set_rng_states(state, mesh, meta)
     skip_iters.update(meta.get("skip_iters", []))
     if mesh.master:
         truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), meta["iter"])

@@ -28,7 +28,14 @@ from configurator import UserError
 # up to the full output) and the identity backward. So 2 all-reduces forward and 2 backward
 # per block, each of B x T x n_embd. Everything between f and g is local: a head needs only
 # its own q, k, v columns, and silu(w1 x) * w3 x is elementwise in the hidden width.
-# Norms, residuals and dropout run on the replicated (B, T, n_embd) on every tp rank.
+# Norms, residuals and dropout run on the replicated (B, T, n_embd) on every tp rank, so
+# their masks must be equal there: a tp group shares one random stream. Attention dropout
+# is the exception: each rank's heads are different heads, whose masks must differ as they
+# do in one process (Megatron forks a model-parallel RNG for this). own_stream_for_heads
+# switches each tp rank to a stream of its own from after wv (the last of q, k, v) to after
+# wo (which LoRA's row-parallel input dropout uses too), seeded from one draw of the shared
+# stream, so the shared stream moves on alike everywhere and activation checkpointing's
+# recompute, which restores the shared stream, draws the same masks again.
 # The embedding is split by vocabulary rows (a rank looks up the ids it owns, zeros for the
 # others, and g sums them); the head by vocabulary columns, and the loss is computed from
 # the logit slices without gathering them (vocab_parallel_cross_entropy).
@@ -166,6 +173,9 @@ def tensor_parallel(model, mesh):
         for m in (att, ffn):  # one f before and one g after each half of the block
             m.register_forward_pre_hook(f)
             m.register_forward_hook(g)
+        if cfg.dropout > 0:  # attention dropout: this rank's heads draw their own masks
+            att.wv.register_forward_hook(partial(own_stream_for_heads, att, mesh, True))
+            att.wo.register_forward_hook(partial(own_stream_for_heads, att, mesh, False))
     start = mesh.tp_rank * cfg.vocab_size // tp  # this rank's first vocabulary row
     if model.tok_embeddings is not None:
         emb = model.tok_embeddings
@@ -179,6 +189,18 @@ def tensor_parallel(model, mesh):
         model.output.register_forward_pre_hook(f)
         model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
     return model
+
+
+def own_stream_for_heads(att, mesh, enter, module, args, out):
+    """Forward hook: enter (after wv) or leave (after wo) this tp rank's own random stream for
+    the attention of its heads (see the top of this file)."""
+    if enter and att.training:
+        seed = int(torch.randint(2 ** 31, ()))  # one draw of the shared stream: the same on every tp rank
+        att._own_stream = torch.random.fork_rng(devices=[mesh.device] if mesh.device.type == "cuda" else [])
+        att._own_stream.__enter__()  # the shared stream's state, restored on leaving
+        torch.manual_seed(seed * mesh.tp + mesh.tp_rank)
+    elif not enter and "_own_stream" in att.__dict__:
+        att.__dict__.pop("_own_stream").__exit__(None, None, None)
 
 
 def tp_gather(t, p):

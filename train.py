@@ -131,6 +131,7 @@ globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
 derived = configurator.validate(config, overrides, world)  # everything, before anything touches disk or peers
+grad_accum_steps = config["grad_accum_steps"]  # the default is raised to a multiple of dp if the layout needs it
 started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 # ---- setup ----------------------------------------------------------------------------
@@ -220,7 +221,7 @@ if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the emb
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in place)
     import fsdp as fsdp_py
-    fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, bf16=dtype == "bfloat16", offload=offload)
+    fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, offload=offload)
 if not whole_first:  # the meta-device build: build.py (storage for what this rank holds, then its weights)
     import build
     build.fill(raw_model, src, seed, mesh, torch.device("cpu") if use_fsdp and offload else mesh.device)
@@ -283,7 +284,7 @@ start_iter, run_id, skip_iters = 0, None, set()  # skip_iters: batches that gave
 if src.kind == "resume":
     start_iter, run_id = src.meta["iter"], src.meta.get("wandb_id")
     skip_iters = set(src.meta.get("skip_iters", []))
-    rundir.set_rng_states(src.state, mesh)
+    rundir.set_rng_states(src.state, mesh, src.meta)
     mesh.print0(f"resumed from {src.path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from data_parallel import Bucket, DataParallel
+from optim import MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
 
 # ---------------------------------------------------------------------------------------
 # ZeRO stages 1 and 2, by hand, on the data-parallel buckets
@@ -78,6 +79,9 @@ class ZeroDataParallel(DataParallel):
                 if a < b:
                     assert p.is_contiguous(), "a shard is a view of the flat parameter: parameters must be contiguous"
                     piece = nn.Parameter(p.detach().view(-1)[a - offset:b - offset])
+                    piece._whole = p  # Muon's scale and clipping ask what the piece is part of
+                    if hasattr(p, "_tp_dim"):  # a tensor-parallel slice's piece: clipping sums it over tp too
+                        piece._tp_dim, piece._tp_group = p._tp_dim, p._tp_group
                     self.shards.append(Shard(p, a - offset, b - a, bucket, a - lo, piece))
                 offset += p.numel()
 
@@ -112,6 +116,7 @@ class ZeroDataParallel(DataParallel):
         gradient (None for a parameter that no rank used: AdamW leaves it alone, as in DataParallel)."""
         if self.stage == 1:
             super().wait()  # every rank holds the whole mean gradient; the shards' gradients are views of it
+            self.used = {p: p.grad is not None for p in self.params}
             for s in self.shards:
                 s.tensor.grad = None if s.param.grad is None else s.param.grad.view(-1)[s.start:s.start + s.n]
             return
@@ -122,35 +127,78 @@ class ZeroDataParallel(DataParallel):
             bucket.flat = None  # the full-size buffer goes back to the allocator
             bucket.grad_chunk /= self.mesh.dp  # reduce-scatter summed; we want the mean
             bucket.ready = 0
-        used = dict(zip(self.params, self._used_anywhere()))
+        used = self.used = dict(zip(self.params, self._used_anywhere()))
         for s in self.shards:
             s.tensor.grad = s.bucket.grad_chunk[s.chunk_offset:s.chunk_offset + s.n] if used[s.param] else None
         self.pending, self.launched = [], 0
 
 
 class ZeroOptimizer:
-    """AdamW over this rank's shards only (the state of 1/dp of the model), then one
-    all-gather per bucket that gives every rank every updated parameter. param_groups as
-    for torch.optim.AdamW, over the model's parameters: a parameter's group decides its
-    shards' options (weight decay on 2-D weights only, say). The loop uses it like AdamW:
-    .param_groups (set "lr"), .zero_grad(), .step(), .state.
-    offload: AdamW's state and its step live in CPU memory (each step copies the shards'
-    gradients there and the updated pieces back). On a CPU-only machine there is nothing
-    to move and this is the same path: that is how this code runs it."""
+    """AdamW (or Muon with AdamW: muon= its keywords) over this rank's shards only (the state
+    of 1/dp of the model), then one all-gather per bucket that gives every rank every updated
+    parameter. param_groups as for torch.optim.AdamW, over the model's parameters: a
+    parameter's group decides its shards' options (weight decay on 2-D weights only, say).
+    The loop uses it like AdamW: .param_groups (set "lr"), .zero_grad(), .step(), .state.
+    Muon's momentum is elementwise and sharded like AdamW's moments; its orthogonalization
+    needs each matrix whole: orthogonalize() assembles each from the ranks' pieces and shares
+    the Newton-Schulz work over the dp (and tp) ranks, each keeping its pieces of the result.
+    offload: the optimizer's state and its step live in CPU memory (each step copies the
+    shards' gradients there and the updated pieces back). On a CPU-only machine there is
+    nothing to move and this is the same path: that is how this code runs it."""
 
-    def __init__(self, model, param_groups, offload=False, **adamw):
+    def __init__(self, model, param_groups, offload=False, muon=None, **adamw):
         assert isinstance(model, ZeroDataParallel), "ZeroOptimizer steps the shards of a ZeroDataParallel"
         self.model, self.mesh, self.shards = model, model.mesh, model.shards
         self.offload = offload and model.mesh.device.type != "cpu"
-        # what AdamW steps: the shards themselves (views of the weights), or their copies in CPU memory
+        # what the optimizer steps: the shards themselves (views of the weights), or their copies in CPU memory
         self.stepped = [nn.Parameter(s.tensor.detach().cpu().clone()) if self.offload else s.tensor
                         for s in self.shards]
+        self.shard_of = dict(zip(self.stepped, self.shards))
+        for s, t in zip(self.shards, self.stepped):
+            t._whole = s.param
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
-        self.optimizer = torch.optim.AdamW(
-            [{**{k: v for k, v in g.items() if k != "params"},
-              "params": [t for s, t in zip(self.shards, self.stepped) if group_of[s.param] == i]}
-             for i, g in enumerate(param_groups)], **adamw)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [t for s, t in zip(self.shards, self.stepped) if group_of[s.param] == i]}
+                  for i, g in enumerate(param_groups)]
+        self.muon_params = [p for g in param_groups if g.get("muon") for p in g["params"]]  # every rank's, in order
+        if muon:
+            self.optimizer = MuonWithAdamW(groups, **muon)
+            self.optimizer.orthogonalize = self.orthogonalize
+        else:
+            self.optimizer = torch.optim.AdamW(groups, **adamw)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def orthogonalize(self, pieces, gs):
+        """MuonWithAdamW.orthogonalize over this rank's pieces: each matrix that trained this
+        step is assembled whole on every rank (the pieces' sum over dp, zeros elsewhere: exact;
+        under tp then its slices gathered), orthogonalized by one rank, shared; each rank keeps
+        its pieces of the results."""
+        # a rank holds one piece of a matrix at most (its chunk is one range of the bucket)
+        mine = {t._whole: (self.shard_of[t], g) for t, g in zip(pieces, gs)}
+        mats = [p for p in self.muon_params if self.model.used[p]]
+        tp = self.mesh.tp > 1
+        if tp:
+            from tensor_parallel import tp_gather, tp_slice
+
+        def whole(i):
+            p = mats[i]
+            flat = torch.zeros(p.numel(), device=self.mesh.device)
+            if p in mine:
+                s, g = mine[p]
+                flat[s.start:s.start + s.n] = g
+            dist.all_reduce(flat, group=self.mesh.dp_group)
+            return tp_gather(flat.view(p.shape), p) if tp and hasattr(p, "_tp_dim") else flat.view(p.shape)
+
+        def part(i, update):
+            p = mats[i]
+            if p not in mine:
+                return None
+            s, g = mine[p]
+            update = tp_slice(update, p) if tp and hasattr(p, "_tp_dim") else update
+            return update.reshape(-1)[s.start:s.start + s.n].to(g.device)
+        done = orthogonalize_shared([whole_shape(p) for p in mats], whole, part, sharing_ranks(self.mesh),
+                                    self.optimizer.ns_dtype, self.mesh.device)
+        return [dict(zip(mats, done))[t._whole] for t in pieces]
 
     @property
     def params(self):
@@ -196,14 +244,16 @@ class ZeroOptimizer:
 
     def full_state(self, names):
         """{"name.exp_avg", "name.exp_avg_sq": whole tensor, "name.step": scalar} for every
-        parameter (zeros before the first step). names: parameter -> its global name."""
-        out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
+        AdamW parameter, {"name.momentum_buffer": whole tensor} for every Muon one (zeros
+        before the first step), as a plain run saves them. names: parameter -> its global name."""
+        out, muon = {}, set(self.muon_params)
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer") if muon else ("exp_avg", "exp_avg_sq"):
             for bucket in self.model.buckets:
                 full = self._gather(bucket, lambda s, t: self.state[t].get(key, 0.0))
                 offset = 0
                 for p in bucket.params:
-                    out[f"{names[p]}.{key}"] = full[offset:offset + p.numel()].view_as(p).clone()
+                    if (key == "momentum_buffer") == (p in muon):
+                        out[f"{names[p]}.{key}"] = full[offset:offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
         # a parameter's pieces share one step count; a rank that owns none of it says 0
         steps = torch.zeros(len(self.model.params), device=self.mesh.device)
@@ -213,14 +263,20 @@ class ZeroOptimizer:
                 steps[index[s.param]] = self.state[t]["step"].item()
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.mesh.dp_group)
         for p, i in index.items():
-            out[f"{names[p]}.step"] = steps[i].cpu().clone()
+            if p not in muon:
+                out[f"{names[p]}.step"] = steps[i].cpu().clone()
         return out
 
     def load_full_state(self, state, names):
         """Takes this rank's slices of a whole AdamW state (full_state's form, as loaded from a checkpoint)."""
         fused = self.optimizer.defaults.get("fused")
+        muon = set(self.muon_params)
         for s, t in zip(self.shards, self.stepped):
             name = names[s.param]
+            if s.param in muon:
+                self.state[t] = {"momentum_buffer": state[f"{name}.momentum_buffer"].reshape(-1)[s.start:s.start + s.n]
+                                 .to(t.device, copy=True)}
+                continue
             self.state[t] = {"step": state[f"{name}.step"].to(t.device if fused else "cpu", torch.float32, copy=True)}
             for key in ("exp_avg", "exp_avg_sq"):
                 self.state[t][key] = state[f"{name}.{key}"].reshape(-1)[s.start:s.start + s.n].to(t.device, copy=True)

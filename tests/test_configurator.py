@@ -70,3 +70,26 @@ def test_script_defaults_reads_literals_without_running_the_script(tmp_path):
     assert script_defaults(str(script)) == {"a": 1, "b": "x"}
     d = script_defaults(os.path.join(ROOT, "train.py"))
     assert {"n_layer", "batch_size", "grad_accum_steps", "vocab_size", "out_dir"} <= set(d)
+
+
+def test_the_default_batch_is_raised_for_the_layout_and_a_given_one_is_checked(capsys, tmp_path):
+    """grad_accum_steps left at its default (2) on 4 data-parallel ranks: raised to 4 with a
+    note; interleaved 1F1B on dp=2 x pp=2: to 4 (each pipeline's micro-batches in groups of pp).
+    Given explicitly, the same value is an error, not changed."""
+    from configurator import validate
+    c = dict(_train_defaults(), out_dir=str(tmp_path / "out"))
+    validate(c, {}, 4)
+    assert c["grad_accum_steps"] == 4 and "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
+    c = dict(_train_defaults(), out_dir=str(tmp_path / "out"), pp=2, n_layer=4, pp_virtual=2,
+             pp_schedule="interleaved")
+    validate(c, {"pp": 2}, 4)
+    assert c["grad_accum_steps"] == 4
+    with pytest.raises(UserError, match="grad_accum_steps=2 micro-batches per iteration cannot be shared evenly by 4"):
+        validate(dict(_train_defaults(), out_dir=str(tmp_path / "out")), {"grad_accum_steps": 2}, 4)
+
+
+def _train_defaults():
+    import os
+
+    from configurator import script_defaults
+    return script_defaults(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"))

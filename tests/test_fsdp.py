@@ -52,7 +52,7 @@ def test_muon_under_fsdp_and_pipeline_gives_the_single_process_curve(dataset, tm
 
 def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
     """One out_dir, 8 iterations, each leg a different layout that resumes the checkpoint of
-    the leg before: zero=2 on 2 ranks -> fsdp on 2 -> tp=2 x pp=2 -> pp=4 -> one process. The
+    the leg before: zero=1 x tp=2 -> fsdp x tp=2 -> tp=2 x pp=2 -> pp=4 -> one process. The
     chain is the uninterrupted single-process curve; a sharded checkpoint read whole holds the
     single-process weights, and export_hf from tp x pp writes the single-process model."""
     import checkpoint
@@ -60,8 +60,8 @@ def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
     common = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
         f"dataset={dataset}", "lr_decay_iters=8", "ddp_bucket_mb=0.01", "keep_ckpts=0"]
     chain = [*common, f"out_dir={out}", "init_from=auto"]
-    torchrun(2, [*chain, "max_iters=2", "zero=2"], cwd=tmp_path)
-    torchrun(2, [*chain, "max_iters=4", "fsdp=True"], cwd=tmp_path)
+    torchrun(4, [*chain, "max_iters=2", "zero=1", "tp=2"], cwd=tmp_path)
+    torchrun(4, [*chain, "max_iters=4", "fsdp=True", "tp=2"], cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=5", "tp=2", "pp=2", f"export_hf={tmp_path / 'hf_tp_pp'}"], cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=6", "pp=4"], cwd=tmp_path)
     run_train([*chain, "max_iters=8"], cwd=tmp_path)
@@ -71,16 +71,19 @@ def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
     # the truth at iterations 4 and 5: one process
     run_train([*common, f"out_dir={single}", "max_iters=5", "ckpt_interval=4", f"export_hf={tmp_path / 'hf_one'}"],
               cwd=tmp_path)
-    a = checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))[0].state_dict()      # written by fsdp x2
+    a = checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))[0].state_dict()      # written by fsdp x tp
     b = checkpoint.load_whole(os.path.join(single, "ckpt", "iter_0000004"))[0].state_dict()
     assert set(a) == set(b) and "layers.3.feed_forward.w2.weight" in a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+        # atol 5e-5: tp's sliced matmuls round differently, and AdamW's first steps (lr * g / (|g| + eps))
+        # turn that rounding in near-zero gradient entries into weight differences of up to 1.8e-5
+        # (measured: plain tp=2 after 2 iterations; zero=1 at 2 ranks: 7.4e-7)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
     one = hf.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
     two = hf.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
     assert set(one) == set(two)
     for k in one:
-        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=5e-5, msg=k)  # measured 2.2e-5 (tp: see above)
 
 
 def one_step_memory(mesh, shard):
@@ -104,3 +107,27 @@ def check_one_nth(ranks):
 
 def test_fsdp_holds_one_nth_per_rank():
     check_one_nth(spawn(one_step_memory, 2, True))  # n=4: test_meta.py, on the processes it starts anyway
+
+
+def bf16_forward(mesh, shard):
+    """One forward under bf16 autocast (dtype=bfloat16's path, on CPU): the loss, and the dtypes
+    that a block's weight and the residual stream have inside it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    if shard:
+        fsdp.fully_shard_model(model, mesh)
+    seen = {}
+    model.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.update(weight=str(m.weight.dtype)))
+    model.layers["1"].register_forward_pre_hook(lambda m, args: seen.update(residual=str(args[0].dtype)))
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x[:, :-1], x[:, 1:])
+    return {"loss": loss.detach().float(), **seen}
+
+
+def test_fsdp_in_bf16_keeps_fp32_weights_and_residual_as_one_process_does():
+    one = spawn(bf16_forward, 1, False)[0]
+    sharded = spawn(bf16_forward, 2, True)[0]
+    assert one["weight"] == one["residual"] == "torch.float32"  # autocast casts inside the matmuls only
+    assert sharded["weight"] == sharded["residual"] == "torch.float32", sharded
+    assert torch.equal(sharded["loss"], one["loss"])  # the same bits: fsdp gathers the fp32 weights

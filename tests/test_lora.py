@@ -30,8 +30,10 @@ from model import ModelConfig, Transformer
 from pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
-# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3
-LORA = [*RUN, "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}", "fault_nan_at=4",
+# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3;
+# the default optim=muon (the adapters train with AdamW)
+LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}",
+        "fault_nan_at=4",
         "ckpt_interval=3", "grad_clip=0.5"]
 CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=96)
 
@@ -146,6 +148,7 @@ def test_optimizer_holds_only_the_adapters_per_rank():
 
 def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, dataset):
     assert "trainable parameters" in single["stdout"] and "iter 4: non-finite" in single["stdout"]
+    assert "optim=muon with LoRA: the adapters train with AdamW" in single["stdout"]
     ckpt = os.path.join(single["out"], "ckpt", "iter_0000006")
     meta = json.load(open(os.path.join(ckpt, "meta.json")))
     assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["kind"] == "hf"

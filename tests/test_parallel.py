@@ -427,6 +427,19 @@ def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
     assert_same_curve(read_metrics(full), read_metrics(one))
 
 
+def test_resuming_into_more_dp_ranks_gives_each_its_own_random_stream(dataset, tmp_path):
+    """tp=2 saves one stream (its two ranks share it); resumed at dp=2, rank 1 has none of its
+    own and must start a fresh one (from seed, rank, iteration), not continue rank 0's:
+    the next checkpoint's two streams differ (dropout on, so they are used)."""
+    import checkpoint
+    out = str(tmp_path / "run")
+    common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "dropout=0.1", "keep_ckpts=0"]
+    torchrun(2, [*common, "max_iters=2", "tp=2"], cwd=tmp_path)
+    torchrun(2, [*common, "max_iters=3"], cwd=tmp_path)
+    _, state = checkpoint.read_meta(os.path.join(out, "ckpt", "iter_0000003"))
+    assert len(state["rng_cpu"]) == 2 and not torch.equal(state["rng_cpu"][0], state["rng_cpu"][1])
+
+
 def test_a_layout_error_under_torchrun_is_one_line(dataset, tmp_path):
     # the other layout mistakes are checked in-process (test_train.py: MISTAKES); this one
     # goes through torchrun, whose rank-prefixing of stderr must not hide the line

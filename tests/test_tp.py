@@ -64,6 +64,33 @@ def tp_checks(mesh):
     return out
 
 
+def attention_dropout(mesh):
+    """The masks that attention dropout draws (recorded from the stream SDPA would use: the
+    same F.dropout draw, SDPA then run without dropout) and the shared stream afterwards."""
+    import model as model_py
+    masks, sdpa = [], model_py.F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, dropout_p=0.0, **kw):
+        masks.append(F.dropout(torch.ones(*q.shape[:3], k.shape[2]), dropout_p) > 0)  # (B, local heads, T, T)
+        return sdpa(q, k, v, **kw)
+    model_py.F.scaled_dot_product_attention = recording_sdpa  # this spawned process only
+    torch.manual_seed(0)
+    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "dropout": 0.5})), mesh)
+    torch.manual_seed(1)  # the shared stream, the same on both tp ranks (train.py: seed + rank // tp)
+    x, y, _ = batch()
+    model(x, y)[1].backward()
+    return {"masks": masks, "after": torch.get_rng_state()}
+
+
+def test_attention_dropout_masks_differ_across_tp_ranks_and_the_shared_stream_does_not():
+    a, b = spawn(attention_dropout, 2, tp=2)
+    assert len(a["masks"]) == 2 and a["masks"][0].shape == (2, 2, 16, 16)  # 2 layers, 2 of the 4 heads each
+    for ma, mb in zip(a["masks"], b["masks"]):
+        assert not torch.equal(ma, mb)  # rank 1's heads 2, 3 do not repeat rank 0's heads 0, 1
+    # the residual and embedding dropouts (replicated activations) draw alike on both ranks
+    assert torch.equal(a["after"], b["after"])
+
+
 def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
     ranks = spawn(tp_checks, 2, tp=2)
     logits = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)) * 3
