@@ -79,6 +79,8 @@ def init_weights(model, seed):
     in one process, whatever the layout; the price is one transient of the largest single
     parameter (the embedding or a SwiGLU matrix), not of the model."""
     for name, local, shape, dim, start, stop in local_parts(model):
+        if name == "output.weight" and model.cfg.tie_embeddings:  # the last stage's tied head: the embedding
+            name = "tok_embeddings.weight"
         full = init_tensor(name, shape, model.cfg.n_layer, seed)
         local.copy_(full if dim is None else full.narrow(dim, start, stop - start))
 

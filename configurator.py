@@ -164,12 +164,9 @@ REFUSALS = [
     ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
      "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need the full logits; use tp=1, "
      "or one dataset"),
-    ("interleaved with fsdp", lambda c, o: c["pp_schedule"] == "interleaved" and c["fsdp"],
-     "pp_schedule=interleaved with fsdp=True is not supported (FSDP's per-block hooks expect one forward and "
-     "backward per micro-batch): use plain data parallel (fsdp=False) or pp_schedule=1f1b"),
-    ("tie_embeddings with pp", lambda c, o: c["pp"] > 1 and c["tie_embeddings"],
-     "tie_embeddings=True with pp > 1: the embedding (first stage) and the head (last stage) would be one tensor "
-     "on two ranks; use tie_embeddings=False"),
+    ("tie_embeddings with pp and zero", lambda c, o: c["pp"] > 1 and c["tie_embeddings"] and c["zero"],
+     "tie_embeddings=True with pp > 1 and zero={zero}: the tied weight's two copies (first and last stage) are "
+     "sliced differently by each stage's ZeRO buckets, so their gradients cannot be summed; use fsdp=True or zero=0"),
     ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
      "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
      "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
