@@ -159,8 +159,6 @@ REFUSALS = [
     ("zero with tp", lambda c, o: c["tp"] > 1 and c["zero"],
      "zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its checkpoint gathering does "
      "not know them): use plain data parallel over dp (zero=0)"),
-    ("LoRA with tp", lambda c, o: c["tp"] > 1 and (c["lora_rank"] or c["lora_from"]),
-     "LoRA with tp > 1 is not supported: the adapters would need their own slices; use tp=1 for LoRA runs"),
     ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
      "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need the full logits; use tp=1, "
      "or one dataset"),

@@ -140,6 +140,37 @@ def _shard(module, dim, mesh):
     return part
 
 
+def _shard_linear(lin, dim, mesh):
+    """A column- (dim 0) or row-parallel (dim 1) slice of linear `lin`, in place, and of its
+    LoRA adapter if it has one (lora.LoRALinear: y = x W^T + s * x A^T B^T). The adapter's
+    slices follow the base's (as torchtitan derives them): column-parallel, B (out, r) is cut
+    like W's output rows and A stays whole; row-parallel, A (r, in) is cut like W's input
+    columns and B stays whole. The whole factor sees only this rank's part of the product:
+    column-parallel, A's gradient B_i^T g_i x sums over the ranks' output slices; row-parallel,
+    B's gradient g (A_i x_i)^T over their input slices. So its gradient is all-reduced over
+    the tp group in backward (a hook on the parameter, per backward, before accumulation),
+    and it stays the same replicated tensor on every tp rank."""
+    _shard(lin, dim, mesh)
+    if dim == 0:
+        lin.out_features //= mesh.tp
+    else:
+        lin.in_features //= mesh.tp
+    if hasattr(lin, "lora_A"):
+        cut, whole = (lin.lora_B, lin.lora_A) if dim == 0 else (lin.lora_A, lin.lora_B)
+        _shard(cut, dim, mesh)
+        if dim == 0:
+            cut.out_features //= mesh.tp
+        else:
+            cut.in_features //= mesh.tp
+        whole.weight.register_hook(partial(_all_reduce_grad, group=mesh.tp_group))
+
+
+def _all_reduce_grad(grad, group):
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
 def tensor_parallel(model, mesh):
     """Shards `model` (a whole model or a pipeline stage, built whole) over mesh.tp_group,
     in place: column-parallel wq, wk, wv, w1, w3 (dim 0, whole heads per rank), row-parallel
@@ -158,11 +189,9 @@ def tensor_parallel(model, mesh):
     for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
         for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
-            _shard(lin, 0, mesh)
-            lin.out_features //= tp
+            _shard_linear(lin, 0, mesh)
         for lin in (att.wo, ffn.w2):  # row-parallel: a slice of the inputs, a partial sum of the output
-            _shard(lin, 1, mesh)
-            lin.in_features //= tp
+            _shard_linear(lin, 1, mesh)
         for m in (att, ffn):  # one f before and one g after each half of the block
             m.register_forward_pre_hook(f)
             m.register_forward_hook(g)
@@ -173,9 +202,9 @@ def tensor_parallel(model, mesh):
     if model.output is not None:
         if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
             model.output.weight = model.tok_embeddings.weight
+            model.output.out_features //= tp
         else:
-            _shard(model.output, 0, mesh)
-        model.output.out_features //= tp
+            _shard_linear(model.output, 0, mesh)
         model.output.register_forward_pre_hook(f)
         model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
     return model

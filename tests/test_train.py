@@ -230,7 +230,6 @@ MISTAKES = {
     "2: tp=2 n_kv_head=1": "tp=2 does not divide n_kv_head=1",
     "2: tp=2 ffn_dim=33": "tp=2 does not divide ffn_dim=33",
     "2: tp=2 fsdp=True": "fsdp=True with tp > 1 is not supported",
-    "2: tp=2 lora_rank=4": "LoRA with tp > 1 is not supported",
     "export_hf=@full": "already exists and is not an empty directory",
     "optim=sgd": "optim='sgd' is not one of adamw, muon",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
