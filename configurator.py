@@ -159,9 +159,6 @@ REFUSALS = [
     ("zero with tp", lambda c, o: c["tp"] > 1 and c["zero"],
      "zero={zero} with tp > 1 is not supported (ZeRO would slice the tp shards, and its checkpoint gathering does "
      "not know them): use plain data parallel over dp (zero=0)"),
-    ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
-     "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need the full logits; use tp=1, "
-     "or one dataset"),
     ("tie_embeddings with pp and zero", lambda c, o: c["pp"] > 1 and c["tie_embeddings"] and c["zero"],
      "tie_embeddings=True with pp > 1 and zero={zero}: the tied weight's two copies (first and last stage) are "
      "sliced differently by each stage's ZeRO buckets, so their gradients cannot be summed; use fsdp=True or zero=0"),

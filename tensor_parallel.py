@@ -121,10 +121,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, start=0, group=None):
+def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, reduction="mean", start=0, group=None):
     """model.masked_cross_entropy for logit slices (B, T, V / tp): the mean over the
-    positions whose mask is 1 (all without a mask); the same value on every tp rank."""
+    positions whose mask is 1 (all without a mask), or (reduction='none') each position's,
+    (B, T); the same values on every tp rank, from the slices (never gathered)."""
     loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+    if reduction == "none":
+        return loss.view(targets.shape)
     if loss_mask is None:
         return loss.mean()
     mask = loss_mask.flatten().to(loss.dtype)

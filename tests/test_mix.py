@@ -154,15 +154,11 @@ def assert_same_sources(a, b):
         assert all(abs(la[i] - lb[i]) < 1e-5 * max(1.0, abs(la[i])) for i in la), key
 
 
-def test_mixture_on_two_data_parallel_ranks_equals_one_process(mix_run, sources, tmp_path):
-    out = str(tmp_path / "dp2")
-    torchrun(2, mix_args(sources, out_dir=out), cwd=tmp_path)
-    assert_same_sources(mix_run[0], read_metrics(out))
-
-
-def test_mixture_on_two_pipeline_stages_equals_one_process(mix_run, sources, tmp_path):
-    out = str(tmp_path / "pp2")
-    torchrun(2, mix_args(sources, out_dir=out, pp=2), cwd=tmp_path)
+# tp=2: the per-source losses from the vocabulary-parallel cross-entropy, logits never gathered
+@pytest.mark.parametrize("layout", [{}, {"pp": 2}, {"tp": 2}], ids=["dp2", "pp2", "tp2"])
+def test_mixture_on_two_ranks_equals_one_process(layout, mix_run, sources, tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(2, mix_args(sources, out_dir=out, **layout), cwd=tmp_path)
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
