@@ -48,11 +48,13 @@ def materialize(model, device):
 
 def local_parts(model):
     """(name, local, full_shape, dim, start, stop) for each parameter of `model` (a tied one
-    once): `local` is the tensor this rank holds, the slice [start, stop) along `dim` of the
-    full tensor of shape full_shape; dim None: the whole tensor. An FSDP shard is a block of
+    once, under the embedding's name): `local` is the tensor this rank holds, the slice
+    [start, stop) along `dim` of the full tensor of shape full_shape; dim None: the whole tensor. An FSDP shard is a block of
     rows (dim 0, torch.chunk's split, as DTensor's Shard(0) cuts), a tensor-parallel slice
     one chunk along its _tp_dim; a layout with both is refused by train.py."""
     for name, p in model.named_parameters():
+        if name == "output.weight" and model.cfg.tie_embeddings:  # a pipeline's last stage: its tied head
+            name = "tok_embeddings.weight"                           # is the embedding (drawn, imported as it)
         if isinstance(p, DTensor):
             assert len(p.placements) == 1 and p.placements[0].is_shard(0), f"{name}: {p.placements}, not FSDP's Shard(0)"
             local, n, r = p.to_local(), p.device_mesh.size(), p.device_mesh.get_local_rank()
@@ -79,8 +81,6 @@ def init_weights(model, seed):
     in one process, whatever the layout; the price is one transient of the largest single
     parameter (the embedding or a SwiGLU matrix), not of the model."""
     for name, local, shape, dim, start, stop in local_parts(model):
-        if name == "output.weight" and model.cfg.tie_embeddings:  # the last stage's tied head: the embedding
-            name = "tok_embeddings.weight"
         full = init_tensor(name, shape, model.cfg.n_layer, seed)
         local.copy_(full if dim is None else full.narrow(dim, start, stop - start))
 

@@ -203,8 +203,7 @@ def validate(c, overrides, world):
         check(lo <= c[key] < hi, f"{key}={c[key]} must be in [{lo}, {hi})")
     for key in POSITIVE:
         check(c[key] > 0, f"{key}={c[key]} must be positive")
-    for name, refused, message in REFUSALS:
-        check(not refused(c, overrides), message.format(**c))
+    check_refusals(c, overrides)
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # mixture: mixture.py (pure checks, nothing read yet)
         import mixture
@@ -224,6 +223,13 @@ def validate(c, overrides, world):
     dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
     check_files(c)
     return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
+
+
+def check_refusals(c, overrides):
+    """The REFUSALS, for config `c` (again with a model's own tie_embeddings, once it comes from
+    a checkpoint or a model directory)."""
+    for name, refused, message in REFUSALS:
+        check(not refused(c, overrides), message.format(**c))
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
-from configurator import UserError, check, check_layout
+from configurator import UserError, check, check_layout, check_refusals
 from model import ModelConfig
 from parallel import gather_to_master
 
@@ -202,6 +202,7 @@ def saved_shape(src, overrides, base_vocab, c, world):
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
+    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings}, overrides)  # a tied model: tie_embeddings with pp
     return cfg
 
 

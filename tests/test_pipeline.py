@@ -232,3 +232,15 @@ def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_proc
     assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
     conftest.run_train([*run, f"out_dir={multi}"], cwd=tmp_path)  # resumes at 4 in one process
     assert_same_curve(read_metrics(single), read_metrics(multi), rtol=1e-5)
+
+
+def test_a_tied_hugging_face_model_across_stages(dataset, tmp_path):
+    """A tied model imported from Hugging Face (tie_embeddings comes from its config.json, not
+    the command line) is tied across the stages too: pp=2 reproduces one process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**conftest.HF, "tie_word_embeddings": True})).save_pretrained(tmp_path / "hf")
+    run = [*conftest.RUN, f"dataset={dataset}", f"init_from={tmp_path / 'hf'}", "max_iters=4", "grad_clip=0.5"]
+    conftest.run_train([*run, f"out_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    torchrun(2, [*run, f"out_dir={tmp_path / 'pp2'}", "pp=2"], cwd=tmp_path)
+    assert_same_curve(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2"), rtol=1e-5)
