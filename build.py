@@ -53,12 +53,15 @@ def materialize(model, device):
 
 def local_parts(model):
     """(name, local, full_shape, dim, start, stop) for each parameter of `model` (a tied one
-    once): `local` is the tensor this rank holds, the slice [start, stop) along `dim` of the
-    full tensor of shape full_shape; dim None: the whole tensor. A tensor-parallel slice is
-    one chunk along its _tp_dim; an FSDP shard is a chunk along the dimension of its Shard
-    (torch.chunk's split, as DTensor cuts): rows, or under fsdp x tp a chunk of the tp slice
-    along the same _tp_dim (fsdp.py shards it so), which is again one range of the full tensor."""
+    once, under the embedding's name): `local` is the tensor this rank holds, the slice [start,
+    stop) along `dim` of the full tensor of shape full_shape; dim None: the whole tensor. A
+    tensor-parallel slice is one chunk along its _tp_dim; an FSDP shard is a chunk along the
+    dimension of its Shard (torch.chunk's split, as DTensor cuts): rows, or under fsdp x tp a
+    chunk of the tp slice along the same _tp_dim (fsdp.py shards it so), which is again one
+    range of the full tensor."""
     for name, p in model.named_parameters():
+        if name == "output.weight" and model.cfg.tie_embeddings:  # a pipeline's last stage: its tied head
+            name = "tok_embeddings.weight"                           # is the embedding (drawn, imported as it)
         n_tp, r_tp = (dist.get_world_size(p._tp_group), dist.get_rank(p._tp_group)) if hasattr(p, "_tp_dim") else (1, 0)
         if isinstance(p, DTensor):
             assert len(p.placements) == 1 and p.placements[0].is_shard(), f"{name}: {p.placements}, not FSDP's Shard"

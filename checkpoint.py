@@ -84,7 +84,7 @@ def train_state(model, optimizer):
     base) are left out: they never change, and the run's meta.json says where they come from.
     Tensor-parallel slices are gathered into full tensors (see below)."""
     fsdp.reshard(model)
-    names = {p: n for n, p in model.named_parameters()}
+    names = param_names(model)
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
         return _tp_gathered({"model": trainable_state(model), "optim": optimizer.full_state(names)}, model)
     optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
@@ -99,9 +99,20 @@ def train_state(model, optimizer):
 # briefly holds the full tensors of this rank's stage (and AdamW's two moments) once more.
 
 
+def param_names(model):
+    """parameter -> its global name, the name one process gives it. A tied head is the
+    embedding: on the last pipeline stage, which holds the head without the embedding, it
+    is still tok_embeddings.weight, so its optimizer state is one entry whatever the layout."""
+    names = {p: n for n, p in model.named_parameters()}
+    if model.cfg.tie_embeddings and model.tok_embeddings is None and model.output is not None:
+        names[model.output.weight] = "tok_embeddings.weight"
+    return names
+
+
 def _tp_params(model):
     """{name: parameter} of the tp-sharded parameters (a tied head under both names)."""
-    return {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_tp_dim")}
+    tp = {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_tp_dim")}
+    return {**tp, **{n: p for p, n in param_names(model).items() if hasattr(p, "_tp_dim")}}
 
 
 TP_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizer state shaped like its parameter
@@ -552,7 +563,7 @@ def load(path, model, optimizer=None, no_dist=False):
         raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier checkpoint (point "
                         f"ckpt/latest at it), or start over with init_from=scratch and a new out_dir")
     if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
-        optimizer.load_full_state(state["optim"], {p: n for n, p in model.named_parameters()})
+        optimizer.load_full_state(state["optim"], param_names(model))
 
 
 def load_whole(path):

@@ -165,17 +165,9 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linea
 REFUSALS = [
     ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
      "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
-    ("LoRA with tp", lambda c, o: c["tp"] > 1 and (c["lora_rank"] or c["lora_from"]),
-     "LoRA with tp > 1 is not supported: the adapters would need their own slices; use tp=1 for LoRA runs"),
-    ("mixture with tp", lambda c, o: c["tp"] > 1 and c["datasets"],
-     "a mixture (datasets=) with tp > 1 is not supported: the per-source losses need the full logits; use tp=1, "
-     "or one dataset"),
-    ("interleaved with fsdp", lambda c, o: c["pp_schedule"] == "interleaved" and c["fsdp"],
-     "pp_schedule=interleaved with fsdp=True is not supported (FSDP's per-block hooks expect one forward and "
-     "backward per micro-batch): use plain data parallel (fsdp=False) or pp_schedule=1f1b"),
-    ("tie_embeddings with pp", lambda c, o: c["pp"] > 1 and c["tie_embeddings"],
-     "tie_embeddings=True with pp > 1: the embedding (first stage) and the head (last stage) would be one tensor "
-     "on two ranks; use tie_embeddings=False"),
+    ("tie_embeddings with pp and zero", lambda c, o: c["pp"] > 1 and c["tie_embeddings"] and c["zero"],
+     "tie_embeddings=True with pp > 1 and zero={zero}: the tied weight's two copies (first and last stage) are "
+     "sliced differently by each stage's ZeRO buckets, so their gradients cannot be summed; use fsdp=True or zero=0"),
     ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
      "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
      "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
@@ -218,8 +210,7 @@ def validate(c, overrides, world):
                                          f"adapter's rank is at most its layer's width; lower lora_rank")
     check(c["device"].split(":")[0] != "mps" or torch.backends.mps.is_available(),
           f"device={c['device']} but Apple's MPS is not available on this machine: use device=cpu or device=auto")
-    for name, refused, message in REFUSALS:
-        check(not refused(c, overrides), message.format(**c))
+    check_refusals(c, overrides)
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # mixture: mixture.py (pure checks, nothing read yet)
         import mixture
@@ -258,6 +249,13 @@ def default_batch_for_layout(c, overrides, world):
                   f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
                   f"set grad_accum_steps= to choose", flush=True)
         c["grad_accum_steps"] = raised
+
+
+def check_refusals(c, overrides):
+    """The REFUSALS, for config `c` (again with a model's own tie_embeddings, once it comes from
+    a checkpoint or a model directory)."""
+    for name, refused, message in REFUSALS:
+        check(not refused(c, overrides), message.format(**c))
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):

@@ -350,9 +350,12 @@ def grow_vocab(model, new_vocab_size):
     return model
 
 
-def masked_cross_entropy(logits, targets, loss_mask=None):
-    """Mean cross-entropy over positions whose mask is 1; without a mask, over all of them."""
+def masked_cross_entropy(logits, targets, loss_mask=None, reduction="mean"):
+    """Mean cross-entropy over positions whose mask is 1; without a mask, over all of them.
+    reduction='none': each position's, (B, T), mask not applied (the per-source losses' input)."""
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if reduction == "none":
+        return loss.view(targets.shape)
     if loss_mask is None:
         return loss.mean()
     mask = loss_mask.flatten().to(loss.dtype)

@@ -192,7 +192,8 @@ def build_optimizer(raw_model, model, mesh, c, zero=False):
         mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole weight matrices)")
     muon = c["optim"] == "muon" and not lora
     hidden = [p for n, p in trains if muon and p.dim() == 2 and n.startswith("layers.")]
-    embedding = [p for n, p in trains if n == "tok_embeddings.weight"]  # (with tie_embeddings also the head)
+    tied = raw_model.cfg.tie_embeddings  # the head is the embedding (on the last pipeline stage: its copy)
+    embedding = [p for n, p in trains if n == "tok_embeddings.weight" or (tied and n == "output.weight")]
     decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]  # head (+ AdamW: matmuls)
     no_decay = [p for n, p in trains if p.dim() < 2]                                                # norm gains
     groups = [{"params": embedding, "weight_decay": c["weight_decay"], "lr_scale": c["embed_lr_scale"]},

@@ -455,4 +455,42 @@ def cut_stage(model, mesh, counts=None, virtual=1):
     mesh.print0("pipeline: " + "; ".join(f"stage {s}: layers " + ", ".join(
         f"{r.start}-{r.stop - 1}" for r in (stage_layers(counts, v * mesh.pp + s) for v in range(virtual)))
         for s in range(mesh.pp)))
-    return make_stage(model, mesh.pp_rank, mesh.pp, counts, virtual)
+    make_stage(model, mesh.pp_rank, mesh.pp, counts, virtual)
+    if model.cfg.tie_embeddings:
+        model.tied_group = tied_group(mesh)
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# tied embeddings across stages (Megatron's embedding group)
+#
+# With tie_embeddings the head is the embedding, but stage 0 holds the embedding and the last
+# stage the head. Each holds a copy: they start equal (the same parameter of the built model,
+# or drawn under the embedding's name), and after every backward the two gradients, each the
+# gradient of one use, are summed between the two stages, so both copies get the gradient of
+# the tied weight and take the same step. The global norm counts the copy on the last stage
+# out (it is the same gradient again); checkpoints name it tok_embeddings.weight (one entry).
+
+
+def tied_group(mesh):
+    """The process group of this rank's first and last stage (same dp and tp rank). Every rank
+    creates every such group (new_group is collective), keeping its own."""
+    mine = None
+    for d in range(mesh.dp):
+        for t in range(mesh.tp):
+            ranks = [d * mesh.pp * mesh.tp + t, (d * mesh.pp + mesh.pp - 1) * mesh.tp + t]
+            group = dist.new_group(ranks)
+            mine = group if mesh.rank in ranks else mine
+    return mine
+
+
+def all_reduce_tied(model):
+    """Sums the tied weight's gradient over the first and the last stage (after the data-parallel
+    sync, before clipping); marks the last stage's copy so that the global norm counts it once."""
+    if getattr(model, "tied_group", None) is None:  # a middle stage
+        return
+    p = model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
+    p._tied_copy = model.tok_embeddings is None
+    if p.grad is not None:  # None on both stages when the embedding is frozen (LoRA)
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP: both stages shard it alike
+        dist.all_reduce(grad, group=model.tied_group)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
-from configurator import UserError, check, check_layout, check_memory, loads_json
+from configurator import UserError, check, check_layout, check_memory, check_refusals, loads_json
 from model import ModelConfig
 from parallel import broadcast_object, gather_to_master
 
@@ -300,6 +300,7 @@ def saved_shape(src, overrides, base_vocab, c, world):
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
                  where=f" for the model in {src.where}")
+    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings}, overrides)  # a tied model: tie_embeddings with pp
     return cfg
 
 

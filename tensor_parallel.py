@@ -128,10 +128,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, start=0, group=None):
+def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, reduction="mean", start=0, group=None):
     """model.masked_cross_entropy for logit slices (B, T, V / tp): the mean over the
-    positions whose mask is 1 (all without a mask); the same value on every tp rank."""
+    positions whose mask is 1 (all without a mask), or (reduction='none') each position's,
+    (B, T); the same values on every tp rank, from the slices (never gathered)."""
     loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+    if reduction == "none":
+        return loss.view(targets.shape)
     if loss_mask is None:
         return loss.mean()
     mask = loss_mask.flatten().to(loss.dtype)
@@ -145,6 +148,37 @@ def _shard(module, dim, mesh):
     part._tp_dim, part._tp_group = dim, mesh.tp_group
     module.weight = part
     return part
+
+
+def _shard_linear(lin, dim, mesh):
+    """A column- (dim 0) or row-parallel (dim 1) slice of linear `lin`, in place, and of its
+    LoRA adapter if it has one (lora.LoRALinear: y = x W^T + s * x A^T B^T). The adapter's
+    slices follow the base's (as torchtitan derives them): column-parallel, B (out, r) is cut
+    like W's output rows and A stays whole; row-parallel, A (r, in) is cut like W's input
+    columns and B stays whole. The whole factor sees only this rank's part of the product:
+    column-parallel, A's gradient B_i^T g_i x sums over the ranks' output slices; row-parallel,
+    B's gradient g (A_i x_i)^T over their input slices. So its gradient is all-reduced over
+    the tp group in backward (a hook on the parameter, per backward, before accumulation),
+    and it stays the same replicated tensor on every tp rank."""
+    _shard(lin, dim, mesh)
+    if dim == 0:
+        lin.out_features //= mesh.tp
+    else:
+        lin.in_features //= mesh.tp
+    if hasattr(lin, "lora_A"):
+        cut, whole = (lin.lora_B, lin.lora_A) if dim == 0 else (lin.lora_A, lin.lora_B)
+        _shard(cut, dim, mesh)
+        if dim == 0:
+            cut.out_features //= mesh.tp
+        else:
+            cut.in_features //= mesh.tp
+        whole.weight.register_hook(partial(_all_reduce_grad, group=mesh.tp_group))
+
+
+def _all_reduce_grad(grad, group):
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def tensor_parallel(model, mesh):
@@ -165,11 +199,9 @@ def tensor_parallel(model, mesh):
     for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
         for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
-            _shard(lin, 0, mesh)
-            lin.out_features //= tp
+            _shard_linear(lin, 0, mesh)
         for lin in (att.wo, ffn.w2):  # row-parallel: a slice of the inputs, a partial sum of the output
-            _shard(lin, 1, mesh)
-            lin.in_features //= tp
+            _shard_linear(lin, 1, mesh)
         for m in (att, ffn):  # one f before and one g after each half of the block
             m.register_forward_pre_hook(f)
             m.register_forward_hook(g)
@@ -183,9 +215,9 @@ def tensor_parallel(model, mesh):
     if model.output is not None:
         if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
             model.output.weight = model.tok_embeddings.weight
+            model.output.out_features //= tp
         else:
-            _shard(model.output, 0, mesh)
-        model.output.out_features //= tp
+            _shard_linear(model.output, 0, mesh)
         model.output.register_forward_pre_hook(f)
         model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
     return model

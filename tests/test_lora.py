@@ -205,21 +205,29 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
     assert abs(read_metrics(out)[0]["val_loss"] - final[0]) < 1e-5
 
 
-@pytest.mark.parametrize("extra", [[], ["pp=2"], ["fsdp=True"], ["zero=1", "offload=True"], ["ddp_impl=torch"]],
-                         ids=["dp2", "pp2", "fsdp2", "zero1-offload", "torch-dp2"])
+# tp=2: the adapters are sliced like their bases (column: B cut, A whole; row: A cut, B whole),
+# the whole factor's gradient summed over the tp group; the exports gather them
+@pytest.mark.parametrize("extra", [[], ["pp=2"], ["fsdp=True"], ["zero=1", "offload=True"], ["ddp_impl=torch"], ["tp=2"]],
+                         ids=["dp2", "pp2", "fsdp2", "zero1-offload", "torch-dp2", "tp2"])
 def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     out = str(tmp_path / "run")
-    exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []  # pp / fsdp rebuild the model on rank 0
+    exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []  # pp / fsdp / tp rebuild the model on rank 0
+    exports += [f"export_hf={tmp_path / 'merged'}"] if "tp=2" in extra else []
     p = torchrun(2, [*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", *extra, *exports],
                  cwd=tmp_path)
     assert "lora: r=4" in p.stdout
-    assert_same_curve(single["metrics"], read_metrics(out))
+    assert_same_curve(single["metrics"], read_metrics(out), rtol=1e-5)
     if exports:
         _, want = lora.load_peft_lora(single["root"] / "adapter")
         _, got = lora.load_peft_lora(tmp_path / "adapter")
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
+    if "tp=2" in extra:  # the merged model, W + (alpha / r) B A
+        want, got = (hf.load_hf_llama(d)[1] for d in (single["root"] / "merged", tmp_path / "merged"))
+        assert got.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -169,6 +169,13 @@ def test_mixture_on_two_pipeline_stages_equals_one_process(mix_run, sources, tmp
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
+def test_mixture_under_tensor_parallel_equals_one_process(mix_run, sources, tmp_path):
+    """tp=2: the per-source losses from the vocabulary-parallel cross-entropy, logits never gathered."""
+    out = str(tmp_path / "tp2")
+    torchrun(2, mix_args(sources, out_dir=out, tp=2), cwd=tmp_path)
+    assert_same_sources(mix_run[0], read_metrics(out))
+
+
 # the options no other run pairs with a mixture, or with each other: Muon with tied embeddings
 # (dp=2); LoRA on that tied base (dp=2), and (every target) on an untied one under the
 # interleaved pipeline (pp refuses a tied model)

@@ -215,3 +215,32 @@ def test_interleaved_schedule_idles_exactly_the_theory(pp):
                 assert sorted(ops) == sorted((kind, c, k) for kind in "FB" for c in range(virtual) for k in range(m))
             idle = sum(op is None for row in rounds for op in row) / (pp * len(rounds[0]))
             assert idle == pytest.approx((pp - 1) / (virtual * m + pp - 1)), (virtual, m)
+
+
+def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_process(dataset, tmp_path):
+    """tie_embeddings with pp=2 (embedding on stage 0, head on stage 1: their gradients summed
+    every step, the norm counting the weight once) under interleaved 1F1B with fsdp over dp=2
+    reproduces the single process; its checkpoint holds one optimizer entry for the tied
+    weight and resumes into one process, which ends on the single-process curve."""
+    import checkpoint
+    run = [*REFERENCE, f"dataset={dataset}", "tie_embeddings=True", "ckpt_interval=4", "lr_decay_iters=8"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    conftest.run_train([*run, f"out_dir={single}"], cwd=tmp_path)
+    torchrun(4, [*run, f"out_dir={multi}", "pp=2", "fsdp=True", "pp_schedule=interleaved", "pp_virtual=2",
+                 "pp_layers=1,1,1,1", "max_iters=4"], cwd=tmp_path)
+    keys = checkpoint.read_dcp_metadata(f"{multi}/ckpt/iter_0000004").state_dict_metadata
+    assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
+    conftest.run_train([*run, f"out_dir={multi}"], cwd=tmp_path)  # resumes at 4 in one process
+    assert_same_curve(read_metrics(single), read_metrics(multi), rtol=1e-5)
+
+
+def test_a_tied_hugging_face_model_across_stages(dataset, tmp_path):
+    """A tied model imported from Hugging Face (tie_embeddings comes from its config.json, not
+    the command line) is tied across the stages too: pp=2 reproduces one process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**conftest.HF, "tie_word_embeddings": True})).save_pretrained(tmp_path / "hf")
+    run = [*conftest.RUN, f"dataset={dataset}", f"init_from={tmp_path / 'hf'}", "max_iters=4", "grad_clip=0.5"]
+    conftest.run_train([*run, f"out_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    torchrun(2, [*run, f"out_dir={tmp_path / 'pp2'}", "pp=2"], cwd=tmp_path)
+    assert_same_curve(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2"), rtol=1e-5)

@@ -213,14 +213,12 @@ MISTAKES = {
     # under torchrun with 2 processes (WORLD_SIZE=2): the layout is checked before the process group
     "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
     "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
-    "2: pp=2 tie_embeddings=True": "tie_embeddings=True with pp > 1",
+    "4: pp=2 tie_embeddings=True zero=1": "tie_embeddings=True with pp > 1 and zero=1",
     "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe, interleaved",
     "2: pp=2 pp_schedule=interleaved": "interleaved 1F1B needs pp > 1 and pp_virtual >= 2",
     "2: pp=2 pp_virtual=2 pp_schedule=interleaved": "pp=2 x pp_virtual=2 virtual stages but only n_layer=2 layers",
     "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved grad_accum_steps=2":
         "each pipeline gets grad_accum_steps / dp = 1",
-    "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved grad_accum_steps=4 fsdp=True":
-        "pp_schedule=interleaved with fsdp=True is not supported",
     "2: pp=2 pp_layers=2,1": "pp_layers='2,1' must give 2 layer counts (one per stage), each at least 1, summing to",
     "2: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved pp_layers=3,1":
         "pp_layers='3,1' must give 4 layer counts (one per stage, per virtual stage)",
@@ -231,7 +229,6 @@ MISTAKES = {
     "4: tp=4 n_head=2 n_kv_head=2": "tp=4 does not divide n_head=2",
     "2: tp=2 n_kv_head=1": "tp=2 does not divide n_kv_head=1",
     "2: tp=2 ffn_dim=33": "tp=2 does not divide ffn_dim=33",
-    "2: tp=2 lora_rank=4": "LoRA with tp > 1 is not supported",
     "export_hf=@full": "already exists and is not an empty directory",
     "optim=sgd": "optim='sgd' is not one of adamw, muon",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
