@@ -29,7 +29,7 @@ import parallel
 import rundir
 import sample
 from model import ModelConfig, Transformer, grow_vocab
-from optim import build_optimizer, get_lr
+from optim import build_optimizer, get_lr, schedule_note
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -153,20 +153,27 @@ elif mesh.device.type == "cpu":
     import workarounds
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
-if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything
-    rundir.lock_out_dir(out_dir)
+if schedule_note(config):  # max_iters ends inside the warmup
+    mesh.print0(schedule_note(config))
+src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
+if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
+    parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
+    import workarounds
+    workarounds.exit_now()
+spec = data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer, which the data must use (None: fresh)
 
 # ---- data: one dataset, or a mixture --------------------------------------------------
 sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
 mixing = len(sources) > 1 or bool(phases)
 data_dirs = [data.prepared(s, data_source if not datasets else "", tokenizer, vocab_size, val_fraction, extra_tokens,
-                           mesh) for s in sources]
+                           mesh, spec) for s in sources]
 metas = [data.load_meta(d) for d in data_dirs]
 if mixing:  # mixture: mixture.py
     import mixture
 meta = mixture.check_tokenizers(dict(zip(sources, metas))) if mixing else metas[0]  # the vocabulary of every source
 data_dir = ",".join(data_dirs)  # what checkpoints record
-data.check_tokenizer(meta, data_dir, tokenizer, vocab_size)
+for d, m in zip(data_dirs, metas):  # the data's ids mean what they mean to the model
+    data.check_model_tokenizer(m, d, spec, src.where) if spec else data.check_tokenizer(m, d, tokenizer, vocab_size)
 loaders = [data.Loader(d, "train", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
            for d in data_dirs]
 val_loaders = {d: data.Loader(d, "val", block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
@@ -180,8 +187,7 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 # One of four places, first match wins: (1) this run's own newest intact checkpoint (resume:
 # weights, optimizer state, RNG and iteration; loaded once the layout exists); (2) init_from=
 # another run of ours (its newest checkpoint's weights, a fresh optimizer); (3) init_from= a
-# Hugging Face LLaMA directory; (4) fresh random weights from the seed.
-src = rundir.weights_source(out_dir, init_from, mesh)
+# Hugging Face LLaMA directory; (4) fresh random weights from the seed (src, found above).
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
@@ -300,7 +306,8 @@ if src.kind == "resume":
     mesh.print0(f"resumed from {src.path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
-if mesh.master:
+if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything (nor did a refused one)
+    rundir.lock_out_dir(out_dir)
     rundir.truncate_metrics(metrics_path, start_iter)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -332,7 +339,8 @@ def save(it):
     finish_save(it)  # the previous save first
     info = {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
             "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora}
+            "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+            "tokenizer_spec": data.spec_of(meta)}  # the model's whole tokenizer: it travels with the weights
     pending = checkpoint.start_save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh), info, mesh,
                                     ckpt_async, save_group, fault_save_delay_s)
     if not ckpt_async:
