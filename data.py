@@ -247,11 +247,13 @@ def checkpoint_spec(info):
 
 
 def check_model_tokenizer(meta, data_dir, spec, where):
-    """The dataset was tokenized with the model's tokenizer: the same base, and the model's
-    added tokens first, at the same ids (the data may add more after them)."""
-    data_spec, n = spec_of(meta), len(spec["extra_tokens"])
-    same_base = all(data_spec[k] == spec[k] for k in ("tokenizer", "base_vocab_size", "tokenizer_sha256"))
-    if not same_base or data_spec["extra_tokens"][:n] != spec["extra_tokens"]:
+    """The dataset was tokenized with the model's tokenizer: the same base, and the added
+    tokens at the same ids (the data may add more after the model's, or use fewer of them:
+    a text source beside a chat one)."""
+    data_spec = spec_of(meta)
+    same_base = all(data_spec.get(k) == spec.get(k) for k in ("tokenizer", "base_vocab_size", "tokenizer_sha256"))
+    a, b = data_spec["extra_tokens"], spec["extra_tokens"]
+    if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
         def describe(s):
             return f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
         raise UserError(f"{data_dir} was tokenized as {describe(data_spec)}, but {where} uses {describe(spec)}: "

@@ -31,7 +31,7 @@ def clean_stale(out_dir):
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
-_held_locks = []  # the lock files' descriptors: open until the process exits
+_held_locks = {}  # the lock files' descriptors: open until the process exits
 
 
 def lock_out_dir(out_dir):
@@ -40,8 +40,10 @@ def lock_out_dir(out_dir):
     until the process exits; the kernel releases it when the process dies, however it dies.
     The file names the holder (host, pid) for the message another run gets. Then removes the
     temporary directories of killed saves. Rank 0 calls it. Returns the descriptor."""
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, ".lock")
+    if path in _held_locks:  # this process holds it already
+        return _held_locks[path]
+    os.makedirs(out_dir, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -59,7 +61,7 @@ def lock_out_dir(out_dir):
                         f"or use another out_dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
-    _held_locks.append(fd)
+    _held_locks[path] = fd
     clean_stale(out_dir)
     return fd
 

@@ -155,6 +155,8 @@ elif mesh.device.type == "cpu":
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
 if schedule_note(config):  # max_iters ends inside the warmup
     mesh.print0(schedule_note(config))
+if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
+    rundir.lock_out_dir(out_dir)
 src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
 if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
@@ -306,7 +308,7 @@ if src.kind == "resume":
     mesh.print0(f"resumed from {src.path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
-if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything (nor did a refused one)
+if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
     rundir.lock_out_dir(out_dir)
     rundir.truncate_metrics(metrics_path, start_iter)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -7,10 +7,10 @@ from conftest import TINY, run_train
 
 
 def snapshot(out):
-    """Every file under out with its bytes and mtime."""
+    """Every file under out with its bytes and mtime (but the lock: who holds the run now)."""
     files = {}
     for root, _, names in os.walk(out):
-        for n in names:
+        for n in set(names) - {".lock"}:
             p = os.path.join(root, n)
             files[p] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
     return files
