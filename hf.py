@@ -353,12 +353,14 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     }
     more = {}
     if enc is not None:
-        if enc.n_vocab > cfg.vocab_size:
-            raise ValueError(f"save_hf_llama: tokenizer {enc.name} has ids up to {enc.n_vocab - 1}, beyond the "
-                             f"model's vocab_size={cfg.vocab_size}")
+        if enc.n_vocab != cfg.vocab_size:  # config.json's vocab_size is the tokenizer's: one model
+            raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
+                             f"vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.block_size)
         # <|endoftext|> closes every packed document, so it is also what the next one follows
-        hf_config["bos_token_id"] = hf_config["eos_token_id"] = enc.eot_token
+        # (a model's own tokenizer may have a BOS token of its own: tokenizer.py)
+        bos = getattr(enc, "bos_token", None)
+        hf_config["bos_token_id"], hf_config["eos_token_id"] = enc.eot_token if bos is None else bos, enc.eot_token
     write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors,
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
 
@@ -477,11 +479,21 @@ def hf_tokenizer(enc, max_length):
                   "vocab": vocab,
                   "merges": [[m[3], m[4]] for m in merges]},
     }
-    eot = "<|endoftext|>"
+    names = {i: t for t, i in enc._special_tokens.items()}
+    eot, bos = names[enc.eot_token], getattr(enc, "bos_token", None)  # a model's tokenizer: tokenizer.py
+    if bos is not None:  # documents start with it, as the model's own tokenizer does
+        tokenizer["post_processor"] = {"type": "TemplateProcessing",
+                                       "single": [{"SpecialToken": {"id": names[bos], "type_id": 0}},
+                                                  {"Sequence": {"id": "A", "type_id": 0}}],
+                                       "pair": [{"SpecialToken": {"id": names[bos], "type_id": 0}},
+                                                {"Sequence": {"id": "A", "type_id": 0}},
+                                                {"Sequence": {"id": "B", "type_id": 1}}],
+                                       "special_tokens": {names[bos]: {"id": names[bos], "ids": [bos],
+                                                                       "tokens": [names[bos]]}}}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-        "bos_token": eot, "eos_token": eot, "pad_token": eot, "unk_token": None,
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "bos_token": eot if bos is None else names[bos], "eos_token": eot, "pad_token": eot, "unk_token": None,
+        "add_bos_token": bos is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
         "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
     }

@@ -234,3 +234,13 @@ def get_lr(it, c):
         return lr - progress * (lr - min_lr)
     progress = (it - warmup) / max(1, decay - warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def schedule_note(c):
+    """A line on what the schedule does when max_iters ends inside the warmup (else None)."""
+    if c["max_iters"] >= c["warmup_iters"]:
+        return None
+    top = c["learning_rate"] * c["max_iters"] / c["warmup_iters"]
+    return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning rate only warms up, "
+            f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never reached, and there is "
+            f"no decay); lower warmup_iters for a full schedule")

@@ -156,28 +156,6 @@ def die_with_parent():
     threading.Thread(target=watch, daemon=True, name="parent_watch").start()
 
 
-def _store():
-    store = dist.distributed_c10d._get_default_store()
-    store.set_timeout(timedelta(seconds=5))
-    return store
-
-
-def _tell_peers_refused():
-    """Marks in the process group's store (under torchrun: the launcher's, which outlives
-    this rank) that this run ended on a UserError, already printed."""
-    try:
-        _store().set("refused", "1")
-    except Exception:  # the store is gone too: the peers will say a collective failed
-        pass
-
-
-def _peer_refused():
-    try:
-        return _store().check(["refused"])
-    except Exception:
-        return False
-
-
 def excepthook(kind, err, tb):
     """train.py's sys.excepthook: configurator's (a UserError is one line, a bug keeps its
     traceback) plus the two cases only a process group has. A collective that failed
@@ -186,24 +164,41 @@ def excepthook(kind, err, tb):
     with a live process group we leave at once: the interpreter's shutdown with gloo's
     threads still holding work can hang or abort, which would stall torchrun's restart."""
     out = sys.__stderr__
-    collective = isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out",
-                                                                                "timed out"))
-    if collective and _peer_refused():
-        pass  # a peer has printed the reason (a UserError); the broken collective is only its echo
-    elif collective:
+    if not reports(err, tb):
+        pass  # another rank tells it: one line per run, ours the last before torchrun's report
+    elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
         print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process died or waited "
               f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
               f"only slow (e.g. a long save)", file=out, flush=True)
     else:
         configurator_excepthook(kind, err, tb)
-        if isinstance(err, UserError) and dist.is_initialized():
-            _tell_peers_refused()
     if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
         sys.modules["rundir"].remove_refused()
     if dist.is_initialized():
         out.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+def reports(err, tb):
+    """Whether this rank prints the error that ends it. Under torchrun one line per run:
+    before the process group (the config is validated) every rank meets the same error, so
+    rank 0 tells it (but a rank's own device problem is its own: start_process_group); after that, the first
+    rank to count itself in the rendezvous store
+    (which outlives the workers: torchrun's agent holds it) tells it, and a peer that then
+    fails in a collective because that rank left says nothing more."""
+    if "RANK" not in os.environ:
+        return True
+    if not dist.is_initialized():
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return os.environ["RANK"] == "0" or tb.tb_frame.f_code.co_filename == __file__
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        return store.add("errors_reported", 1) == 1
+    except Exception:  # no store to ask (it went down): better a line twice than none
+        return True
 
 
 def teardown(mesh):

@@ -205,12 +205,14 @@ def _alive(pid):
 
 
 def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
-            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto"):
+            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto", model_tokens=()):
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
 
     A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
     is rendered with render_chat and also writes {train,val}.mask.bin; the tokenizer then
     gets CHAT_TOKENS before `extra_tokens` (a list, or the path of a file of them).
+    `model_tokens` are the tokens a model (that the data is prepared for) has already added to
+    the same base: they keep their ids, and only the tokens it lacks come after them.
 
     Streams: documents are read and encoded a batch (~batch_mb of text) at a time, and only
     that batch's tokens exist as Python ints. The encoding runs on `workers` threads through
@@ -221,9 +223,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     kind, root, files = resolve_source(source)
     fmt = detect_format(kind, files, text_field, format)
     chat = fmt == "chat"
-    if chat:
-        extra_tokens = CHAT_TOKENS + [t for t in extra_tokens if t not in CHAT_TOKENS]
-    enc = get_tokenizer(tokenizer, vocab_size, list(extra_tokens))
+    base = get_tokenizer(tokenizer, vocab_size)
+    first = list(model_tokens) + [t for t in (CHAT_TOKENS if chat else []) if t not in model_tokens]
+    extra_tokens = first + [t for t in extra_tokens if t not in first and t not in getattr(base, "extra_tokens", ())]
+    enc = get_tokenizer(tokenizer, vocab_size, extra_tokens)
+    bos = [enc.bos_token] if getattr(enc, "bos_token", None) is not None else []  # a model's tokenizer may start documents
     vocab = enc.n_vocab
     dtype = token_dtype(vocab)
     if type(workers) is not int or workers < 0:
@@ -246,11 +250,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
     def write(doc_id, ids, mask=None):
         split = "val" if is_val(doc_id, val_fraction) else "train"
-        np.asarray(ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
+        np.asarray(bos + ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
-            np.asarray(mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
+            np.asarray([0] * len(bos) + mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
             learned[split] += sum(mask)
-        tokens[split] += len(ids) + 1
+        tokens[split] += len(bos) + len(ids) + 1
         docs[split] += 1
 
     def flush(batch):
@@ -300,14 +304,16 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         discard()
         raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
                         f"{docs['train']} documents): add documents or raise val_fraction")
-    base_vocab = vocab - len(extra_tokens)
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base_vocab,
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
-            "chat_tokens": CHAT_TOKENS if chat else [],
+            "chat_tokens": [t for t in extra_tokens if t in CHAT_TOKENS],
             "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
             "train_docs": docs["train"], "val_docs": docs["val"],
             "text_chars": n_chars, "replaced_bytes": n_replaced}
+    if "eot_token" in vars(base):  # a model's tokenizer file (tokenizer.py): checked when read again
+        import tokenizer as tokenizer_py
+        meta.update(tokenizer_sha256=tokenizer_py.sha256(tokenizer))
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
     with open(os.path.join(work, "meta.json"), "w") as f:
@@ -352,13 +358,24 @@ def main():
     ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
     ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
     ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")
+    ap.add_argument("--init_from", metavar="MODEL", help="tokenize for this model (a run's out_dir or a Hugging Face "
+                    "directory): its tokenizer, with its added tokens at their ids (--tokenizer/--vocab_size unused)")
     ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
                     help="JSONL records: text, chat conversations, or auto (from the first record)")
     args = ap.parse_args()
     name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
+    model_tokens = ()
+    if args.init_from:  # the model's tokenizer (data.model_spec), as train.py's init_from= prepares it
+        import parallel
+        import rundir
+        from data import model_spec
+        spec = model_spec(rundir.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer, args.vocab_size)
+        if spec:
+            args.tokenizer, args.vocab_size, model_tokens = spec["tokenizer"], spec["base_vocab_size"], spec["extra_tokens"]
     prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,
             args.val_fraction, args.text_field, args.workers,
-            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format)
+            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format,
+            model_tokens=model_tokens)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def clean_stale(out_dir):
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
-_held_locks = []  # the lock files' descriptors: open until the process exits
+_held_locks = {}  # the lock files' descriptors: open until the process exits
 
 
 _made = []  # what lock_out_dir created (out_dir, its .lock): removed again if the run is refused
@@ -64,6 +64,8 @@ def lock_out_dir(out_dir):
     config.json, metrics.jsonl and ckpt/latest must be plain files (never followed links).
     Then removes the temporary directories of killed saves. Rank 0 calls it. Returns the
     descriptor."""
+    if os.path.join(out_dir, ".lock") in _held_locks:  # this process holds it already
+        return _held_locks[os.path.join(out_dir, ".lock")]
     if not os.path.isdir(out_dir):
         try:
             os.makedirs(out_dir)
@@ -103,7 +105,7 @@ def lock_out_dir(out_dir):
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
     except OSError as e:
         raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
-    _held_locks.append(fd)
+    _held_locks[path] = fd
     clean_stale(out_dir)
     return fd
 
@@ -237,7 +239,7 @@ class Source:
     checkpoint: its weights), "hf" (a Hugging Face LLaMA directory) or "fresh"."""
     kind: str
     path: str = None        # the checkpoint (resume, run) or the directory (hf)
-    meta: dict = None       # resume: the checkpoint's meta.json; state: its state.pt
+    meta: dict = None       # resume, run: the checkpoint's meta.json; resume: state, its state.pt
     state: dict = None
     saved: dict = None      # the model's shape there (ModelConfig fields), None when fresh
     where: str = ""         # for messages
@@ -275,10 +277,35 @@ def start_from(init_from, mesh):
         meta = checkpoint.read_meta(ckpt)[0]
         check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged model (export_hf= of "
                                     f"train.py or sample.py), or its base with lora_from= its export_lora")
-        return Source("run", ckpt, saved=meta["model"], where=f"the checkpoint {ckpt}")
+        return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
     import hf                                                               # (3)
     saved, index = hf.hf_llama_index(init_from)
     return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+
+
+def finished_or_other(src, c, overrides, out_dir, mesh):
+    """For a run that found a checkpoint in its own out_dir: True (after one line saying so)
+    when that run is finished, so this one exits without touching anything; a UserError when
+    it is another run than this command's (other data, model shape, tokenizer or starting
+    model), which init_from=auto must not continue. init_from=resume continues whatever data."""
+    had, it = src.meta.get("config") or {}, src.meta["iter"]
+    differ = [] if c["init_from"] == "resume" else [
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size") if c[k] != had.get(k, c[k])]
+    if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
+        differ.append("init_from")  # (auto continues a run that started from a model too)
+    differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
+    if differ:
+        what = "datasets" if c["datasets"] else "dataset"
+        also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
+                         if k not in ("dataset", "datasets"))
+        raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at iteration {it}; "
+                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: pick a new out_dir, "
+                        f"or init_from={out_dir} to start from its weights")
+    if it >= c["max_iters"]:
+        mesh.print0(f"{out_dir} holds a finished run (iteration {it}, max_iters={c['max_iters']}): nothing to do; "
+                    f"raise max_iters= to train further, or pick a new out_dir")
+        return True
+    return False
 
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")

@@ -36,7 +36,8 @@ def load_model(path):
 def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_k=50, autocast=None):
     """One sample from `model` (on its device, in eval mode) as text. An empty prompt starts
     from <|endoftext|>, i.e. the beginning of a document, which is not printed."""
-    start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token]
+    bos = getattr(enc, "bos_token", None)  # a model's tokenizer that starts documents with one
+    start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token if bos is None else bos]
     idx = torch.tensor([start], device=next(model.parameters()).device)
     with autocast or nullcontext():
         out = model.generate(idx, max_new_tokens, temperature, top_k or None)
@@ -76,7 +77,7 @@ def main(argv):
     if cfg["export_shard_mb"] < 0:
         raise configurator.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
-    enc = data.get_tokenizer(meta["config"]["tokenizer"], meta["config"]["vocab_size"], meta.get("extra_tokens", []))
+    enc = data.tokenizer_from_meta(data.checkpoint_spec(meta))
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above

@@ -28,7 +28,7 @@ import parallel
 import rundir
 import sample
 from model import ModelConfig, Transformer, grow_vocab
-from optim import build_optimizer, get_lr
+from optim import build_optimizer, get_lr, schedule_note
 
 # ---------------------------------------------------------------------------------------
 # defaults: every one can be overridden by a config file or key=value
@@ -147,12 +147,27 @@ elif mesh.device.type == "cpu":
     import workarounds
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
-if mesh.master:  # one run per out_dir: a second one fails here, before it writes anything
+if schedule_note(config):  # max_iters ends inside the warmup
+    mesh.print0(schedule_note(config))
+if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
     rundir.lock_out_dir(out_dir)
+src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
+if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
+    parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
+    import workarounds
+    workarounds.exit_now()
+spec = data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer, which the data must use (None: fresh)
 
 # ---- data: one dataset, or a mixture --------------------------------------------------
 sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
 mixing = len(sources) > 1 or bool(phases)
+
+
+def prepared(source, prep):  # its directory (prepared first if missing), its ids checked against the model's
+    d = data.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+    m = data.load_meta(d)
+    data.check_model_tokenizer(m, d, spec, src.where) if spec else data.check_tokenizer(m, d, tokenizer, vocab_size)
+    return d
 
 
 def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
@@ -160,22 +175,18 @@ def loader(data_dir, split):  # this dp rank's micro-batches of every global bat
 
 
 if not mixing:
-    data_dir = data.prepared(dataset, data_source, tokenizer, vocab_size, val_fraction, extra_tokens, mesh)
+    data_dir = prepared(dataset, data_source)
     meta = data.load_meta(data_dir)  # the tokenizer and vocabulary the data was prepared with
     train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     import mixture
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
-        sources, phases, mix_temperature, lambda source: data.prepared(
-            source, data_source if not datasets else "", tokenizer, vocab_size, val_fraction, extra_tokens, mesh),
-        loader)
-data.check_tokenizer(meta, data_dir, tokenizer, vocab_size)
+        sources, phases, mix_temperature, lambda source: prepared(source, data_source if not datasets else ""), loader)
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
-# First match wins: (1) this run's own newest checkpoint (resume); (2) init_from= another run of
-# ours; (3) init_from= a Hugging Face LLaMA directory; (4) fresh random weights from the seed.
-src = rundir.weights_source(out_dir, init_from, mesh)
+# First match wins (src, found above): (1) this run's own newest checkpoint (resume); (2) init_from=
+# another run of ours; (3) init_from= a Hugging Face LLaMA directory; (4) fresh random weights.
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
@@ -288,7 +299,8 @@ if src.kind == "resume":
     mesh.print0(f"resumed from {src.path} at iteration {start_iter}")
 else:
     torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
-if mesh.master:
+if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
+    rundir.lock_out_dir(out_dir)
     rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
     if wandb_log:
@@ -312,7 +324,8 @@ saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async
 def save(it):
     saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-                    "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora})
+                    "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+                    "tokenizer_spec": data.spec_of(meta)})  # the model's whole tokenizer travels with it
 
 
 signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0

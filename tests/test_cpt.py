@@ -60,9 +60,12 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
     sft, hf_out = str(tmp_path / "sft"), str(tmp_path / "sft" / "hf")
     p = run_train([*RUN, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", "neftune_alpha=5",
                    f"init_from={out}", f"out_dir={sft}", f"export_hf={hf_out}", "max_iters=3"], cwd=tmp_path)
-    assert "growing the vocabulary from 514 to 516" in p.stdout and "exported the model" in p.stdout
-    assert LlamaForCausalLM.from_pretrained(hf_out).config.vocab_size == 516
-    enc = data.tokenizer_from_meta(json.load(open(tmp_path / "data" / "chat" / "meta.json")))  # with the chat tokens
+    # the chat data is tokenized with stage 1's tokenizer: its words keep ids 512, 513, the chat tokens follow
+    assert "growing the vocabulary from 514 to 518" in p.stdout and "exported the model" in p.stdout
+    chat_meta = json.load(open(tmp_path / "data" / "chat" / "meta.json"))
+    assert chat_meta["extra_tokens"] == ["def __init__(self", "return None", *data.CHAT_TOKENS]
+    assert LlamaForCausalLM.from_pretrained(hf_out).config.vocab_size == len(AutoTokenizer.from_pretrained(hf_out)) == 518
+    enc = data.tokenizer_from_meta(chat_meta)  # with the chat tokens
     text = "<|user|>What is 7 times 2?<|end|><|assistant|>"
     assert AutoTokenizer.from_pretrained(hf_out)(text).input_ids == data.encode(enc, text)
     # 3. or export any checkpoint later

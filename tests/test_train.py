@@ -134,7 +134,7 @@ BAD = {
     "vocab mismatch": (["vocab_size=1024"], "was prepared with tokenizer=cl100k_base vocab_size=512"),
     "block too long": (["block_size=100000"], "fewer than block_size + 1"),
     "resume nothing": (["init_from=resume", "out_dir=empty"], "empty/ckpt has no checkpoint"),
-    "resume other shape": (["init_from=resume", "n_layer=3", "@saved"], "n_layer=3 but the checkpoint in"),
+    "resume other shape": (["init_from=resume", "n_layer=3", "@saved"], "with n_layer=3 (the run has 2): pick a new out_dir"),
     "rejected key on a run": (["log_interval=0", "@saved"], "log_interval=0 must be at least 1"),
     "config file syntax": (["@badcfg"], "bad.py:2: SyntaxError"),
 }

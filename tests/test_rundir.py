@@ -1,0 +1,56 @@
+"""A run directory knows what it is: init_from=auto continues only the same run, a finished
+run is left alone, a refused run leaves nothing behind, and a schedule cut short says so."""
+
+import os
+
+from conftest import TINY, run_train
+
+
+def snapshot(out):
+    """Every file under out with its bytes and mtime (but the lock: who holds the run now)."""
+    files = {}
+    for root, _, names in os.walk(out):
+        for n in set(names) - {".lock"}:
+            p = os.path.join(root, n)
+            files[p] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
+    return files
+
+
+def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
+    out = str(tmp_path / "out")
+    # max_iters below warmup_iters: the schedule says what it will do
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path)
+    assert "note: max_iters=1 < warmup_iters=4: the learning rate only warms up, to 2.50e-03" in p.stdout
+    # the same command again: a finished run, said in one line, exit 0, nothing rewritten
+    before = snapshot(out)
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path)
+    assert f"{out} holds a finished run (iteration 1, max_iters=1): nothing to do" in p.stdout
+    assert "val loss" not in p.stdout and snapshot(out) == before
+    # another dataset on the same out_dir: not continued, refused in one line
+    p = run_train([*TINY, f"dataset={chat_dataset}", f"out_dir={out}", "max_iters=3"], cwd=tmp_path, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={chat_dataset}: "
+            f"pick a new out_dir, or init_from={out} to start from its weights") in p.stderr
+    assert snapshot(out) == before
+    # init_from=resume with nothing there: refused, and no directory left behind
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"], cwd=tmp_path,
+                  check=False)
+    assert p.returncode == 1 and "init_from=resume but" in p.stderr and not os.path.exists(tmp_path / "nothing")
+
+
+def test_one_error_line_per_run_under_torchrun(tmp_path):
+    """A config error (every rank meets it: rank 0 tells it) and an error only rank 0 meets
+    (preparing data from a missing source, while rank 1 waits at a barrier): each is one line,
+    the last before torchrun's report, and the exit code is non-zero."""
+    import re
+
+    from conftest import torchrun
+    for args, match in ((["max_iters=-1"], "error: max_iters=-1 must not be negative"),
+                        (["dataset=nope", "data_source=/nonexistent/x", f"out_dir={tmp_path / 'o'}"],
+                         "error: data source '/nonexistent/x' not found")):
+        p = torchrun(2, [*TINY, *args], cwd=tmp_path, check=False)
+        lines = p.stderr.splitlines()
+        report = next(i for i, line in enumerate(lines) if re.match(r"[EWI]\d{4} ", line))  # torchrun's first line
+        assert p.returncode != 0 and sum("error" in line for line in lines[:report]) == 1, p.stderr
+        assert lines[report - 1].startswith(match), p.stderr
+    assert not os.path.exists(tmp_path / "o")

@@ -1,0 +1,222 @@
+"""A model's tokenizer travels with it: Hugging Face byte-level BPE tokenizers in (tokenizer.py),
+the refusals by kind, a tiktoken rank file, and data prepared for a model with its ids."""
+
+import base64
+import json
+import os
+
+import pytest
+import torch
+from conftest import ROOT, run_train
+
+import data
+import prepare
+import tokenizer
+from configurator import UserError
+
+SPECIALS = ["<|endoftext|>", "<|begin|>"]
+
+
+def varied_lines():
+    """Hundreds of lines: code from the standard library, unicode, whitespace runs, and the
+    tokenizer's special and added tokens written in text."""
+    _, files = prepare.stdlib_files()
+    code = []
+    for path in files[200:260]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            code += [line.rstrip("\n") for line in f][:6]
+    unicode = ["héllo wörld", "naïve café", "日本語のテキスト", "中文 文本 123", "Привет, мир!", "مرحبا بالعالم",
+               "emoji 🙂🚀 and 👩‍👩‍👧", "math: ∑ x² ≤ ∞", "tab\there", "ｆｕｌｌ ｗｉｄｔｈ", "ß ẞ Σς", "\u200bzero width",
+               "'s 'll 'VE 'Re", "it's don't we'll they're I've I'm he'd", "1234567890 3.14159 1e-10", "a\r\nb\rc\n", "e\u0301 é"]
+    spaces = ["    indented", "\t\t  mixed\t ", "trailing   ", "   ", "a  b   c    d", "\n\n\nx", "x\n\n", " \n \n",
+              "if x:\n        return  y\n\n\n", "  ", "\u00a0nbsp\u3000ideographic"]
+    specials = ["a <|endoftext|> b", "<|begin|>start", "call <|tool|> now", "<|tool|><|tool|>", "x<|endoftext|>",
+                "<|endoftext", "|> <| tool |>"]
+    return code + unicode * 4 + spaces * 4 + specials * 4
+
+
+@pytest.fixture(scope="module")
+def hf_bpe(tmp_path_factory):
+    """A byte-level BPE trained with the `tokenizers` library (a BOS-adding post-processor as
+    Llama 3's, an added non-special token) and a random LLaMA built by transformers on its
+    vocabulary: the test peer. Returns (directory, AutoTokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    path = str(tmp_path_factory.mktemp("hf_bpe") / "llama")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    _, files = prepare.stdlib_files()
+    texts = [open(f, encoding="utf-8", errors="replace").read()[:4000] for f in files[:80]]
+    tok.train_from_iterator(texts + ["héllo wörld café naïve 日本語 Привет it's don't we'll they're I've"] * 20, trainer)
+    tok.add_tokens(["<|tool|>"])
+    tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A $B:1",
+                                                       special_tokens=[("<|begin|>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=64, bos_token_id=1, eos_token_id=0,
+                                 tie_word_embeddings=False)).save_pretrained(path)
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def compare(enc, auto, lines):
+    """How many lines give different ids: data.encode (added non-special tokens become ids,
+    special ones stay text) against AutoTokenizer with split_special_tokens, and tiktoken's
+    encode with every special against AutoTokenizer's default; both with the BOS."""
+    bos = [enc.bos_token] if enc.bos_token is not None else []
+    differ = 0
+    for line in lines:
+        ours = bos + data.encode(enc, line)
+        theirs = auto(line, split_special_tokens=True).input_ids
+        ours_all = bos + enc.encode(line, allowed_special="all")
+        differ += ours != theirs or ours_all != auto(line).input_ids
+    return differ
+
+
+def test_hf_byte_level_bpe_gives_autotokenizers_ids(hf_bpe):
+    path, auto = hf_bpe
+    enc = tokenizer.load(os.path.join(path, "tokenizer.json"))
+    lines = varied_lines()
+    assert len(lines) >= 400 and compare(enc, auto, lines) == 0
+    assert enc.n_vocab == len(auto) and enc.eot_token == 0 and enc.bos_token == 1
+    assert enc.extra_tokens == ("<|tool|>",)
+    assert enc.decode(data.encode(enc, lines[0])) == lines[0]
+
+
+def test_tiktoken_rank_file_is_read(tmp_path):
+    """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
+    base = data.get_tokenizer("cl100k_base", 2048)
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in base._mergeable_ranks.items()))
+    enc = tokenizer.load(str(path))
+    assert enc.n_vocab == 2047 + 256 and enc.bos_token == 2047 and enc.eot_token == 2048
+    for line in varied_lines()[:100]:
+        assert enc.encode_ordinary(line) == [i for i in base.encode_ordinary(line)]  # the same pattern and ranks here
+
+
+def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
+    from conftest import HF
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path / "m"
+    LlamaForCausalLM(LlamaConfig(**{**HF, "vocab_size": vocab_size})).save_pretrained(path)
+    if tokenizer_json is not None:
+        (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    if model_file is not None:
+        (path / "tokenizer.model").write_bytes(model_file)
+    return str(path)
+
+
+SENTENCEPIECE = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                                    {"type": "Replace"}]},
+                 "pre_tokenizer": None, "model": {"type": "BPE", "byte_fallback": True, "vocab": {}, "merges": []}}
+
+
+def spec_of_dir(path):
+    import rundir
+    from parallel import setup
+    return data.model_spec(rundir.start_from(path, setup("cpu")), "cl100k_base", 512)
+
+
+@pytest.mark.parametrize("tj, model_file, match", [
+    (SENTENCEPIECE, None, "is a SentencePiece-style BPE"),
+    ({"model": {"type": "WordPiece", "vocab": {}}}, None, "is a WordPiece tokenizer"),
+    ({"model": {"type": "Unigram", "vocab": []}}, None, "is a unigram tokenizer"),
+    (None, b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00", "is a SentencePiece model"),
+])
+def test_tokenizers_we_cannot_reproduce_are_refused_by_kind(tmp_path, tj, model_file, match):
+    with pytest.raises(UserError, match=match):
+        spec_of_dir(hf_dir_with(tmp_path, tj, 512, model_file))
+
+
+def test_vocab_that_disagrees_with_the_weights_is_refused(tmp_path, hf_bpe):
+    path = hf_dir_with(tmp_path, vocab_size=32000)
+    p = run_train(["sample_tokens=0", "max_iters=1", "vocab_size=512", f"init_from={path}",
+                   f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr[-2000:]  # one line, and nothing left behind
+    assert "has no tokenizer.json or tokenizer.model, and its vocab_size 32,000 is not the 512 ids" in p.stderr
+    assert not os.path.exists(tmp_path / "run")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(hf_bpe[0], name), os.path.join(path, name))
+    with pytest.raises(UserError, match="has 701 ids but the weights in .* have 32,000 rows"):
+        spec_of_dir(path)
+
+
+def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
+    """A dataset prepared for a model extends the model's tokenizer: its added tokens keep
+    their ids, the chat tokens come after them; data with other ids is refused."""
+    words = ["sublicense", "licensee"]
+    spec = data.spec_of({"tokenizer": "cl100k_base", "vocab_size": 514, "base_vocab_size": 512, "extra_tokens": words})
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"q{i} sublicense", "response": f"a{i}"}) + "\n" for i in range(30)))
+    meta = prepare.prepare(str(chat), str(tmp_path / "chat"), "cl100k_base", 512, 0.2, verbose=False,
+                           model_tokens=words)
+    assert meta["extra_tokens"] == words + data.CHAT_TOKENS and meta["vocab_size"] == 518
+    data.check_model_tokenizer(meta, "data/chat", spec, "the model")
+    alone = prepare.prepare(str(chat), str(tmp_path / "alone"), "cl100k_base", 512, 0.2, verbose=False)
+    with pytest.raises(UserError, match=r"data/alone was tokenized as cl100k_base/512 \+ \['<\|system\|>'.*re-prepare|"
+                                        r"prepare it for the model"):
+        data.check_model_tokenizer(alone, "data/alone", spec, "the model")
+
+
+def doc_commands(path, heading):
+    """The `python train.py ...` lines of the first bash block after `heading` in a doc."""
+    import shlex
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line)[2:] for line in block.splitlines() if line.startswith("python train.py")]
+
+
+def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path):
+    """docs/finetuning.md's workflow as written (tiny model keys and max_iters=2 appended): a
+    Hugging Face base with its own BPE tokenizer, CPT with extra tokens, SFT on chat data from
+    it, LoRA on that, exports loaded by transformers and peft. A string keeps its id through
+    every step, and each export's tokenizer is exactly the model's vocabulary."""
+    import shutil
+
+    from conftest import RUN, write_corpus
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    steps = doc_commands("docs/finetuning.md", "## The workflow, end to end")
+    assert len(steps) == 3 and steps == doc_commands("README.md", "## Fine-tuning in brief")
+    shutil.copytree(hf_bpe[0], tmp_path / "runs" / "base")
+    write_corpus(str(tmp_path / "papers"))
+    (tmp_path / "domain_words.txt").write_text("return None\nself.assert\n")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(
+        {"messages": [{"role": "user", "content": f"What is {i} times 2? return None"},
+                      {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n" for i in range(60)))
+    shrink = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2", "val_fraction=0.2", "sample_tokens=8"]
+    for args in steps:
+        keys = {a.split("=")[0] for a in args}
+        run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path)
+    # one id per string: the words got 701, 702 in step 1 and keep them; the chat tokens follow
+    base = len(hf_bpe[1])
+    words, chat = ["return None", "self.assert"], data.CHAT_TOKENS
+    specs = [json.load(open(tmp_path / "runs" / run / "ckpt" / "iter_0000002" / "meta.json"))["tokenizer_spec"]
+             for run in ("cpt", "sft", "lora")]
+    assert [s["extra_tokens"] for s in specs] == [words, words + chat, words + chat]
+    assert all(s["tokenizer"] == str(tmp_path / "runs" / "base" / "tokenizer.json") and s["base_vocab_size"] == base
+               for s in specs)
+    enc = data.tokenizer_from_meta(specs[-1])
+    assert [enc.encode_single_token(t) for t in words + chat] == list(range(base, base + 6))
+    lines = varied_lines() + ["x = f() ; return None", "<|user|>hi<|end|><|assistant|>"]
+    for export in ("sft_hf", "lora_merged"):
+        tok = AutoTokenizer.from_pretrained(tmp_path / "runs" / export)
+        assert json.load(open(tmp_path / "runs" / export / "config.json"))["vocab_size"] == len(tok) == base + 6
+        assert all(tok(line, split_special_tokens=True).input_ids == [enc.bos_token, *data.encode(enc, line)]
+                   for line in lines)
+    # transformers generates from the merged export, and peft's adapter on the SFT export is the same model
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}], add_generation_prompt=True,
+                                  return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "lora_merged").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "sft_hf"),
+                                        tmp_path / "runs" / "lora_adapter").eval()
+    out = merged.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8 and isinstance(tok.decode(out[0]), str)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
