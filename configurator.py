@@ -227,7 +227,8 @@ def validate(c, overrides, world):
     check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
                                      f"rotate pairs of features; change n_embd or n_head")
     ffn_dim = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=c["ffn_dim"]).ffn_dim
-    default_batch_for_layout(c, overrides, world)
+    if world > 1:
+        default_batch_for_layout(c, overrides, world)
     dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
     check_memory(c, world, c["n_layer"], n_embd, ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)

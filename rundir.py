@@ -88,18 +88,7 @@ def lock_out_dir(out_dir):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.read(fd, 4096).decode(errors="replace")
-        os.close(fd)
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-            raise UserError(f"cannot lock {path} ({checkpoint.describe_error(e)}): put out_dir on a filesystem with file locks") from None
-        _made.clear()  # the other run's
-        try:
-            who = json.loads(holder)
-            pid, host = int(who["pid"]), str(who["host"])[:100]
-        except (ValueError, KeyError, TypeError):
-            pid, host = "?", "?"
-        raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
-                        f"or use another out_dir") from None
+        _refuse_busy(fd, path, out_dir, e)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
@@ -108,6 +97,23 @@ def lock_out_dir(out_dir):
     _held_locks[path] = fd
     clean_stale(out_dir)
     return fd
+
+
+def _refuse_busy(fd, path, out_dir, e):
+    """The lock is taken (or locks do not work there): one line naming the holder (host, pid)."""
+    holder = os.read(fd, 4096).decode(errors="replace")
+    os.close(fd)
+    if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise UserError(f"cannot lock {path} ({checkpoint.describe_error(e)}): put out_dir on a filesystem with "
+                        f"file locks") from None
+    _made.clear()  # the other run's
+    try:
+        who = json.loads(holder)
+        pid, host = int(who["pid"]), str(who["host"])[:100]
+    except (ValueError, KeyError, TypeError):
+        pid, host = "?", "?"
+    raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
+                    f"or use another out_dir") from None
 
 
 def remove_refused():

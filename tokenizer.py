@@ -12,7 +12,6 @@ by some merge (what a BPE trainer writes, and what our own export writes), so th
 """
 
 import base64
-import hashlib
 import json
 import os
 
@@ -41,11 +40,8 @@ def find(model_dir):
 
 
 def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    import checkpoint  # the file hash that checkpoints' manifests use
+    return checkpoint.sha256_file(path)
 
 
 def _json(path):

@@ -147,7 +147,7 @@ elif mesh.device.type == "cpu":
     import workarounds
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
-if schedule_note(config):  # max_iters ends inside the warmup
+if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
     mesh.print0(schedule_note(config))
 if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
     rundir.lock_out_dir(out_dir)
@@ -156,7 +156,7 @@ if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
     import workarounds
     workarounds.exit_now()
-spec = data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer, which the data must use (None: fresh)
+spec = None if src.kind == "fresh" else data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
 
 # ---- data: one dataset, or a mixture --------------------------------------------------
 sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
