@@ -158,7 +158,7 @@ def _shard_linear(lin, dim, mesh):
     columns and B stays whole. The whole factor sees only this rank's part of the product:
     column-parallel, A's gradient B_i^T g_i x sums over the ranks' output slices; row-parallel,
     B's gradient g (A_i x_i)^T over their input slices. So its gradient is all-reduced over
-    the tp group in backward (a hook on the parameter, per backward, before accumulation),
+    the tp group in backward (_SummedWeightGrad, per backward, before accumulation),
     and it stays the same replicated tensor on every tp rank."""
     _shard(lin, dim, mesh)
     if dim == 0:
@@ -172,13 +172,31 @@ def _shard_linear(lin, dim, mesh):
             cut.out_features //= mesh.tp
         else:
             cut.in_features //= mesh.tp
-        whole.weight.register_hook(partial(_all_reduce_grad, group=mesh.tp_group))
+        whole.forward = partial(_linear_summed_weight_grad, whole, mesh.tp_group)
 
 
-def _all_reduce_grad(grad, group):
-    grad = grad.contiguous().clone()
-    dist.all_reduce(grad, group=group)
-    return grad
+def _linear_summed_weight_grad(lin, group, x):
+    return _SummedWeightGrad.apply(x, lin.weight, group)
+
+
+class _SummedWeightGrad(torch.autograd.Function):
+    """x W^T whose weight gradient is all-reduced over the tp group inside backward (the
+    input's gradient stays this rank's part). In the graph, not a hook on the parameter, so
+    it holds when FSDP swaps the parameter for its gathered copy (fsdp x tp)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g = g.to(weight.dtype)  # bf16 under autocast
+        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        dist.all_reduce(dw, group=ctx.group)
+        return (g @ weight).to(x.dtype), dw, None
 
 
 def tensor_parallel(model, mesh):

@@ -163,11 +163,8 @@ sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets
 mixing = len(sources) > 1 or bool(phases)
 
 
-def prepared(source, prep):  # its directory (prepared first if missing), its ids checked against the model's
-    d = data.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    m = data.load_meta(d)
-    data.check_model_tokenizer(m, d, spec, src.where) if spec else data.check_tokenizer(m, d, tokenizer, vocab_size)
-    return d
+def prepared(source, prep):  # its directory, prepared first if it is missing
+    return data.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
 
 
 def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
@@ -182,6 +179,9 @@ else:  # mixture: mixture.py (each sequence drawn from one source; per-source lo
     import mixture
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
         sources, phases, mix_temperature, lambda source: prepared(source, data_source if not datasets else ""), loader)
+for d in data_dir.split(","):  # the data's ids mean what they mean to the model
+    m = data.load_meta(d)
+    data.check_model_tokenizer(m, d, spec, src.where) if spec else data.check_tokenizer(m, d, tokenizer, vocab_size)
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
