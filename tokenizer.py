@@ -12,12 +12,11 @@ by some merge (what a BPE trainer writes, and what our own export writes), so th
 """
 
 import base64
-import json
 import os
 
 import tiktoken
 
-from configurator import UserError
+from configurator import UserError, read_json
 from hf import bytes_to_unicode
 
 # the tokenizers library's ByteLevel(use_regex=True) split: GPT-2's pattern
@@ -45,14 +44,7 @@ def sha256(path):
 
 
 def _json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}): copy or download it again") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{path} holds a JSON {type(obj).__name__}, not an object: copy or download it again")
-    return obj
+    return read_json(path, "copy the model's tokenizer files again")  # bounded: depth, numbers, size
 
 
 def _token_name(value):
@@ -198,4 +190,11 @@ def load(path):
     """The Encoding of a tokenizer file (tokenizer.json, or a tiktoken rank file)."""
     if not os.path.isfile(path):
         raise UserError(f"tokenizer file {path} not found: copy the model's tokenizer.json (or tokenizer.model) back")
-    return load_tokenizer_json(path) if path.endswith(".json") else load_rank_file(path)
+    try:
+        return load_tokenizer_json(path) if path.endswith(".json") else load_rank_file(path)
+    except UserError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError, StopIteration) as e:
+        # a field missing or of the wrong type (a file from outside: one line, not a traceback)
+        raise UserError(f"{path} is malformed ({type(e).__name__}: {str(e)[:80]}): copy the model's "
+                        f"tokenizer files again") from None

@@ -28,6 +28,7 @@ import parallel
 import prepare
 import rundir
 import sample
+import tokenizer
 from configurator import UserError
 from model import ModelConfig, Transformer
 
@@ -321,6 +322,20 @@ def symlinked_config_run(b, tmp):
 
 
 U16 = np.array([1, 2, 3], dtype=np.int16).tobytes()
+def bad_tokenizer(text, name="tokenizer.json"):
+    """A Hugging Face tokenizer file of `text` (tokenizer.load reads it for init_from= a model directory)."""
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "tok"))
+        path = os.path.join(tmp, "tok", name)
+        with open(path, "w") as f:
+            f.write(text)
+        return lambda: tokenizer.load(path)
+    return make
+
+
+BPE = {"model": {"type": "BPE", "vocab": {}, "merges": []}, "normalizer": None}
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -377,6 +392,12 @@ CASES = [
     (8, "batch_size=10**8", "raises", validated(batch_size=10 ** 8)),
     (8, "n_embd=10**6", "raises", validated(n_embd=2 ** 20, n_head=2 ** 10, n_kv_head=2 ** 10)),
     (8, "eval_iters=10**7", "raises", validated(eval_iters=10 ** 7)),
+    (8, "tokenizer.json: deep JSON", "raises", bad_tokenizer("[" * 100000 + "]" * 100000)),
+    (8, "tokenizer.json: a 5000-digit integer", "raises", bad_tokenizer('{"model": ' + "9" * 5000 + "}")),
+    (8, "tokenizer.json: pre_tokenizer not an object", "raises", bad_tokenizer(json.dumps({**BPE, "pre_tokenizer": 5}))),
+    (8, "tokenizer.json: an added token without an id", "raises", bad_tokenizer(json.dumps(
+        {**BPE, "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": [{"content": "<x>"}, {"content": "<y>"}]}))),
+    (8, "tokenizer.model: a 5000-digit rank", "raises", bad_tokenizer("IQ== " + "9" * 5000 + "\n", "tokenizer.model")),
     (9, "adapter lora_alpha negative", "raises", adapter(lora_alpha=-16)),
     (9, "mix_temperature=0.001 keeps the weights finite", "holds", tempered_weights_stay_finite),
     (9, "min_lr > learning_rate", "raises", validated(min_lr=1.0)),
