@@ -376,7 +376,7 @@ MAX_JSON_BYTES = 1 << 30
 
 
 def _json_int(s):
-    if len(s) > 20:
+    if len(s) > 40:  # Hugging Face's tokenizer_config.json says model_max_length 1e30 (31 digits)
         raise ValueError(f"an integer of {len(s)} digits")
     return int(s)
 
