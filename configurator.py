@@ -368,7 +368,7 @@ def check(ok, problem):
 # ---- files from outside: JSON read with limits -----------------------------------------
 # Every JSON file the trainer reads (a dataset's meta.json, a checkpoint's manifest.json and
 # meta.json, Hugging Face config.json and index, adapter_config.json, safetensors headers,
-# metrics.jsonl) goes through loads_json: no NaN or Infinity, no integer past 20 digits, no
+# metrics.jsonl) goes through loads_json: no NaN or Infinity, no integer past 40 digits, no
 # nesting past MAX_JSON_DEPTH, and every failure one UserError naming the file and the fix.
 # The readers then check each field they use (json_field) before anything is allocated.
 MAX_JSON_DEPTH = 64
