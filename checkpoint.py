@@ -57,7 +57,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _write_atomic(path, write):
+def write_atomic(path, write):
     """write(f) into a new file renamed to `path`: never through a link planted at either
     name (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at
     `path` itself). The bytes are made in memory first, so a full disk is an OSError
@@ -65,14 +65,19 @@ def _write_atomic(path, write):
     buf = io.BytesIO()
     write(buf)
     tmp = path + ".tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(buf.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.lexists(tmp):  # a half-written temp file is no one's
+            os.remove(tmp)
+        raise
 
 
 def train_state(model, optimizer):
@@ -209,7 +214,7 @@ def _write_manifest(path, known=None):
     known = known or {}
     files = {**_hash_files(path, [n for n in os.listdir(path) if n not in known]), **known}
     files = {n: files[n] for n in sorted(files)}
-    _write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
+    write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
 def _check_file(path, name, want, checksum=True):
@@ -424,8 +429,8 @@ def finish_save(pending, keep, resumed_from=None):
         hashes = gather_to_master(mine, mesh)
     if error is None and mesh.master:
         try:
-            _write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(pending.run_state, f))
-            _write_atomic(os.path.join(tmp, "meta.json"),
+            write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(pending.run_state, f))
+            write_atomic(os.path.join(tmp, "meta.json"),
                           lambda f: f.write(json.dumps(pending.meta, indent=1).encode()))
             _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
             _fsync_dir(tmp)
@@ -433,7 +438,7 @@ def finish_save(pending, keep, resumed_from=None):
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(root)
-            _write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
+            write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode() + b"\n"))
             _fsync_dir(root)
         except OSError as e:
             error = e

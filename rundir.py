@@ -129,20 +129,11 @@ def remove_refused():
 
 
 def write_file(path, text):
-    """`text` into out_dir's file `path`, whole: a temp file created exclusively beside it and
-    renamed over it, so a link planted at `path` is replaced, never written through. A full
-    disk is one line."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """`text` into out_dir's file `path`, whole (checkpoint.write_atomic: a link planted at
+    `path` is replaced, never written through); a full disk is one line."""
     try:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        checkpoint.write_atomic(path, lambda f: f.write(text.encode()))
     except OSError as e:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
         raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the permissions of "
                         f"{os.path.dirname(path) or '.'}") from None
 
