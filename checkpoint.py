@@ -58,18 +58,15 @@ def _fsync_dir(path):
 
 
 def write_atomic(path, write):
-    """write(f) into a new file renamed to `path`: never through a link planted at either
-    name (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at
-    `path` itself). The bytes are made in memory first, so a full disk is an OSError
-    (ENOSPC) of the write, not a serializer's complaint about its position."""
-    buf = io.BytesIO()
+    """write(f) into a new file renamed to `path`: never through a link planted at either name
+    (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at `path`).
+    The bytes are made in memory first: a full disk is an OSError (ENOSPC) of the write."""
+    buf, tmp = io.BytesIO(), path + ".tmp"
     write(buf)
-    tmp = path + ".tmp"
     try:
         if os.path.lexists(tmp):
             os.remove(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
             f.write(buf.getbuffer())
             f.flush()
             os.fsync(f.fileno())

@@ -64,17 +64,12 @@ def _typed(key, value, default, where):
 
 
 def _parse_value(raw, default):
-    if isinstance(default, str):
-        # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume'
-        try:
-            value = ast.literal_eval(raw)
-            return value if isinstance(value, str) else raw
-        except (ValueError, SyntaxError):
-            return raw
     try:
-        return ast.literal_eval(raw)
+        value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        return raw  # a bare word: the type check below names the mismatch
+        return raw  # a bare word: a string (init_from=resume), or the type check names the mismatch
+    # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume', tag=1e3
+    return raw if isinstance(default, str) and not isinstance(value, str) else value
 
 
 def configure(defaults, argv):
@@ -159,6 +154,27 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": ""}  # one process's
+
+# Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
+RULES = [
+    (lambda c: c["zero"] not in (0, 1, 2),
+     "zero={zero} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True"),
+    (lambda c: c["min_lr"] > c["learning_rate"],
+     "min_lr={min_lr} is above learning_rate={learning_rate}: the decay would raise the rate; lower min_lr"),
+    (lambda c: not 0 <= c["seed"] < 2 ** 32, "seed={seed} is out of range: use an integer in [0, 2**32)"),
+    (lambda c: c["lora_rank"] > c["n_embd"], "lora_rank={lora_rank} is above the width n_embd={n_embd}: an "
+                                             "adapter's rank is at most its layer's width; lower lora_rank"),
+    (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
+     "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
+    # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
+    (lambda c: c["n_embd"] % c["n_head"],
+     "n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head"),
+    (lambda c: c["n_head"] % c["n_kv_head"], "n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each "
+                                             "key/value head serves a whole group of query heads; use a divisor of n_head"),
+    (lambda c: c["n_embd"] // c["n_head"] % 2, "head_dim = n_embd / n_head = {n_embd} / {n_head} is odd: rotary "
+                                               "positions rotate pairs of features; change n_embd or n_head"),
+]
 
 # The combinations of options that are refused: (name, refused when (c: the config, o: the
 # keys given), the message: what is wrong and the fix; {key} is the config's value).
@@ -190,8 +206,6 @@ def validate(c, overrides, world):
     None, "lora_targets": a sorted list, "sources": {dataset: weight}}."""
     for key, choices in CHOICES.items():
         check(c[key] in choices, f"{key}={c[key]!r} is not one of {', '.join(choices)}")
-    check(c["zero"] in (0, 1, 2), f"zero={c['zero']} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use "
-                                  f"fsdp=True")
     for key in AT_LEAST_1:
         check(c[key] >= 1, f"{key}={c[key]} must be at least 1")
     for key in NOT_NEGATIVE:
@@ -203,13 +217,8 @@ def validate(c, overrides, world):
     for key, value in c.items():  # 1e999 parses as inf: a rate, eps or alpha of inf trains NaN weights
         check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not a finite number: give a "
                                                                      f"finite one")
-    check(c["min_lr"] <= c["learning_rate"], f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}: "
-                                             f"the decay would raise the rate; lower min_lr")
-    check(0 <= c["seed"] < 2 ** 32, f"seed={c['seed']} is out of range: use an integer in [0, 2**32)")
-    check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width n_embd={c['n_embd']}: an "
-                                         f"adapter's rank is at most its layer's width; lower lora_rank")
-    check(c["device"].split(":")[0] != "mps" or torch.backends.mps.is_available(),
-          f"device={c['device']} but Apple's MPS is not available on this machine: use device=cpu or device=auto")
+    for refused, message in RULES:
+        check(not refused(c), message.format(**c))
     check_refusals(c, overrides)
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # mixture: mixture.py (pure checks, nothing read yet)
@@ -219,18 +228,12 @@ def validate(c, overrides, world):
     lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
           f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
-    # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
-    n_embd, n_head, n_kv_head = c["n_embd"], c["n_head"], c["n_kv_head"]
-    check(n_embd % n_head == 0, f"n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head")
-    check(n_head % n_kv_head == 0, f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each key/value head "
-                                   f"serves a whole group of query heads; use a divisor of n_head")
-    check(n_embd // n_head % 2 == 0, f"head_dim = n_embd / n_head = {n_embd // n_head} is odd: rotary positions "
-                                     f"rotate pairs of features; change n_embd or n_head")
-    ffn_dim = ModelConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, ffn_dim=c["ffn_dim"]).ffn_dim
-    if world > 1:
+    ffn_dim = ModelConfig(n_embd=c["n_embd"], n_head=c["n_head"], n_kv_head=c["n_kv_head"], ffn_dim=c["ffn_dim"]).ffn_dim
+    dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
+    if world > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         default_batch_for_layout(c, overrides, world)
-    dp, layer_counts = check_layout(c, world, c["n_layer"], n_head, n_kv_head, ffn_dim)
-    check_memory(c, world, c["n_layer"], n_embd, ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
+        dp, layer_counts = check_layout(c, world, c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim)
+    check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
     return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
 
@@ -312,15 +315,11 @@ MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_h
 
 
 def memory_bytes_available():
-    """This machine's memory for one run: RAM (or the address-space limit, if lower) plus
-    the GPUs' memory."""
+    """This machine's memory for one run: RAM (or the address-space limit, if lower) plus the GPUs'."""
     import resource
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    ram = min(ram, limit) if limit > 0 else ram
-    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) \
-        if torch.cuda.is_available() else 0
-    return ram + gpus
+    ram, limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), resource.getrlimit(resource.RLIMIT_AS)[0]
+    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return (min(ram, limit) if limit > 0 else ram) + gpus
 
 
 def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
@@ -423,38 +422,33 @@ def read_json(path, fix, kind=dict):
     """loads_json of the regular file `path` (a directory, FIFO or device is refused without
     blocking), which must hold a JSON `kind` (dict: an object; None: anything)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise UserError(f"{path} is not a regular file: {fix}")
-            if st.st_size > MAX_JSON_BYTES:
-                raise UserError(f"{path} has {st.st_size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
-            raw = f.read()
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            size, regular = os.fstat(f.fileno()).st_size, stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+            check(regular, f"{path} is not a regular file: {fix}")
+            check(size <= MAX_JSON_BYTES, f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            obj = loads_json(f.read(), path, fix)
     except OSError as e:
         raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
-    obj = loads_json(raw, path, fix)
-    if kind is not None and not isinstance(obj, kind):
-        raise UserError(f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
+    check(kind is None or isinstance(obj, kind),
+          f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
     return obj
 
 
 def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
     """obj[key], checked: of type `kind` (int: not bool; float: int or float, finite), in
     [lo, hi] when those are given. Absent (or null) and not required: None."""
-    if obj.get(key) is None and not required:
-        return None
     v = obj.get(key)
+    if v is None and not required:
+        return None
+    check(key in obj, f"{where} lacks {key}: {fix}")
     ok = (type(v) is int if kind is int else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
           if kind is float else isinstance(v, kind))
-    if ok and (lo is not None and v < lo or hi is not None and v > hi):
-        raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
-    if key not in obj:
-        raise UserError(f"{where} lacks {key}: {fix}")
-    if not ok:
+    if not ok:  # (the message is made only here: str() of a large value is slow)
         what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
                 dict: "an object", list: "a list"}.get(kind, getattr(kind, "__name__", str(kind)))
         raise UserError(f"{where}: {key}={str(v)[:60]!r} is not {what}: {fix}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
     return v
 
 

@@ -171,26 +171,12 @@ def token_dtype(vocab_size):
 
 
 def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
-    """The directory of dataset `source` (a name under data/, or a directory), prepared from
-    `prep` (data_source=; 'stdlib' for the default corpus) first if it is not there yet:
-    rank 0 prepares it (prepare.py), the others wait. With `spec` (model_spec: the run starts
-    from a model) it is tokenized with that model's tokenizer, new tokens after its last id."""
+    """The directory of dataset `source` (a name under data/, or a directory); a missing one
+    is prepared first, from `prep` (data_source=): prepare.prepare_missing."""
     data_dir = source if os.sep in source else os.path.join("data", source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        prep = prep or ("stdlib" if source == "stdlib" else "")
-        if not prep:
-            raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
-                            f"a directory, glob or .jsonl file to prepare it from (or run `python data.py SOURCE "
-                            f"--out {data_dir}`)")
-        if mesh.master:
-            import prepare
-            mesh.print0(f"preparing {data_dir} from {prep} (once)")
-            if spec:
-                tokenizer, vocab_size = spec["tokenizer"], spec["base_vocab_size"]
-            prepare.prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or (),
-                            model_tokens=spec["extra_tokens"] if spec else ())
-        if mesh.backend:
-            torch.distributed.barrier()
+        import prepare
+        prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
     return data_dir
 
 
@@ -299,6 +285,30 @@ def load_meta(data_dir):
 # the loader
 
 
+def map_tokens(path, dtype, vocab_size):
+    """The token file `path` memory-mapped, once it is checked whole and every id is below vocab_size."""
+    redo = f"prepare the dataset again (`python data.py SOURCE --out {os.path.dirname(path)}`)"
+    size = os.path.getsize(path) if os.path.isfile(path) else None
+    if not size or size % dtype.itemsize:  # (numpy cannot map an empty file, and it holds no sequence)
+        raise UserError(f"{path} is missing: {redo}" if size is None else f"{path} has {size} bytes, not a multiple "
+                        f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is truncated or damaged; {redo}")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or a
+    # device assert on GPU): one pass over the mapped file, a second per GB
+    if int(tokens.max()) >= vocab_size:
+        raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says vocab_size {vocab_size}: "
+                        f"the file is damaged or from another dataset; {redo}")
+    return tokens
+
+
+def chat_mask(path, n_tokens):
+    """A chat dataset's loss mask beside its token file: one byte per token, 1 where the loss counts."""
+    mask_path = path[:-len(".bin")] + ".mask.bin"
+    if not os.path.exists(mask_path) or os.path.getsize(mask_path) != n_tokens:
+        raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the dataset again")
+    return np.memmap(mask_path, dtype=np.uint8, mode="r")
+
+
 class Loader:
     """Batches from one split of a prepared dataset.
 
@@ -319,29 +329,8 @@ class Loader:
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1):
         meta = load_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
-        redo = f"prepare the dataset again (`python data.py SOURCE --out {data_dir}`)"
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: {redo}")
-        dtype = np.dtype(meta["dtype"])  # one of TOKEN_DTYPES (load_meta)
-        if os.path.getsize(path) == 0:  # numpy cannot map it, and it holds no sequence
-            raise UserError(f"{path} is empty: {redo}")
-        if os.path.getsize(path) % dtype.itemsize:
-            raise UserError(f"{path} has {os.path.getsize(path)} bytes, not a multiple of {dtype.itemsize} "
-                            f"({dtype.name} tokens): the file is truncated or damaged; {redo}")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
-        # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or
-        # a device assert on GPU): one pass over the mapped file, a second per GB
-        top = int(self.tokens.max()) if len(self.tokens) else 0
-        if top >= meta["vocab_size"]:
-            raise UserError(f"{path} holds token id {top}, but meta.json says vocab_size {meta['vocab_size']}: "
-                            f"the file is damaged or from another dataset; {redo}")
-        self.mask = None
-        if meta.get("format") == "chat":
-            mask_path = os.path.join(data_dir, f"{split}.mask.bin")
-            if not os.path.exists(mask_path) or os.path.getsize(mask_path) != len(self.tokens):
-                raise UserError(f"{mask_path} is missing or not one byte per token of {path}: "
-                                f"prepare the dataset again")
-            self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+        self.tokens = map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
+        self.mask = chat_mask(path, len(self.tokens)) if meta.get("format") == "chat" else None
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         if self.n_chunks < 1:

@@ -35,15 +35,11 @@ class ModelConfig:
     grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
     neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see forward)
 
-    def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head_dim={self.n_embd // self.n_head} must be even for rotary embeddings")
-        if self.ffn_dim == 0:
-            self.ffn_dim = 32 * math.ceil(8 * self.n_embd / 3 / 32)
+    def __post_init__(self):  # (configurator.py's RULES say the same, with the fix, for the config)
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
+            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd "
+                             f"must be divisible by n_head, n_head divisible by n_kv_head, head_dim even (rotary)")
+        self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +88,20 @@ class KVCache:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def extend(self, k, v, mask):
+        """Attention.forward's keys and values (after RoPE) for T new tokens: appended, and
+        (keys, values, mask, is_causal) for SDPA over all the tokens so far."""
+        assert mask is None, "a KV cache is for generation, which has no document mask"
+        past, T = len(self), k.shape[2]
+        k, v = self.append(k, v)  # (B, n_kv_head, past + T, head_dim)
+        if not past:
+            return k, v, None, True
+        # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0; the new
+        # queries sit at past..past+T-1 and see every key up to their own position. One new
+        # token, the usual case, sees them all: no mask at all.
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=k.device).tril(diagonal=past) if T > 1 else None
+        return k, v, mask, False
+
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -105,35 +115,23 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         # mask: None (plain causal) or a boolean (B, 1, T, T), True where attending is allowed.
-        # cache: a KVCache holding the keys/values of the tokens before x (whose positions
-        # cos/sin continue), to which x's are appended; x's queries attend to all of them.
+        # cache: generation's KVCache of the tokens before x (KVCache.extend)
         B, T, C = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq, wk,
-        # wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
+        # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq,
+        # wk, wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
         n_head, n_kv_head = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
         q = q.view(B, T, n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
         k = k.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         is_causal = mask is None
-        if cache is not None:
-            assert mask is None, "a KV cache is for generation, which has no document mask"
-            past = len(cache)
-            k, v = cache.append(k, v)  # (B, n_kv_head, past + T, head_dim)
-            if past:
-                # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0;
-                # the new queries sit at past..past+T-1 and see every key up to their own
-                # position. One new token, the usual case, sees them all: no mask at all.
-                is_causal = False
-                if T > 1:
-                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        if n_kv_head != n_head:
-            # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
+        if cache is not None:  # generation (sample.py): the earlier tokens' keys and values too
+            k, v, mask, is_causal = cache.extend(k, v, mask)
+        if n_kv_head != n_head:  # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-        # on CUDA with bf16 this dispatches to flash attention (without a mask); on CPU to the
-        # math/flash-cpu kernel
+        # on CUDA with bf16 this dispatches to flash attention (without a mask); on CPU to flash-cpu
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
@@ -167,17 +165,15 @@ class Block(nn.Module):
 def param_seed(seed, name):
     """The seed of parameter `name`'s own generator: a weight's initial value depends on the
     run's seed and its name only, not on which other weights this process builds (a pipeline
-    stage, a shard) or in what order. 32 bits: torch's CPU generator (mt19937) keeps only the
-    low 32 bits of a seed, so (seed << 32) ^ crc32(name), LoRA's first recipe, ignored the seed."""
+    stage, a shard) or in what order. 32 bits: all torch's CPU generator keeps of a seed."""
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
 def init_tensor(name, shape, n_layer, seed):
-    """The initial value of parameter `name` (a float32 CPU tensor of the full `shape`), drawn
-    on the CPU so every device and layout gets the same bits. GPT-2 style: N(0, 0.02)
-    everywhere, norms 1, and the two projections that write into the residual stream (wo,
-    w2) scaled by 1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth.
-    A rank that holds a slice of the parameter draws it whole and keeps its slice (train.py)."""
+    """The initial value of parameter `name` (a float32 CPU tensor of the full `shape`: a rank
+    that holds a slice draws it whole), the same bits on every device and layout. GPT-2 style:
+    N(0, 0.02), norms 1, and the projections into the residual stream (wo, w2) scaled by
+    1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device="cpu")
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight")) else 0.02
@@ -225,23 +221,18 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed=None):
-        """Every parameter from init_tensor: its own generator, seeded by (seed, its name).
-        seed None: torch.initial_seed(), so `torch.manual_seed(s); Transformer(cfg)` is the model
-        that train.py starts with seed=s, whatever the layout."""
+        """Every parameter from init_tensor, seeded by (seed, its name); seed None: torch.initial_seed(),
+        so `torch.manual_seed(s); Transformer(cfg)` is train.py's model for seed=s on any layout."""
         seed = torch.initial_seed() if seed is None else seed
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None, chunk=None):
-        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab) (under tensor
-        parallelism this rank's vocabulary slice), loss or None): the loss is the mean
-        cross-entropy over the target positions where loss_mask is 1 (all without a mask).
-        doc_ids: the document of each position of a packed row; with it a position attends
-        only within its own document (rotary positions stay those of the row).
-        cache: {layer name: KVCache} (generate's): idx continues the tokens the caches hold.
-        A pipeline stage (pipeline.py) may lack the embedding (idx: the previous stage's hidden
-        states) or the head (returns its hidden states); chunk=c runs an interleaved stage's
-        c-th chunk of layers."""
+        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab), loss or None):
+        the mean cross-entropy over the targets where loss_mask is 1 (all without a mask).
+        doc_ids: each position's document in a packed row (attention stays inside it).
+        cache: generate's {layer name: KVCache}. A pipeline stage may lack the embedding or the
+        head, and chunk=c runs an interleaved stage's c-th chunk of layers (pipeline.py)."""
         T = idx.shape[1]
         start = len(next(iter(cache.values()))) if cache else 0  # the position of idx[:, 0]
         if start + T > self.cfg.block_size:
@@ -252,9 +243,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
             if self.training and self.cfg.neftune_alpha > 0:
-                # NEFTune (Jain et al. 2023, arXiv:2310.05914): uniform noise on the embeddings,
-                # scaled by alpha / sqrt(T * n_embd) so its norm does not grow with T or width;
-                # it regularises fine-tuning. Training only: eval and generation are untouched.
+                # NEFTune (arXiv:2310.05914): uniform noise, its norm independent of T and width
                 scale = self.cfg.neftune_alpha / math.sqrt(T * self.cfg.n_embd)
                 x = x + torch.empty_like(x).uniform_(-1, 1) * scale
             x = self.drop(x)
@@ -276,11 +265,9 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self):
-        """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B: 6 per
-        weight that takes part in a matmul (the embedding lookup is not a matmul; a tied
-        table is counted once, as the head), plus the attention scores and values
-        12 * n_layer * n_embd * T at full length T = block_size. A frozen weight (LoRA's
-        base) costs 4, not 6: backward still takes its input's gradient (2) but not its own."""
+        """Training FLOPs per token, PaLM appendix B: 6 per weight in a matmul (not the embedding
+        lookup; a tied table once, as the head; a frozen weight 4: no gradient of its own), plus
+        the attention scores and values, 12 * n_layer * n_embd * block_size."""
         emb = self.tok_embeddings.weight
         matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
         n = sum((6 if p.requires_grad else 4) * p.numel() for p in matmul)

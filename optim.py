@@ -179,13 +179,11 @@ def sharded_orthogonalize(mesh, dtype):
 
 
 def build_optimizer(raw_model, model, mesh, c, zero=False):
-    """The optimizer over what trains (all of it, or LoRA's adapters: no state for frozen
-    weights), weight decay on 2-D weights only, and the gradients that clipping measures and
-    the step uses: the model's, or (ZeRO) this rank's slices of them. optim=muon: Muon for the
-    layers' matrices (a stage's, with pp), AdamW for the embedding, head and gains; the token
-    embedding's rate is embed_lr_scale times the rest (a row learns only when its token appears).
-    LoRA's adapters train with AdamW under optim=muon too: a rank-r factor is no weight matrix
-    whose update Muon's scaling is made for (and B starts at zero)."""
+    """(The optimizer over what trains, the parameters whose gradients clipping measures: the
+    model's, or with ZeRO this rank's slices). Weight decay on 2-D weights only; optim=muon:
+    Muon for the layers' matrices, AdamW for the embedding (at embed_lr_scale x the rate: a
+    row learns only when its token appears), head and gains, and for LoRA's adapters (a rank-r
+    factor is no weight matrix whose update Muon's scaling is made for)."""
     trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     lora = len(trains) < len(list(raw_model.parameters()))  # a frozen base: LoRA
     if c["optim"] == "muon" and lora:
@@ -220,8 +218,7 @@ def build_optimizer(raw_model, model, mesh, c, zero=False):
 def get_lr(it, c):
     """Linear warmup to learning_rate, then down to min_lr at lr_decay_iters (flat after it):
     a cosine from the end of warmup, or (wsd) flat until the last cooldown_frac of the
-    iterations and a straight line down in them. WSD's loss stays high while the rate is
-    high and falls in the cooldown; it lets a run be extended by moving the cooldown."""
+    iterations and a straight line down in them (a run can be extended by moving the cooldown)."""
     lr, min_lr, warmup = c["learning_rate"], c["min_lr"], c["warmup_iters"]
     decay = c["lr_decay_iters"] or c["max_iters"]
     if it < warmup:

@@ -90,8 +90,7 @@ def pick_device(device):
 
 def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1):
     """The Mesh of this process: one process (no torchrun) is a grid of one and starts no
-    process group; under torchrun, start_process_group. (configurator.validate has checked
-    that pp x tp divides the world.)"""
+    process group; under torchrun, start_process_group."""
     dev = pick_device(device)
     if backend == "nccl" and dev.type != "cuda":
         raise UserError(f"backend=nccl needs CUDA tensors but device is {dev.type}: use backend=gloo (or auto)")
@@ -267,9 +266,8 @@ def wait_grad_sync(model):
 
 
 def all_reduce_named(values, mesh):
-    """{name: sum over all ranks} for {name: a number, bool or tensor}: one all-reduce (in
-    float64) for all of them, so the loop pays one collective per step for everything the
-    ranks must agree on."""
+    """{name: sum over all ranks} for {name: a number, bool or tensor}: one all-reduce (float64)
+    for all of them, one collective per step for everything the ranks must agree on."""
     parts = {k: torch.as_tensor(v, dtype=torch.float64).to(mesh.device).reshape(-1) for k, v in values.items()}
     flat = all_reduce_sum(torch.cat(list(parts.values())), mesh)
     out, at = {}, 0
@@ -310,9 +308,8 @@ def memory_line(model, optimizer, mesh, zero, fsdp, offload):
 
 
 def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
-    """FLOP/s of a square matmul on this device: the achievable peak that MFU is measured
-    against when peak_flops is not given (on CPU, float32; nobody publishes a number for
-    your laptop)."""
+    """FLOP/s of a square matmul on this device: the peak that MFU is measured against when
+    peak_flops is not given (nobody publishes one for your laptop's CPU)."""
     g = torch.Generator(device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
     a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
     b = torch.rand(n, n, device=device, dtype=dtype, generator=g)

@@ -343,6 +343,27 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     return meta
 
 
+def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
+    """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
+    from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (data.model_spec:
+    the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
+    its last id."""
+    prep = prep or ("stdlib" if source == "stdlib" else "")
+    if not prep:
+        raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
+                        f"a directory, glob or .jsonl file to prepare it from (or run `python data.py SOURCE "
+                        f"--out {data_dir}`)")
+    if mesh.master:
+        mesh.print0(f"preparing {data_dir} from {prep} (once)")
+        if spec:
+            tokenizer, vocab_size = spec["tokenizer"], spec["base_vocab_size"]
+        prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or (),
+                model_tokens=spec["extra_tokens"] if spec else ())
+    if mesh.backend:
+        import torch.distributed
+        torch.distributed.barrier()
+
+
 # ---------------------------------------------------------------------------------------
 
 def main():

@@ -57,46 +57,48 @@ def _regular_or_absent(path, fix):
 
 
 def lock_out_dir(out_dir):
-    """Makes this process the only run writing to out_dir (two at once would interleave
-    metrics and overwrite each other's checkpoints): an exclusive flock on out_dir/.lock, held
-    until the process exits; the kernel releases it when the process dies, however it dies.
-    The file names the holder (host, pid) for the message another run gets. The lock file,
-    config.json, metrics.jsonl and ckpt/latest must be plain files (never followed links).
-    Then removes the temporary directories of killed saves. Rank 0 calls it. Returns the
-    descriptor."""
-    if os.path.join(out_dir, ".lock") in _held_locks:  # this process holds it already
-        return _held_locks[os.path.join(out_dir, ".lock")]
-    if not os.path.isdir(out_dir):
-        try:
-            os.makedirs(out_dir)
-        except OSError as e:
-            raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
-        _made.append(out_dir)
+    """Makes this process (rank 0) the only run writing to out_dir: an exclusive flock on
+    out_dir/.lock, held until the process exits (the kernel releases it however it dies), the
+    file naming the holder for another run's message. Returns the descriptor."""
     path = os.path.join(out_dir, ".lock")
-    fix = "remove it (or pick another out_dir)"
-    for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
-        _regular_or_absent(os.path.join(out_dir, name), fix)
-    if os.path.islink(os.path.join(out_dir, "ckpt")):
-        raise UserError(f"{out_dir}/ckpt is a symbolic link, not a directory this trainer made: {fix}")
-    existed = os.path.exists(path)
+    if path in _held_locks:  # this process holds it already
+        return _held_locks[path]
+    existed = os.path.isdir(out_dir)
+    _check_existing(out_dir) if existed else _make(out_dir)
+    made = not os.path.lexists(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot open {path} ({e.strerror or e}): {fix}") from None
-    if not existed:
-        _made.append(path)
-    try:
+        _made.extend([path] if made else [])
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        _refuse_busy(fd, path, out_dir, e)
+        _refuse_busy(fd if made or "fd" in locals() else None, path, out_dir, e)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
     except OSError as e:
         raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
     _held_locks[path] = fd
-    clean_stale(out_dir)
+    if existed:
+        clean_stale(out_dir)
     return fd
+
+
+def _make(out_dir):
+    try:
+        os.makedirs(out_dir)
+    except OSError as e:
+        raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
+    _made.append(out_dir)
+
+
+def _check_existing(out_dir):
+    """A directory that was there before this run: the lock file, config.json, metrics.jsonl
+    and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
+    fix = "remove it (or pick another out_dir)"
+    for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
+        _regular_or_absent(os.path.join(out_dir, name), fix)
+    if os.path.islink(os.path.join(out_dir, "ckpt")):
+        raise UserError(f"{out_dir}/ckpt is a symbolic link, not a directory this trainer made: {fix}")
 
 
 def _refuse_busy(fd, path, out_dir, e):
@@ -169,10 +171,9 @@ def read_metrics(path):
 
 
 def truncate_metrics(path, upto):
-    """Keep exactly the history up to a checkpoint at iteration `upto`: lines written after it
-    (by a run that crashed, or before a rollback) are dropped, because those iterations are
-    computed and logged again. (A train line's "iter" k is step k, the (k+1)-th; a val
-    line's "iter" k comes after k steps.) Rank 0 calls it."""
+    """Keeps exactly the history up to a checkpoint at iteration `upto`: lines written after it
+    (a crashed run's, or before a rollback) are computed and logged again. (A train line's
+    "iter" k is step k, the (k+1)-th; a val line's "iter" k comes after k steps.)"""
     old = []
     if upto and os.path.exists(path):
         old = read_metrics(path)  # a torn last line (killed mid-append) is dropped
@@ -203,6 +204,24 @@ def set_rng_states(state, mesh, meta):
     torch.set_rng_state(state["rng_cpu"][k * saved_tp])
     if mesh.device.type == "cuda" and "rng_cuda" in state:
         torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
+
+
+def resume_state(src, mesh):
+    """(1) Where the run in out_dir stopped: (its iteration, its wandb run id, its known bad
+    iterations), and this rank's random streams restored from src's checkpoint."""
+    set_rng_states(src.state, mesh, src.meta)
+    mesh.print0(f"resumed from {src.path} at iteration {src.meta['iter']}")
+    return src.meta["iter"], src.meta.get("wandb_id"), set(src.meta.get("skip_iters", []))
+
+
+def start_wandb(config, out_dir, project, name, run_id):
+    """Starts the Weights & Biases run `run_id` (or continues it: resume="allow"); returns its id."""
+    import uuid
+    import wandb
+    run_id = run_id or uuid.uuid4().hex[:8]
+    wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
+               config=config, dir=out_dir)
+    return run_id
 
 
 def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action):
@@ -246,10 +265,16 @@ class Source:
 
 def weights_source(out_dir, init_from, mesh):
     """The Source of this run's weights, first match wins: (1) out_dir's own newest intact
-    checkpoint (corrupt ones are reported and skipped); (2) init_from= another run of ours;
-    (3) init_from= a Hugging Face LLaMA directory (its files checked, no weights read yet);
-    (4) fresh."""
+    checkpoint; (2) init_from= another run of ours; (3) init_from= a Hugging Face LLaMA
+    directory; (4) fresh."""
     saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)  # rank 0's view decides
+    if not saved and init_from in ("auto", "scratch"):                     # (4), nothing saved here
+        return Source("fresh")
+    return _found_source(out_dir, init_from, mesh, saved)
+
+
+def _found_source(out_dir, init_from, mesh, saved):
+    """weights_source where out_dir holds checkpoints or init_from names where to start."""
     ckpt = checkpoint.find(out_dir, mesh, warn=mesh.print0) if saved else None
     check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has no checkpoint: use "
                                                         f"init_from=auto (or scratch), or the out_dir of the run to "

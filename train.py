@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-import uuid
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -26,7 +25,7 @@ import configurator
 import data
 import parallel
 import rundir
-import sample
+import workarounds
 from model import ModelConfig, Transformer, grow_vocab
 from optim import build_optimizer, get_lr, schedule_note
 
@@ -144,7 +143,6 @@ if mesh.device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 elif mesh.device.type == "cpu":
-    import workarounds
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
 if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
@@ -154,7 +152,6 @@ if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock i
 src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
 if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
-    import workarounds
     workarounds.exit_now()
 spec = None if src.kind == "fresh" else data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
 
@@ -208,11 +205,9 @@ if whole_first and src.kind in ("hf", "run"):  # (2), (3): read the whole model
     rundir.load_whole_into(raw_model, src)
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
-if model_cfg.vocab_size < meta["vocab_size"]:
-    # vocabulary expansion: the data has tokens the model has never seen (extra and chat tokens)
+if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model has never seen (extra, chat tokens)
     mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
-    grow_vocab(raw_model, meta["vocab_size"])
-    model_cfg = raw_model.cfg
+    model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
             f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else ""))
@@ -291,29 +286,23 @@ def evaluate(val_loader):
 
 # ---- run state, logging, checkpoints --------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
+torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
 start_iter, run_id, skip_iters = 0, None, set()  # skip_iters: batches that gave non-finite values (see rollback)
-if src.kind == "resume":
-    start_iter, run_id = src.meta["iter"], src.meta.get("wandb_id")
-    skip_iters = set(src.meta.get("skip_iters", []))
-    rundir.set_rng_states(src.state, mesh, src.meta)
-    mesh.print0(f"resumed from {src.path} at iteration {start_iter}")
-else:
-    torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
+if src.kind == "resume":  # (1) the iteration, the random streams, the wandb run and the known bad batches
+    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh)
 if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
     rundir.lock_out_dir(out_dir)
     rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
-    if wandb_log:
-        import wandb
-        run_id = run_id or uuid.uuid4().hex[:8]  # kept in checkpoints: a resumed run logs to the same wandb run
-        wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
-                   id=run_id, resume="allow", config=config, dir=out_dir)
+    if wandb_log:  # Weights & Biases: rundir.py (the id is kept in checkpoints: a resumed run logs to the same one)
+        run_id = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
 
 
 def log(record):
     if mesh.master:
         rundir.append_metrics(metrics_path, record)
         if wandb_log:
+            import wandb
             wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
@@ -447,6 +436,7 @@ saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` 
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
 if mesh.master and wandb_log:
+    import wandb
     wandb.finish()
 whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
@@ -464,9 +454,9 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
                          data.tokenizer_from_meta(meta), export_shard_mb)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
     if sample_tokens > 0:
+        import sample
         text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
         print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
 if mesh.backend:
-    import workarounds
     workarounds.exit_now()  # all is written and the process group is gone: not through the interpreter's
                             # shutdown, where gloo's worker threads can abort a finished run (SIGABRT)

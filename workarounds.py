@@ -2,8 +2,12 @@
 Machine-specific workarounds, named as such so that a reader can skip them and a fork can
 drop them: neither changes what is computed.
 
-- keep_freed_memory: glibc's malloc hands each step's large CPU tensors back to the OS and
-  page-faults them in again (~7% of a CPU step of the default job).
+- keep_freed_memory: glibc's malloc serves a block over its mmap threshold (128 KB at first)
+  with a fresh mmap and returns it to the OS when it is freed, so every step's logits, softmax
+  and their gradients (512 x 8192 floats = 16 MB each in the default job) arrive as untouched
+  pages that the kernel faults in and zeroes one 4 KB page at a time: ~6,600 page faults per
+  step, measured ~7% of the default job's time. Fixing the threshold (32 MB, the most glibc
+  allows on 64-bit) and raising the trim threshold lets the heap keep and reuse those blocks.
 - exit_now: gloo's worker threads can abort the interpreter's shutdown of a finished run.
 """
 
@@ -13,15 +17,8 @@ import sys
 
 
 def keep_freed_memory(mmap_mb=32):
-    """CPU runs on Linux: keep freed tensor memory in the process instead of handing it back.
-
-    glibc's malloc serves a block over its mmap threshold (128 KB at first) with a fresh mmap and
-    returns it to the OS when it is freed, so every step's logits, softmax and their gradients
-    (512 x 8192 floats = 16 MB each in the default job) arrive as untouched pages that the kernel
-    faults in and zeroes one 4 KB page at a time: ~6,600 page faults per step, measured ~7% of
-    the default job's time. Fixing the threshold at `mmap_mb` (the most glibc allows on 64-bit)
-    and raising the trim threshold lets the heap keep and reuse those blocks. Returns whether it
-    took (False where the C library is not glibc: macOS, musl)."""
+    """CPU runs on Linux: keep freed tensor memory in the process instead of handing it back
+    (above). Returns whether it took (False where the C library is not glibc: macOS, musl)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
