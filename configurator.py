@@ -181,9 +181,6 @@ RULES = [
 REFUSALS = [
     ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
      "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
-    ("tie_embeddings with pp and zero", lambda c, o: c["pp"] > 1 and c["tie_embeddings"] and c["zero"],
-     "tie_embeddings=True with pp > 1 and zero={zero}: the tied weight's two copies (first and last stage) are "
-     "sliced differently by each stage's ZeRO buckets, so their gradients cannot be summed; use fsdp=True or zero=0"),
     ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
      "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
      "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),

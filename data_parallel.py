@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline import tied_copy
+
 # ---------------------------------------------------------------------------------------
 # data parallel, by hand
 #
@@ -100,7 +102,12 @@ class DataParallel(DataParallelBase):
         # buckets in reverse registration order, which is roughly the order backward finishes them
         cap = bucket_mb * 2 ** 20
         self.buckets, current = [], []
+        tied = tied_copy(getattr(module, "_orig_mod", module))
         for p in reversed(self.params):
+            if p is tied:  # a bucket of its own: ZeRO then slices it alike on the first and the last stage
+                self.buckets += [Bucket(current), Bucket([p])] if current else [Bucket([p])]
+                current = []
+                continue
             current.append(p)
             if sum(q.numel() * q.element_size() for q in current) >= cap:
                 self.buckets.append(Bucket(current))

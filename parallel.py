@@ -353,7 +353,7 @@ def sum_over_shards(params, mesh, sharded=False):
     sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
     for p in params:
         s = _local(p.grad).float().pow(2).sum()
-        if getattr(p, "_tied_copy", False):  # tied embeddings across stages: the embedding's gradient again
+        if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
         if hasattr(p, "_tp_dim"):
             sq_tp += s

@@ -484,13 +484,24 @@ def tied_group(mesh):
     return mine
 
 
-def all_reduce_tied(model):
+def tied_copy(module):
+    """This stage's copy of the tied embeddings (the embedding on the first stage, the head on
+    the last), or None (a middle stage, or no tie)."""
+    if getattr(module, "tied_group", None) is None:
+        return None
+    return module.tok_embeddings.weight if module.tok_embeddings is not None else module.output.weight
+
+
+def all_reduce_tied(model, params):
     """Sums the tied weight's gradient over the first and the last stage (after the data-parallel
-    sync, before clipping); marks the last stage's copy so that the global norm counts it once."""
-    if getattr(model, "tied_group", None) is None:  # a middle stage
+    sync, before clipping): of `params`, what clipping measures, the tied weight, or under ZeRO
+    this rank's piece of it (sliced alike on both stages: data_parallel.py gives the weight a
+    bucket of its own). Marks the last stage's copy so that the global norm counts it once."""
+    p = tied_copy(model)
+    if p is None:  # a middle stage
         return
-    p = model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
     p._tied_copy = model.tok_embeddings is None
-    if p.grad is not None:  # None on both stages when the embedding is frozen (LoRA)
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP: both stages shard it alike
-        dist.all_reduce(grad, group=model.tied_group)
+    for t in params:
+        if getattr(t, "_whole", t) is p and t.grad is not None:  # None on both stages when frozen (LoRA)
+            grad = t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad  # FSDP: both stages shard it alike
+            dist.all_reduce(grad, group=model.tied_group)

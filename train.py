@@ -383,7 +383,7 @@ while True:
                                              pp_virtual)
     parallel.wait_grad_sync(model)  # the last buckets' all-reduces may still be in flight
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
-        pipeline.all_reduce_tied(raw_model)
+        pipeline.all_reduce_tied(raw_model, grad_params)
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
     # / dp; tp ranks hold the same loss tp times), the stop flag, the ranks whose async save is written
     totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,

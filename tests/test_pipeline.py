@@ -221,7 +221,9 @@ def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_proc
     """tie_embeddings with pp=2 (embedding on stage 0, head on stage 1: their gradients summed
     every step, the norm counting the weight once) under interleaved 1F1B with fsdp over dp=2
     reproduces the single process; its checkpoint holds one optimizer entry for the tied
-    weight and resumes into one process, which ends on the single-process curve."""
+    weight and resumes into one process, which ends on the single-process curve. So do
+    ZeRO-1 (interleaved) and ZeRO-2 (1F1B), where each stage's copy is a bucket of its own
+    and the sum runs over this rank's slice; the clip is active (REFERENCE's grad_clip=0.5)."""
     import checkpoint
     run = [*REFERENCE, f"dataset={dataset}", "tie_embeddings=True", "ckpt_interval=4", "lr_decay_iters=8"]
     single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
@@ -232,6 +234,14 @@ def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_proc
     assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
     conftest.run_train([*run, f"out_dir={multi}"], cwd=tmp_path)  # resumes at 4 in one process
     assert_same_curve(read_metrics(single), read_metrics(multi), rtol=1e-5)
+    assert max(r["grad_norm"] for r in read_metrics(single) if "grad_norm" in r) > 0.5  # the clip clips
+    for name, layout in (("zero1", ["zero=1", "pp_schedule=interleaved", "pp_virtual=2", "pp_layers=1,1,1,1"]),
+                         ("zero2", ["zero=2"])):
+        out = str(tmp_path / name)
+        torchrun(4, [*run, f"out_dir={out}", "pp=2", *layout], cwd=tmp_path)
+        keys = checkpoint.read_dcp_metadata(f"{out}/ckpt/iter_0000008").state_dict_metadata
+        assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
+        assert_same_curve(read_metrics(single), read_metrics(out), rtol=1e-5)
 
 
 def test_a_tied_hugging_face_model_across_stages(dataset, tmp_path):

@@ -213,7 +213,6 @@ MISTAKES = {
     # under torchrun with 2 processes (WORLD_SIZE=2): the layout is checked before the process group
     "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
     "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
-    "4: pp=2 tie_embeddings=True zero=1": "tie_embeddings=True with pp > 1 and zero=1",
     "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe, interleaved",
     "2: pp=2 pp_schedule=interleaved": "interleaved 1F1B needs pp > 1 and pp_virtual >= 2",
     "2: pp=2 pp_virtual=2 pp_schedule=interleaved": "pp=2 x pp_virtual=2 virtual stages but only n_layer=2 layers",
