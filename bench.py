@@ -52,6 +52,10 @@ memory2d: the 2D layouts at 4 ranks beside tp=2 and fsdp=4 (and one process): pe
         on dp=4, zero=2 (4 ranks), fsdp=4, tp=2 (x dp=2) and tp=2 x fsdp=2: the Newton-Schulz
         FLOPs each rank does per step (its share of the whole) and the ms that
         orthogonalizing takes (gathering, the Newton-Schulz steps, sharing the results).
+head:   the output head + cross-entropy alone, forward and backward, at vocab 8k, 32k and 128k
+        (train.py's micro-batch of rows, its width): all logits at once (loss_chunk=0) against
+        model.ChunkedCrossEntropy (loss_chunk=128), ms and the peak memory above the inputs
+        (CUDA: max allocated; CPU: max RSS), each row in a fresh process.
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
@@ -82,7 +86,7 @@ import tensor_parallel
 import workarounds
 import zero
 from lora import apply_lora
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, cross_entropy_losses
 from parallel import measure_matmul_flops
 
 # the default model and batch of train.py, read from its defaults block
@@ -835,6 +839,57 @@ def table_race(recipes=None):
               flush=True)
 
 
+def head_row(vocab, chunk):
+    """Head + loss forward and backward on train.py's micro-batch of rows (batch_size x
+    block_size) at its width: median ms, and the peak memory above the inputs' in MB."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    rows, width = TRAIN["batch_size"] * TRAIN["block_size"], TRAIN["n_embd"]
+    h = torch.randn(1, rows, width, generator=g).to(device).requires_grad_()
+    head = torch.nn.Linear(width, vocab, bias=False).to(device)
+    y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    h.grad, head.weight.grad = torch.zeros_like(h), torch.zeros_like(head.weight)  # the gradients exist in both
+    step = lambda: cross_entropy_losses(h, head, y, chunk).mean().backward()  # noqa: E731
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    else:  # the first step in this fresh process (later ones may reuse memory the heap kept): its peak RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux)
+        before = vm_kb("VmRSS")
+        step()
+        peak = (vm_kb("VmHWM") - before) / 1024
+    times = []
+    for _ in range(WARMUP + ITERS):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000, "peak_mb": peak}
+
+
+def vm_kb(field):
+    """This process's VmRSS or VmHWM (peak RSS) from /proc/self/status, in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def table_head(vocabs=(8192, 32768, 131072), chunk=128):
+    rows, width = TRAIN["batch_size"] * TRAIN["block_size"], TRAIN["n_embd"]
+    print(f"\n## head + loss: {rows} rows (batch_size x block_size) of width {width}, forward and backward, median of "
+          f"{ITERS}; all logits at once vs chunks of {chunk} rows (model.ChunkedCrossEntropy)")
+    print(f"{'vocab':>7} | {'logits':>9} | {'whole ms':>8} | {'chunked ms':>10} | {'whole peak':>10} | "
+          f"{'chunked peak':>12}")
+    print("-" * 72)
+    for v in vocabs:
+        whole, chunked = in_subprocess("head", vocab=v, chunk=0), in_subprocess("head", vocab=v, chunk=chunk)
+        print(f"{v:7,} | {rows * v * 4 / 2 ** 20:6.0f} MB | {whole['ms']:8.1f} | {chunked['ms']:10.1f} | "
+              f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
+
+
 BUILD_MODEL = {**MODEL, "n_layer": 16, "n_embd": 256}  # deeper and wider: the layers outweigh embedding and head
 
 
@@ -998,8 +1053,8 @@ def table_reading(functions=False):
 TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": table_tp, "memory": table_memory,
           "memory2d": table_memory2d,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
-          "race": table_race, "reading": table_reading}
-ROWS = {"single": single_row, "lora": lora_row}
+          "race": table_race, "reading": table_reading, "head": table_head}
+ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--row":

@@ -147,7 +147,7 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
               "pp_virtual")
-NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
+NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
                 "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
                 "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),

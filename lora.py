@@ -67,6 +67,13 @@ class LoRALinear(nn.Module):
             return y
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
+    def pairs(self, x):
+        """[(input, weight), ...] whose products add up to forward(x): the base's, and the adapter
+        path's (s A x, B) unless merged (model.ChunkedCrossEntropy on a LoRA head)."""
+        if self.merged:
+            return [(x, self.weight)]
+        return [(x, self.weight), (self.lora_A(self.lora_dropout(x)) * self.scaling, self.lora_B.weight)]
+
     @torch.no_grad()
     def merge(self):
         """W <- W + (alpha / r) B A: one matmul per call again, for inference or export."""

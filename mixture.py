@@ -279,28 +279,27 @@ def compact(by_source):
 
 
 class SourceLosses:
-    """Each source's (token-loss sum, target tokens) in a training step. The model returns a
-    micro-batch's mean loss; the loss per source needs each sequence's token sum. A forward
-    hook on the model (on the last pipeline stage: the one with the logits) recomputes them
-    from the logits of every training forward, so the plain loop and the pipeline schedules
-    run unchanged; they run the forwards in micro-batch order, so the k-th row block is
+    """Each source's (token-loss sum, target tokens) in a training step. The model returns each
+    target's loss beside a micro-batch's mean; the loss per source needs each sequence's token
+    sum. A forward hook on the model (on the last pipeline stage: the one with the head) sums
+    them in every training forward, so the plain loop and the pipeline schedules run
+    unchanged; they run the forwards in micro-batch order, so the k-th row block is
     micro-batch k's. sums() hands this step's rows over, summed per source. Under tensor
-    parallel the logits are a vocabulary slice and the per-token losses come from the
-    vocabulary-parallel cross-entropy (its row max and sums all-reduced over the tp group):
-    every tp rank holds the same sums, so the all-reduced totals count each tp times, and
-    their ratio, the per-source loss, is unchanged."""
+    parallel the per-token losses come from the vocabulary-parallel cross-entropy (its row
+    max and sums all-reduced over the tp group): every tp rank holds the same sums, so the
+    all-reduced totals count each tp times, and their ratio, the per-source loss, is unchanged."""
 
     def __init__(self, model, n_sources, mesh):
         self.rows, self.n, self.device = [], n_sources, mesh.device
         model.register_forward_hook(self.record)
 
     def record(self, module, args, output):
-        logits, loss = output
+        losses, loss = output  # with targets: each target's loss (B, T), and their mean
         if not module.training or loss is None:
             return
-        targets, loss_mask = args[1], args[2] if len(args) > 2 else None
-        with torch.no_grad():  # the model's own loss per token (under tp: from its vocabulary slice of the logits)
-            ce = module.loss_fn(logits.detach().float(), targets, reduction="none").double()
+        loss_mask = args[2] if len(args) > 2 else None
+        with torch.no_grad():
+            ce = losses.detach().double()
             m = torch.ones_like(ce) if loss_mask is None else loss_mask.double()
             self.rows.append(torch.stack([(ce * m).sum(1), m.sum(1)], dim=1))
 

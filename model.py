@@ -34,6 +34,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
     neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see forward)
+    loss_chunk: int = 0        # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
 
     def __post_init__(self):  # (configurator.py's RULES say the same, with the fix, for the config)
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
@@ -205,9 +206,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # the loss from (logits, targets, mask); tensor parallelism swaps in one that works on
-        # vocabulary slices of the logits (parallel.vocab_parallel_cross_entropy)
-        self.loss_fn = masked_cross_entropy
+        # each target's loss from (final hidden states, head, targets, chunk); tensor parallelism
+        # swaps in one that works on a vocabulary slice (tensor_parallel.vocab_parallel_losses)
+        self.loss_fn = cross_entropy_losses
         self.init_rope()
         if not self.norm.weight.is_meta:  # on the meta device there is nothing to fill (train.py fills the shards)
             self.init_weights()
@@ -228,8 +229,8 @@ class Transformer(nn.Module):
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None, chunk=None):
-        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab), loss or None):
-        the mean cross-entropy over the targets where loss_mask is 1 (all without a mask).
+        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab), None) without
+        targets; with them (each target's cross-entropy (B, T), their mean where loss_mask is 1).
         doc_ids: each position's document in a packed row (attention stays inside it).
         cache: generate's {layer name: KVCache}. A pipeline stage may lack the embedding or the
         head, and chunk=c runs an interleaved stage's c-th chunk of layers (pipeline.py)."""
@@ -257,9 +258,11 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, mask, cache[name] if cache else None)
         if self.output is None or (chunk is not None and chunk < len(self.chunks) - 1):
             return x, None
-        logits = self.output(self.norm(x)).float()  # (B, T, vocab)
-        loss = None if targets is None else self.loss_fn(logits, targets, loss_mask)
-        return logits, loss
+        h = self.norm(x)
+        if targets is None:  # generation, inference: the logits (B, T, vocab)
+            return self.output(h).float(), None
+        losses = self.loss_fn(h, self.output, targets, self.cfg.loss_chunk)  # (B, T)
+        return losses, masked_mean(losses, loss_mask)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -337,14 +340,93 @@ def grow_vocab(model, new_vocab_size):
     return model
 
 
-def masked_cross_entropy(logits, targets, loss_mask=None, reduction="mean"):
-    """Mean cross-entropy over positions whose mask is 1; without a mask, over all of them.
-    reduction='none': each position's, (B, T), mask not applied (the per-source losses' input)."""
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    if reduction == "none":
-        return loss.view(targets.shape)
+def masked_mean(losses, loss_mask=None):
+    """The mean of losses (B, T) over the positions whose mask is 1; without a mask, over all."""
     if loss_mask is None:
-        return loss.mean()
-    mask = loss_mask.flatten().to(loss.dtype)
-    # clamp: a micro-batch with no target tokens contributes 0, not NaN
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+        return losses.mean()
+    mask = loss_mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)  # clamp: no target tokens give 0, not NaN
+
+
+def cross_entropy_losses(h, head, targets, chunk=0):
+    """Each target's cross-entropy (B, T) under the logits head(h): all logits at once
+    (chunk=0: B x T x vocab floats), or ChunkedCrossEntropy's chunks of rows."""
+    if not chunk:
+        logits = head(h).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    pairs = [t for pair in head_pairs(head, h.flatten(0, 1)) for t in pair]
+    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, None, *pairs).view(targets.shape)
+
+
+def head_pairs(head, x):
+    """[(input, weight), ...] whose products input @ weight.T add up to head(x): the head's own
+    weight, and a LoRA head's adapter path too (lora.LoRALinear.pairs)."""
+    return head.pairs(x) if hasattr(head, "pairs") else [(x, head.weight)]
+
+
+def _logits(xs, ws, a, b):
+    """Rows a:b of the logits sum_i xs[i] @ ws[i].T, in float32."""
+    out = (xs[0][a:b] @ ws[0].T).float()
+    for x, w in zip(xs[1:], ws[1:]):
+        out += (x[a:b] @ w.T).float()
+    return out
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Each row's cross-entropy under logits = sum_i x_i @ w_i.T (the head), computed `chunk`
+    rows at a time, so that at most chunk x vocab logits exist at once (not rows x vocab: with
+    a 128k vocabulary the largest tensor of a step); backward recomputes each chunk's logits
+    (one more head matmul) instead of keeping them. apply(targets (N,), chunk, vocab, x_1, w_1,
+    x_2, w_2, ...) -> (N,). vocab: None (all of the vocabulary here), or (start, reduce_max,
+    reduce_sum) for a vocabulary slice from row `start` whose row maxima and sums the two
+    callables reduce in place over the other slices (tensor_parallel.vocab_parallel_losses)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, targets, chunk, vocab, *xw):
+        xs, ws = xw[0::2], xw[1::2]
+        local = targets - (vocab[0] if vocab else 0)
+        mine = (local >= 0) & (local < ws[0].shape[0])  # is the target's row in this slice?
+        local = local.masked_fill(~mine, 0)
+        lse = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)  # log-sum-exp per row
+        picked = torch.empty_like(lse)                                                 # the target's logit
+        for a in range(0, targets.shape[0], chunk):
+            b = min(a + chunk, targets.shape[0])
+            logits = _logits(xs, ws, a, b)  # (chunk, vocab)
+            picked[a:b] = logits.gather(1, local[a:b, None])[:, 0].masked_fill(~mine[a:b], 0.0)
+            if not vocab:
+                lse[a:b] = torch.logsumexp(logits, dim=-1)
+                continue
+            top = logits.max(dim=-1).values
+            vocab[1](top)
+            both = torch.stack([logits.sub_(top[:, None]).exp_().sum(-1), picked[a:b]])
+            vocab[2](both)
+            lse[a:b], picked[a:b] = top + both[0].log(), both[1]
+        valid = targets != -100  # F.cross_entropy's ignore_index: no loss, no gradient
+        ctx.save_for_backward(local, mine & valid, lse, valid, *xw)
+        ctx.chunk = chunk
+        return (lse - picked).masked_fill(~valid, 0.0)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad):
+        local, mine, lse, valid, *xw = ctx.saved_tensors
+        grad = grad * valid.to(grad.dtype)
+        xs, ws = xw[0::2], xw[1::2]
+        need = ctx.needs_input_grad[3:]
+        gx = [torch.zeros_like(x) if need[2 * i] else None for i, x in enumerate(xs)]
+        gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None for i, w in enumerate(ws)]
+        for a in range(0, local.shape[0], ctx.chunk):
+            b = min(a + ctx.chunk, local.shape[0])
+            g = _logits(xs, ws, a, b).sub_(lse[a:b, None]).exp_()  # softmax, minus 1 at the target, times grad
+            g[torch.arange(b - a, device=g.device), local[a:b]] -= mine[a:b].to(g.dtype)
+            g.mul_(grad[a:b, None])
+            for i, (x, w) in enumerate(zip(xs, ws)):
+                if gx[i] is not None:
+                    gx[i][a:b] = (g.to(w.dtype) @ w).to(x.dtype)
+                if gw[i] is not None and x.dtype == torch.float32:
+                    gw[i].addmm_(g.T, x[a:b])
+                elif gw[i] is not None:  # (a bf16 input under autocast: the matmul in bf16 too)
+                    gw[i] += (g.T.to(x.dtype) @ x[a:b]).float()
+        return (None, None, None, *(t for i in range(len(xs)) for t in (gx[i], None if gw[i] is None
+                                                                        else gw[i].to(ws[i].dtype))))

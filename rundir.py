@@ -344,7 +344,7 @@ def saved_shape(src, overrides, base_vocab, c, world):
               (key == "vocab_size" and overrides[key] == base_vocab),
               f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
               f"use a new out_dir")
-    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha")}
+    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,

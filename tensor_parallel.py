@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
+from model import ChunkedCrossEntropy, head_pairs
 
 # ---------------------------------------------------------------------------------------
 # tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
@@ -38,7 +39,7 @@ from configurator import UserError
 # recompute, which restores the shared stream, draws the same masks again.
 # The embedding is split by vocabulary rows (a rank looks up the ids it owns, zeros for the
 # others, and g sums them); the head by vocabulary columns, and the loss is computed from
-# the logit slices without gathering them (vocab_parallel_cross_entropy).
+# the logit slices without gathering them (vocab_parallel_losses).
 # model.py knows none of this: tensor_parallel() swaps each weight for its slice in place,
 # and the attention reads its local head counts from the shapes it holds. Every sharded
 # parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
@@ -128,17 +129,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, loss_mask=None, reduction="mean", start=0, group=None):
-    """model.masked_cross_entropy for logit slices (B, T, V / tp): the mean over the
-    positions whose mask is 1 (all without a mask), or (reduction='none') each position's,
-    (B, T); the same values on every tp rank, from the slices (never gathered)."""
-    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
-    if reduction == "none":
-        return loss.view(targets.shape)
-    if loss_mask is None:
-        return loss.mean()
-    mask = loss_mask.flatten().to(loss.dtype)
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None):
+    """model.cross_entropy_losses for a head that holds a vocabulary slice (rows from `start`):
+    each target's loss (B, T), the same on every tp rank, from the logit slices (never gathered):
+    all at once (VocabParallelCrossEntropy), or in chunks of rows (model.ChunkedCrossEntropy with
+    the row maxima and sums all-reduced over the tp group)."""
+    if not chunk:
+        logits = head(h)  # (its forward pre-hook is CopyToTP)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group).view(targets.shape)
+    h = CopyToTP.apply(h, group)  # what the head's pre-hook does when the head is called
+    vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+             lambda t: dist.all_reduce(t, group=group))
+    pairs = [t for pair in head_pairs(head, h.flatten(0, 1)) for t in pair]
+    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab, *pairs).view(targets.shape)
 
 
 def _shard(module, dim, mesh):
@@ -237,7 +240,7 @@ def tensor_parallel(model, mesh):
         else:
             _shard_linear(model.output, 0, mesh)
         model.output.register_forward_pre_hook(f)
-        model.loss_fn = partial(vocab_parallel_cross_entropy, start=start, group=group)
+        model.loss_fn = partial(vocab_parallel_losses, start=start, group=group)
     return model
 
 

@@ -68,6 +68,7 @@ ffn_dim = 0                     # SwiGLU hidden width (0: 8/3 * n_embd, rounded 
 dropout = 0.0
 tie_embeddings = False          # share the token embedding with the output head
 grad_ckpt = False               # activation checkpointing: recompute each block in backward
+loss_chunk = 0                  # the head and the loss in chunks of this many rows, never all logits (0: all at once)
 doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
 neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
 # LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
@@ -186,7 +187,8 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 # another run of ours; (3) init_from= a Hugging Face LLaMA directory; (4) fresh random weights.
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
-                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha)
+                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
+                        loss_chunk=loss_chunk)
 if src.saved is not None:  # the shape comes from there (an explicit key that disagrees is a mistake)
     model_cfg = rundir.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
 lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning

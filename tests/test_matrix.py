@@ -3,8 +3,11 @@ optimizer, full or LoRA, one source or a mixture) appears in at least one cell o
 set generated greedily below, and each cell, run by train.py on real gloo processes (4 at
 most), reproduces the single-process run of the same options to 1e-5 relative, loss, grad
 norm, val loss and per-source losses at every one of 8 iterations, with clipping active.
-Plus one checkpoint carried through the new layouts, and a check that the comparison fails
-for a run that differs.
+Every odd cell also computes its head and loss in chunks (loss_chunk=24: 128 rows per
+micro-batch in 6 chunks, the last short) against the single process's whole logits, so the
+chunked loss meets every layout, tp's vocabulary slices, LoRA's head, and the mixture's
+per-source sums. Plus one checkpoint carried through the new layouts, and a check that the
+comparison fails for a run that differs.
 
 `pytest -s tests/test_matrix.py -n 0` prints the cells and each one's worst relative difference."""
 
@@ -170,9 +173,12 @@ def test_cell_equals_the_single_process(i, ctx, tmp_path):
     want = single_run(cell, ctx)
     assert any(r.get("grad_norm", 0) > 0.05 for r in want), "the clip must clip"
     out = str(tmp_path / "run")
-    torchrun(world(cell), [*RUN, *options_args(cell, ctx), *layout_args(cell), f"out_dir={out}"], cwd=tmp_path)
+    chunked = ["loss_chunk=24"] if i % 2 else []
+    torchrun(world(cell), [*RUN, *options_args(cell, ctx), *layout_args(cell), *chunked, f"out_dir={out}"],
+             cwd=tmp_path)
     worst = worst_relative_difference(want, read_metrics(out))
-    print(f"\ncell {i:2d}: {name(cell):45s} {world(cell)} ranks: worst relative difference {worst:.1e}")
+    print(f"\ncell {i:2d}: {name(cell) + ('-chunked' if chunked else ''):53s} {world(cell)} ranks: worst relative "
+          f"difference {worst:.1e}")
     assert worst <= (RTOL_MUON if cell["optim"] == "muon" else RTOL), (name(cell), worst)
 
 

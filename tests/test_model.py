@@ -10,7 +10,8 @@ from model import (
     ModelConfig,
     apply_rope,
     grow_vocab,
-    masked_cross_entropy,
+    cross_entropy_losses,
+    masked_mean,
     rope_tables,
 )
 from optim import MuonWithAdamW, get_lr, newton_schulz
@@ -34,7 +35,9 @@ def test_loss_is_cross_entropy_and_mask_selects_targets():
     model = tiny()
     g = torch.Generator().manual_seed(2)
     idx, tgt = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
-    logits, loss = model(idx, tgt)
+    logits, _ = model(idx)
+    losses, loss = model(idx, tgt)
+    torch.testing.assert_close(losses, F.cross_entropy(logits.view(-1, 97), tgt.view(-1), reduction="none").view(2, 16))
     torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 97), tgt.view(-1)))
     mask = torch.zeros(2, 16, dtype=torch.long)
     mask[0, 3:7] = 1
@@ -48,7 +51,45 @@ def test_loss_is_cross_entropy_and_mask_selects_targets():
     torch.testing.assert_close(masked2, masked, rtol=0, atol=0)
     _, ones = model(idx, tgt, torch.ones(2, 16))
     torch.testing.assert_close(ones, loss)
-    assert masked_cross_entropy(logits, tgt, torch.zeros(2, 16)).item() == 0.0  # no targets: 0, not NaN
+    assert masked_mean(losses, torch.zeros(2, 16)).item() == 0.0  # no targets: 0, not NaN
+
+
+@pytest.mark.parametrize("head", ["plain", "tied", "lora"])
+def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
+    """ChunkedCrossEntropy (loss_chunk=5: chunks of 5 rows, the last one short) gives each
+    target's loss and every gradient of the whole-logits path: with a loss mask (SFT), token
+    weights (a weighted sum of two micro-batches), per-row losses (the mixture's per-source
+    sums), tied embeddings, and a LoRA head (its adapter path is a second (input, weight) pair)."""
+    import lora
+    g = torch.Generator().manual_seed(3)
+    idx, tgt = torch.randint(0, 97, (2, 2, 16), generator=g), torch.randint(0, 97, (2, 2, 16), generator=g)
+    mask = (torch.rand(2, 2, 16, generator=g) < 0.5).float()
+    runs = {}
+    for chunk in (0, 5):
+        torch.manual_seed(0)
+        model = tiny(tie_embeddings=head == "tied", loss_chunk=chunk)
+        if head == "lora":
+            lora.apply_lora(model, 4, 8.0, 0.0, ["wq", "output"], seed=1)
+            with torch.no_grad():  # B starts at zero: give the adapters a path that matters
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        per_row, total = [], 0
+        for k, w in enumerate((0.7, 0.3)):  # token weights of two micro-batches
+            losses, loss = model(idx[k], tgt[k], mask[k])
+            (loss * w).backward()
+            per_row.append(losses.detach())
+        runs[chunk] = (per_row, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (rows0, grads0), (rows5, grads5) = runs[0], runs[5]
+    for a, b in zip(rows0, rows5):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert grads0.keys() == grads5.keys() and ("output.lora_B.weight" in grads0) == (head == "lora")
+    for n in grads0:
+        torch.testing.assert_close(grads5[n], grads0[n], rtol=1e-5, atol=1e-6, msg=n)
+    h = torch.randn(2, 16, 8, generator=g)  # and the function on its own: a head that is a bare Linear
+    lin = torch.nn.Linear(8, 97, bias=False)
+    torch.testing.assert_close(cross_entropy_losses(h, lin, tgt[0], 7), cross_entropy_losses(h, lin, tgt[0]),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_gqa_shapes_and_equivalence_with_repeated_heads():

@@ -6,6 +6,7 @@ curve at tp=2, tp=2 x pp=2 and tp=2 x dp=2, and checkpoints moved between tp lay
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
     INTERLEAVED,
@@ -20,7 +21,7 @@ from conftest import (
 import parallel
 import tensor_parallel
 from configurator import UserError
-from model import Block, ModelConfig, Transformer
+from model import Block, ModelConfig, Transformer, masked_mean
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
 
@@ -32,6 +33,12 @@ def batch(seed=0):
     return data[:, :-1], data[:, 1:], mask
 
 
+def head_and_input():
+    """A final hidden state (2, 16, 32) and a head (64, 32), with large logits."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2, 16, 32, generator=g), torch.randn(64, 32, generator=g)
+
+
 def gathered_grads(model):
     """name -> the full gradient (tp slices gathered), for comparison with the whole model's."""
     return {n: tensor_parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
@@ -39,25 +46,31 @@ def gathered_grads(model):
 
 def tp_checks(mesh):
     out = {}
-    # the vocabulary-parallel loss on this rank's slice of the logits, against F.cross_entropy on the whole
-    logits = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)) * 3
+    # the vocabulary-parallel loss of this rank's slice of a head, all at once and in chunks of
+    # 5 rows, against F.cross_entropy on the whole logits
+    h, w = head_and_input()
     _, y, mask = batch()
     y = y.clone()
     y[0, 3] = -100  # F.cross_entropy's ignore_index: no loss, no gradient
-    V = 64 // mesh.tp
-    for masked in (False, True):
-        part = logits[..., mesh.tp_rank * V:(mesh.tp_rank + 1) * V].clone().requires_grad_()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(part, y, mask if masked else None, start=mesh.tp_rank * V,
-                                                     group=mesh.tp_group)
+    V, r = 64 // mesh.tp, mesh.tp_rank
+    for chunk in (0, 5):
+        for masked in (False, True):
+            x = h.clone().requires_grad_()
+            head = nn.Linear(32, V, bias=False)
+            head.weight = nn.Parameter(w[r * V:(r + 1) * V].clone())
+            head.register_forward_pre_hook(lambda m, a: (tensor_parallel.CopyToTP.apply(a[0], mesh.tp_group),))
+            losses = tensor_parallel.vocab_parallel_losses(x, head, y, chunk, start=r * V, group=mesh.tp_group)
+            loss = masked_mean(losses, mask if masked else None)
+            loss.backward()
+            out[f"ce_{chunk}_{masked}"] = (loss.detach(), x.grad, head.weight.grad)
+    # a whole model, sharded (the head and loss whole, and chunked): its loss and gathered gradients
+    for chunk in (0, 8):
+        torch.manual_seed(0)
+        model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CFG, loss_chunk=chunk)), mesh)
+        x, y, mask = batch()
+        _, loss = model(x, y, mask)
         loss.backward()
-        out[f"ce_{masked}"] = (loss.detach(), part.grad)
-    # a whole model, sharded: its loss and gathered gradients
-    torch.manual_seed(0)
-    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CFG)), mesh)
-    x, y, mask = batch()
-    _, loss = model(x, y, mask)
-    loss.backward()
-    out["model"] = (loss.detach(), gathered_grads(model))
+        out[f"model_{chunk}"] = (loss.detach(), gathered_grads(model))
     out["local_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     # clipping counts slices once each and replicated norm gains once
     out["norm"] = parallel.clip_grad_norm_(model.parameters(), 0.0, mesh)
@@ -93,20 +106,21 @@ def test_attention_dropout_masks_differ_across_tp_ranks_and_the_shared_stream_do
 
 def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
     ranks = spawn(tp_checks, 2, tp=2)
-    logits = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)) * 3
     _, y, mask = batch()
     y = y.clone()
     y[0, 3] = -100
     for masked in (False, True):
-        full = logits.clone().requires_grad_()
-        ce = F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction="none")
-        m = mask.flatten().float() if masked else torch.ones(32)  # as masked_cross_entropy: the -100 counts as a 0
+        h, w = (t.requires_grad_() for t in head_and_input())
+        ce = F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten(), reduction="none")
+        m = mask.flatten().float() if masked else torch.ones(32)  # as masked_mean: the -100 counts as a 0
         ref = (ce * m).sum() / m.sum()
         ref.backward()
-        for r, rank in enumerate(ranks):
-            loss, grad = rank[f"ce_{masked}"]
-            torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(grad, full.grad[..., r * 32:(r + 1) * 32], rtol=1e-5, atol=1e-7)
+        for chunk in (0, 5):
+            for r, rank in enumerate(ranks):
+                loss, grad_h, grad_w = rank[f"ce_{chunk}_{masked}"]
+                torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(grad_h, h.grad, rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(grad_w, w.grad[r * 32:(r + 1) * 32], rtol=1e-5, atol=1e-7)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     x, y, mask = batch()
@@ -114,9 +128,10 @@ def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
     loss.backward()
     norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
     for rank in ranks:
-        torch.testing.assert_close(rank["model"][0], loss.detach(), rtol=1e-5, atol=1e-6)
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(rank["model"][1][n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+        for chunk in (0, 8):
+            torch.testing.assert_close(rank[f"model_{chunk}"][0], loss.detach(), rtol=1e-5, atol=1e-6)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(rank[f"model_{chunk}"][1][n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
         torch.testing.assert_close(rank["norm"], norm, rtol=1e-5, atol=1e-6)
     shapes = ranks[0]["local_shapes"]  # really sharded: whole heads, half the width, half the vocabulary
     assert shapes["layers.0.attention.wq.weight"] == (16, 32) and shapes["layers.0.attention.wk.weight"] == (8, 32)
