@@ -56,6 +56,13 @@ head:   the output head + cross-entropy alone, forward and backward, at vocab 8k
         (train.py's micro-batch of rows, its width): all logits at once (loss_chunk=0) against
         model.ChunkedCrossEntropy (loss_chunk=128), ms and the peak memory above the inputs
         (CUDA: max allocated; CPU: max RSS), each row in a fresh process.
+gpu:    (a CUDA device only) a GPT-2-small-shaped LLaMA (12 layers, width 768, 12 heads, block
+        1024, vocab 50304, batch 12: nanoGPT's bench.py shape) in bf16 autocast, compiled, flash
+        SDPA, fused AdamW: ms/iter, tokens/s and MFU against the GPU's dense bf16 peak, beside
+        nanoGPT's own bench.py (GPT-2 124M) run on the same GPU in the same run (its files in
+        ./nanogpt or $NANOGPT_DIR: bench.py, model.py, configurator.py; its MFU, printed against
+        the A100's 312 TFLOP/s, is rescaled to this GPU's peak); then the same model under FSDP2
+        on one rank, its checkpoint saves plain vs async, and the head + loss at vocab 128k.
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
@@ -776,13 +783,13 @@ BIG = {**MODEL, "n_layer": 2 * MODEL["n_layer"], "n_embd": 4 * MODEL["n_embd"], 
        "n_kv_head": 2 * MODEL["n_kv_head"]}  # ~10x the default model's parameters
 
 
-def table_checkpoint(worlds=(1, 2), saves=3):
+def table_checkpoint(worlds=(1, 2), saves=3, models=None):
     print(f"\n## checkpoint saves: ms the loop is blocked per save, plain vs async (ckpt_async=True), weights + AdamW "
           f"state, median of {saves} saves to local disk, dp ranks; async = copy to CPU memory + finish")
     print(f"{'model':<34} | {'params':>7} | {'ckpt MB':>7} | {'ranks':>5} | {'plain ms':>8} | {'async ms':>8} | "
           f"{'of which copy':>13} | {'background write ms':>19}")
     print("-" * 123)
-    for kw in (MODEL, BIG):
+    for kw in models or (MODEL, BIG):
         name = f"n_layer={kw['n_layer']} n_embd={kw['n_embd']} n_head={kw['n_head']}"
         for world in worlds:
             r = run_ranks(ckpt_worker, world, kw, saves)
@@ -839,12 +846,11 @@ def table_race(recipes=None):
               flush=True)
 
 
-def head_row(vocab, chunk):
-    """Head + loss forward and backward on train.py's micro-batch of rows (batch_size x
-    block_size) at its width: median ms, and the peak memory above the inputs' in MB."""
+def head_row(vocab, chunk, rows, width):
+    """Head + loss forward and backward on `rows` rows of `width`: median ms, and the peak memory
+    above the inputs' in MB."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
-    rows, width = TRAIN["batch_size"] * TRAIN["block_size"], TRAIN["n_embd"]
     h = torch.randn(1, rows, width, generator=g).to(device).requires_grad_()
     head = torch.nn.Linear(width, vocab, bias=False).to(device)
     y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
@@ -877,17 +883,96 @@ def vm_kb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def table_head(vocabs=(8192, 32768, 131072), chunk=128):
-    rows, width = TRAIN["batch_size"] * TRAIN["block_size"], TRAIN["n_embd"]
-    print(f"\n## head + loss: {rows} rows (batch_size x block_size) of width {width}, forward and backward, median of "
+def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
+    rows, width = rows or TRAIN["batch_size"] * TRAIN["block_size"], width or TRAIN["n_embd"]
+    print(f"\n## head + loss: {rows} rows (batch x block) of width {width}, forward and backward, median of "
           f"{ITERS}; all logits at once vs chunks of {chunk} rows (model.ChunkedCrossEntropy)")
     print(f"{'vocab':>7} | {'logits':>9} | {'whole ms':>8} | {'chunked ms':>10} | {'whole peak':>10} | "
           f"{'chunked peak':>12}")
     print("-" * 72)
     for v in vocabs:
-        whole, chunked = in_subprocess("head", vocab=v, chunk=0), in_subprocess("head", vocab=v, chunk=chunk)
+        whole, chunked = (in_subprocess("head", vocab=v, chunk=c, rows=rows, width=width) for c in (0, chunk))
         print(f"{v:7,} | {rows * v * 4 / 2 ** 20:6.0f} MB | {whole['ms']:8.1f} | {chunked['ms']:10.1f} | "
               f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
+
+
+GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
+GPU_BATCH = 12
+# dense bf16 peaks from the vendors' data sheets (SXM parts); another GPU: its measured matmul rate
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def gpu_peak():
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in BF16_PEAK.items() if k in name), None) or measure_matmul_flops(
+        torch.device("cuda"), torch.bfloat16, n=8192)
+
+
+def gpu_worker(use_fsdp, steps=20):
+    """One rank: our model at GPU_MODEL, bf16 autocast, compiled, fused AdamW (use_fsdp: under
+    FSDP2 over this one rank): the median ms of `steps` steps after 10 warm-up (compiling) ones."""
+    mesh = parallel.setup("cuda", 600)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**GPU_MODEL)).to(mesh.device)
+    if use_fsdp:
+        fsdp.fully_shard_model(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not use_fsdp)
+    compiled = torch.compile(model)
+    x = torch.randint(0, GPU_MODEL["vocab_size"], (GPU_BATCH, GPU_MODEL["block_size"] + 1), device=mesh.device)
+    times = []
+    for _ in range(10 + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = compiled(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times[10:])[steps // 2]
+    return {"ms": dt * 1000, "flops_per_token": model.flops_per_token(), "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
+
+
+def nanogpt_row():
+    """nanoGPT's own bench.py (fixed random data, compiled) in its directory: (ms/iter, its MFU
+    against the A100's 312 TFLOP/s), or None when its files are not there."""
+    import re
+    src = os.environ.get("NANOGPT_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt"))
+    if not all(os.path.isfile(os.path.join(src, f)) for f in ("bench.py", "model.py", "configurator.py")):
+        return None
+    out = subprocess.run([sys.executable, "bench.py", "--real_data=False", "--compile=True"], cwd=src,
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%", out)
+    return float(m[1]), float(m[2]) / 100
+
+
+def table_gpu():
+    if not torch.cuda.is_available():
+        print("\n## gpu: no CUDA device here; this table needs one (see the docstring)")
+        return
+    peak, tokens = gpu_peak(), GPU_BATCH * GPU_MODEL["block_size"]
+    print(f"\n## gpu: {torch.cuda.get_device_name()}, dense bf16 peak {peak / 1e12:.0f} TFLOP/s; GPT-2-small shape "
+          f"({', '.join(f'{k}={v}' for k, v in GPU_MODEL.items())}), batch {GPU_BATCH} ({tokens:,} tokens/iter), "
+          f"bf16 autocast, torch.compile, median step")
+    print(f"{'run':<32} | {'ms/iter':>8} | {'tokens/s':>10} | {'MFU':>6} | {'peak mem':>9}")
+    print("-" * 78)
+    ours = {}
+    for name, use_fsdp in (("ours", False), ("ours, fsdp=True on 1 rank", True)):
+        r = ours[name] = run_ranks(gpu_worker, 1, use_fsdp)
+        print(f"{name:<32} | {r['ms']:8.1f} | {tokens / r['ms'] * 1000:10,.0f} | "
+              f"{r['flops_per_token'] * tokens / (r['ms'] / 1000) / peak:6.1%} | {r['peak_mb']:6.0f} MB", flush=True)
+    nano = nanogpt_row()
+    if nano is None:
+        print("nanoGPT: its files are not in ./nanogpt (or $NANOGPT_DIR): no side-by-side row")
+    else:
+        mfu = nano[1] * 312e12 / peak  # nanoGPT prints its MFU against an A100
+        ours_mfu = ours["ours"]["flops_per_token"] * tokens / (ours["ours"]["ms"] / 1000) / peak
+        print(f"{'nanoGPT bench.py (GPT-2 124M)':<32} | {nano[0]:8.1f} | {tokens / nano[0] * 1000:10,.0f} | "
+              f"{mfu:6.1%} | {'':>9}")
+        print(f"ours / nanoGPT MFU: {ours_mfu / mfu:.2f}x (goal: at least 1.1x)")
+    table_checkpoint(worlds=(1,), saves=3, models=(GPU_MODEL,))
+    table_head(vocabs=(32768, 131072), chunk=1024, rows=tokens, width=GPU_MODEL["n_embd"])
 
 
 BUILD_MODEL = {**MODEL, "n_layer": 16, "n_embd": 256}  # deeper and wider: the layers outweigh embedding and head
@@ -1053,7 +1138,8 @@ def table_reading(functions=False):
 TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": table_tp, "memory": table_memory,
           "memory2d": table_memory2d,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
-          "race": table_race, "reading": table_reading, "head": table_head}
+          "race": table_race, "reading": table_reading, "head": table_head,
+          "gpu": table_gpu}
 ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
 if __name__ == "__main__":
