@@ -294,7 +294,8 @@ if src.kind == "resume":  # (1) the iteration, the random streams, the wandb run
     start_iter, run_id, skip_iters = rundir.resume_state(src, mesh)
 if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
     rundir.lock_out_dir(out_dir)
-    rundir.truncate_metrics(metrics_path, start_iter)
+    if os.path.exists(metrics_path):  # an earlier run's: its history up to start_iter (later lines are redone)
+        rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
     if wandb_log:  # Weights & Biases: rundir.py (the id is kept in checkpoints: a resumed run logs to the same one)
         run_id = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)

@@ -177,8 +177,8 @@ def test_mixture_under_tensor_parallel_equals_one_process(mix_run, sources, tmp_
 
 
 # the options no other run pairs with a mixture, or with each other: Muon with tied embeddings
-# (dp=2); LoRA on that tied base (dp=2), and (every target) on an untied one under the
-# interleaved pipeline (pp refuses a tied model)
+# (dp=2); LoRA on that tied base (dp=2), and (every target, the head's included) on an untied
+# one under the interleaved pipeline
 LORA_ALL = ["lora_rank=4", "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,output"]
 
 
