@@ -856,7 +856,13 @@ def head_row(vocab, chunk, rows, width):
     y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     h.grad, head.weight.grad = torch.zeros_like(h), torch.zeros_like(head.weight)  # the gradients exist in both
-    step = lambda: cross_entropy_losses(h, head, y, chunk).mean().backward()  # noqa: E731
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py on CUDA
+
+    def step():
+        with autocast:  # as train.py: bf16 matmuls on CUDA (the backward restores it), float32 on CPU
+            losses = cross_entropy_losses(h, head, y, chunk)
+        losses.mean().backward()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -898,8 +904,9 @@ def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
 
 GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
 GPU_BATCH = 12
-# dense bf16 peaks from the vendors' data sheets (SXM parts); another GPU: its measured matmul rate
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# dense bf16 peaks from the vendors' data sheets, the first name found in the device's wins
+# (the PCIe and NVL H100s before the SXM one); another GPU: its measured matmul rate
+BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def gpu_peak():
@@ -912,6 +919,7 @@ def gpu_worker(use_fsdp, steps=20):
     """One rank: our model at GPU_MODEL, bf16 autocast, compiled, fused AdamW (use_fsdp: under
     FSDP2 over this one rank): the median ms of `steps` steps after 10 warm-up (compiling) ones."""
     mesh = parallel.setup("cuda", 600)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.py
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**GPU_MODEL)).to(mesh.device)
     if use_fsdp:
@@ -944,6 +952,8 @@ def nanogpt_row():
     out = subprocess.run([sys.executable, "bench.py", "--real_data=False", "--compile=True"], cwd=src,
                          capture_output=True, text=True, check=True).stdout
     m = re.search(r"time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%", out)
+    if m is None:
+        raise SystemExit(f"nanoGPT's bench.py printed no 'time per iteration' line; its output ended:\n{out[-2000:]}")
     return float(m[1]), float(m[2]) / 100
 
 

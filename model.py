@@ -382,9 +382,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     callables reduce in place over the other slices (tensor_parallel.vocab_parallel_losses)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, targets, chunk, vocab, *xw):
         xs, ws = xw[0::2], xw[1::2]
+        dev = xs[0].device.type  # backward recomputes the logits under the same autocast as here
+        ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
         local = targets - (vocab[0] if vocab else 0)
         mine = (local >= 0) & (local < ws[0].shape[0])  # is the target's row in this slice?
         local = local.masked_fill(~mine, 0)
@@ -408,8 +409,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
+        dev, dtype, enabled = ctx.autocast
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):
+            return ChunkedCrossEntropy._backward(ctx, grad, enabled)
+
+    @staticmethod
+    def _backward(ctx, grad, autocast):
         local, mine, lse, valid, *xw = ctx.saved_tensors
         grad = grad * valid.to(grad.dtype)
         xs, ws = xw[0::2], xw[1::2]
@@ -424,9 +430,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             for i, (x, w) in enumerate(zip(xs, ws)):
                 if gx[i] is not None:
                     gx[i][a:b] = (g.to(w.dtype) @ w).to(x.dtype)
-                if gw[i] is not None and x.dtype == torch.float32:
-                    gw[i].addmm_(g.T, x[a:b])
-                elif gw[i] is not None:  # (a bf16 input under autocast: the matmul in bf16 too)
-                    gw[i] += (g.T.to(x.dtype) @ x[a:b]).float()
+                if gw[i] is not None and not autocast:
+                    gw[i].addmm_(g.T, x[a:b].to(g.dtype))
+                elif gw[i] is not None:  # (an in-place addmm_ would leave autocast's dtype: float32)
+                    gw[i] += (g.T @ x[a:b]).float()
         return (None, None, None, *(t for i in range(len(xs)) for t in (gx[i], None if gw[i] is None
                                                                         else gw[i].to(ws[i].dtype))))

@@ -68,10 +68,13 @@ def lock_out_dir(out_dir):
     made = not os.path.lexists(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        _made.extend([path] if made else [])
+    except OSError as e:
+        raise UserError(f"cannot open {path} ({e.strerror or e}): remove it (or pick another out_dir)") from None
+    _made.extend([path] if made else [])
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        _refuse_busy(fd if made or "fd" in locals() else None, path, out_dir, e)
+        _refuse_busy(fd, path, out_dir, e)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)

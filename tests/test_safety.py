@@ -246,6 +246,23 @@ def test_hf_config_with_non_positive_sizes_is_refused():
         hf.hf_config_to_ours({**cfg, "num_attention_heads": 4, "hidden_size": -32})
 
 
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
+    """out_dir/.lock that cannot be opened (a read-only filesystem, say) is a UserError that
+    says so, not a traceback, and not a claim that another run holds it."""
+    real_open = os.open
+
+    def refusing(path, *args, **kw):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, *args, **kw)
+    monkeypatch.setattr(os, "open", refusing)
+    for out in (tmp_path / "new", tmp_path / "old"):  # made by this run, and one that was there
+        if out.name == "old":
+            out.mkdir()
+        with pytest.raises(UserError, match="cannot open .*Read-only file system.*remove it"):
+            rundir.lock_out_dir(str(out))
+
+
 def test_torn_metrics_line_is_dropped(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
