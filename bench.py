@@ -63,6 +63,10 @@ gpu:    (a CUDA device only) a GPT-2-small-shaped LLaMA (12 layers, width 768, 1
         ./nanogpt or $NANOGPT_DIR: bench.py, model.py, configurator.py; its MFU, printed against
         the A100's 312 TFLOP/s, is rescaled to this GPU's peak); then the same model under FSDP2
         on one rank, its checkpoint saves plain vs async, and the head + loss at vocab 128k.
+profile: where one step of the default job goes, in one process on the CPU (train.py's model,
+        batch and optimizer, Muon): its MFU against the measured matmul rate, and torch.profiler's
+        self time per kind of work (the head's matmuls, the blocks' matmuls, log-softmax and
+        its backward, attention, the optimizer, the rest).
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
@@ -902,6 +906,51 @@ def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
               f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
 
 
+def table_profile(steps=5):
+    from torch.profiler import ProfilerActivity, profile
+
+    import optim
+    mesh = parallel.setup("cpu")
+    cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")})
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt, _ = optim.build_optimizer(model, model, mesh, TRAIN)
+    accum, batch, V = TRAIN["grad_accum_steps"], TRAIN["batch_size"], cfg.vocab_size
+    x = torch.randint(0, V, (accum, batch, cfg.block_size + 1))
+
+    def step():
+        for k in range(accum):
+            _, loss = model(x[k, :, :-1], x[k, :, 1:])
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dt = (time.perf_counter() - t0) / steps
+    tokens = accum * batch * cfg.block_size
+    mfu = model.flops_per_token() * tokens / dt / measure_matmul_flops(torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    kinds = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        shapes = str(e.input_shapes)
+        kind = ("head matmuls (vocab x width)" if e.key in ("aten::mm", "aten::addmm") and str(V) in shapes else
+                "other matmuls (blocks, Newton-Schulz)" if e.key in ("aten::mm", "aten::addmm", "aten::bmm") else
+                "log-softmax, its backward, nll's zero-fill" if "softmax" in e.key or (e.key == "aten::fill_" and
+                                                                                       str(V) in shapes) else
+                "attention (SDPA)" if "scaled_dot_product" in e.key else "the rest (elementwise, norms, rope, ...)")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_cpu_time_total
+    total = sum(kinds.values())
+    print(f"\n## profile: one step of the default job in one process ({tokens} tokens, {torch.get_num_threads()} "
+          f"threads): {dt * 1000:.0f} ms, MFU {mfu:.1%} of the measured float32 matmul rate; self CPU time by kind")
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<45} {t / total:6.1%}")
+
+
 GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
 GPU_BATCH = 12
 # dense bf16 peaks from the vendors' data sheets, the first name found in the device's wins
@@ -1149,7 +1198,7 @@ TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": tab
           "memory2d": table_memory2d,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
           "race": table_race, "reading": table_reading, "head": table_head,
-          "gpu": table_gpu}
+          "gpu": table_gpu, "profile": table_profile}
 ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
 if __name__ == "__main__":
