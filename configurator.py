@@ -147,8 +147,8 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
               "pp_virtual")
-NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters", "learning_rate",
-                "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
+NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
+                "learning_rate", "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
                 "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
@@ -171,7 +171,7 @@ RULES = [
     (lambda c: c["n_embd"] % c["n_head"],
      "n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head"),
     (lambda c: c["n_head"] % c["n_kv_head"], "n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each "
-                                             "key/value head serves a whole group of query heads; use a divisor of n_head"),
+     "key/value head serves a whole group of query heads; use a divisor of n_head"),
     (lambda c: c["n_embd"] // c["n_head"] % 2, "head_dim = n_embd / n_head = {n_embd} / {n_head} is odd: rotary "
                                                "positions rotate pairs of features; change n_embd or n_head"),
 ]
@@ -225,7 +225,8 @@ def validate(c, overrides, world):
     lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
           f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
-    ffn_dim = ModelConfig(n_embd=c["n_embd"], n_head=c["n_head"], n_kv_head=c["n_kv_head"], ffn_dim=c["ffn_dim"]).ffn_dim
+    shape = {k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}
+    ffn_dim = ModelConfig(**shape).ffn_dim  # (0: derived from n_embd)
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         default_batch_for_layout(c, overrides, world)

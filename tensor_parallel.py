@@ -136,7 +136,8 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None):
     the row maxima and sums all-reduced over the tp group)."""
     if not chunk:
         logits = head(h)  # (its forward pre-hook is CopyToTP)
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group).view(targets.shape)
+        losses = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+        return losses.view(targets.shape)
     h = CopyToTP.apply(h, group)  # what the head's pre-hook does when the head is called
     vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
              lambda t: dist.all_reduce(t, group=group))
