@@ -860,7 +860,7 @@ def head_row(vocab, chunk, rows, width):
     y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     h.grad, head.weight.grad = torch.zeros_like(h), torch.zeros_like(head.weight)  # the gradients exist in both
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py on CUDA
 
     def step():
@@ -988,7 +988,8 @@ def gpu_worker(use_fsdp, steps=20):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     dt = sorted(times[10:])[steps // 2]
-    return {"ms": dt * 1000, "flops_per_token": model.flops_per_token(), "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
+    return {"ms": dt * 1000, "flops_per_token": model.flops_per_token(),
+            "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
 
 
 def nanogpt_row():
