@@ -354,14 +354,17 @@ def cross_entropy_losses(h, head, targets, chunk=0):
     if not chunk:
         logits = head(h).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    pairs = [t for pair in head_pairs(head, h.flatten(0, 1)) for t in pair]
-    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, None, *pairs).view(targets.shape)
+    return chunked_losses(h, head, targets, chunk)
 
 
-def head_pairs(head, x):
-    """[(input, weight), ...] whose products input @ weight.T add up to head(x): the head's own
-    weight, and a LoRA head's adapter path too (lora.LoRALinear.pairs)."""
-    return head.pairs(x) if hasattr(head, "pairs") else [(x, head.weight)]
+def chunked_losses(h, head, targets, chunk, vocab=None):
+    """ChunkedCrossEntropy of the head over h (B, T, width): each target's loss (B, T). The head
+    gives its (input, weight) pairs: its own weight, and a LoRA head's adapter path too
+    (lora.LoRALinear.pairs). vocab: see ChunkedCrossEntropy."""
+    x = h.flatten(0, 1)
+    pairs = head.pairs(x) if hasattr(head, "pairs") else [(x, head.weight)]
+    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab, *(t for pair in pairs for t in pair)).view(
+        targets.shape)
 
 
 def _logits(xs, ws, a, b):

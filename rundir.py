@@ -218,13 +218,12 @@ def resume_state(src, mesh):
 
 
 def start_wandb(config, out_dir, project, name, run_id):
-    """Starts the Weights & Biases run `run_id` (or continues it: resume="allow"); returns its id."""
+    """The Weights & Biases run `run_id` (None: a new id), started or continued (resume="allow");
+    its .id is what checkpoints keep, .log() and .finish() what the loop calls."""
     import uuid
     import wandb
-    run_id = run_id or uuid.uuid4().hex[:8]
-    wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)), id=run_id, resume="allow",
-               config=config, dir=out_dir)
-    return run_id
+    return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)),
+                      id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
 
 
 def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action):

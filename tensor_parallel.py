@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import UserError
-from model import ChunkedCrossEntropy, head_pairs
+from model import chunked_losses
 
 # ---------------------------------------------------------------------------------------
 # tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
@@ -141,8 +141,7 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None):
     h = CopyToTP.apply(h, group)  # what the head's pre-hook does when the head is called
     vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
              lambda t: dist.all_reduce(t, group=group))
-    pairs = [t for pair in head_pairs(head, h.flatten(0, 1)) for t in pair]
-    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab, *pairs).view(targets.shape)
+    return chunked_losses(h, head, targets, chunk, vocab)
 
 
 def _shard(module, dim, mesh):

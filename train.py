@@ -297,16 +297,17 @@ if mesh.master:  # one run per out_dir (a new one is made only now: a refused ru
     if os.path.exists(metrics_path):  # an earlier run's: its history up to start_iter (later lines are redone)
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
-    if wandb_log:  # Weights & Biases: rundir.py (the id is kept in checkpoints: a resumed run logs to the same one)
-        run_id = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
+wandb_run = None  # Weights & Biases, rank 0 (its id is kept in checkpoints: a resumed run logs to the same one)
+if mesh.master and wandb_log:
+    wandb_run = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
+    run_id = wandb_run.id
 
 
 def log(record):
     if mesh.master:
         rundir.append_metrics(metrics_path, record)
-        if wandb_log:
-            import wandb
-            wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+        if wandb_run is not None:
+            wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
 saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async, fault_save_delay_s,
@@ -438,9 +439,8 @@ while True:
 saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 if stop:
     mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
-if mesh.master and wandb_log:
-    import wandb
-    wandb.finish()
+if wandb_run is not None:
+    wandb_run.finish()
 whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
