@@ -327,10 +327,9 @@ if fault_nan_at >= 0:  # testing the NaN guard: these iterations' loss (so all t
                                     None and fault_nan_at <= it < fault_nan_at + fault_nan_steps else None)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
 
-peak = peak_flops or parallel.measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-flops_per_iter = flops_per_token * tokens_per_iter
+flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: what MFU is measured against
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
-            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters), peak {peak / 1e9:.1f} GFLOP/s for MFU")
+            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
 
 # ---- the loop -------------------------------------------------------------------------
 it = start_iter
@@ -426,6 +425,9 @@ while True:
         continue
     bad_streak = 0
     if it % log_interval == 0 or it == max_iters - 1:
+        if not peak:  # peak_flops=0: this device's matmul rate, measured once, at the first log line
+            peak = parallel.measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+            mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
         tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
         by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture: mixture.py
         mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
