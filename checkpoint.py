@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ from parallel import (
 )
 from tensor_parallel import tp_gather, tp_slice
 from zero import ZeroOptimizer
+
+# one process saves without a process group on purpose (no_dist): DCP's warning about it at
+# every save would only be noise in the quickstart's output
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # ---------------------------------------------------------------------------------------
 # checkpoints: out_dir/ckpt/iter_XXXXXXX/ is complete or absent, ckpt/latest names the newest
