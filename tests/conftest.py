@@ -134,10 +134,44 @@ def spawn(fn, world, *args, pp=1, tp=1):
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
 
 
-def torchrun(nproc, args, cwd, check=True, timeout=300):
-    """train.py under torchrun --standalone with nproc gloo ranks on CPU."""
-    return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
-                     cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
+def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
+    """train.py on nproc gloo ranks on CPU: the nproc processes started directly with the
+    environment torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR ...), as srun or
+    mpirun would, without the agent's own process and rendezvous (~3 s of this 2-core machine
+    per launch). agent=True: under torchrun --standalone itself, for the tests of what a user
+    sees from torchrun (its error lines, its exit, its restarts)."""
+    if agent:
+        return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
+                         cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
+    import tempfile
+    import time
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    with tempfile.TemporaryDirectory() as logs:
+        procs = []
+        for r in range(nproc):
+            out, err = (open(os.path.join(logs, f"{r}.{k}"), "w+") for k in ("out", "err"))
+            procs.append((subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "train.py"), *args], cwd=cwd,
+                                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,
+                                           stderr=err, text=True), out, err))
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p, _, _ in procs):  # like torchrun: one rank failing ends the others
+            if time.time() > deadline or any(p.poll() for p, _, _ in procs):
+                for p, _, _ in procs:
+                    p.kill() if p.poll() is None else None
+            time.sleep(0.05)
+        texts = []
+        for p, out, err in procs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close(), err.close()
+    code = next((p.returncode for p, _, _ in procs if p.returncode), 0)
+    result = subprocess.CompletedProcess(["train.py", *args], code, "".join(o for o, _ in texts),
+                                         "".join(e for _, e in texts))
+    if check and code != 0:
+        raise AssertionError(f"train.py {' '.join(args)} on {nproc} ranks failed ({code}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from model import ModelConfig, Transformer
 def test_continual_pretraining_from_hf_on_two_ranks(hf_dir, dataset, tmp_path):
     out, export = str(tmp_path / "run"), str(tmp_path / "exported")
     p = torchrun(2, [*RUN, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3",
-                     f"export_hf={export}"], cwd=tmp_path)
+                     f"export_hf={export}"], cwd=tmp_path, agent=True)
     assert "dp=2" in p.stdout and "exported the model as a Hugging Face LLaMA" in p.stdout
     # the first step's loss is the HF model's loss on the same global batch: its weights were loaded
     hf = LlamaForCausalLM.from_pretrained(hf_dir).eval()

@@ -443,7 +443,7 @@ def test_resuming_into_more_dp_ranks_gives_each_its_own_random_stream(dataset, t
 def test_a_layout_error_under_torchrun_is_one_line(dataset, tmp_path):
     # the other layout mistakes are checked in-process (test_train.py: MISTAKES); this one
     # goes through torchrun, whose rank-prefixing of stderr must not hide the line
-    p = torchrun(2, [*TINY, f"dataset={dataset}", "grad_accum_steps=3", "max_iters=2"], cwd=tmp_path, check=False)
+    p = torchrun(2, [*TINY, f"dataset={dataset}", "grad_accum_steps=3", "max_iters=2"], cwd=tmp_path, check=False, agent=True)
     assert p.returncode != 0 and "error: grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2" \
         in p.stderr  # (torchrun itself then prints its own summary of the failed workers)
 

@@ -48,7 +48,7 @@ def test_one_error_line_per_run_under_torchrun(tmp_path):
     for args, match in ((["max_iters=-1"], "error: max_iters=-1 must not be negative"),
                         (["dataset=nope", "data_source=/nonexistent/x", f"out_dir={tmp_path / 'o'}"],
                          "error: data source '/nonexistent/x' not found")):
-        p = torchrun(2, [*TINY, *args], cwd=tmp_path, check=False)
+        p = torchrun(2, [*TINY, *args], cwd=tmp_path, check=False, agent=True)
         lines = p.stderr.splitlines()
         report = next(i for i, line in enumerate(lines) if re.match(r"[EWI]\d{4} ", line))  # torchrun's first line
         assert p.returncode != 0 and sum("error" in line for line in lines[:report]) == 1, p.stderr

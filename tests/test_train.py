@@ -266,5 +266,5 @@ def test_a_slow_end_of_run_sample_does_not_time_out_the_other_ranks(dataset, tmp
     # wait for it inside a collective, so a sample far longer than dist_timeout_s is fine
     out = str(tmp_path / "run")
     p = torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "dist_timeout_s=4",
-                     "sample_tokens=4000", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path)
+                     "sample_tokens=4000", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path, agent=True)
     assert "sample" in p.stdout and os.path.isfile(tmp_path / "hf" / "model.safetensors")
