@@ -89,10 +89,12 @@ import build
 import checkpoint
 import rundir
 import configurator
+import data
 import data_parallel
 import fsdp
 import parallel
 import pipeline
+import prepare
 import tensor_parallel
 import workarounds
 import zero
@@ -813,25 +815,69 @@ def table_checkpoint(worlds=(1, 2), saves=3, models=None):
 # in our trainer. nanoGPT's own train.py on this corpus (measured once, by hand: README) ends at
 # val loss 4.25 after its 2,000 iterations, ~4.3 minutes: the middle target.
 RACE_TARGETS = (4.5, 4.25, 4.0)
-RACE = {
-    "nanoGPT CPU recipe": dict(block_size=64, batch_size=6, grad_accum_steps=2, n_kv_head=4, max_iters=2000,
-                               learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100, tie_embeddings=True,
-                               optim="adamw", lr_schedule="cosine", embed_lr_scale=1.0),
-    "default, 128-token sequences (the shape before)": dict(block_size=128, batch_size=4),
-    "default (train.py)": dict(),
-    "default, max_iters=600": dict(max_iters=600),
-}
+RACE = {"default (train.py)": dict()}  # (name: the keys it sets): python bench.py race runs each after nanoGPT
+
+
+# nanoGPT's README "I only have a macbook" CPU recipe, on our default corpus (its vocabulary: 8,192)
+NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+               "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+               "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+
+
+def nanogpt_race(data_dir):
+    """nanoGPT's own train.py with its README's CPU recipe on the prepared `data_dir`, timed
+    from launch: [(seconds, step, val loss)] of its evaluations (every 250 steps), or None when
+    its files are not in ./nanogpt. It gets the machine's threads (torch's default), as it would."""
+    import pickle
+    import re
+    src = nanogpt_dir("train.py", "model.py", "configurator.py", NANOGPT_CPU[0])
+    if src is None:
+        return None
+    work = tempfile.mkdtemp(prefix="nanogpt_race_")  # its cwd: nanoGPT reads configurator.py and data/ from there
+    for f in ("train.py", "model.py", "configurator.py", "config"):
+        os.symlink(os.path.join(os.path.abspath(src), f), os.path.join(work, f))
+    os.makedirs(os.path.join(work, "data", "race"))
+    for split in ("train", "val"):
+        os.symlink(os.path.abspath(os.path.join(data_dir, f"{split}.bin")), os.path.join(work, "data", "race",
+                                                                                          f"{split}.bin"))
+    with open(os.path.join(work, "data", "race", "meta.pkl"), "wb") as f:  # the one thing nanoGPT reads besides the
+        pickle.dump({"vocab_size": data.load_meta(data_dir)["vocab_size"]}, f)  # tokens (written here, read by it)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    t0, rows = time.time(), []
+    with subprocess.Popen([sys.executable, "train.py", *NANOGPT_CPU, "--dataset=race", "--out_dir=out"], cwd=work, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
+            if m:
+                rows.append((time.time() - t0, int(m[1]), float(m[2])))
+    if p.returncode or not rows:
+        raise SystemExit(f"nanoGPT's train.py failed ({p.returncode}) in {work}")
+    return rows
 
 
 def table_race(recipes=None):
+    """nanoGPT's own train.py (README CPU recipe, when ./nanogpt holds it), then each recipe
+    in this trainer, one after the other on the same corpus; the targets: RACE_TARGETS and
+    the val loss nanoGPT ends at, the race's finish line."""
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
-    root = tempfile.mkdtemp(prefix="race_")
-    print("\n## race: wall time (and tokens) until the val loss is at most each target; torchrun, 2 processes, "
-          "the default corpus; each recipe a whole job (its schedule ends at its max_iters); time counts from launch "
-          "(compiling and evaluations included), to the first evaluation at or below the target")
-    print("| recipe | tokens/iter | iters | " + " | ".join(f"to {t}" for t in RACE_TARGETS) +
-          " | final val loss | total |")
-    print("|---|---|---|" + "---|" * len(RACE_TARGETS) + "---|---|")
+    root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
+    load = os.getloadavg()[0]
+    nano = nanogpt_race(data_dir)
+    targets = RACE_TARGETS + ((round(nano[-1][2], 3),) if nano else ())
+    print("\n## race: wall time (and tokens) until the val loss is at most each target; the default corpus; time "
+          "counts from launch (data loading, compiling and evaluations included), to the first evaluation at or below "
+          f"the target; 1-minute load average before the race: {load:.2f}")
+    print("| recipe | tokens/iter | iters | " + " | ".join(f"to {t}" for t in targets) + " | final val loss | total |")
+    print("|---|---|---|" + "---|" * len(targets) + "---|---|")
+    if nano:
+        print("| nanoGPT's own train.py, README CPU recipe (1 process, its default threads) | 768 | 2000 | " +
+              " | ".join(next((f"{s / 60:.2f} min ({step * 768 / 1e6:.2f}M)" for s, step, v in nano if v <= t), "-")
+                         for t in targets) + f" | {nano[-1][2]:.3f} | {nano[-1][0] / 60:.2f} min |", flush=True)
+    else:
+        print("(nanoGPT's train.py is not in ./nanogpt or $NANOGPT_DIR: no nanoGPT row, no finish line)")
+    finish = {}
     for name, keys in recipes.items():
         out = os.path.join(root, str(len(os.listdir(root))))
         args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
@@ -841,13 +887,16 @@ def table_race(recipes=None):
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
         rows = [r for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl")) if "val_loss" in r]
         cfg = {**TRAIN, **keys}
-        cells = []
-        for target in RACE_TARGETS:
-            hit = next((r for r in rows if r["val_loss"] <= target), None)
-            cells.append(f"{hit['elapsed_s'] / 60:.2f} min ({hit['tokens'] / 1e6:.2f}M)" if hit else "-")
-        print(f"| {name} | {cfg['batch_size'] * cfg['grad_accum_steps'] * cfg['block_size']} | {cfg['max_iters']} | "
-              + " | ".join(cells) + f" | {rows[-1]['val_loss']:.3f} | {rows[-1]['elapsed_s'] / 60:.2f} min |",
-              flush=True)
+        hits = [next((r for r in rows if r["val_loss"] <= target), None) for target in targets]
+        finish[name] = hits[-1]["elapsed_s"] if nano and hits[-1] else None
+        print(f"| {name} (torchrun, 2 processes) | {cfg['batch_size'] * cfg['grad_accum_steps'] * cfg['block_size']} "
+              f"| {cfg['max_iters']} | " + " | ".join(f"{h['elapsed_s'] / 60:.2f} min ({h['tokens'] / 1e6:.2f}M)"
+                                                    if h else "-" for h in hits)
+              + f" | {rows[-1]['val_loss']:.3f} | {rows[-1]['elapsed_s'] / 60:.2f} min |", flush=True)
+    if nano:
+        print(f"to nanoGPT's final val loss {targets[-1]}: nanoGPT {nano[-1][0]:.0f} s; " +
+              "; ".join(f"{name} {t:.0f} s, {nano[-1][0] / t:.2f}x faster" if t else f"{name} never"
+                        for name, t in finish.items()) + f" (goal: 4x); load average after: {os.getloadavg()[0]:.2f}")
 
 
 def head_row(vocab, chunk, rows, width):
@@ -992,12 +1041,18 @@ def gpu_worker(use_fsdp, steps=20):
             "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
 
 
+def nanogpt_dir(*files):
+    """./nanogpt or $NANOGPT_DIR when it holds nanoGPT's `files` (git-ignored: fetched by hand), else None."""
+    src = os.environ.get("NANOGPT_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt"))
+    return src if all(os.path.isfile(os.path.join(src, f)) for f in files) else None
+
+
 def nanogpt_row():
     """nanoGPT's own bench.py (fixed random data, compiled) in its directory: (ms/iter, its MFU
     against the A100's 312 TFLOP/s), or None when its files are not there."""
     import re
-    src = os.environ.get("NANOGPT_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt"))
-    if not all(os.path.isfile(os.path.join(src, f)) for f in ("bench.py", "model.py", "configurator.py")):
+    src = nanogpt_dir("bench.py", "model.py", "configurator.py")
+    if src is None:
         return None
     out = subprocess.run([sys.executable, "bench.py", "--real_data=False", "--compile=True"], cwd=src,
                          capture_output=True, text=True, check=True).stdout
