@@ -33,10 +33,12 @@ memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with op
         fsdp and pp, the same global batch:
         per-rank bytes of parameters, gradients and optimizer state, the peak memory
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
-race:   wall time and tokens to val loss 4.5, 4.25 and 4.0 on the default corpus, torchrun with 2
-        processes: the default job against nanoGPT's CPU recipe, the default on the previous
-        default's 128-token sequences and a shorter job (takes ~13 minutes: every recipe is a
-        whole job).
+race:   side by side on the default corpus, one after the other: nanoGPT's own train.py with
+        its README's CPU recipe (its files in ./nanogpt or $NANOGPT_DIR: train.py, model.py,
+        configurator.py, config/train_shakespeare_char.py), then the default job and a
+        500-iteration one (torchrun, 2 processes); wall time from launch and tokens to val loss
+        4.5, 4.25, 4.0 and to the val loss nanoGPT ends at, the finish line: the ratio of the
+        times (~9 minutes: every recipe is a whole job; run it on a quiet machine).
 checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=False) vs
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
