@@ -77,6 +77,7 @@ build:  peak tensor bytes per rank while building the model (fresh weights) and 
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -809,13 +810,10 @@ def table_checkpoint(worlds=(1, 2), saves=3, models=None):
           "(here it sleeps: with training the thread shares the cores)")
 
 
-# ---- race: wall time to a val loss, the default job against other recipes -------------------
+# ---- race: wall time to a val loss, nanoGPT's own train.py against the default job ------------
 # Each recipe is a whole job (its own schedule ends at its max_iters) launched the way the
-# README's quickstart launches the default: torchrun, 2 processes, on the default corpus.
-# The anchor is nanoGPT's README CPU recipe (4 layers, 4 heads, width 128, block 64, batch 12,
-# 2,000 iterations, lr 1e-3, beta2 0.99, warmup 100, min_lr 1e-4, tied embeddings, AdamW), here
-# in our trainer. nanoGPT's own train.py on this corpus (measured once, by hand: README) ends at
-# val loss 4.25 after its 2,000 iterations, ~4.3 minutes: the middle target.
+# README's quickstart launches the default: torchrun, 2 processes, on the default corpus. Both
+# sides are timed alike: from the launch to the moment an evaluation's line is printed.
 RACE_TARGETS = (4.5, 4.25, 4.0)
 RACE = {"default (train.py)": dict(),  # name: the keys it sets; python bench.py race runs each after nanoGPT
         "default, max_iters=500 (a shorter cosine)": dict(max_iters=500)}
@@ -827,15 +825,33 @@ NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=Fa
                "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 
 
+def timed_evals(cmd, pattern, **popen):
+    """Runs cmd, timing its output from the launch: [(seconds, step, val loss)] for each line
+    matching `pattern` (two groups: the step and the val loss), as the line is printed."""
+    import re
+    env = {**popen.pop("env", os.environ), "PYTHONUNBUFFERED": "1"}  # each line when it is printed, not in 8 KB blocks
+    t0, rows = time.time(), []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen) as p:
+        for line in p.stdout:
+            m = re.search(pattern, line)
+            if m:
+                rows.append((time.time() - t0, int(m[1]), float(m[2])))
+    if p.returncode or not rows:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({p.returncode}) or printed no evaluation")
+    return rows
+
+
 def nanogpt_race(data_dir):
     """nanoGPT's own train.py with its README's CPU recipe on the prepared `data_dir`, timed
     from launch: [(seconds, step, val loss)] of its evaluations (every 250 steps), or None when
     its files are not in ./nanogpt. It gets the machine's threads (torch's default), as it would."""
     import pickle
-    import re
     src = nanogpt_dir("train.py", "model.py", "configurator.py", NANOGPT_CPU[0])
     if src is None:
         return None
+    meta = data.load_meta(data_dir)
+    if meta["dtype"] != "uint16":
+        raise SystemExit(f"nanoGPT reads uint16 tokens; {data_dir} holds {meta['dtype']}")
     work = tempfile.mkdtemp(prefix="nanogpt_race_")  # its cwd: nanoGPT reads configurator.py and data/ from there
     for f in ("train.py", "model.py", "configurator.py", "config"):
         os.symlink(os.path.join(os.path.abspath(src), f), os.path.join(work, f))
@@ -844,58 +860,53 @@ def nanogpt_race(data_dir):
         os.symlink(os.path.abspath(os.path.join(data_dir, f"{split}.bin")), os.path.join(work, "data", "race",
                                                                                           f"{split}.bin"))
     with open(os.path.join(work, "data", "race", "meta.pkl"), "wb") as f:  # the one thing nanoGPT reads besides the
-        pickle.dump({"vocab_size": data.load_meta(data_dir)["vocab_size"]}, f)  # tokens (written here, read by it)
+        pickle.dump({"vocab_size": meta["vocab_size"]}, f)                  # tokens (written here, read by it)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    t0, rows = time.time(), []
-    with subprocess.Popen([sys.executable, "train.py", *NANOGPT_CPU, "--dataset=race", "--out_dir=out"], cwd=work, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:
-            m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
-            if m:
-                rows.append((time.time() - t0, int(m[1]), float(m[2])))
-    if p.returncode or not rows:
-        raise SystemExit(f"nanoGPT's train.py failed ({p.returncode}) in {work}")
+    rows = timed_evals([sys.executable, "train.py", *NANOGPT_CPU, "--dataset=race", "--out_dir=out"],
+                       r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", cwd=work, env=env)
+    shutil.rmtree(work)
     return rows
 
 
 def table_race(recipes=None):
     """nanoGPT's own train.py (README CPU recipe, when ./nanogpt holds it), then each recipe
     in this trainer, one after the other on the same corpus; the targets: RACE_TARGETS and
-    the val loss nanoGPT ends at, the race's finish line."""
+    the val loss nanoGPT ends at (as it prints it), the race's finish line."""
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
     root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
     load = os.getloadavg()[0]
     nano = nanogpt_race(data_dir)
-    targets = RACE_TARGETS + ((round(nano[-1][2], 3),) if nano else ())
+    targets = RACE_TARGETS + ((nano[-1][2],) if nano else ())
     print("\n## race: wall time (and tokens) until the val loss is at most each target; the default corpus; time "
-          "counts from launch (data loading, compiling and evaluations included), to the first evaluation at or below "
-          f"the target; 1-minute load average before the race: {load:.2f}")
+          "counts from launch (imports, data loading and evaluations included) to the printed line of the first "
+          f"evaluation at or below the target; 1-minute load average before the race: {load:.2f}")
     print("| recipe | tokens/iter | iters | " + " | ".join(f"to {t}" for t in targets) + " | final val loss | total |")
     print("|---|---|---|" + "---|" * len(targets) + "---|---|")
+
+    def row(name, evals, tokens_per_iter, iters):
+        hits = [next(((s, step) for s, step, v in evals if v <= t), None) for t in targets]
+        print(f"| {name} | {tokens_per_iter} | {iters} | " + " | ".join(
+            f"{h[0] / 60:.2f} min ({h[1] * tokens_per_iter / 1e6:.2f}M)" if h else "-" for h in hits)
+              + f" | {evals[-1][2]:.3f} | {evals[-1][0] / 60:.2f} min |", flush=True)
+        return hits[-1][0] if hits[-1] else None
     if nano:
-        print("| nanoGPT's own train.py, README CPU recipe (1 process, its default threads) | 768 | 2000 | " +
-              " | ".join(next((f"{s / 60:.2f} min ({step * 768 / 1e6:.2f}M)" for s, step, v in nano if v <= t), "-")
-                         for t in targets) + f" | {nano[-1][2]:.3f} | {nano[-1][0] / 60:.2f} min |", flush=True)
+        row("nanoGPT's own train.py, README CPU recipe (1 process, its default threads)", nano, 768,
+            next(int(a[12:]) for a in reversed(NANOGPT_CPU) if a.startswith("--max_iters=")))
     else:
         print("(nanoGPT's train.py is not in ./nanogpt or $NANOGPT_DIR: no nanoGPT row, no finish line)")
     finish = {}
     for name, keys in recipes.items():
         out = os.path.join(root, str(len(os.listdir(root))))
         args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
-                        "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
-        rows = [r for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl")) if "val_loss" in r]
+        evals = timed_evals([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
+                             "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
+                            r"iter (\d+): val loss ([\d.]+)", env={**os.environ, "OMP_NUM_THREADS": "1"})
         cfg = {**TRAIN, **keys}
-        hits = [next((r for r in rows if r["val_loss"] <= target), None) for target in targets]
-        finish[name] = hits[-1]["elapsed_s"] if nano and hits[-1] else None
-        print(f"| {name} (torchrun, 2 processes) | {cfg['batch_size'] * cfg['grad_accum_steps'] * cfg['block_size']} "
-              f"| {cfg['max_iters']} | " + " | ".join(f"{h['elapsed_s'] / 60:.2f} min ({h['tokens'] / 1e6:.2f}M)"
-                                                    if h else "-" for h in hits)
-              + f" | {rows[-1]['val_loss']:.3f} | {rows[-1]['elapsed_s'] / 60:.2f} min |", flush=True)
+        finish[name] = row(f"{name} (torchrun, 2 processes)", evals,
+                           cfg["batch_size"] * cfg["grad_accum_steps"] * cfg["block_size"], cfg["max_iters"])
     if nano:
         print(f"to nanoGPT's final val loss {targets[-1]}: nanoGPT {nano[-1][0]:.0f} s; " +
               "; ".join(f"{name} {t:.0f} s, {nano[-1][0] / t:.2f}x faster" if t else f"{name} never"

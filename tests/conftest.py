@@ -169,10 +169,11 @@ def _rank_main(rank, env, args, cwd, out_path, err_path):
 
 def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
     """train.py on nproc gloo ranks on CPU. Each rank is a fork of a process that has imported
-    torch and the project once (PRELOAD) and runs train.py top to bottom with the environment
-    torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR ...). agent=True: under
+    torch and the project once (PRELOAD) and runs train.py top to bottom given RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as srun or mpirun would (rank 0 hosts
+    the store: the env:// path; torchrun's agent store is not there). agent=True: under
     `torchrun --standalone` itself, a fresh interpreter per rank, for the tests of what a user
-    sees from torchrun (its error lines, its exit, its restarts)."""
+    sees from torchrun (its error lines, its exit, its restarts) and of its agent's store."""
     if agent:
         return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
                          cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
@@ -186,20 +187,28 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
     with tempfile.TemporaryDirectory() as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
         procs = [ctx.Process(target=_rank_main, args=(r, env, args, str(cwd), *files[r])) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        deadline = time.time() + timeout
-        while any(p.exitcode is None for p in procs):  # like torchrun: one rank failing ends the others
-            if time.time() > deadline or any(p.exitcode for p in procs):
-                for p in procs:
-                    p.kill() if p.exitcode is None else None
-            time.sleep(0.05)
+        deadline, code, why = time.time() + timeout, 0, ""
+        try:
+            for p in procs:
+                p.start()
+            while any(p.exitcode is None for p in procs):  # like torchrun: one rank failing ends the others
+                failed = [p for p in procs if p.exitcode]
+                if (failed or time.time() > deadline) and not code:
+                    code, why = (failed[0].exitcode, f"rank {procs.index(failed[0])} exited with "
+                                 f"{failed[0].exitcode}") if failed else (-9, f"timed out after {timeout} s")
+                    break
+                time.sleep(0.05)
+        finally:  # a failure, a timeout or an interrupted test: no rank outlives the call
+            for p in (p for p in procs if p.pid is not None):
+                p.kill() if p.exitcode is None else None
+                p.join()
+        code = code or next((p.exitcode for p in procs if p.exitcode), 0)
+        why = why or (f"exit code {code}" if code else "")
         texts = [tuple(open(f, errors="replace").read() for f in pair) for pair in files]
-    code = next((p.exitcode for p in procs if p.exitcode), 0)
     result = subprocess.CompletedProcess(["train.py", *args], code, "".join(o for o, _ in texts),
                                          "".join(e for _, e in texts))
     if check and code != 0:
-        raise AssertionError(f"train.py {' '.join(args)} on {nproc} ranks failed ({code}):\n"
+        raise AssertionError(f"train.py {' '.join(args)} on {nproc} ranks failed ({why}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
 
