@@ -35,10 +35,11 @@ memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with op
         (max RSS above the process's size before the model was built, on CPU), and ms/iter.
 race:   side by side on the default corpus, one after the other: nanoGPT's own train.py with
         its README's CPU recipe (its files in ./nanogpt or $NANOGPT_DIR: train.py, model.py,
-        configurator.py, config/train_shakespeare_char.py), then the default job and a
-        500-iteration one (torchrun, 2 processes); wall time from launch and tokens to val loss
-        4.5, 4.25, 4.0 and to the val loss nanoGPT ends at, the finish line: the ratio of the
-        times (~9 minutes: every recipe is a whole job; run it on a quiet machine).
+        configurator.py, config/train_shakespeare_char.py), then the default job launched as the
+        README's quickstart launches it (`python train.py`, one process), a 500-iteration one, and
+        the default job under torchrun with 2 processes; wall time from launch and tokens to val
+        loss 4.5, 4.25, 4.0 and to the val loss nanoGPT ends at, the finish line: the ratio of the
+        times (~11 minutes: every recipe is a whole job; run it on a quiet machine).
 checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=False) vs
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
@@ -65,10 +66,14 @@ gpu:    (a CUDA device only) a GPT-2-small-shaped LLaMA (12 layers, width 768, 1
         ./nanogpt or $NANOGPT_DIR: bench.py, model.py, configurator.py; its MFU, printed against
         the A100's 312 TFLOP/s, is rescaled to this GPU's peak); then the same model under FSDP2
         on one rank, its checkpoint saves plain vs async, and the head + loss at vocab 128k.
+mfu:    the default job's own step, as train.py times it and reports it (`python train.py`, one
+        process, the machine's threads, float32 on CPU): the median ms/iter, tokens/s and MFU
+        against the matmul rate train.py measured, eager and with compile=True (its compile time
+        too), from metrics.jsonl's iterations after the first 20.
 profile: where one step of the default job goes, in one process on the CPU (train.py's model,
-        batch and optimizer, Muon): its MFU against the measured matmul rate, and torch.profiler's
-        self time per kind of work (the head's matmuls, the blocks' matmuls, log-softmax and
-        its backward, attention, the optimizer, the rest).
+        batch and optimizer, Muon; glibc tuned as train.py tunes it): its MFU against the measured
+        matmul rate, and torch.profiler's self time per kind of work (the head's matmuls, the
+        blocks' matmuls, log-softmax and its backward, attention, the optimizer, the rest).
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
@@ -811,12 +816,14 @@ def table_checkpoint(worlds=(1, 2), saves=3, models=None):
 
 
 # ---- race: wall time to a val loss, nanoGPT's own train.py against the default job ------------
-# Each recipe is a whole job (its own schedule ends at its max_iters) launched the way the
-# README's quickstart launches the default: torchrun, 2 processes, on the default corpus. Both
-# sides are timed alike: from the launch to the moment an evaluation's line is printed.
+# Each recipe is a whole job (its own schedule ends at its max_iters) on the default corpus,
+# launched as the README's quickstart launches the default (`python train.py`: one process with
+# the machine's threads, as nanoGPT gets them), and the default job once more under torchrun with
+# 2 processes. Both sides are timed alike: from the launch to the moment an evaluation's line is printed.
 RACE_TARGETS = (4.5, 4.25, 4.0)
-RACE = {"default (train.py)": dict(),  # name: the keys it sets; python bench.py race runs each after nanoGPT
-        "default, max_iters=500 (a shorter cosine)": dict(max_iters=500)}
+RACE = {"default (python train.py)": (1, {}),  # name: (processes, the keys it sets); run after nanoGPT
+        "default, max_iters=500 (a shorter cosine)": (1, dict(max_iters=500)),
+        "default, torchrun with 2 processes": (2, {})}
 
 
 # nanoGPT's README "I only have a macbook" CPU recipe, on our default corpus (its vocabulary: 8,192)
@@ -897,16 +904,18 @@ def table_race(recipes=None):
     else:
         print("(nanoGPT's train.py is not in ./nanogpt or $NANOGPT_DIR: no nanoGPT row, no finish line)")
     finish = {}
-    for name, keys in recipes.items():
+    for name, (procs, keys) in recipes.items():
         out = os.path.join(root, str(len(os.listdir(root))))
         args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
-        evals = timed_evals([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             os.path.abspath(__file__).replace("bench.py", "train.py"), f"out_dir={out}",
-                             "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
-                            r"iter (\d+): val loss ([\d.]+)", env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+        threads = {"OMP_NUM_THREADS": "1"} if procs > 1 else {}  # one process: torch's default, as nanoGPT's
+        env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **threads}
+        evals = timed_evals([sys.executable, *launch, os.path.abspath(__file__).replace("bench.py", "train.py"),
+                             f"out_dir={out}", "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
+                            r"iter (\d+): val loss ([\d.]+)", env=env)
         cfg = {**TRAIN, **keys}
-        finish[name] = row(f"{name} (torchrun, 2 processes)", evals,
-                           cfg["batch_size"] * cfg["grad_accum_steps"] * cfg["block_size"], cfg["max_iters"])
+        finish[name] = row(name, evals, cfg["batch_size"] * cfg["grad_accum_steps"] * cfg["block_size"],
+                           cfg["max_iters"])
     if nano:
         print(f"to nanoGPT's final val loss {targets[-1]}: nanoGPT {nano[-1][0]:.0f} s; " +
               "; ".join(f"{name} {t:.0f} s, {nano[-1][0] / t:.2f}x faster" if t else f"{name} never"
@@ -969,10 +978,40 @@ def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
               f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
 
 
+def table_mfu(iters=80, skip=20):
+    """The default job's own numbers: `python train.py` in one process (the machine's threads),
+    logging every iteration; the median over iterations skip.. of metrics.jsonl's dt_ms, eager
+    and with compile=True, and MFU against the matmul rate that train.py measured."""
+    import re
+    print(f"\n## mfu: the default job's step as train.py times it (python train.py, one process, "
+          f"{os.cpu_count()} threads, float32), the median of iterations {skip}-{iters - 1}")
+    print(f"{'compile':>7} | {'ms/iter':>8} | {'tokens/s':>9} | {'MFU':>6} | {'matmul peak':>12} | {'whole run':>9}")
+    print("-" * 74)
+    for compile_ in (False, True):
+        out = os.path.join(tempfile.mkdtemp(prefix="mfu_"), "out")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        t0 = time.time()
+        p = subprocess.run([sys.executable, os.path.abspath(__file__).replace("bench.py", "train.py"),
+                            f"out_dir={out}", f"max_iters={iters}", "log_interval=1", "eval_iters=1",
+                            "sample_tokens=0", "init_from=scratch", f"compile={compile_}"],
+                           env=env, capture_output=True, text=True, check=True)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            logs = [r for r in map(json.loads, f) if "dt_ms" in r and r["iter"] >= skip]
+        shutil.rmtree(os.path.dirname(out))
+        mid = sorted(logs, key=lambda r: r["dt_ms"])[len(logs) // 2]
+        peak = float(re.search(r"peak ([\d.]+) GFLOP/s", p.stdout)[1])
+        print(f"{str(compile_):>7} | {mid['dt_ms']:8.1f} | {mid['tok_per_s']:9,.0f} | {mid['mfu']:6.1%} | "
+              f"{peak:7.1f} GF/s | {time.time() - t0:7.1f} s", flush=True)
+    print("MFU: the model's FLOPs per token (6 per parameter plus attention) x tokens/s, over the float32 matmul "
+          "rate train.py measured at its first log line; whole run: launch to exit (imports, two evaluations, "
+          "a checkpoint, and compile=True's compiling, which a run pays once)")
+
+
 def table_profile(steps=5):
     from torch.profiler import ProfilerActivity, profile
 
     import optim
+    workarounds.keep_freed_memory()  # as train.py on the CPU (this is the last table of a whole run)
     mesh = parallel.setup("cpu")
     cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")})
     torch.manual_seed(0)
@@ -1268,7 +1307,7 @@ TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": tab
           "memory2d": table_memory2d,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
           "race": table_race, "reading": table_reading, "head": table_head,
-          "gpu": table_gpu, "profile": table_profile}
+          "gpu": table_gpu, "mfu": table_mfu, "profile": table_profile}
 ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
 if __name__ == "__main__":

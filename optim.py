@@ -17,22 +17,37 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, dtype=torch.bfloat16):
-    """An approximately orthogonal matrix with the row and column spaces of g (2-D): U V^T of
-    its SVD g = U S V^T, by a quintic Newton-Schulz iteration on X = g / |g| (every singular
-    value in (0, 1]) that pushes each singular value towards 1 (to about 0.7-1.2: the
-    coefficients trade precision for speed, which does not hurt training). Works on the short
-    side (X X^T is the smaller Gram matrix). In bfloat16 by default, as Keller Jordan's
-    reference and torch.optim.Muon do (on a CPU, whose bf16 matmuls are slow, float32)."""
+    """An approximately orthogonal matrix with the row and column spaces of g (2-D, or a stack
+    (k, m, n) of matrices of one shape, each on its own): U V^T of its SVD g = U S V^T, by a
+    quintic Newton-Schulz iteration on X = g / |g| (every singular value in (0, 1]) that pushes
+    each singular value towards 1 (to about 0.7-1.2: the coefficients trade precision for
+    speed, which does not hurt training). Works on the short side (X X^T is the smaller Gram
+    matrix). In bfloat16 by default, as Keller Jordan's reference and torch.optim.Muon do (on a
+    CPU, whose bf16 matmuls are slow, float32)."""
     a, b, c = coefficients
-    x = g.to(dtype)
-    if g.size(0) > g.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+    tall = g.size(-2) > g.size(-1)
+    x = g.to(dtype).reshape(-1, *g.shape[-2:])  # (k, m, n)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
-        x = torch.addmm(x, poly, x, beta=a)                     # a X + (b G + c G^2) X
-    return x.T if g.size(0) > g.size(1) else x
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        x = torch.baddbmm(x, poly, x, beta=a)                     # a X + (b G + c G^2) X
+    return (x.mT if tall else x).reshape(g.shape)
+
+
+def newton_schulz_each(gs, dtype):
+    """newton_schulz of each matrix of the list gs, those of one shape as one stack: a few
+    batched matmuls instead of many small ones (Muon's per-matrix work at width 128 is more
+    overhead than arithmetic: this halves its time on a CPU)."""
+    out, by_shape = [None] * len(gs), {}
+    for i, g in enumerate(gs):
+        by_shape.setdefault(tuple(g.shape), []).append(i)
+    for idx in by_shape.values():
+        for i, update in zip(idx, newton_schulz(torch.stack([gs[i] for i in idx]), dtype=dtype)):
+            out[i] = update
+    return out
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -65,7 +80,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """Newton-Schulz of each whole matrix, here. With more than one rank build_optimizer
         swaps in sharded_orthogonalize (parts gathered whole, the work shared), as tensor
         parallelism swaps the loss."""
-        return [newton_schulz(g, dtype=self.ns_dtype) for g in gs]
+        return newton_schulz_each(gs, self.ns_dtype)
 
     @torch.no_grad()
     def step(self):
