@@ -82,8 +82,7 @@ def configure(defaults, argv):
                 raise UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
             overrides.update(_config_file(arg, defaults, overrides))
             continue
-        key, raw = arg.split("=", 1)
-        key = key.lstrip("-")
+        key, raw = arg.lstrip("-").split("=", 1)
         if key not in defaults:
             raise _unknown(key, defaults, "on the command line")
         overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key], "on the command line")

@@ -243,10 +243,8 @@ class Transformer(nn.Module):
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
-            if self.training and self.cfg.neftune_alpha > 0:
-                # NEFTune (arXiv:2310.05914): uniform noise, its norm independent of T and width
-                scale = self.cfg.neftune_alpha / math.sqrt(T * self.cfg.n_embd)
-                x = x + torch.empty_like(x).uniform_(-1, 1) * scale
+            if self.training and self.cfg.neftune_alpha > 0:  # NEFTune: neftune below
+                x = neftune(x, self.cfg.neftune_alpha)
             x = self.drop(x)
         else:
             x = idx  # (B, T, n_embd): the previous stage's hidden states
@@ -338,6 +336,12 @@ def grow_vocab(model, new_vocab_size):
         model.output.out_features = new_vocab_size
     model.cfg.vocab_size = new_vocab_size
     return model
+
+
+def neftune(x, alpha):
+    """NEFTune (arXiv:2310.05914): uniform noise on the embeddings x (B, T, n_embd), its norm
+    independent of T and width."""
+    return x + torch.empty_like(x).uniform_(-1, 1) * (alpha / math.sqrt(x.shape[1] * x.shape[2]))
 
 
 def masked_mean(losses, loss_mask=None):

@@ -231,9 +231,8 @@ def build_optimizer(raw_model, model, mesh, c, zero=False):
 
 
 def get_lr(it, c):
-    """Linear warmup to learning_rate, then down to min_lr at lr_decay_iters (flat after it):
-    a cosine from the end of warmup, or (wsd) flat until the last cooldown_frac of the
-    iterations and a straight line down in them (a run can be extended by moving the cooldown)."""
+    """The rate of iteration `it`, as train.py's lr_schedule comment says (min_lr after lr_decay_iters;
+    wsd: a run can be extended by moving the cooldown)."""
     lr, min_lr, warmup = c["learning_rate"], c["min_lr"], c["warmup_iters"]
     decay = c["lr_decay_iters"] or c["max_iters"]
     if it < warmup:
@@ -249,9 +248,7 @@ def get_lr(it, c):
 
 
 def schedule_note(c):
-    """A line on what the schedule does when max_iters ends inside the warmup (else None)."""
-    if c["max_iters"] >= c["warmup_iters"]:
-        return None
+    """A line on what the schedule does when max_iters ends inside the warmup (train.py asks only then)."""
     top = c["learning_rate"] * c["max_iters"] / c["warmup_iters"]
     return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning rate only warms up, "
             f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never reached, and there is "

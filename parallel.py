@@ -270,12 +270,8 @@ def all_reduce_named(values, mesh):
     for all of them, one collective per step for everything the ranks must agree on."""
     parts = {k: torch.as_tensor(v, dtype=torch.float64).to(mesh.device).reshape(-1) for k, v in values.items()}
     flat = all_reduce_sum(torch.cat(list(parts.values())), mesh)
-    out, at = {}, 0
-    for k, v in values.items():
-        n = parts[k].numel()
-        out[k] = flat[at:at + n].view(torch.as_tensor(v).shape)
-        at += n
-    return out
+    sums = flat.split([part.numel() for part in parts.values()])
+    return {k: s.view(torch.as_tensor(v).shape) for (k, v), s in zip(values.items(), sums)}
 
 
 def _local(t):

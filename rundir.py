@@ -266,9 +266,7 @@ class Source:
 
 
 def weights_source(out_dir, init_from, mesh):
-    """The Source of this run's weights, first match wins: (1) out_dir's own newest intact
-    checkpoint; (2) init_from= another run of ours; (3) init_from= a Hugging Face LLaMA
-    directory; (4) fresh."""
+    """The Source of this run's weights: the first of train.py's (1)-(4) that matches."""
     saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)  # rank 0's view decides
     if not saved and init_from in ("auto", "scratch"):                     # (4), nothing saved here
         return Source("fresh")
@@ -406,9 +404,8 @@ class Saves:
 
 
 def catch_signals(mesh):
-    """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C finish the step in progress, then the
-    run checkpoints and exits 0: the stop is agreed by all ranks at the end of the step, in the
-    same all-reduce as the loss. Returns the list of signals received, which the loop reads."""
+    """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
+    which the loop's all-reduce turns into a stop that all ranks agree on (then a checkpoint)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))

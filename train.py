@@ -376,7 +376,8 @@ while True:
         for k, (xk, yk, mk, dk) in enumerate(micro):
             # data parallel: sync only in the last micro-step's backward (no_sync before). The
             # all-reduce is launched by hooks *during* backward, so the flag is set before it starts.
-            parallel.set_grad_sync(model, k == len(micro) - 1)
+            if mesh.dp > 1:
+                parallel.set_grad_sync(model, k == len(micro) - 1)
             with autocast:
                 _, loss = model(xk, yk, mk, dk)
             (loss * weights[k]).backward()
@@ -384,7 +385,8 @@ while True:
     else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
                                              pp_virtual)
-    parallel.wait_grad_sync(model)  # the last buckets' all-reduces may still be in flight
+    if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
+        parallel.wait_grad_sync(model)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
