@@ -14,7 +14,7 @@ from model import (
     masked_mean,
     rope_tables,
 )
-from optim import MuonWithAdamW, get_lr, newton_schulz
+from optim import MuonWithAdamW, get_lr, newton_schulz, newton_schulz_each
 from pipeline import make_stage
 
 tiny = tiny_model
@@ -321,6 +321,13 @@ def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
     for shape in [(64, 16), (16, 64)]:
         sv = torch.linalg.svdvals(newton_schulz(torch.randn(shape, generator=g), dtype=torch.float32))
         assert 0.6 < sv.min() and sv.max() < 1.25, sv
+    # a stack of matrices of one shape (how newton_schulz_each batches them): each as if alone,
+    # and a list of mixed shapes comes back in its order
+    gs = [torch.randn(s, generator=g) for s in [(48, 32), (32, 80), (48, 32), (80, 32), (48, 32)]]
+    torch.testing.assert_close(newton_schulz(torch.stack(gs[::2]), dtype=torch.float32),
+                               torch.stack([newton_schulz(m, dtype=torch.float32) for m in gs[::2]]))
+    for update, m in zip(newton_schulz_each(gs, torch.float32), gs):
+        torch.testing.assert_close(update, newton_schulz(m, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
