@@ -80,6 +80,7 @@ build:  peak tensor bytes per rank while building the model (fresh weights) and 
 """
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -672,8 +673,9 @@ def layout2d_worker(layout, optim_name):
     ns = optim.newton_schulz
 
     def counted(g, **kw):  # 5 steps of X X^T (s x s from s x l), G G (s^3), (.) X (s x s times s x l), 2 FLOPs a MAC
-        s, l = min(g.shape), max(g.shape)
-        work["flops"] += 5 * 2 * (2 * s * s * l + s ** 3)
+        *k, m, n = g.shape  # one matrix, or a stack of k (newton_schulz_each)
+        s, l = min(m, n), max(m, n)
+        work["flops"] += math.prod(k) * 5 * 2 * (2 * s * s * l + s ** 3)
         return ns(g, **kw)
     optim.newton_schulz = counted
     inner = getattr(opt, "optimizer", opt)  # ZeroOptimizer's MuonWithAdamW
@@ -985,8 +987,8 @@ def table_mfu(iters=80, skip=20, rounds=2):
     against the best matmul rate that the runs measured (each train.py measures its own)."""
     import re
     print(f"\n## mfu: the default job's step as train.py times it (python train.py, one process, "
-          f"{os.cpu_count()} threads, float32), the median of iterations {skip}-{iters - 1}; eager and compiled "
-          f"runs alternated, {rounds} of each")
+          f"{os.cpu_count()} CPU threads; float32 on a CPU, bf16 autocast on CUDA), the median of iterations "
+          f"{skip}-{iters - 1}; eager and compiled runs alternated, {rounds} of each")
     rows = []
     for _ in range(rounds):
         for compile_ in (False, True):
@@ -996,10 +998,13 @@ def table_mfu(iters=80, skip=20, rounds=2):
             p = subprocess.run([sys.executable, os.path.abspath(__file__).replace("bench.py", "train.py"),
                                 f"out_dir={out}", f"max_iters={iters}", "log_interval=1", "eval_iters=1",
                                 "sample_tokens=0", "init_from=scratch", f"compile={compile_}"],
-                               env=env, capture_output=True, text=True, check=True)
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                logs = [r for r in map(json.loads, f) if "dt_ms" in r and r["iter"] >= skip]
+                               env=env, capture_output=True, text=True)
+            if p.returncode == 0:
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    logs = [r for r in map(json.loads, f) if "dt_ms" in r and r["iter"] >= skip]
             shutil.rmtree(os.path.dirname(out))
+            if p.returncode:
+                raise SystemExit(f"train.py compile={compile_} failed ({p.returncode}):\n{p.stderr[-2000:]}")
             mid = sorted(logs, key=lambda r: r["dt_ms"])[len(logs) // 2]
             peak = float(re.search(r"peak ([\d.]+) GFLOP/s", p.stdout)[1]) * 1e9
             rows.append((compile_, mid["dt_ms"], mid["tok_per_s"], mid["mfu"] * peak / mid["tok_per_s"], peak,
@@ -1021,7 +1026,7 @@ def table_profile(steps=5):
     from torch.profiler import ProfilerActivity, profile
 
     import optim
-    workarounds.keep_freed_memory()  # as train.py on the CPU (this is the last table of a whole run)
+    workarounds.keep_freed_memory()  # as train.py on the CPU (it stays so for any table after this one)
     mesh = parallel.setup("cpu")
     cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")})
     torch.manual_seed(0)
@@ -1061,6 +1066,25 @@ def table_profile(steps=5):
           f"threads): {dt * 1000:.0f} ms, MFU {mfu:.1%} of the measured float32 matmul rate; self CPU time by kind")
     for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<45} {t / total:6.1%}")
+    gs = [p.detach() for g in opt.param_groups if g["muon"] for p in g["params"]]  # Muon's matrices
+
+    def ns_ms(stacked):  # the median of 9
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            optim.newton_schulz_each(gs, torch.float32) if stacked else [optim.newton_schulz(g, dtype=torch.float32)
+                                                                        for g in gs]
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[4] * 1000
+    threads, ms = torch.get_num_threads(), {}
+    for n in sorted({threads, 1}):
+        torch.set_num_threads(n)
+        for stacked in (True, False):
+            ms[n, stacked] = ns_ms(stacked)
+    torch.set_num_threads(threads)
+    print(f"Muon's Newton-Schulz on the {len(gs)} matrices, per step: " + "; ".join(
+        f"{n} thread{'s' if n > 1 else ''}: {ms[n, True]:.1f} ms stacked by shape (optim.newton_schulz_each), "
+        f"{ms[n, False]:.1f} ms one by one" for n in sorted({threads, 1})))
 
 
 GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)

@@ -33,7 +33,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
-    neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see forward)
+    neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see neftune)
     loss_chunk: int = 0        # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
 
     def __post_init__(self):  # (configurator.py's RULES say the same, with the fix, for the config)

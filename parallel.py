@@ -306,19 +306,24 @@ def memory_line(model, optimizer, mesh, zero, fsdp, offload):
 def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
     """FLOP/s of a square matmul on this device, the fastest of those run in `seconds` (a
     neighbour's load slows some, not the best): the peak that MFU is measured against when
-    peak_flops is not given (nobody publishes one for your laptop's CPU)."""
+    peak_flops is not given (nobody publishes one for your laptop's CPU). Timed in groups of
+    at least 5 ms, so that a GPU's launch and synchronize latency does not count."""
     g = torch.Generator(device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
     a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
     b = torch.rand(n, n, device=device, dtype=dtype, generator=g)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     a @ b  # warm up
     sync()
-    best, end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    best, group, end = float("inf"), 1, time.perf_counter() + seconds
+    while best == float("inf") or time.perf_counter() < end:
         t0 = time.perf_counter()
-        a @ b
+        for _ in range(group):
+            a @ b
         sync()
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best = min(best, dt / group)
+        if dt < 0.005:  # mostly launch latency (a GPU): time more of them at once (a CPU's takes ~10 ms)
+            group *= 2
     return 2 * n ** 3 / best
 
 
