@@ -66,10 +66,10 @@ gpu:    (a CUDA device only) a GPT-2-small-shaped LLaMA (12 layers, width 768, 1
         ./nanogpt or $NANOGPT_DIR: bench.py, model.py, configurator.py; its MFU, printed against
         the A100's 312 TFLOP/s, is rescaled to this GPU's peak); then the same model under FSDP2
         on one rank, its checkpoint saves plain vs async, and the head + loss at vocab 128k.
-mfu:    the default job's own step, as train.py times it and reports it (`python train.py`, one
-        process, the machine's threads, float32 on CPU): the median ms/iter, tokens/s and MFU
-        against the matmul rate train.py measured, eager and with compile=True (its compile time
-        too), from metrics.jsonl's iterations after the first 20.
+mfu:    the default job's own step, as train.py times it and logs it (`python train.py`, one
+        process, the machine's threads): the median ms/iter and tokens/s of metrics.jsonl's
+        iterations after the first 20, eager and with compile=True, two runs of each alternated,
+        and MFU against the best matmul rate the runs measured; each run's wall time.
 profile: where one step of the default job goes, in one process on the CPU (train.py's model,
         batch and optimizer, Muon; glibc tuned as train.py tunes it): its MFU against the measured
         matmul rate, and torch.profiler's self time per kind of work (the head's matmuls, the
@@ -96,7 +96,6 @@ import torch.multiprocessing as mp
 
 import build
 import checkpoint
-import rundir
 import configurator
 import data
 import data_parallel
@@ -111,8 +110,16 @@ from lora import apply_lora
 from model import ModelConfig, Transformer, cross_entropy_losses
 from parallel import measure_matmul_flops
 
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
+def default_threads_env(**extra):
+    """os.environ without OMP_NUM_THREADS (torch's default: the machine's threads), plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **extra}
+
+
 # the default model and batch of train.py, read from its defaults block
-TRAIN = configurator.script_defaults(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
+TRAIN = configurator.script_defaults(TRAIN_PY)
 MODEL = {k: TRAIN[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
 MODEL["block_size"] = 128  # the tables below were measured on 128-token sequences (the default job trains 64)
 BATCH, ACCUM = 16, 2  # 4096 tokens/iter, as the tables below were measured (the default job trains 1024/iter)
@@ -870,9 +877,8 @@ def nanogpt_race(data_dir):
                                                                                           f"{split}.bin"))
     with open(os.path.join(work, "data", "race", "meta.pkl"), "wb") as f:  # the one thing nanoGPT reads besides the
         pickle.dump({"vocab_size": meta["vocab_size"]}, f)                  # tokens (written here, read by it)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     rows = timed_evals([sys.executable, "train.py", *NANOGPT_CPU, "--dataset=race", "--out_dir=out"],
-                       r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", cwd=work, env=env)
+                       r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", cwd=work, env=default_threads_env())
     shutil.rmtree(work)
     return rows
 
@@ -911,10 +917,9 @@ def table_race(recipes=None):
         args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
         launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
         threads = {"OMP_NUM_THREADS": "1"} if procs > 1 else {}  # one process: torch's default, as nanoGPT's
-        env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **threads}
-        evals = timed_evals([sys.executable, *launch, os.path.abspath(__file__).replace("bench.py", "train.py"),
-                             f"out_dir={out}", "init_from=scratch", "sample_tokens=0", "ckpt_interval=100000", *args],
-                            r"iter (\d+): val loss ([\d.]+)", env=env)
+        evals = timed_evals([sys.executable, *launch, TRAIN_PY, f"out_dir={out}", "init_from=scratch",
+                             "sample_tokens=0", "ckpt_interval=100000", *args],
+                            r"iter (\d+): val loss ([\d.]+)", env=default_threads_env(**threads))
         cfg = {**TRAIN, **keys}
         finish[name] = row(name, evals, cfg["batch_size"] * cfg["grad_accum_steps"] * cfg["block_size"],
                            cfg["max_iters"])
@@ -993,12 +998,10 @@ def table_mfu(iters=80, skip=20, rounds=2):
     for _ in range(rounds):
         for compile_ in (False, True):
             out = os.path.join(tempfile.mkdtemp(prefix="mfu_"), "out")
-            env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
             t0 = time.time()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__).replace("bench.py", "train.py"),
-                                f"out_dir={out}", f"max_iters={iters}", "log_interval=1", "eval_iters=1",
-                                "sample_tokens=0", "init_from=scratch", f"compile={compile_}"],
-                               env=env, capture_output=True, text=True)
+            p = subprocess.run([sys.executable, TRAIN_PY, f"out_dir={out}", f"max_iters={iters}", "log_interval=1",
+                                "eval_iters=1", "sample_tokens=0", "init_from=scratch", f"compile={compile_}"],
+                               env=default_threads_env(), capture_output=True, text=True)
             if p.returncode == 0:
                 with open(os.path.join(out, "metrics.jsonl")) as f:
                     logs = [r for r in map(json.loads, f) if "dt_ms" in r and r["iter"] >= skip]

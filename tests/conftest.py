@@ -200,7 +200,8 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
                 time.sleep(0.05)
         finally:  # a failure, a timeout or an interrupted test: no rank outlives the call
             for p in (p for p in procs if p.pid is not None):
-                p.kill() if p.exitcode is None else None
+                if p.exitcode is None:
+                    p.kill()
                 p.join()
         code = code or next((p.exitcode for p in procs if p.exitcode), 0)
         why = why or (f"exit code {code}" if code else "")
