@@ -14,8 +14,6 @@ and read again from there on resume.
 This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
 
-import hashlib
-import io
 import json
 import os
 import shutil
@@ -34,8 +32,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 import fsdp
 import lora as lora_mod
-from ckpt_files import CKPT_NAME, dcp_metadata, describe_error, read_manifest, read_small
-from configurator import UserError
+from ckpt_files import CKPT_NAME, dcp_metadata, read_manifest, read_small
+from common import UserError, describe_error, sha256_file, write_atomic
 from model import ModelConfig, Transformer
 from parallel import (
     all_gather_object,
@@ -60,26 +58,6 @@ def _fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_atomic(path, write):
-    """write(f) into a new file renamed to `path`: never through a link planted at either name
-    (the temp file is created exclusively, O_NOFOLLOW; the rename replaces a link at `path`).
-    The bytes are made in memory first: a full disk is an OSError (ENOSPC) of the write."""
-    buf, tmp = io.BytesIO(), path + ".tmp"
-    write(buf)
-    try:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
-            f.write(buf.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        if os.path.lexists(tmp):  # a half-written temp file is no one's
-            os.remove(tmp)
-        raise
 
 
 def train_state(model, optimizer):
@@ -195,14 +173,6 @@ def _checkpoints(root):
     """{iteration: directory name} of the ckpt/iter_N directories under root."""
     names = os.listdir(root) if os.path.isdir(root) else []
     return {int(m[1]): n for n in names if (m := CKPT_NAME.fullmatch(n)) and os.path.isdir(os.path.join(root, n))}
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _hash_files(path, names):

@@ -15,14 +15,8 @@ import warnings
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from configurator import MAX_SIZES, UserError, json_field, read_json
+from common import MAX_SIZES, UserError, describe_error, json_field, read_json
 from model import ModelConfig
-
-
-def describe_error(e):
-    """An exception in a few words: its type and the first line of its message."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
 
 
 CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on

@@ -14,7 +14,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from configurator import UserError, json_field, read_json
+from common import UserError, json_field, read_json
 
 EOT = "<|endoftext|>"
 # the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens

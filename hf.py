@@ -13,7 +13,7 @@ import shutil
 
 import torch
 
-from configurator import MAX_SIZES, UserError, loads_json, read_json
+from common import MAX_SIZES, UserError, loads_json, read_json
 from model import ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from configurator import LORA_TARGETS, UserError, read_json
+from common import UserError, read_json, sha256_file
+from configurator import LORA_TARGETS
 from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_export_dir
 from model import param_seed
 from parallel import broadcast_object
@@ -144,7 +145,7 @@ def base_reference(path, mesh=None):
             kind, files = "ckpt", ["manifest.json"]
         h = hashlib.sha256()
         for f in files:
-            h.update(f"{f}:{checkpoint.sha256_file(os.path.join(path, f))}\n".encode())
+            h.update(f"{f}:{sha256_file(os.path.join(path, f))}\n".encode())
         ref = {"kind": kind, "path": path, "sha256": h.hexdigest()}
     return ref if mesh is None else broadcast_object(ref, mesh)
 

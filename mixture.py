@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import data
-from configurator import UserError
+from common import UserError
 
 # ---------------------------------------------------------------------------------------
 # mixtures of datasets, and curriculum phases

@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from configurator import UserError
-from configurator import excepthook as configurator_excepthook
+import common
+from common import UserError
 
 # ---------------------------------------------------------------------------------------
 # process setup and the rank grid
@@ -156,7 +156,7 @@ def die_with_parent():
 
 
 def excepthook(kind, err, tb):
-    """train.py's sys.excepthook: configurator's (a UserError is one line, a bug keeps its
+    """train.py's sys.excepthook: common's (a UserError is one line, a bug keeps its
     traceback) plus the two cases only a process group has. A collective that failed
     because a peer died or hung (gloo and NCCL raise a plain RuntimeError that names them)
     is one line too, with the backend's own first line, whole: it names the cause. And
@@ -170,7 +170,7 @@ def excepthook(kind, err, tb):
               f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
               f"only slow (e.g. a long save)", file=out, flush=True)
     else:
-        configurator_excepthook(kind, err, tb)
+        common.excepthook(kind, err, tb)
     if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
         sys.modules["rundir"].remove_refused()
     if dist.is_initialized():

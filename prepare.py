@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from configurator import UserError, excepthook, loads_json
+from common import UserError, excepthook, loads_json
 from data import (
     CHAT_TOKENS,
     ROLES,

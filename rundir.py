@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
-from configurator import UserError, check, check_layout, check_memory, check_refusals, loads_json
+from common import UserError, describe_error, loads_json, write_atomic
+from configurator import check, check_layout, check_memory, check_refusals
 from model import ModelConfig
 from parallel import broadcast_object, gather_to_master
 
@@ -109,7 +110,7 @@ def _refuse_busy(fd, path, out_dir, e):
     holder = os.read(fd, 4096).decode(errors="replace")
     os.close(fd)
     if e.errno not in (errno.EAGAIN, errno.EACCES):
-        raise UserError(f"cannot lock {path} ({checkpoint.describe_error(e)}): put out_dir on a filesystem with "
+        raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem with "
                         f"file locks") from None
     _made.clear()  # the other run's
     try:
@@ -134,10 +135,10 @@ def remove_refused():
 
 
 def write_file(path, text):
-    """`text` into out_dir's file `path`, whole (checkpoint.write_atomic: a link planted at
+    """`text` into out_dir's file `path`, whole (common.write_atomic: a link planted at
     `path` is replaced, never written through); a full disk is one line."""
     try:
-        checkpoint.write_atomic(path, lambda f: f.write(text.encode()))
+        write_atomic(path, lambda f: f.write(text.encode()))
     except OSError as e:
         raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the permissions of "
                         f"{os.path.dirname(path) or '.'}") from None

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 
 import checkpoint
+import common
 import configurator
 import data
 import hf
@@ -72,10 +73,10 @@ def main(argv):
                                      f"or export elsewhere")
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
     if path is None:
-        raise configurator.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
+        raise common.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
                                      f"ckpt=path/to/iter_XXXXXXX")
     if cfg["export_shard_mb"] < 0:
-        raise configurator.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
+        raise common.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
     enc = data.tokenizer_from_meta(data.checkpoint_spec(meta))
     if cfg["export"]:
@@ -102,5 +103,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.excepthook = configurator.excepthook
+    sys.excepthook = common.excepthook
     main(sys.argv[1:])

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from configurator import UserError
+from common import UserError
 from model import chunked_losses
 
 # ---------------------------------------------------------------------------------------

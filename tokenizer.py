@@ -16,7 +16,7 @@ import os
 
 import tiktoken
 
-from configurator import UserError, read_json
+from common import UserError, read_json, sha256_file
 from hf import bytes_to_unicode
 
 # the tokenizers library's ByteLevel(use_regex=True) split: GPT-2's pattern
@@ -39,8 +39,7 @@ def find(model_dir):
 
 
 def sha256(path):
-    import checkpoint  # the file hash that checkpoints' manifests use
-    return checkpoint.sha256_file(path)
+    return sha256_file(path)  # the file hash that checkpoints' manifests use
 
 
 def _json(path):

@@ -137,7 +137,7 @@ def spawn(fn, world, *args, pp=1, tp=1):
 # what every rank of a train.py run imports (torch, torch._dynamo through the optimizers, DCP,
 # the project): ~4.5 s of CPU per process on this machine, against well under a second of
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint",
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint", "common",
            "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "parallel",
            "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "workarounds", "zero"]
 

@@ -17,7 +17,7 @@ from transformers import (
 
 import data
 import prepare
-from configurator import UserError
+from common import UserError
 from hf import (
     hf_config_to_ours,
     hf_tokenizer,

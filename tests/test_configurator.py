@@ -1,6 +1,7 @@
 import pytest
 
-from configurator import UserError, configure
+from common import UserError
+from configurator import configure
 
 DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False, "out_dir": "out",
             "init_from": "scratch", "n_embd": 128}

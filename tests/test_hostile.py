@@ -29,7 +29,7 @@ import prepare
 import rundir
 import sample
 import tokenizer
-from configurator import UserError
+from common import UserError
 from model import ModelConfig, Transformer
 
 

@@ -22,7 +22,7 @@ import checkpoint
 import fsdp
 import hf
 import lora
-from configurator import UserError
+from common import UserError
 from lora import LoRALinear, apply_lora, merge_lora
 from model import ModelConfig, Transformer
 from pipeline import make_stage

@@ -12,6 +12,7 @@ from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 import data
 import mixture
 import prepare
+from common import UserError
 
 
 @pytest.fixture(scope="module")
@@ -234,5 +235,5 @@ def test_configurator_takes_a_list_key_as_a_literal_or_a_real_list(tmp_path):
     cfg = tmp_path / "c.py"
     cfg.write_text("phases = ((0, {'a': 1.0}),)\n")  # a tuple where the default is a list: taken as a list
     assert configurator.configure({"phases": []}, [str(cfg)]) == {"phases": [(0, {"a": 1.0})]}
-    with pytest.raises(configurator.UserError, match="needs list"):
+    with pytest.raises(UserError, match="needs list"):
         configurator.configure({"phases": []}, ["phases=3"])

@@ -26,7 +26,7 @@ import fsdp
 import hf
 import parallel
 import prepare
-from configurator import UserError
+from common import UserError
 from model import ModelConfig, Transformer
 
 

@@ -10,7 +10,7 @@ from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torc
 
 import data
 import prepare
-from configurator import UserError
+from common import UserError
 from model import ModelConfig, Transformer
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",

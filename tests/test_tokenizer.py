@@ -12,7 +12,7 @@ from conftest import ROOT, run_train
 import data
 import prepare
 import tokenizer
-from configurator import UserError
+from common import UserError
 
 SPECIALS = ["<|endoftext|>", "<|begin|>"]
 

@@ -20,7 +20,7 @@ from conftest import (
 
 import parallel
 import tensor_parallel
-from configurator import UserError
+from common import UserError
 from model import Block, ModelConfig, Transformer, masked_mean
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)

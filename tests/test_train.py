@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, read_metrics, run_train, torchrun
 
-from configurator import UserError
+from common import UserError
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
 
