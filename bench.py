@@ -671,11 +671,13 @@ def layout2d_worker(layout, optim_name):
         fsdp.fully_shard_model(model, mesh)
     use_zero = shard.startswith("zero") and mesh.dp > 1
     wrapped = model
-    if mesh.dp > 1 and shard != "fsdp":
-        wrapped = data_parallel.wrap(model, mesh, "bucketed", 4.0, int(shard[4]) if use_zero else 0)
+    if use_zero:  # as train.py picks them: ZeRO's wrapper and optimizer, or plain data parallel
+        wrapped = zero.ZeroDataParallel(model, mesh, 4.0, int(shard[4]))
+    elif mesh.dp > 1 and shard != "fsdp":
+        wrapped = data_parallel.wrap(model, mesh, "bucketed", 4.0)
     c = dict(optim=optim_name, weight_decay=0.1, embed_lr_scale=10.0, beta1=0.9, beta2=0.95, offload=False,
              learning_rate=1e-4, muon_momentum=0.95)
-    opt, clip = optim.build_optimizer(model, wrapped, mesh, c, use_zero)
+    opt, clip = optim.build_optimizer(model, wrapped, mesh, c, zero.ZeroOptimizer if use_zero else None)
     work = {"flops": 0.0, "ms": 0.0}
     ns = optim.newton_schulz
 

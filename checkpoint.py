@@ -9,7 +9,7 @@ The foreign formats are hf.py (safetensors, Hugging Face LLaMA) and lora.py (PEF
 
 A LoRA run's checkpoints hold only what trains (the adapters and their AdamW state); the
 frozen base is referenced (meta.json's "lora" -> "base": its path and a sha256), not copied,
-and read again from there on resume.
+and read again from there by lora.py.
 
 This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 """
@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 import fsdp
-import lora as lora_mod
 from ckpt_files import CKPT_NAME, dcp_metadata, read_manifest, read_small
 from common import UserError, describe_error, sha256_file, write_atomic
 from model import ModelConfig, Transformer
@@ -545,12 +544,9 @@ def load(path, model, optimizer=None, no_dist=False):
 
 def load_whole(path):
     """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
-    run's checkpoint gives its base with the adapters on (not merged: see merge_lora)."""
+    run's checkpoint holds only the adapters: lora.load_whole reads it onto its base."""
     meta, _ = read_meta(path)
+    assert not meta.get("lora"), f"{path} is a LoRA run's checkpoint: lora.load_whole reads it onto its base"
     model = Transformer(ModelConfig(**meta["model"]))
-    lora = meta.get("lora")
-    if lora:
-        lora_mod.load_base(model, lora["base"])
-        lora_mod.apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed=0)  # A is loaded next
     load(path, model, no_dist=True)
     return model, meta

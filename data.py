@@ -170,16 +170,6 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
-def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
-    """The directory of dataset `source` (a name under data/, or a directory); a missing one
-    is prepared first, from `prep` (data_source=): prepare.prepare_missing."""
-    data_dir = source if os.sep in source else os.path.join("data", source)
-    if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        import prepare
-        prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    return data_dir
-
-
 # ---------------------------------------------------------------------------------------
 # the model's tokenizer: what checkpoints record ("tokenizer_spec"), where a run's comes from
 
@@ -391,6 +381,8 @@ def doc_ids(x, eot_token):
     return is_eot.cumsum(-1) - is_eot
 
 
-if __name__ == "__main__":  # `python data.py SOURCE ...`: the command line of prepare.py
-    import prepare
-    prepare.main()
+# `python data.py SOURCE ...` is prepare.py's command line, run as a script rather than imported:
+# the module data stays beneath prepare.py, which imports it.
+if __name__ == "__main__":
+    import runpy
+    runpy.run_module("prepare", run_name="__main__")

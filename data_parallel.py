@@ -181,15 +181,12 @@ class Bucket:
         return self.ready == len(self.params)
 
 
-def wrap(model, mesh, impl="bucketed", bucket_mb=4.0, zero=0):
+def wrap(model, mesh, impl="bucketed", bucket_mb=4.0):
     """train.py's data-parallel line: the model in the wrapper that averages its gradients over
-    the dp ranks: ours by hand (bucketed, or naive), torch's DistributedDataParallel (the peer),
-    or ZeRO 1/2 (zero.py: each dp rank owns a slice of every bucket)."""
+    the dp ranks: ours by hand (bucketed, or naive), or torch's DistributedDataParallel (the
+    peer). ZeRO 1/2 (zero.py's ZeroDataParallel, on these buckets) is train.py's own line."""
     if impl == "torch":
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, process_group=mesh.dp_group)
     if impl == "naive":
         return NaiveDataParallel(model, mesh)
-    if zero:
-        import zero as zero_py
-        return zero_py.ZeroDataParallel(model, mesh, bucket_mb, zero)
     return DataParallel(model, mesh, bucket_mb)

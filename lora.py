@@ -18,7 +18,7 @@ import checkpoint
 from common import UserError, read_json, sha256_file
 from configurator import LORA_TARGETS
 from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_export_dir
-from model import param_seed
+from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +170,20 @@ def load_base(model, ref, mesh=None):
     else:
         checkpoint.load(path, model, no_dist=True)
     return model
+
+
+def load_whole(path):
+    """(whole model on CPU, meta) from any checkpoint of ours (checkpoint.load_whole); a LoRA
+    run's is its base, read again from where it is, with the adapters on (not merged: see
+    merge_lora)."""
+    meta, _ = checkpoint.read_meta(path)
+    lora = meta.get("lora")
+    if not lora:
+        return checkpoint.load_whole(path)
+    model = load_base(Transformer(ModelConfig(**meta["model"])), lora["base"])
+    apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed=0)  # A is loaded next
+    checkpoint.load(path, model, no_dist=True)
+    return model, meta
 
 
 # PEFT's LoRA on a LlamaForCausalLM: the adapter of module M is saved as

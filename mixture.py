@@ -6,83 +6,15 @@ rate) from a given iteration on; and the per-source losses that train.py logs. A
 one dataset never enters this file.
 """
 
-import ast
-import math
-import os
-
 import numpy as np
 import torch
 
 import data
 from common import UserError
+from configurator import parse_phases, source_name
 
 # ---------------------------------------------------------------------------------------
 # mixtures of datasets, and curriculum phases
-
-
-def parse_mixture(spec):
-    """{source: weight} from 'stdlib:0.7,notes:0.3' (a source without ':w' weighs 1). A source
-    is a dataset name under data/ or a directory; its name in logs and phases is its base name."""
-    mixture = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            raise UserError(f"datasets={spec!r} has an empty entry: write e.g. datasets=stdlib:0.7,notes:0.3")
-        source, _, w = part.rpartition(":") if ":" in part else (part, "", "1")
-        try:
-            weight = float(w)
-        except ValueError:
-            raise UserError(f"datasets: weight {w!r} of '{source}' is not a number: write e.g. {source}:0.5") from None
-        if not weight > 0 or not math.isfinite(weight):
-            raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive (leave a source out "
-                            f"to not use it)")
-        if source_name(source) in map(source_name, mixture):
-            raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source once")
-        mixture[source] = weight
-    return mixture
-
-
-def source_name(source):
-    return os.path.basename(source.rstrip("/\\")) or source
-
-
-def parse_phases(phases, names):
-    """[(start_iter, {name: weight}, lr_scale)] from `phases`: a list (a config file) or a
-    string holding one (the command line), of (start, {name: weight}) or (start, weights,
-    lr_scale) tuples, starts strictly increasing and >= 0. Sources a phase leaves out weigh 0."""
-    if isinstance(phases, str):
-        try:
-            phases = ast.literal_eval(phases) if phases.strip() else []
-        except (ValueError, SyntaxError):
-            raise UserError(f"phases={phases!r} is not a Python literal: write e.g. "
-                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, 0.5)]'") from None
-    example = "(400, {\"a\": 0.5, \"b\": 0.5}, 0.5)"
-    if not isinstance(phases, (list, tuple)):
-        raise UserError(f"phases must be a list of {example}-like tuples, not {type(phases).__name__}")
-    out = []
-    for p in phases:
-        if not (isinstance(p, (list, tuple)) and len(p) in (2, 3) and isinstance(p[0], int)
-                and not isinstance(p[0], bool) and isinstance(p[1], dict)):
-            raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, weights, "
-                            f"lr_scale): write e.g. {example}")
-        start, weights, scale = p[0], p[1], (p[2] if len(p) == 3 else 1.0)
-        if start < 0:
-            raise UserError(f"phase at iteration {start} starts before 0: phases start at iteration 0 or later")
-        if out and start <= out[-1][0]:
-            raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: list phases by "
-                            f"increasing start iteration, one phase per start")
-        for name, w in weights.items():
-            if name not in names:
-                raise UserError(f"phase at iteration {start} names source '{name}', which is not one of "
-                                f"{', '.join(names)}: add it to datasets= or fix the name")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
-                raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights must be positive "
-                                f"(leave a source out of a phase to not draw from it)")
-        if not weights:
-            raise UserError(f"phase at iteration {start} has no sources: give at least one {{source: weight}}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
-        out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
-    return out
 
 
 def temper(weights, temperature):

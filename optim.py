@@ -194,9 +194,11 @@ def sharded_orthogonalize(mesh, dtype):
 # ---- what train.py calls ----------------------------------------------------------------
 
 
-def build_optimizer(raw_model, model, mesh, c, zero=False):
+def build_optimizer(raw_model, model, mesh, c, sharded=None):
     """(The optimizer over what trains, the parameters whose gradients clipping measures: the
-    model's, or with ZeRO this rank's slices). Weight decay on 2-D weights only; optim=muon:
+    model's, or with ZeRO this rank's slices). sharded: the class of an optimizer that steps
+    this rank's slices of `model` (ZeRO's, chosen by train.py), else AdamW / Muon here.
+    Weight decay on 2-D weights only; optim=muon:
     Muon for the layers' matrices, AdamW for the embedding (at embed_lr_scale x the rate: a
     row learns only when its token appears), head and gains, and for LoRA's adapters (a rank-r
     factor is no weight matrix whose update Muon's scaling is made for)."""
@@ -217,10 +219,9 @@ def build_optimizer(raw_model, model, mesh, c, zero=False):
     betas, fused = (c["beta1"], c["beta2"]), mesh.device.type == "cuda" and not c["offload"]
     muon_kw = dict(lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],
                    ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
-    if zero:  # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)
-        import zero as zero_py
-        optimizer = zero_py.ZeroOptimizer(model, groups, c["offload"], muon_kw if muon else None,
-                                          lr=c["learning_rate"], betas=betas, fused=fused)
+    if sharded:  # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)
+        optimizer = sharded(model, groups, c["offload"], muon_kw if muon else None, lr=c["learning_rate"],
+                            betas=betas, fused=fused)
         return optimizer, optimizer.params
     if muon:
         optimizer = MuonWithAdamW(groups, **muon_kw)

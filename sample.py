@@ -22,14 +22,14 @@ import configurator
 import data
 import hf
 import parallel
-from lora import merge_lora
+from lora import load_whole, merge_lora
 
 
 def load_model(path):
     """(whole model on CPU, checkpoint meta) of the checkpoint directory `path`, whatever
     layout wrote it, read by this process alone. A LoRA run's adapters are merged into its
     base (re-read from where it is): W + (alpha / r) B A."""
-    model, meta = checkpoint.load_whole(path)
+    model, meta = load_whole(path)
     merge_lora(model)  # nothing to do without LoRA
     return model, meta
 

@@ -24,6 +24,7 @@ import checkpoint
 import configurator
 import data
 import parallel
+import prepare
 import rundir
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
@@ -162,7 +163,7 @@ mixing = len(sources) > 1 or bool(phases)
 
 
 def prepared(source, prep):  # its directory, prepared first if it is missing
-    return data.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+    return prepare.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
 
 
 def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
@@ -235,10 +236,13 @@ if not whole_first:  # the meta-device build: build.py (storage for what this ra
     build.fill(raw_model, src, seed, mesh, torch.device("cpu") if use_fsdp and offload else mesh.device)
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
-if mesh.dp > 1 and not use_fsdp:  # data parallel: data_parallel.py (zero > 0: zero.py)
+if use_zero:  # ZeRO: zero.py (data parallel whose ranks each own a slice of every bucket and its optimizer state)
+    import zero as zero_py
+    model = zero_py.ZeroDataParallel(model, mesh, ddp_bucket_mb, zero)
+elif mesh.dp > 1 and not use_fsdp:  # data parallel: data_parallel.py
     import data_parallel
-    model = data_parallel.wrap(model, mesh, ddp_impl, ddp_bucket_mb, zero)
-optimizer, grad_params = build_optimizer(raw_model, model, mesh, config, use_zero)
+    model = data_parallel.wrap(model, mesh, ddp_impl, ddp_bucket_mb)
+optimizer, grad_params = build_optimizer(raw_model, model, mesh, config, zero_py.ZeroOptimizer if use_zero else None)
 if src.kind == "resume":  # (1) weights and optimizer state, into whatever layout this run has
     checkpoint.load(src.path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
@@ -448,7 +452,12 @@ if wandb_run is not None:
 whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
-    final = raw_model if whole else checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
+    if whole:
+        final = raw_model
+    elif lora:  # LoRA: lora.py (the adapters of the checkpoint just written, onto their base)
+        final = lora_py.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
+    else:  # read back whole from the checkpoint just written
+        final = checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
     final.eval()
     if export_lora and lora:  # LoRA: lora.py
         lora_py.save_peft_lora(export_lora, final, lora)

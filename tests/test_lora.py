@@ -18,7 +18,6 @@ from conftest import (
     torchrun,
 )
 
-import checkpoint
 import fsdp
 import hf
 import lora
@@ -173,7 +172,7 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
 
 
 def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
-    ours, _ = checkpoint.load_whole(os.path.join(single["out"], "ckpt", "iter_0000006"))
+    ours, _ = lora.load_whole(os.path.join(single["out"], "ckpt", "iter_0000006"))
     ours.eval()
     from peft import PeftModel  # here, not at the top: the spawned ranks of this file would import them too
     from transformers import LlamaForCausalLM

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
+import configurator
 import data
 import mixture
 import prepare
@@ -36,7 +37,7 @@ def sources(tmp_path_factory, dataset):
 
 def mix_loader(sources, names, weights, phases=(), temperature=1.0, batch_size=4, grad_accum_steps=2, dp_rank=0, dp=1):
     loaders = [data.Loader(sources[n], "train", 32, batch_size, grad_accum_steps, 1337, dp_rank, dp) for n in names]
-    return mixture.MixtureLoader(loaders, names, weights, mixture.parse_phases(list(phases), names), temperature)
+    return mixture.MixtureLoader(loaders, names, weights, configurator.parse_phases(list(phases), names), temperature)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
@@ -84,13 +85,13 @@ def test_phases_switch_the_weights_and_lr_and_ranks_take_their_slice(sources):
 
 def test_phases_parse_and_refuse(sources):
     names = ["a", "b"]
-    assert mixture.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
+    assert configurator.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
         [(0, {"a": 1.0}, 1.0), (6, {"a": 0.5, "b": 0.5}, 0.5)]
     for bad, match in (("[(-1, {'a': 1.0})]", "before 0"), ("[(5, {'a': 1.0}), (3, {'b': 1.0})]", "increasing"),
                        ("[(0, {'c': 1.0})]", "'c'"), ("[(0, {'a': 0})]", "positive"), ("[(0, 'a')]", "is not .start_iter"),
                        ("[(0, {'a': 1.0}, -1)]", "lr_scale"), ("[(0,", "literal")):
         with pytest.raises(data.UserError, match=match):
-            mixture.parse_phases(bad, names)
+            configurator.parse_phases(bad, names)
     with pytest.raises(data.UserError, match="different tokenizers"):
         mixture.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "wide")})
     chat_meta = data.load_meta(sources["chat"])  # text + chat of one base: the chat vocabulary covers both
@@ -228,7 +229,6 @@ def test_phases_in_a_config_file_are_a_real_list(sources, tmp_path):
 
 
 def test_configurator_takes_a_list_key_as_a_literal_or_a_real_list(tmp_path):
-    import configurator
     want = [(0, {"a": 1.0}), (6, {"a": 0.5, "b": 0.5}, 0.5)]
     assert configurator.configure({"phases": []}, ['phases=[(0, {"a": 1.0}), (6, {"a": 0.5, "b": 0.5}, 0.5)]']) == \
         {"phases": want}
