@@ -108,6 +108,7 @@ import workarounds
 import zero
 from lora import apply_lora
 from model import ModelConfig, Transformer, cross_entropy_losses
+from optim import AdamW
 from parallel import measure_matmul_flops
 
 TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -763,7 +764,7 @@ def ckpt_worker(model_kw, saves):
     mesh = parallel.setup("auto", 600)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**model_kw)).to(mesh.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = AdamW(model.parameters(), lr=1e-4)  # optim.py's: it hands checkpoints its state by names
     x = torch.randint(0, model_kw["vocab_size"], (2, model_kw["block_size"] + 1), device=mesh.device)
     model(x[:, :-1], x[:, 1:])[1].backward()
     opt.step()  # AdamW state exists: a checkpoint holds weights, exp_avg and exp_avg_sq

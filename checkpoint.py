@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-import fsdp
 from ckpt_files import CKPT_NAME, dcp_metadata, read_manifest, read_small
 from common import UserError, describe_error, sha256_file, write_atomic
 from model import ModelConfig, Transformer
@@ -39,9 +38,9 @@ from parallel import (
     all_reduce_sum,
     broadcast_object,
     gather_to_master,
+    tp_gather,
+    tp_slice,
 )
-from tensor_parallel import tp_gather, tp_slice
-from zero import ZeroOptimizer
 
 # one process saves without a process group on purpose (no_dist): DCP's warning about it at
 # every save would only be noise in the quickstart's output
@@ -63,20 +62,16 @@ def train_state(model, optimizer):
     """What a checkpoint stores of the training state, keyed by global parameter names:
     {"model": name -> weight, "optim": "name.exp_avg" -> ...}. Under FSDP the values are
     DTensor shards; torch.distributed.checkpoint writes each rank's shards and can read them
-    back into any other sharding. Positions in the optimizer (what optimizer.state_dict()
-    uses) would differ between pipeline stages; names do not. Frozen parameters (LoRA's
-    base) are left out: they never change, and the run's meta.json says where they come from.
-    Tensor-parallel slices are gathered into full tensors (see below)."""
-    fsdp.reshard(model)
-    names = param_names(model)
-    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: the ranks' slices, gathered into whole tensors
-        return _tp_gathered({"model": trainable_state(model), "optim": optimizer.full_state(names)}, model)
-    optim = {f"{names[p]}.{k}": v for p, st in optimizer.state.items() for k, v in st.items()}
-    return _tp_gathered({"model": trainable_state(model), "optim": optim}, model)
+    back into any other sharding. The optimizer hands over its whole state by names itself
+    (optimizer.full_state: optim.py's, or ZeRO's slices gathered whole). Frozen parameters
+    (LoRA's base) are left out: they never change, and the run's meta.json says where they
+    come from. Tensor-parallel slices are gathered into full tensors (see below)."""
+    weights = trainable_state(model)  # first: FSDP's state_dict() hook puts gathered weights back to shards
+    return _tp_gathered({"model": weights, "optim": optimizer.full_state(param_names(model))}, model)
 
 
 # ---- tensor parallel (tp): checkpoints hold full tensors ------------------------------
-# A tp-sharded parameter (parallel.tensor_parallel marks it with _tp_dim) is saved whole:
+# A tp-sharded parameter (tensor_parallel.py marks it with _tp_dim) is saved whole:
 # its slices are gathered over the tp group, so every tp rank offers DCP the same full
 # tensor under its global name (DCP writes a replicated tensor once), and any layout reads
 # it. Loading reads the full tensor and keeps this rank's slice. The price: a save or load
@@ -119,17 +114,15 @@ def _tp_local(full, p):
     return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else t
 
 
-def _tp_scatter(state, model, optimizer):
-    """After loading full tensors into state: this rank's parts into state, and into the
-    optimizer (ZeRO takes its pieces from state afterwards)."""
+def _tp_scatter(state, model):
+    """After loading full tensors into state: this rank's parts into state (the optimizer takes
+    its own from there: load_full_state)."""
     for name, p in _tp_params(model).items():
         if name in state["model"]:
             state["model"][name] = _tp_local(state["model"][name], p)
         for k in TP_STATE:
             if f"{name}.{k}" in state.get("optim", {}):
                 state["optim"][f"{name}.{k}"] = _tp_local(state["optim"][f"{name}.{k}"], p)
-                if optimizer is not None and not isinstance(optimizer, ZeroOptimizer):
-                    optimizer.state[p][k].copy_(state["optim"][f"{name}.{k}"])
 
 
 def trainable_state(model):
@@ -137,26 +130,6 @@ def trainable_state(model):
     a tied head stays under both names, as state_dict has it)."""
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {n: t for n, t in model.state_dict().items() if n not in frozen}
-
-
-def init_adamw_state(model, optimizer):
-    """Zero optimizer state (step 0) for every parameter that has none yet: exactly what the
-    optimizer creates lazily at a parameter's first step (AdamW's moments; Muon's momentum
-    for a muon=True group), so it steps the same with it. Loading needs it (DCP reads into
-    existing tensors), and so does saving: a checkpoint written before any step succeeded
-    must still hold the optim.* entries a load asks for."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return  # ZeRO: full_state() holds every parameter's state already (zeros before the first step)
-    for group in optimizer.param_groups:  # only what trains (LoRA's frozen base is in no group)
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            if group.get("muon"):
-                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-                continue
-            step_device = p.device if optimizer.defaults.get("fused") else "cpu"
-            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _cause(e):
@@ -354,7 +327,6 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
         raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
                         f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
                         f"from the last checkpoint")
-    init_adamw_state(model, optimizer)  # no step succeeded yet: save the state a load will ask for
     state, writer, no_dist = train_state(model, optimizer), _Writer(tmp, delay_s), not mesh.backend
     if asynchronous:
         try:
@@ -507,8 +479,7 @@ def load(path, model, optimizer=None, no_dist=False):
     (it takes its own names), FSDP shards or tensor-parallel slices. Every rank calls it, unless no_dist: then one
     process reads on its own (a whole model, for sampling or export)."""
     md = read_dcp_metadata(path)
-    if optimizer is not None:
-        init_adamw_state(model, optimizer)
+    if optimizer is not None:  # its own state tensors (zeros before a first step), or ZeRO's gathered
         state = train_state(model, optimizer)
     else:
         state = _tp_gathered({"model": trainable_state(model)}, model)
@@ -531,14 +502,14 @@ def load(path, model, optimizer=None, no_dist=False):
             raise cause from None
         raise UserError(f"checkpoint {path} is unreadable ({describe_error(cause)}): point ckpt/latest at an intact "
                         f"checkpoint, or use init_from=scratch") from None
-    _tp_scatter(state, model, optimizer)
+    _tp_scatter(state, model)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
     assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
     if not all_finite(model, not no_dist and dist.is_initialized()):
         raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier checkpoint (point "
                         f"ckpt/latest at it), or start over with init_from=scratch and a new out_dir")
-    if isinstance(optimizer, ZeroOptimizer):  # ZeRO: every rank read the whole state; it keeps its slices
+    if optimizer is not None:  # every rank read the whole state: the optimizer takes its part (ZeRO: its slices)
         optimizer.load_full_state(state["optim"], param_names(model))
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from parallel import tp_gather, tp_slice
+
 # ---- the optimizer: Muon for the hidden matrices, AdamW for the rest -----------------------
 
 
@@ -51,7 +53,46 @@ def newton_schulz_each(gs, dtype):
     return out
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
+class NamedState:
+    """What checkpoint.py asks of an optimizer, as torchtitan's checkpointer asks its stateful
+    objects: the whole state keyed by global parameter names, {"layers.0.attention.wq.weight.
+    exp_avg": tensor, ...} (positions in the optimizer, which state_dict() uses, would differ
+    between pipeline stages; names do not), and such a state taken back. Mixed into the
+    optimizers here; ZeRO's (zero.py) answers the same two calls with its slices gathered, so
+    checkpoint.py knows neither."""
+
+    def full_state(self, names):
+        """{"name.key": tensor} of every parameter that trains (names: parameter -> its global
+        name): the optimizer's own state tensors, which a checkpoint load reads into in place.
+        A parameter no step has reached yet first gets the zero state its first step would
+        create (AdamW's moments; Muon's momentum), so it steps the same with it: a checkpoint
+        written before any step succeeded must still hold what a load asks for."""
+        for group in self.param_groups:  # only what trains (LoRA's frozen base is in no group)
+            for p in group["params"]:
+                if self.state.get(p):
+                    continue
+                if group.get("muon"):
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                    continue
+                step_device = p.device if self.defaults.get("fused") else "cpu"
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return {f"{names[p]}.{k}": v for p, st in self.state.items() for k, v in st.items()}
+
+    def load_full_state(self, state, names):
+        """Takes a whole state of full_state's keys, as a checkpoint load left it (a tensor-parallel
+        slice already cut to this rank's): copied wherever it is not the state's own tensor."""
+        for p, st in self.state.items():
+            for k, v in st.items():
+                if state[f"{names[p]}.{k}"] is not v:
+                    v.copy_(state[f"{names[p]}.{k}"])
+
+
+class AdamW(NamedState, torch.optim.AdamW):
+    """torch's AdamW, handing checkpoints its state by parameter names (NamedState)."""
+
+
+class MuonWithAdamW(NamedState, torch.optim.Optimizer):
     """Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers") for the param groups
     marked muon=True, AdamW for the others, in one optimizer so that the loop, clipping and
     checkpoints see one `param_groups` and one `state` (keyed by parameter).
@@ -174,9 +215,6 @@ def sharded_orthogonalize(mesh, dtype):
     is gathered over the dp ranks, a tensor-parallel slice over the tp ranks (both, under
     fsdp x tp), and this rank keeps its part of the result. Returns the function."""
     def orthogonalize(params, gs):
-        if mesh.tp > 1:
-            from tensor_parallel import tp_gather, tp_slice
-
         def whole(i):
             g = gs[i].full_tensor() if isinstance(gs[i], DTensor) else gs[i]
             return tp_gather(g, params[i]) if hasattr(params[i], "_tp_dim") else g
@@ -196,12 +234,10 @@ def sharded_orthogonalize(mesh, dtype):
 
 def build_optimizer(raw_model, model, mesh, c, sharded=None):
     """(The optimizer over what trains, the parameters whose gradients clipping measures: the
-    model's, or with ZeRO this rank's slices). sharded: the class of an optimizer that steps
-    this rank's slices of `model` (ZeRO's, chosen by train.py), else AdamW / Muon here.
-    Weight decay on 2-D weights only; optim=muon:
-    Muon for the layers' matrices, AdamW for the embedding (at embed_lr_scale x the rate: a
-    row learns only when its token appears), head and gains, and for LoRA's adapters (a rank-r
-    factor is no weight matrix whose update Muon's scaling is made for)."""
+    model's, or with ZeRO (`sharded`: zero.py's class, picked by train.py) this rank's slices).
+    Weight decay on 2-D weights only; optim=muon: Muon for the layers' matrices, AdamW for the
+    embedding (at embed_lr_scale x the rate: a row learns only when its token appears), head and
+    gains, and for LoRA's adapters (a rank-r factor is no weight matrix Muon's scaling is for)."""
     trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     lora = len(trains) < len(list(raw_model.parameters()))  # a frozen base: LoRA
     if c["optim"] == "muon" and lora:
@@ -228,7 +264,7 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
         if mesh.dp > 1 or mesh.tp > 1:  # parts of the matrices, or the same ones, on several ranks
             optimizer.orthogonalize = sharded_orthogonalize(mesh, optimizer.ns_dtype)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=c["learning_rate"], betas=betas, fused=fused)
+        optimizer = AdamW(groups, lr=c["learning_rate"], betas=betas, fused=fused)
     return optimizer, list(raw_model.parameters())
 
 

@@ -248,6 +248,23 @@ def all_reduce_sum(t, mesh, group=None):
     return t
 
 
+# A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_tp_dim` (the dimension
+# it is cut along) and `_tp_group`, and from those marks alone its whole tensor is gathered, or a
+# whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
+
+
+def tp_gather(t, p):
+    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over p's tp group)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._tp_group))]
+    dist.all_gather(parts, t.contiguous(), group=p._tp_group)
+    return torch.cat(parts, dim=p._tp_dim)
+
+
+def tp_slice(full, p):
+    """This rank's slice of the full tensor `full`, cut like parameter `p`."""
+    return full.chunk(dist.get_world_size(p._tp_group), p._tp_dim)[dist.get_rank(p._tp_group)]
+
+
 def set_grad_sync(model, sync):
     """Gradient accumulation without communication: with sync=False a backward only adds
     into the local gradients. Our data-parallel wrappers and torch DDP take a flag, FSDP2 a method."""

@@ -43,7 +43,7 @@ from model import chunked_losses
 # model.py knows none of this: tensor_parallel() swaps each weight for its slice in place,
 # and the attention reads its local head counts from the shapes it holds. Every sharded
 # parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
-# clipping and checkpoints (gather to the full tensor, slice on load) read.
+# clipping and checkpoints (parallel.tp_gather to the full tensor, tp_slice on load) read.
 
 
 class CopyToTP(torch.autograd.Function):
@@ -254,15 +254,3 @@ def own_stream_for_heads(att, mesh, enter, module, args, out):
         torch.manual_seed(seed * mesh.tp + mesh.tp_rank)
     elif not enter and "_own_stream" in att.__dict__:
         att.__dict__.pop("_own_stream").__exit__(None, None, None)
-
-
-def tp_gather(t, p):
-    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over p's tp group)."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._tp_group))]
-    dist.all_gather(parts, t.contiguous(), group=p._tp_group)
-    return torch.cat(parts, dim=p._tp_dim)
-
-
-def tp_slice(full, p):
-    """This rank's slice of the full tensor `full`, cut like parameter `p`."""
-    return full.chunk(dist.get_world_size(p._tp_group), p._tp_dim)[dist.get_rank(p._tp_group)]

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from data_parallel import Bucket, DataParallel
 from optim import MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
+from parallel import tp_gather, tp_slice
 
 # ---------------------------------------------------------------------------------------
 # ZeRO stages 1 and 2, by hand, on the data-parallel buckets
@@ -177,8 +178,6 @@ class ZeroOptimizer:
         mine = {t._whole: (self.shard_of[t], g) for t, g in zip(pieces, gs)}
         mats = [p for p in self.muon_params if self.model.used[p]]
         tp = self.mesh.tp > 1
-        if tp:
-            from tensor_parallel import tp_gather, tp_slice
 
         def whole(i):
             p = mats[i]
@@ -238,7 +237,7 @@ class ZeroOptimizer:
         return full
 
     # Checkpoints hold the whole AdamW state under parameter names, as a plain run saves it,
-    # so any layout resumes any other. Saving gathers the slices into whole tensors on every
+    # so any layout resumes any other: the same two calls as optim.NamedState's. Saving gathers the slices into whole tensors on every
     # rank (a memory spike of the full state at save: simple, and fine at this scale; DCP
     # writes the replicated tensors once); loading reads the whole state and keeps its slices.
 

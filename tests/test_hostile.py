@@ -31,6 +31,7 @@ import sample
 import tokenizer
 from common import UserError
 from model import ModelConfig, Transformer
+from optim import AdamW
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def torch_save(obj):
 def nan_weights(b, tmp):
     mesh = parallel.setup("cpu")
     model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     with torch.no_grad():
         model.norm.weight.fill_(math.nan)
     meta = {"iter": 1, "model": asdict(model.cfg), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
@@ -233,7 +234,7 @@ def full_disk(b, tmp):
 def full_disk_save(b, tmp):
     mesh = parallel.setup("cpu")
     model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
 
     def call():
         real = os.fsync

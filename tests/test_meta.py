@@ -50,7 +50,7 @@ def full_tensors(model):
     """{name: the full tensor} of what this rank holds (a stage's), gathered over FSDP / tp."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, parallel.DTensor) else tensor_parallel.tp_gather(p, p) if hasattr(p, "_tp_dim") else p
+        t = p.full_tensor() if isinstance(p, parallel.DTensor) else parallel.tp_gather(p, p) if hasattr(p, "_tp_dim") else p
         out[name] = t.detach().clone()
     return out
 

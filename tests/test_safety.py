@@ -28,6 +28,7 @@ import parallel
 import prepare
 from common import UserError
 from model import ModelConfig, Transformer
+from optim import AdamW
 
 
 class Payload:
@@ -98,7 +99,7 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
 def test_dcp_metadata_reader_allows_what_dcp_writes_only(tmp_path):
     mesh = parallel.setup("cpu")
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     path = checkpoint.save(str(tmp_path), 3, model, opt, RNG, meta(3), mesh, 0)
     md = checkpoint.read_dcp_metadata(path)
     assert "model.norm.weight" in md.state_dict_metadata and "optim.norm.weight.exp_avg" in md.state_dict_metadata
@@ -141,7 +142,7 @@ def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
 def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(tmp_path):
     mesh = parallel.setup("cpu")
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     out, root = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
     save = lambda it, keep, resumed=None: checkpoint.save(out, it, model, opt, RNG,  # noqa: E731
                                                           meta(it), mesh, keep, resumed_from=resumed)
@@ -170,10 +171,10 @@ def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(t
 def test_checkpoint_before_any_step_loads_and_materialized_state_is_exact(tmp_path):
     mesh = parallel.setup("cpu")
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     path = checkpoint.save(str(tmp_path), 0, model, opt, RNG, meta(0), mesh, 0)  # no step yet
     fresh_model = tiny_model(seed=1)
-    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2, weight_decay=0.1)
+    fresh_opt = AdamW(fresh_model.parameters(), lr=1e-2, weight_decay=0.1)
     checkpoint.load(path, fresh_model, fresh_opt)
     # AdamW with the materialized zero state steps exactly like AdamW creating it at its first step
     ref_model = tiny_model()
@@ -192,7 +193,7 @@ def test_checkpoint_before_any_step_loads_and_materialized_state_is_exact(tmp_pa
 def test_shape_mismatch_and_disk_full_name_the_cause(tmp_path, monkeypatch):
     mesh = parallel.setup("cpu")
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     path = checkpoint.save(str(tmp_path), 1, model, opt, RNG, meta(1), mesh, 0)
     with pytest.raises(UserError, match=r"tok_embeddings.weight.*\(64, 32\).*\(64, 48\)"):
         checkpoint.load(path, tiny_model(n_embd=48), no_dist=True)
@@ -209,7 +210,7 @@ def test_shape_mismatch_and_disk_full_name_the_cause(tmp_path, monkeypatch):
 def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_path, monkeypatch):
     mesh = parallel.setup("cpu")
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     want = {k: v.clone() for k, v in model.state_dict().items()}
     out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
     pending = checkpoint.start_save(out, 1, model, opt, RNG, meta(1), mesh, asynchronous=True,
@@ -357,7 +358,7 @@ def _save_and_find_with_a_corrupt_share(mesh, out):
     checkpoint.sha256_file = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
     model = tiny_model()
     fsdp.fully_shard_model(model, mesh)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = AdamW(model.parameters())
     for it in (1, 2):
         checkpoint.save(out, it, model, opt, RNG, meta(it), mesh, 0)
     saving, hashed[:] = list(hashed), []

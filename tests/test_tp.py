@@ -41,7 +41,7 @@ def head_and_input():
 
 def gathered_grads(model):
     """name -> the full gradient (tp slices gathered), for comparison with the whole model's."""
-    return {n: tensor_parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
+    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
 
 
 def tp_checks(mesh):
