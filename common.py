@@ -1,7 +1,7 @@
 """
 What every file of the trainer uses, and nothing of the project beneath it: the error a user's
-mistake raises (UserError) and the hook that prints it as one line, JSON from outside read
-with limits (loads_json, read_json, json_field), files written whole or not at all
+mistake raises (UserError, check) and the hook that prints it as one line, JSON from outside
+read with limits (loads_json, read_json, json_field), files written whole or not at all
 (write_atomic), file hashes (sha256_file), an exception in a few words (describe_error).
 Every other file may import this one; it imports none of them.
 """
@@ -33,6 +33,12 @@ def excepthook(kind, err, tb):
         print(f"error: {err}", file=out, flush=True)
     else:
         traceback.print_exception(kind, err, tb, file=out)
+
+
+def check(ok, problem):
+    """A mistake (in the config: before anything is touched): one line that names it and the fix."""
+    if not ok:
+        raise UserError(problem)
 
 
 def describe_error(e):
@@ -107,15 +113,13 @@ def read_json(path, fix, kind=dict):
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             size, regular = os.fstat(f.fileno()).st_size, stat.S_ISREG(os.fstat(f.fileno()).st_mode)
-            if not regular:
-                raise UserError(f"{path} is not a regular file: {fix}")
-            if size > MAX_JSON_BYTES:
-                raise UserError(f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            check(regular, f"{path} is not a regular file: {fix}")
+            check(size <= MAX_JSON_BYTES, f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
             obj = loads_json(f.read(), path, fix)
     except OSError as e:
         raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
-    if not (kind is None or isinstance(obj, kind)):
-        raise UserError(f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
+    check(kind is None or isinstance(obj, kind),
+          f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
     return obj
 
 
@@ -125,8 +129,7 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
     v = obj.get(key)
     if v is None and not required:
         return None
-    if key not in obj:
-        raise UserError(f"{where} lacks {key}: {fix}")
+    check(key in obj, f"{where} lacks {key}: {fix}")
     ok = (type(v) is int if kind is int else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
           if kind is float else isinstance(v, kind))
     if not ok:  # (the message is made only here: str() of a large value is slow)

@@ -23,7 +23,7 @@ import traceback
 
 import torch
 
-from common import UserError
+from common import UserError, check
 from model import ModelConfig
 
 
@@ -399,12 +399,6 @@ def check_files(c):
     check(not export_hf or not os.path.exists(export_hf) or (os.path.isdir(export_hf) and not os.listdir(export_hf)),
           f"export_hf={export_hf} already exists and is not an empty directory: remove it or export elsewhere "
           f"(checked now rather than after the run has trained)")
-
-
-def check(ok, problem):
-    """A mistake in the config: one line that names it and the fix, and nothing touched yet."""
-    if not ok:
-        raise UserError(problem)
 
 
 def refusals_markdown():

@@ -343,15 +343,6 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     return meta
 
 
-def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
-    """The directory of dataset `source` (a name under data/, or a directory); a missing one
-    is prepared first, from `prep` (data_source=): prepare_missing."""
-    data_dir = source if os.sep in source else os.path.join("data", source)
-    if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    return data_dir
-
-
 def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
     from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (data.model_spec:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
-from common import UserError, describe_error, loads_json, write_atomic
-from configurator import check, check_layout, check_memory, check_refusals
+from common import UserError, check, describe_error, loads_json, write_atomic
+from configurator import check_layout, check_memory, check_refusals
 from model import ModelConfig
 from parallel import broadcast_object, gather_to_master
 

@@ -61,7 +61,7 @@ def main(argv):
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv)}
 
-    check = configurator.check
+    check = common.check
     check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,
           f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
     for key in ("max_new_tokens", "num_samples", "top_k"):

@@ -21,10 +21,10 @@ from dataclasses import asdict
 import torch
 
 import checkpoint
+import common
 import configurator
 import data
 import parallel
-import prepare
 import rundir
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
@@ -162,8 +162,12 @@ sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets
 mixing = len(sources) > 1 or bool(phases)
 
 
-def prepared(source, prep):  # its directory, prepared first if it is missing
-    return prepare.prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+def prepared(source, prep):  # its directory (a name under data/, or a directory), prepared first if it is missing
+    data_dir = source if os.sep in source else os.path.join("data", source)
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
+        import prepare
+        prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+    return data_dir
 
 
 def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
@@ -196,7 +200,7 @@ lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, derived["lora_targets"], src)
-configurator.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
+common.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
 # Built whole by one process, and by every rank when LoRA or vocabulary growth need the whole
 # tensors; else on the meta device (shapes only): cut, sliced and sharded there, then given
 # storage and this rank's weights, so no rank ever holds the whole model (build.py).
