@@ -1,6 +1,7 @@
 """The docs stay true: every config key of train.py and sample.py with its default in
 docs/configuration.md, the compatibility matrix rendered from configurator.REFUSALS, the
-README's file map naming every .py file, and the README as a map of at most 200 lines."""
+README's file map naming every .py file, the README as a map of at most 200 lines, and the
+floors the files stand on (no import circle) as the README gives them."""
 
 import ast
 import os
@@ -80,3 +81,41 @@ def test_readme_is_a_map_that_names_every_file():
     assert not missing, f"README.md's file map lacks {missing}"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
+
+
+def project_imports():
+    """{file: the project files it imports}, counting imports anywhere in it (inside functions
+    too), as ../shared/tools/import_layers.py counts them; bench.py and the tests sit on top."""
+    mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "bench.py"}
+    deps = {}
+    for m in mods:
+        names = set()
+        for node in ast.walk(ast.parse(read(m + ".py"))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        deps[m] = (names & mods) - {m}
+    return deps
+
+
+def test_the_files_stand_on_floors_as_the_readme_says():
+    """No import circle, at most 8 floors (floor 1 imports no project file; a file stands one
+    above the highest it imports), each file on the floor README's "How the files stand" gives
+    it; the foundation imports nothing, checkpoint.py no technique."""
+    deps, floor = project_imports(), {}
+
+    def floor_of(m, path=()):
+        assert m not in path, "import circle: " + " -> ".join(path[path.index(m):] + (m,))
+        if m not in floor:
+            floor[m] = 1 + max((floor_of(d, path + (m,)) for d in deps[m]), default=0)
+        return floor[m]
+    for m in sorted(deps):
+        floor_of(m)
+    assert max(floor.values()) <= 8, floor
+    assert not deps["common"] and not deps["checkpoint"] & {"zero", "lora", "tensor_parallel", "fsdp", "pipeline"}
+    section = read("README.md").split("### How the files stand")[1].split("\n## ")[0]
+    said = {f: int(row[0]) for row in re.findall(r"^\| (\d+) \| (.*?) \|", section, re.M)
+            for f in re.findall(r"`(\w+)\.py`", row[1])}
+    wrong = {f"{f}.py": (said.get(f), floor.get(f)) for f in set(said) | set(floor) if said.get(f) != floor.get(f)}
+    assert not wrong, f"README.md's 'How the files stand' puts files on other floors (README's, the real): {wrong}"
