@@ -74,7 +74,7 @@ def main(argv):
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
     if path is None:
         raise common.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
-                                     f"ckpt=path/to/iter_XXXXXXX")
+                               f"ckpt=path/to/iter_XXXXXXX")
     if cfg["export_shard_mb"] < 0:
         raise common.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
