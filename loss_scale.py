@@ -16,14 +16,18 @@ as training goes on.
 One iteration (train.py's TRAINING SECTION; the weights and the optimizer state stay float32):
 
   1. backward from loss x scale (train.py multiplies the micro-batches' loss weights by it)
-  2. unscale_: every gradient this rank holds times 1/scale; found_inf: any inf/NaN among them
-  3. the verdict is global: found_inf is summed over all ranks (in the one all-reduce train.py
-     does for the loss anyway). An inf on one pipeline stage, one dp rank, one tp slice, one
-     FSDP shard or ZeRO slice skips the step on every rank: a step on some ranks only would
-     leave the replicas, stages and shards of one model out of step with each other.
-  4. the global-norm clip sees the unscaled gradients; the logged grad_norm is the true one
-  5. optimizer.step(), unless found_inf anywhere
-  6. update(found_inf): after an overflow scale x backoff_factor and the count of clean steps
+  2. unscale_: every gradient this rank holds (whole, a stage's, a shard, a slice) times
+     1/scale, and the loss too: the clip, the step and the log see the true values
+  3. the verdict: did ANY rank's gradients hold an inf or NaN? GradScaler looks at each
+     gradient (found_inf); train.py asks one number instead, the global gradient norm the clip
+     computes anyway. Every layout already sums its squares over the ranks that hold different
+     parts (pipeline stages, FSDP shards, ZeRO slices, tp slices; replicas hold the same
+     all-reduced bits), and one inf or NaN anywhere makes that sum inf or NaN on every rank:
+     the same verdict everywhere, no extra collective. A step on some ranks only would leave
+     the stages, shards and replicas of one model out of step with each other.
+  4. the clip by that norm (the logged grad_norm is the true one)
+  5. optimizer.step(), unless the norm is inf/NaN: then every rank skips it
+  6. update(overflow): after an overflow scale x backoff_factor and the count of clean steps
      starts again; after growth_interval clean steps in a row scale x growth_factor.
 
 Two choices beyond GradScaler: the scale never backs off below min_scale (1.0 in train.py, as
@@ -47,23 +51,23 @@ class LossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
 
+    @classmethod
+    def from_config(cls, c):
+        """From train.py's keys (min_scale is no key: 1.0, see above)."""
+        return cls(c["loss_scale_init"], c["loss_scale_growth"], c["loss_scale_backoff"], c["loss_scale_interval"])
+
     @torch.no_grad()
-    def unscale_(self, params):
+    def unscale_(self, params, loss):
         """Divides the gradients of `params` (this rank's: whole, a stage's, shards or slices) by
-        the scale, in place. Returns a 0-dim float tensor: 1.0 if any of them held an inf or NaN
-        (checked before the division, as torch does), else 0.0. No host sync: the caller sums it
-        over the ranks."""
+        the scale, in place, before anything reads them; returns loss / scale, the true loss."""
         grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
-        found_inf = torch.zeros(())
-        if grads:
-            found_inf = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
-            torch._foreach_mul_(grads, 1.0 / self.scale)  # the reciprocal in float64, as GradScaler's
-        return found_inf
+        torch._foreach_mul_(grads, 1.0 / self.scale)  # the reciprocal in float64, as GradScaler's
+        return loss / self.scale
 
     def update(self, found_inf):
-        """After the step (or the skip): found_inf, whether ANY rank found an inf or NaN. Returns
-        whether this was an overflow the scale answers for (found_inf, and the scale could still
-        back off); False for a clean step, and for an overflow at min_scale."""
+        """After the step (or the skip): found_inf, whether ANY rank's gradients held an inf or
+        NaN. Returns whether that was an overflow the scale answers for (found_inf, and the
+        scale could still back off); False for a clean step, and for an overflow at min_scale."""
         if found_inf:
             blamed = self.scale > self.min_scale
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
