@@ -104,7 +104,7 @@ fault_nan_steps = 1             # ... and of the ones after it, this many in all
 fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
-dtype = "auto"                  # 'auto': bfloat16 on CUDA (float16 if it has no bf16), else float32; or 'float16' ...
+dtype = "auto"                  # autocast's (weights stay float32): 'auto' = bf16 on CUDA (or float16), else float32
 loss_scale_init = 65536.0       # float16: the first loss scale (these four: torch's GradScaler's defaults)
 loss_scale_growth = 2.0         # float16: the scale x this after loss_scale_interval steps in a row without an overflow
 loss_scale_backoff = 0.5        # float16: the scale x this after an overflow (an inf/NaN gradient: the step is skipped)
@@ -141,8 +141,8 @@ started = time.time()  # metrics' elapsed_s: wall seconds since launch (data pre
 
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp)
-if dtype == "auto":  # weights and optimizer state stay float32, the matmuls run in bf16 or fp16 under autocast
-    dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if mesh.device.type == "cuda" else "float32"
+if dtype == "auto":  # is_bf16_supported(including_emulation=False): T4, V100 only emulate bf16; fp16 is fast there
+    dtype = "float32" if mesh.device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported(False) else "float16"
 autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
 scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py (bf16: none)
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"  # TF32 on GPUs
