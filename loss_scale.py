@@ -61,7 +61,8 @@ class LossScaler:
         """Divides the gradients of `params` (this rank's: whole, a stage's, shards or slices) by
         the scale, in place, before anything reads them; returns loss / scale, the true loss."""
         grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
-        torch._foreach_mul_(grads, 1.0 / self.scale)  # the reciprocal in float64, as GradScaler's
+        if grads:  # one kernel for all of them, as GradScaler's (a power-of-two scale: exact)
+            torch._foreach_mul_(grads, 1.0 / self.scale)
         return loss / self.scale
 
     def update(self, found_inf):

@@ -23,7 +23,7 @@ import torch
 import checkpoint
 import configurator
 import data
-import loss_scale
+import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)
 import parallel
 import rundir
 import workarounds
