@@ -227,11 +227,11 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
     run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}", "max_iters=4"], cwd=tmp_path)
     moved = str(tmp_path / "moved")
     shutil.copytree(stopped, moved)
-    # the state as meta.json holds it, read as hostile: a scale that is no positive float32 is refused
+    # the state as meta.json holds it, read as hostile: a scale below its floor of 1 or past float32 is refused
     ckpt = f"{stopped}/ckpt/iter_0000004"
     meta = json.load(open(f"{ckpt}/meta.json"))
     assert meta["loss_scale"] == {"scale": 2.0 ** 18, "growth_tracker": 2} and check_meta(meta, ckpt) is None
-    for bad in ({"scale": 0.0, "growth_tracker": 2}, {"scale": 1e39, "growth_tracker": 2},
+    for bad in ({"scale": 0.5, "growth_tracker": 2}, {"scale": 1e39, "growth_tracker": 2},
                 {"scale": "65536", "growth_tracker": 2}, {"scale": 2.0, "growth_tracker": -1}, {"scale": 2.0}):
         assert "loss_scale" in check_meta({**meta, "loss_scale": bad}, ckpt), bad
     run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}"], cwd=tmp_path)

@@ -232,7 +232,7 @@ MISTAKES = {
     "optim=sgd": "optim='sgd' is not one of adamw, muon",
     "loss_scale_backoff=1.0": "loss_scale_backoff=1.0 must be in [0, 1)",
     "loss_scale_growth=0.5": "loss_scale_growth=0.5 must be at least 1",
-    "loss_scale_init=0.0": "loss_scale_init=0.0 must be positive",
+    "loss_scale_init=0.5": "loss_scale_init=0.5 must be in [1, 1.8446744073709552e+19)",
     "loss_scale_interval=0": "loss_scale_interval=0 must be at least 1",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
 }
