@@ -8,7 +8,7 @@ import shutil
 
 import torch
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, tiny_model, torchrun
-from test_parallel import CLIP_CFG, clip_model_grads
+from test_parallel import CLIP_CFG, clip_batch, clip_model_grads
 
 import data_parallel
 import fsdp
@@ -124,7 +124,7 @@ def verdicts_over_dp(mesh):
             model = Transformer(ModelConfig(**CLIP_CFG))
             if kind == "dp":  # before the sync: the last rank's loss (so its gradients) infinite
                 ddp = data_parallel.DataParallel(model, mesh, 0.002)
-                x, y = clip_model_grads.__globals__["clip_batch"]()
+                x, y = clip_batch()
                 loss = ddp(x[rows], y[rows])[1]
                 (loss * (math.inf if inf and mesh.rank == mesh.world - 1 else 1.0)).backward()
                 ddp.wait()
