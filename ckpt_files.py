@@ -80,6 +80,10 @@ def check_meta(meta, path):
         extra = json_field(meta, "extra_tokens", list, "meta.json", fix, required=False) or []
         if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):
             return "meta.json: skip_iters or extra_tokens holds the wrong type"
+        scaler = json_field(meta, "loss_scale", dict, "meta.json", fix, required=False)
+        if scaler:  # fp16: loss_scale.py (a float32 scale, at least its floor of 1; a count of clean steps)
+            json_field(scaler, "scale", float, "meta.json loss_scale", fix, 1.0, 3.4e38)
+            json_field(scaler, "growth_tracker", int, "meta.json loss_scale", fix, 0, MAX_ITER)
         lora = json_field(meta, "lora", dict, "meta.json", fix, required=False)
         if lora:
             json_field(lora, "rank", int, "meta.json lora", fix, 1, MAX_SIZES["n_embd"])

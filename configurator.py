@@ -123,16 +123,17 @@ def script_defaults(path):
 # LoRA settings) is checked where that is read, with check_layout below for the layout part.
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
-           "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16"),
+           "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual")
+              "pp_virtual", "loss_scale_interval", "loss_scale_growth")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
                 "learning_rate", "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
                 "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
-            "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
+            "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1), "loss_scale_backoff": (0, 1),
+            "loss_scale_init": (1, 2.0 ** 64)}  # the scale's floor is 1; loss x scale must fit a float32
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
 PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": ""}  # one process's

@@ -210,10 +210,13 @@ def set_rng_states(state, mesh, meta):
         torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
 
 
-def resume_state(src, mesh):
+def resume_state(src, mesh, scaler=None):
     """(1) Where the run in out_dir stopped: (its iteration, its wandb run id, its known bad
-    iterations), and this rank's random streams restored from src's checkpoint."""
+    iterations), and this rank's random streams restored from src's checkpoint (fp16: and the
+    loss scaler's state, loss_scale.py)."""
     set_rng_states(src.state, mesh, src.meta)
+    if scaler is not None and src.meta.get("loss_scale"):  # (a checkpoint of a run that was not fp16: none)
+        scaler.load_state_dict(src.meta["loss_scale"])
     mesh.print0(f"resumed from {src.path} at iteration {src.meta['iter']}")
     return src.meta["iter"], src.meta.get("wandb_id"), set(src.meta.get("skip_iters", []))
 
@@ -227,9 +230,10 @@ def start_wandb(config, out_dir, project, name, run_id):
                       id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
 
 
-def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action):
+def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None):
     """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
-    checkpoint back into the model, the optimizer and the random streams, metrics.jsonl cut
+    checkpoint back into the model, the optimizer, the random streams (and fp16's loss
+    scaler), metrics.jsonl cut
     back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
     their batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
@@ -240,6 +244,8 @@ def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_actio
     meta, state = checkpoint.read_meta(path)
     checkpoint.load(path, model, optimizer)
     set_rng_states(state, mesh, meta)
+    if scaler is not None and meta.get("loss_scale"):
+        scaler.load_state_dict(meta["loss_scale"])
     skip_iters.update(meta.get("skip_iters", []))
     if mesh.master:
         truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), meta["iter"])

@@ -24,6 +24,7 @@ import checkpoint
 import common
 import configurator
 import data
+import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)
 import parallel
 import rundir
 import workarounds
@@ -104,7 +105,11 @@ fault_nan_steps = 1             # ... and of the ones after it, this many in all
 fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
-dtype = "auto"                  # 'auto': bfloat16 autocast on CUDA, float32 elsewhere; or 'float32' / 'bfloat16'
+dtype = "auto"                  # autocast's (weights stay float32): 'auto' = bf16 on CUDA (or float16), else float32
+loss_scale_init = 65536.0       # float16: the first loss scale (these four: torch's GradScaler's defaults)
+loss_scale_growth = 2.0         # float16: the scale x this after loss_scale_interval steps in a row without an overflow
+loss_scale_backoff = 0.5        # float16: the scale x this after an overflow (an inf/NaN gradient: the step is skipped)
+loss_scale_interval = 2000      # float16: clean steps in a row before the scale grows
 compile = False                 # torch.compile the model
 seed = 1337                     # weights, data order and dropout all derive from it
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
@@ -137,14 +142,12 @@ started = time.time()  # metrics' elapsed_s: wall seconds since launch (data pre
 
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp)
-if dtype == "auto":
-    dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
-# weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
-autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
-if mesh.device.type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-elif mesh.device.type == "cpu":
+if dtype == "auto":  # is_bf16_supported(including_emulation=False): T4, V100 only emulate bf16; fp16 is fast there
+    dtype = "float32" if mesh.device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported(False) else "float16"
+autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
+scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py (bf16: none)
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"  # TF32 on GPUs
+if mesh.device.type == "cpu":
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
 if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
@@ -259,15 +262,15 @@ def micro_batches(x, y, mask):
     return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc)) for k in range(x.size(0))]
 
 
-def token_weights(y, mask):
+def token_weights(y, mask, scale=1.0):
     """Micro-batch k's weight in the mean over ALL target tokens of the global batch: n_k * dp / N
     (n_k: its target tokens, the loss-mask ones; N: those of every micro-batch of every dp rank).
-    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes."""
+    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes. x scale: fp16's."""
     if mask is None:
-        return [1.0 / y.size(0)] * y.size(0)  # every n_k equal: 1 / micro_steps, the classic recipe
+        return [scale / y.size(0)] * y.size(0)  # every n_k equal: 1 / micro_steps, the classic recipe
     n = mask.sum(dim=(1, 2)).double()
     total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
-    return (n * mesh.dp / max(total, 1.0)).tolist()
+    return (n * mesh.dp * scale / max(total, 1.0)).tolist()
 
 
 @torch.no_grad()
@@ -299,7 +302,7 @@ metrics_path = os.path.join(out_dir, "metrics.jsonl")
 torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
 start_iter, run_id, skip_iters = 0, None, set()  # skip_iters: batches that gave non-finite values (see rollback)
 if src.kind == "resume":  # (1) the iteration, the random streams, the wandb run and the known bad batches
-    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh)
+    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)  # (fp16: and the loss scale)
 if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
     rundir.lock_out_dir(out_dir)
     if os.path.exists(metrics_path):  # an earlier run's: its history up to start_iter (later lines are redone)
@@ -322,11 +325,11 @@ saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async
                      resumed_from=src.path if src.kind == "resume" else None)  # never pruned
 
 
-def save(it):
+def save(it):  # tokenizer_spec: the model's whole tokenizer travels with it; loss_scale: fp16's scaler
     saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
                     "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
-                    "tokenizer_spec": data.spec_of(meta)})  # the model's whole tokenizer travels with it
+                    "tokenizer_spec": data.spec_of(meta), "loss_scale": scaler.state_dict() if scaler else None})
 
 
 signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
@@ -378,7 +381,7 @@ while True:
     # The objective is the mean cross-entropy over every target token of the global batch:
     # micro-batch k's mean loss is weighted by its share of those tokens (token_weights: with
     # no loss mask simply 1 / micro_steps, because backward() adds the micro-steps' gradients).
-    weights = token_weights(y, mask)
+    weights = token_weights(y, mask, scaler.scale if scaler else 1.0)  # fp16: backward from loss x scale
     if pp == 1:  # one micro-step after the other, each a whole forward and backward
         loss_sum = torch.zeros((), device=mesh.device)
         for k, (xk, yk, mk, dk) in enumerate(micro):
@@ -397,6 +400,7 @@ while True:
         parallel.wait_grad_sync(model)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
+    loss_sum = scaler.unscale_(grad_params, loss_sum) if scaler else loss_sum  # fp16: the true gradients and loss
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
     # / dp; tp ranks hold the same loss tp times), the stop flag, the ranks whose async save is written
     totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,
@@ -409,6 +413,9 @@ while True:
     finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # the NaN guard: no update from a non-finite batch
         optimizer.step()
+    # fp16: loss_scale.py. One inf/NaN in any rank's gradients makes the global norm inf/NaN on every rank: an
+    # overflow, the scale backs off (unless the loss itself is not finite: that is the NaN guard's); else it may grow
+    overflow = scaler is not None and scaler.update(not math.isfinite(grad_norm)) and math.isfinite(loss_mean)
     dt = time.perf_counter() - t0  # .item() above waited for the device
     # ================================ TRAINING SECTION END ==================================
     # everything that follows now is diagnostics, logging, the NaN guard's decision and an async save's end
@@ -419,6 +426,11 @@ while True:
         pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
     if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
         mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0, use_fsdp, offload))
+    if overflow:  # fp16: loss_scale.py (the scale's fault, now smaller: no NaN incident; lr and data go on)
+        mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
+        log({"iter": it, "loss": loss_mean, "skipped": "fp16 overflow", "loss_scale": scaler.scale})
+        it += 1
+        continue
     if not finite:
         bad_streak += 1
         skip_iters.add(it)
@@ -428,7 +440,7 @@ while True:
         if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
             saves.finish(it)  # an async save in flight is the latest checkpoint once finished
             it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
-                                                            bad_streak, it, nan_action)
+                                                            bad_streak, it, nan_action, scaler)
             bad_streak = 0
             continue
         it += 1
@@ -436,7 +448,7 @@ while True:
     bad_streak = 0
     if it % log_interval == 0 or it == max_iters - 1:
         if not peak:  # peak_flops=0: this device's matmul rate, measured once, at the first log line
-            peak = parallel.measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+            peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
             mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
         tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
         by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture: mixture.py
@@ -444,7 +456,8 @@ while True:
                     f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                     f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + (mixture.compact(by_source) if by_source else ""))
         log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source})
+             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source,
+             **({"loss_scale": scaler.scale} if scaler else {})})  # fp16: the scale the next iteration starts from
     it += 1
 
 # ---- the end --------------------------------------------------------------------------

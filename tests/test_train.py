@@ -126,7 +126,7 @@ BAD = {
     "bad init_from": (["init_from=pretrained"], "init_from='pretrained' is not"),
     "scratch over a run": (["init_from=scratch", "@saved"], "init_from=scratch but"),
     "bad nan_action": (["nan_action=ignore"], "nan_action='ignore' is not"),
-    "bad dtype": (["dtype=float16"], "dtype='float16' is not one of"),
+    "bad dtype": (["dtype=half"], "dtype='half' is not one of auto, float32, bfloat16, float16"),
     "no gpu": (["device=cuda"], "CUDA is not available here"),
     "nccl on cpu": (["device=cpu", "backend=nccl"], "backend=nccl needs CUDA tensors but device is cpu"),
     "dataset not prepared": (["dataset=nope"], "dataset 'nope' is not prepared"),
@@ -230,6 +230,10 @@ MISTAKES = {
     "2: tp=2 ffn_dim=33": "tp=2 does not divide ffn_dim=33",
     "export_hf=@full": "already exists and is not an empty directory",
     "optim=sgd": "optim='sgd' is not one of adamw, muon",
+    "loss_scale_backoff=1.0": "loss_scale_backoff=1.0 must be in [0, 1)",
+    "loss_scale_growth=0.5": "loss_scale_growth=0.5 must be at least 1",
+    "loss_scale_init=0.5": "loss_scale_init=0.5 must be in [1, 1.8446744073709552e+19)",
+    "loss_scale_interval=0": "loss_scale_interval=0 must be at least 1",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
 }
 
