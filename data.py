@@ -125,11 +125,17 @@ def load_extra_tokens(path):
 
 
 def split_known(enc, tokens):
-    """(new, known): `tokens` split into those to add and those the tokenizer already has as
-    one token, alone or as a word after a space (' return' is one token of most BPEs): adding
-    one of those again would only break the text around it into more tokens."""
-    known = [t for t in tokens if len(encode(enc, t)) == 1 or len(encode(enc, " " + t)) == 1]
-    return [t for t in tokens if t not in known], known
+    """(new, known): `tokens` split into those to add and those the tokenizer already has: a
+    vocabulary entry, or one token when encoded alone or as a word after a space (' return' is
+    one token of most BPEs). Adding one of those again would give a string two ids and break
+    the text around it into more tokens."""
+    def known(t):
+        try:
+            return enc.encode_single_token(t) is not None
+        except KeyError:
+            return len(encode(enc, t)) == 1 or len(encode(enc, " " + t)) == 1
+    found = [t for t in tokens if known(t)]
+    return [t for t in tokens if t not in found], found
 
 
 def _allowed(enc, chat_content=False):
@@ -140,7 +146,9 @@ def _allowed(enc, chat_content=False):
     return allowed - set(CHAT_TOKENS) if chat_content else allowed
 
 
-def _encode_batch(enc, texts, num_threads, allowed):
+def _encode_batch(enc, texts, num_threads, allowed, inner=False):
+    if inner and hasattr(enc, "encode_inner_batch"):  # a tokenizer.json (tokenizer.HFTokenizer): see there
+        return enc.encode_inner_batch(texts, allowed)
     if not allowed:
         return enc.encode_ordinary_batch(texts, num_threads=num_threads)
     return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=())
@@ -187,7 +195,7 @@ def render_chat(enc, messages, contents=None):
 def encode_chat_contents(enc, conversations, num_threads=8):
     """For each conversation, its messages' content ids (in one batch on num_threads threads)."""
     flat = iter(_encode_batch(enc, [m["content"] for c in conversations for m in c], num_threads,
-                              _allowed(enc, chat_content=True)))
+                              _allowed(enc, chat_content=True), inner=True))  # each follows its role token
     return [[next(flat) for _ in c] for c in conversations]
 
 

@@ -513,5 +513,6 @@ def chat_template(enc):
     roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # data.CHAT_TOKENS
     if not all(t in getattr(enc, "extra_tokens", ()) for t in roles):
         return {}
-    return {"chat_template": "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
+    bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""  # as prepare starts each document
+    return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
                              "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"}

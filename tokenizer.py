@@ -203,16 +203,21 @@ class HFTokenizer:
         self.bos_token = marked[0] if start else None
         self._variants = {}
 
-    def _variant(self, allowed):
+    def _variant(self, allowed, inner=False):
         """The tokenizer that turns exactly the added tokens in `allowed` ("all": every one)
-        into their ids and reads the others as text."""
-        key = "all" if allowed == "all" else frozenset(allowed)
+        into their ids and reads the others as text; inner: for text that follows a token in a
+        longer text (see encode_inner_batch)."""
+        key = ("all" if allowed == "all" else frozenset(allowed), inner)
         if key not in self._variants:
             tj = json.loads(self._tok.to_str())
             for a in tj["added_tokens"]:
-                a["special"] = key != "all" and a["content"] not in key
+                a["special"] = key[0] != "all" and a["content"] not in key[0]
+            pre = tj.get("pre_tokenizer") or {}
+            for p in pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]:
+                if inner and p.get("type") == "Metaspace" and p.get("prepend_scheme") == "first":
+                    p["prepend_scheme"] = "never"
             self._variants[key] = _tokenizer(tj, self._path)
-            self._variants[key].encode_special_tokens = key != "all"
+            self._variants[key].encode_special_tokens = key[0] != "all"
         return self._variants[key]
 
     def encode(self, text, allowed_special=(), disallowed_special=()):
@@ -221,6 +226,13 @@ class HFTokenizer:
     def encode_batch(self, texts, num_threads=0, allowed_special=(), disallowed_special=()):
         # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
         return [e.ids for e in self._variant(allowed_special).encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_inner_batch(self, texts, allowed_special=()):
+        """encode_batch of texts that each follow a token in a longer text (a chat message after
+        its role token), as the longer text's encoding has them: a Metaspace pre-tokenizer with
+        prepend_scheme 'first' (transformers' Llama default) puts '▁' before the text's first
+        piece only, not after a token."""
+        return [e.ids for e in self._variant(allowed_special, True).encode_batch_fast(texts, add_special_tokens=False)]
 
     def encode_ordinary(self, text):
         return self.encode(text)

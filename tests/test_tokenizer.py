@@ -113,6 +113,35 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
     assert data.encode(big, "a<|tool|>b")[1:-1] == [n] and data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")
 
 
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
+    """hf.save_hf_llama with a family's tokenizer grown by extra tokens writes the base's
+    tokenizer.json as `tokenizers` serializes it (the added tokens at their ids): AutoTokenizer
+    gives our ids, one per embedding row, and the base's BOS (none for Qwen2: not its EOS), EOS
+    and model_max_length, in tokenizer_config.json, special_tokens_map.json and config.json."""
+    import hf
+    from model import ModelConfig, Transformer
+    from transformers import AutoTokenizer
+    hf_families.write_tokenizer(family, str(tmp_path / "base"))
+    base = AutoTokenizer.from_pretrained(tmp_path / "base")
+    enc = data.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*data.CHAT_TOKENS, "<|tool|>"])
+    cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    hf.save_hf_llama(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
+    tok, config = AutoTokenizer.from_pretrained(tmp_path / "hf"), json.load(open(tmp_path / "hf" / "config.json"))
+    assert len(tok) == enc.n_vocab == len(base) + 5 and config["vocab_size"] == enc.n_vocab
+    assert (tok.bos_token_id, tok.eos_token_id, tok.model_max_length) == (base.bos_token_id, base.eos_token_id,
+                                                                          base.model_max_length)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (base.bos_token_id, base.eos_token_id)
+    special = json.load(open(tmp_path / "hf" / "special_tokens_map.json"))
+    assert special.get("bos_token") == base.bos_token and special["eos_token"] == base.eos_token
+    bos = [enc.bos_token] if enc.bos_token is not None else []
+    lines = varied_lines()[::3] + ["<|user|>hi<|end|><|assistant|>", "a<|tool|>b"]
+    assert all(tok(line, split_special_tokens=True).input_ids == bos + data.encode(enc, line) for line in lines)
+    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
+    ids = tok.apply_chat_template(chat)  # the template starts with the BOS as prepare starts every document
+    assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + data.render_chat(enc, chat)[0]
+
+
 def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
     base = data.get_tokenizer("cl100k_base", 2048)
