@@ -99,9 +99,10 @@ def check_tokenizer_json(tj, path):
             raise _bad(path, f"added token {text[:40]!r} has id {i}, not in [0, 2**31)")
         if seen.setdefault(i, text) != text or list(seen.values()).count(text) > 1:
             raise _bad(path, f"added token {text[:40]!r} (id {i}) reuses an id or a content of another added token")
-        if tokens.get(i, text) != text or vocab.get(text, i) != i:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, which the vocabulary gives to "
-                             f"{tokens.get(i, text)[:40]!r} (or gives {text[:40]!r} id {vocab.get(text)})")
+        if tokens.get(i, text) != text:
+            raise _bad(path, f"added token {text[:40]!r} has id {i}, the vocabulary's id of {tokens[i][:40]!r}")
+        if vocab.get(text, i) != i:
+            raise _bad(path, f"added token {text[:40]!r} has id {i}, but the vocabulary gives it {vocab[text]}")
     tokens.update(seen)
     if tokens and max(tokens) >= len(tokens) + MAX_ID_GAP:
         raise _bad(path, f"ids run to {max(tokens)} for {len(tokens)} tokens: more than {MAX_ID_GAP} unused ids")
@@ -293,19 +294,22 @@ class Encoding(tiktoken.Encoding):
 def load_rank_file(path):
     """A tiktoken rank file (Meta's Llama 3 tokenizer.model) as an Encoding: Meta's split and
     special tokens. A SentencePiece tokenizer.model (a protobuf) is refused by name."""
-    ranks = {}
+    ranks, seen = {}, set()
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:
                 token, rank = line.split()
-                token, rank = base64.b64decode(token, validate=True), int(rank)
+                token = base64.b64decode(token, validate=True)
             except ValueError:
                 raise UserError(f"{path} is a SentencePiece model (not a tiktoken rank file of base64-token rank "
                                 f"lines), which this trainer does not read: use the model's tokenizer.json") from None
-            if not 0 <= rank < MAX_SIZES["vocab_size"] or ranks.setdefault(token, rank) != rank or len(ranks) != n:
-                raise _bad(path, f"line {n}: rank {rank} is negative, too large, or its token or rank is listed twice")
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise _bad(path, f"its {len(ranks)} ranks are not 0 .. {len(ranks) - 1}, each once")
+            if not rank.isdigit() or len(rank) > 10 or int(rank) in seen or token in ranks:
+                raise _bad(path, f"line {n}: rank {rank[:20].decode(errors='replace')!r} is not a non-negative "
+                                 f"integer, or it or its token is listed twice")
+            ranks[token] = int(rank)
+            seen.add(int(rank))
+    if seen != set(range(len(ranks))):
+        raise _bad(path, f"its {len(ranks)} ranks are not 0 .. {len(ranks) - 1}")
     special = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIAL)}
     try:
         enc = Encoding(name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
