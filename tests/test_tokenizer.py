@@ -142,6 +142,18 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + data.render_chat(enc, chat)[0]
 
 
+def test_the_default_tokenizer_walks_no_hugging_face_machinery():
+    """The default job's tokenizer (cl100k_base cut to 8192, through tiktoken) encodes, grows and
+    exports without importing `tokenizers`, transformers or tokenizer.py: only a model's
+    tokenizer file takes that path."""
+    import subprocess
+    import sys
+    code = ("import sys, data, hf; e = data.get_tokenizer('cl100k_base', 8192, ['<|x|>']); data.encode(e, 'a <|x|>'); "
+            "hf.hf_tokenizer(e, 8); print(sorted({'tokenizers', 'tokenizer', 'transformers'} & set(sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
+
+
 def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
     base = data.get_tokenizer("cl100k_base", 2048)
