@@ -90,15 +90,17 @@ def check_tokenizer_json(tj, path):
             raise _bad(path, f"the vocabulary id of {text[:40]!r} is {str(i)[:40]}, not an int in [0, 2**31)")
         if tokens.setdefault(i, text) != text:
             raise _bad(path, f"vocabulary id {i} is both {tokens[i][:40]!r} and {text[:40]!r}")
-    seen = {}
+    seen, contents = {}, set()
     for a in added:
         i, text = a.get("id") if isinstance(a, dict) else None, a.get("content") if isinstance(a, dict) else None
         if type(i) is not int or not isinstance(text, str) or not text:
             raise _bad(path, f"added token {str(a)[:60]} has no int id and non-empty string content")
         if not 0 <= i < MAX_SIZES["vocab_size"]:
             raise _bad(path, f"added token {text[:40]!r} has id {i}, not in [0, 2**31)")
-        if seen.setdefault(i, text) != text or list(seen.values()).count(text) > 1:
+        if i in seen or text in contents:
             raise _bad(path, f"added token {text[:40]!r} (id {i}) reuses an id or a content of another added token")
+        seen[i] = text
+        contents.add(text)
         if tokens.get(i, text) != text:
             raise _bad(path, f"added token {text[:40]!r} has id {i}, the vocabulary's id of {tokens[i][:40]!r}")
         if vocab.get(text, i) != i:
@@ -159,8 +161,8 @@ def load_tokenizer_json(path):
     # transformers adds the named special tokens that the file did not, and rebuilds the
     # post-processor from add_bos_token / add_eos_token when the config gives one of them
     named = [_token_name(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named
-                            if t is not None and t not in tok.get_added_tokens_decoder().values()])
+    have = {a.content for a in tok.get_added_tokens_decoder().values()}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named if t not in (None, *have)])
     if "add_bos_token" in cfg or "add_eos_token" in cfg or tok.post_processor is None:
         bos, eos = named[0] if cfg.get("add_bos_token") else None, named[1] if cfg.get("add_eos_token") else None
         single = " ".join(t for t in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if t)
