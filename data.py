@@ -51,6 +51,11 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     if hasattr(enc, "expanded"):  # a model's tokenizer.json (tokenizer.HFTokenizer) adds them itself
         return enc.expanded(list(extra_tokens))
     special = {**enc._special_tokens, **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
+    names = sorted(special)  # a token that starts another sorts right before one that it starts
+    for a, b in zip(names, names[1:]):
+        if b.startswith(a):  # tiktoken tries its special tokens in no fixed order: either could match
+            raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match either one where "
+                            f"'{b}' is written; drop one of them")
     expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
                          mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
     if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (tokenizer.Encoding)

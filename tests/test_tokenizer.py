@@ -3,6 +3,7 @@ real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusal
 tiktoken rank file, and data prepared for a model with its ids."""
 
 import base64
+import copy
 import json
 import os
 
@@ -104,6 +105,11 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
                 "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
     lines = varied_lines() + specials * 4
     assert enc.n_vocab == len(auto) == n and compare(enc, auto, lines) == 0
+    assert (enc.twin is not None) == (family == "llama3")  # tiktoken encodes Llama 3's layout, exactly
+    if enc.twin is not None:  # and `tokenizers` alone gives the same ids
+        slow = copy.copy(enc)
+        slow.twin = None
+        assert compare(slow, auto, lines) == 0
     assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None, auto.eos_token_id)
     assert all(enc.decode(data.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
                                                                       add_special_tokens=False).input_ids)
@@ -152,6 +158,23 @@ def test_the_default_tokenizer_walks_no_hugging_face_machinery():
             "hf.hf_tokenizer(e, 8); print(sorted({'tokenizers', 'tokenizer', 'transformers'} & set(sys.modules)))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
+
+
+def test_extra_tokens_that_start_one_another(llama3_dir):
+    """`tokenizers` matches the longest added token (the twin steps aside), tiktoken tries its
+    special tokens in no fixed order, so there such a list is refused in one line."""
+    path = os.path.join(llama3_dir, "tokenizer.json")
+    big = data.get_tokenizer(path, 0, ["return", "return None"])
+    assert big.twin is None and data.encode(big, "return None")[-1] == big.encode_single_token("return None")
+    with pytest.raises(UserError, match="extra token 'return None' starts with the token 'return'"):
+        data.get_tokenizer("cl100k_base", 512, ["return", "return None"])
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3"))
+    hf_families.write_tokenizer("llama3", path)
+    return path
 
 
 def test_tiktoken_rank_file_is_read(tmp_path):
