@@ -174,10 +174,10 @@ def load_tokenizer_json(path):
                 single=single, pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
         except Exception as e:
             raise _bad(path, f"its bos/eos tokens make no template ({str(e)[:80]})") from None
-    for i, a in tok.get_added_tokens_decoder().items():
-        if tokens.get(i, a.content) != a.content:  # `tokenizers` numbers an added token past a gap its own way
-            raise _bad(path, f"added token {a.content[:40]!r} has id {tokens.get(i)} in the file but {i} in the "
-                             f"tokenizers library (ids must follow the vocabulary without gaps)")
+    for i, text in tokens.items():
+        if tok.token_to_id(text) != i:  # `tokenizers` numbers an added token past a gap its own way
+            raise _bad(path, f"token {text[:40]!r} has id {i} in the file but {tok.token_to_id(text)} in the "
+                             f"tokenizers library (an added token's id must follow the vocabulary's without a gap)")
     eos = named[1] if named[1] is not None else "<|endoftext|>"  # GPT-2's, if the config names none
     if tok.token_to_id(eos) is None:
         raise UserError(f"{path}: no end-of-sequence token (eos_token in tokenizer_config.json) to separate "
