@@ -1304,7 +1304,8 @@ def table_tokenize(max_mb=30, repeats=3):
     slow = copy.copy(ours)
     slow.twin = None
     got = {}
-    for label, e in (("tiktoken (cl100k_base/8192)", enc), ("tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
+    for label, e in (("tiktoken (cl100k_base/8192)", enc),
+                     ("tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
                      ("the same, `tokenizers` alone (no twin)", slow)):
         best = min(timed(lambda: got.__setitem__(label, data.encode_batch(e, texts, threads))) for _ in range(repeats))
         n = sum(map(len, got[label]))

@@ -35,8 +35,9 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     embedding (a model's own tokenizer file is never truncated).
 
     extra_tokens are new tokens with the ids right after the largest one, in order
-    (vocabulary expansion; tiktoken special tokens, or a tokenizer.json's added tokens): every old id keeps its meaning, so a checkpoint trained on the
-    smaller vocabulary only needs new embedding rows. encode() turns them into their ids."""
+    (vocabulary expansion; tiktoken special tokens, or a tokenizer.json's added tokens): every
+    old id keeps its meaning, so a checkpoint trained on the smaller vocabulary only needs new
+    embedding rows. encode() turns them into their ids."""
     enc = _base_encoding(name, vocab_size)
     if not extra_tokens:
         return enc

@@ -37,7 +37,8 @@ def training_texts():
     _, files = prepare.stdlib_files()
     texts = [open(f, encoding="utf-8", errors="replace").read()[:3000] for f in files[:60]]
     prose = ("The quick brown fox jumps over the lazy dog. It's what they'd said: we'll see, I've heard, "
-             "you're right. héllo wörld café naïve 日本語のテキスト 中文文本 Привет, мир! مرحبا 🙂🚀 ")
+             "you're right. héllo wörld café naïve 日本語のテキスト 中文文本 "
+             "Привет, мир! مرحبا 🙂🚀 ")
     return texts + [prose] * 30
 
 
@@ -78,7 +79,8 @@ def build(family):
         bos = tok.token_to_id("<|begin_of_text|>")
         tok.post_processor = processors.Sequence([
             processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+            processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                          pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
                                           special_tokens=[("<|begin_of_text|>", bos)])])
         return tok, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "model_max_length": 131072,
                      "clean_up_tokenization_spaces": True, "tokenizer_class": "PreTrainedTokenizerFast",

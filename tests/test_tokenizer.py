@@ -116,7 +116,8 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
                for line in lines)
     big = data.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
     assert [big.encode_single_token(t) for t in ("<|tool|>", "return None")] == [n, n + 1]
-    assert data.encode(big, "a<|tool|>b")[1:-1] == [n] and data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")
+    assert data.encode(big, "a<|tool|>b")[1:-1] == [n]
+    assert data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")  # specials stay text
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
