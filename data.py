@@ -97,7 +97,7 @@ def tokenizer_from_meta(meta):
     model's (a checkpoint's "tokenizer_spec", see model_spec): the same fields."""
     if meta.get("tokenizer_sha256"):
         import tokenizer
-        if not os.path.isfile(meta["tokenizer"]) or tokenizer.sha256(meta["tokenizer"]) != meta["tokenizer_sha256"]:
+        if not tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
             raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data were tokenized with "
                             f"is gone or changed since: put the original back")
     return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),

@@ -22,6 +22,7 @@ tokenizer.json alike (tiktoken_twin: Llama 3's layout, our own exports'), it doe
 """
 
 import base64
+import hashlib
 import json
 import os
 
@@ -48,8 +49,21 @@ def find(model_dir):
 
 
 def sha256(path):
+    """The hash a model's tokenizer is recorded with (data.spec_of): its file's, and for a
+    tokenizer.json also the tokenizer_config.json beside it (its special tokens and flags
+    change ids too)."""
     import checkpoint  # the file hash that checkpoints' manifests use
-    return checkpoint.sha256_file(path)
+    digest, config = checkpoint.sha256_file(path), os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if path.endswith(".json") and os.path.isfile(config):
+        digest = hashlib.sha256(f"{digest} {checkpoint.sha256_file(config)}".encode()).hexdigest()
+    return digest
+
+
+def unchanged(path, recorded):
+    """Whether the tokenizer file `path` is still the one recorded with hash `recorded` (by
+    sha256, or, recorded before the config was hashed too, by its file's hash alone)."""
+    import checkpoint
+    return os.path.isfile(path) and recorded in (sha256(path), checkpoint.sha256_file(path))
 
 
 FIX = "copy the model's tokenizer files again"

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_train
@@ -176,6 +177,20 @@ def llama3_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llama3"))
     hf_families.write_tokenizer("llama3", path)
     return path
+
+
+def test_a_changed_tokenizer_config_is_a_changed_tokenizer(tmp_path, corpus):
+    """Data prepared with a tokenizer.json records its hash and its tokenizer_config.json's
+    (legacy and add_bos_token change Llama 2's ids): either file changed since is refused."""
+    hf_families.write_tokenizer("llama2", str(tmp_path / "tok"))
+    path = str(tmp_path / "tok" / "tokenizer.json")
+    meta = prepare.prepare(corpus, str(tmp_path / "data"), path, 0, 0.2, verbose=False)
+    enc = data.tokenizer_from_meta(meta)
+    assert enc.bos_token == 1 and np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[0] == 1
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": True}))
+    with pytest.raises(UserError, match="is gone or changed since"):
+        data.tokenizer_from_meta(meta)
 
 
 def test_tiktoken_rank_file_is_read(tmp_path):
