@@ -74,11 +74,18 @@ profile: where one step of the default job goes, in one process on the CPU (trai
         batch and optimizer, Muon; glibc tuned as train.py tunes it): its MFU against the measured
         matmul rate, and torch.profiler's self time per kind of work (the head's matmuls, the
         blocks' matmuls, log-softmax and its backward, attention, the optimizer, the rest).
+tokenize: encoding the default corpus (its first ~30 MB) with the default tokenizer (cl100k_base
+        cut to 8,192 ids) through tiktoken, and with the same BPE exported as a tokenizer.json
+        (hf.hf_tokenizer) read back by tokenizer.load (how a model's tokenizer.json is read: its
+        tiktoken twin where that is exact, as here) and through the `tokenizers` library alone,
+        data.encode_batch on the machine's threads, best of 3: tokens/s and MB/s; the ids are
+        checked equal.
 build:  peak tensor bytes per rank while building the model (fresh weights) and while importing a
         Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build
         against building the whole model first, on a model whose layers dominate.
 """
 
+import copy
 import json
 import math
 import os
@@ -1274,6 +1281,47 @@ def table_sample(batches=(1, 8), repeats=3):
           f"the cache: the second row of each batch mixes {block - 1} cached steps with {block + 1} full ones")
 
 
+def table_tokenize(max_mb=30, repeats=3):
+    import hf
+    import prepare
+    import tokenizer
+    enc = data.get_tokenizer("cl100k_base", 8192)
+    tmp = tempfile.mkdtemp()
+    tj, config = hf.hf_tokenizer(enc, 256)
+    for name, obj in (("tokenizer.json", tj), ("tokenizer_config.json", config)):
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False)
+    ours = tokenizer.load(os.path.join(tmp, "tokenizer.json"))
+    texts, size = [], 0
+    for path in prepare.stdlib_files()[1]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+        size += len(texts[-1].encode())
+        if size > max_mb * 1e6:
+            break
+    threads = os.cpu_count() or 1
+    print(f"\n## encoding {len(texts)} files ({size / 1e6:.1f} MB) of the default corpus with cl100k_base/8192, "
+          f"data.encode_batch on {threads} threads, best of {repeats}")
+    print(f"{'backend':52} | {'tokens/s':>12} | {'MB/s':>6}")
+    print("-" * 78)
+    slow = copy.copy(ours)
+    slow.twin = None
+    got = {}
+    for label, e in (("tiktoken (cl100k_base/8192)", enc),
+                     ("tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
+                     ("the same, `tokenizers` alone (no twin)", slow)):
+        best = min(timed(lambda: got.__setitem__(label, data.encode_batch(e, texts, threads))) for _ in range(repeats))
+        n = sum(map(len, got[label]))
+        print(f"{label:52} | {n / best:12,.0f} | {size / 1e6 / best:6.2f}")
+    assert ours.twin is not None and len(set(map(str, got.values()))) == 1, "the backends gave different ids"
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 READING_PROBE = r"""
 import json, os, runpy, sys
 root, args = sys.argv[1], sys.argv[2:]
@@ -1347,7 +1395,7 @@ TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": tab
           "memory2d": table_memory2d,
           "lora": table_lora, "sample": table_sample, "build": table_build, "checkpoint": table_checkpoint,
           "race": table_race, "reading": table_reading, "head": table_head,
-          "gpu": table_gpu, "mfu": table_mfu, "profile": table_profile}
+          "gpu": table_gpu, "mfu": table_mfu, "profile": table_profile, "tokenize": table_tokenize}
 ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
 if __name__ == "__main__":

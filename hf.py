@@ -356,11 +356,16 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         if enc.n_vocab != cfg.vocab_size:  # config.json's vocab_size is the tokenizer's: one model
             raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
                              f"vocab_size={cfg.vocab_size}")
-        more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.block_size)
-        # <|endoftext|> closes every packed document, so it is also what the next one follows
-        # (a model's own tokenizer may have a BOS token of its own: tokenizer.py)
-        bos = getattr(enc, "bos_token", None)
-        hf_config["bos_token_id"], hf_config["eos_token_id"] = enc.eot_token if bos is None else bos, enc.eot_token
+        more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.block_size)
+        more["tokenizer_config.json"] = tok_config
+        more["special_tokens_map.json"] = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token",
+                                                                      "pad_token") if tok_config.get(k) is not None}
+        # the tokenizer config's own: with our tiktoken encodings <|endoftext|> closes every
+        # packed document, so it is also what the next one follows (hf_tokenizer names it bos)
+        bos = tok_config.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        hf_config["bos_token_id"] = None if bos is None else enc.encode_single_token(bos)
+        hf_config["eos_token_id"] = enc.eot_token
     write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors,
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
 
@@ -441,6 +446,9 @@ def hf_tokenizer(enc, max_length):
     (tokenizer_config's split_special_tokens), while the extra tokens (the chat template's
     among them) become their ids; they are added tokens that are not "special" to HF, which is
     also why decode(..., skip_special_tokens=True) keeps them and drops only <|endoftext|>."""
+    if hasattr(enc, "export"):  # a model's tokenizer.json (tokenizer.HFTokenizer): itself, grown
+        tokenizer, config = enc.export(max_length)
+        return tokenizer, {**config, **chat_template(enc)}
     ranks = enc._mergeable_ranks
     byte_char = bytes_to_unicode()
 
@@ -497,8 +505,14 @@ def hf_tokenizer(enc, max_length):
         "split_special_tokens": True,
         "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
     }
-    roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # data.CHAT_TOKENS: data.render_chat's template
-    if all(t in extra for t in roles):
-        config["chat_template"] = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
-                                   "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
-    return tokenizer, config
+    return tokenizer, {**config, **chat_template(enc)}
+
+
+def chat_template(enc):
+    """{"chat_template": data.render_chat's template} when `enc` has its tokens as extra tokens, else {}."""
+    roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # data.CHAT_TOKENS
+    if not all(t in getattr(enc, "extra_tokens", ()) for t in roles):
+        return {}
+    bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""  # as prepare starts each document
+    return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
+                             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"}

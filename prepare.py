@@ -37,6 +37,7 @@ from data import (
     get_tokenizer,
     load_extra_tokens,
     render_chat,
+    split_known,
     token_dtype,
 )
 
@@ -225,7 +226,12 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     chat = fmt == "chat"
     base = get_tokenizer(tokenizer, vocab_size)
     first = list(model_tokens) + [t for t in (CHAT_TOKENS if chat else []) if t not in model_tokens]
-    extra_tokens = first + [t for t in extra_tokens if t not in first and t not in getattr(base, "extra_tokens", ())]
+    asked = [t for t in extra_tokens if t not in first and t not in getattr(base, "extra_tokens", ())]
+    new, known = split_known(base, asked)
+    if known and verbose:
+        print(f"prepare: {len(known)} of the {len(asked)} extra tokens are already tokens of {tokenizer} and are not "
+              f"added again: {', '.join(map(repr, known[:8]))}{' ...' if len(known) > 8 else ''}", flush=True)
+    extra_tokens = first + new
     enc = get_tokenizer(tokenizer, vocab_size, extra_tokens)
     bos = [enc.bos_token] if getattr(enc, "bos_token", None) is not None else []  # a model's tokenizer may start documents
     vocab = enc.n_vocab

@@ -117,8 +117,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
         index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
         shards = sorted(set(index["weight_map"].values()))
         assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
-        assert files == sorted(["config.json", "model.safetensors.index.json", "tokenizer.json",
-                                "tokenizer_config.json", *shards])
+        assert files == sorted(["config.json", "model.safetensors.index.json", "special_tokens_map.json",
+                                "tokenizer.json", "tokenizer_config.json", *shards])
         weights = {n: t for s in shards for n, t in read_safetensors(tmp_path / "hf" / s).items()}
         assert sorted(weights) == sorted(index["weight_map"])
         assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
@@ -128,7 +128,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
         _, ours = load_hf_llama(tmp_path / "hf")  # our reader reads our index
         torch.testing.assert_close(ours["layers.1.attention.wk.weight"], model.layers["1"].attention.wk.weight)
     else:
-        assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        assert files == ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                         "tokenizer_config.json"]
         weights = read_safetensors(tmp_path / "hf" / "model.safetensors")
     assert ("lm_head.weight" in weights) == (not tied)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

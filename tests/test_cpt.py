@@ -5,9 +5,11 @@ import json
 import os
 
 import numpy as np
+import pytest
+import test_tokenizer
 import torch
 import torch.nn.functional as F
-from conftest import RUN, read_metrics, run_train, torchrun
+from conftest import HF, RUN, read_metrics, run_train, torchrun
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import checkpoint
@@ -71,3 +73,48 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
     # 3. or export any checkpoint later
     run_train([f"out_dir={sft}", f"export_hf={tmp_path / 'later'}"], cwd=tmp_path, script="sample.py")
     assert os.path.isfile(tmp_path / "later" / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama2"])
+def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
+    """A Hugging Face base with its own tokenizer (byte-level Llama 3 style, SentencePiece Llama 2
+    style: tests/hf_families.py) -> CPT with extra tokens, three of which the base already has
+    as one token (not added again, and said so) -> export: AutoTokenizer loads it with one id
+    per embedding row and gives our ids, BOS, EOS and model_max_length are the base's -> init_from=
+    the export tokenizes the corpus to the same ids and trains on."""
+    from hf_families import write_tokenizer
+    from transformers import LlamaConfig
+    base, export = tmp_path / "base", tmp_path / "export"
+    n = write_tokenizer(family, str(base))
+    auto_base = AutoTokenizer.from_pretrained(base)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**HF, "vocab_size": n, "bos_token_id": auto_base.bos_token_id,
+                                    "eos_token_id": auto_base.eos_token_id})).save_pretrained(base)
+    words = tmp_path / "words.txt"
+    words.write_text("import\nself\nreturn\nreturn None\n<|tool|>\n")
+    run = [*(a for a in RUN if not a.startswith("vocab_size=")), "max_iters=2", "val_fraction=0.2"]
+    p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", f"init_from={base}",
+                   f"out_dir={tmp_path / 'cpt'}", f"export_hf={export}"], cwd=tmp_path)
+    assert "3 of the 5 extra tokens are already tokens of" in p.stdout and f"from {n} to {n + 2}" in p.stdout
+    meta = json.load(open(tmp_path / "data" / "domain" / "meta.json"))
+    assert meta["extra_tokens"] == ["return None", "<|tool|>"] and meta["vocab_size"] == n + 2
+    enc = data.tokenizer_from_meta(meta)
+    tok = AutoTokenizer.from_pretrained(export)
+    config = json.load(open(export / "config.json"))
+    assert len(tok) == config["vocab_size"] == n + 2 and tok.convert_tokens_to_ids("<|tool|>") == n + 1
+    assert (tok.bos_token, tok.eos_token, tok.model_max_length) == (auto_base.bos_token, auto_base.eos_token,
+                                                                     auto_base.model_max_length)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (auto_base.bos_token_id, auto_base.eos_token_id)
+    lines = [*test_tokenizer.varied_lines(), "x = f() ; return None", "import self <|tool|> return"]
+    bos = [enc.bos_token] if enc.bos_token is not None else []
+    assert all(tok(line, split_special_tokens=True).input_ids == bos + data.encode(enc, line) for line in lines)
+    assert all(tok.convert_ids_to_tokens(i) is not None for i in range(len(tok)))  # no id decodes to nothing
+    # back into this trainer: the same corpus gets the same ids through the export's tokenizer
+    p = run_train([*run, "dataset=again", f"data_source={corpus}", f"init_from={export}",
+                   f"out_dir={tmp_path / 'again'}"], cwd=tmp_path)
+    assert "growing the vocabulary" not in p.stdout
+    for split in ("train", "val"):
+        assert (tmp_path / "data" / "again" / f"{split}.bin").read_bytes() == \
+               (tmp_path / "data" / "domain" / f"{split}.bin").read_bytes()
+    losses = [r["loss"] for r in read_metrics(tmp_path / "again") if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))

@@ -337,6 +337,42 @@ def bad_tokenizer(text, name="tokenizer.json"):
 BPE = {"model": {"type": "BPE", "vocab": {}, "merges": []}, "normalizer": None}
 
 
+def added(i, content):
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": True}
+
+
+# a tokenizer.json that `tokenizers` reads: 3 vocabulary tokens, "<eos>" added at id 3
+TINY_BPE = {**BPE, "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<eos>": 3}, "merges": ["a b"]},
+            "added_tokens": [added(3, "<eos>")]}
+
+
+def bad_added_tokens(*tokens):
+    return bad_tokenizer(json.dumps({**TINY_BPE, "added_tokens": [added(3, "<eos>"), *(added(*t) for t in tokens)]}))
+
+
+def bad_tokenizer_config(config):
+    """TINY_BPE with a crafted tokenizer_config.json beside it."""
+    def make(b, tmp):
+        load = bad_tokenizer(json.dumps(TINY_BPE))(b, tmp)
+        with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<eos>", **config}, f)
+        assert tokenizer.load(os.path.join(tmp, "tok", "tokenizer.json")) if "bos_token" not in config and \
+            "add_bos_token" not in config else True  # the file alone is fine: the config is the fault
+        return load
+    return make
+
+
+def bad_extra_tokens(raw):
+    """An extra-tokens file (train.py extra_tokens=, data.py --extra_tokens) of the bytes `raw`."""
+    def make(b, tmp):
+        path = os.path.join(tmp, "words.txt")
+        with open(path, "wb") as f:
+            f.write(raw)
+        return lambda: data.load_extra_tokens(path)
+    return make
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -399,6 +435,17 @@ CASES = [
     (8, "tokenizer.json: an added token without an id", "raises", bad_tokenizer(json.dumps(
         {**BPE, "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": [{"content": "<x>"}, {"content": "<y>"}]}))),
     (8, "tokenizer.model: a 5000-digit rank", "raises", bad_tokenizer("IQ== " + "9" * 5000 + "\n", "tokenizer.model")),
+    (8, "tokenizer.json: an added token with id -3", "raises", bad_added_tokens((-3, "<x>"))),
+    (9, "tokenizer.json: an added token reuses another's id", "raises", bad_added_tokens((4, "<x>"), (4, "<y>"))),
+    (9, "tokenizer.json: an added token reuses a vocabulary id", "raises", bad_added_tokens((2, "<x>"))),
+    (9, "tokenizer.json: an added token far past the others", "raises", bad_added_tokens((5000, "<x>"))),
+    (9, "tokenizer.json: an added token past a gap of ids", "raises", bad_added_tokens((9, "<x>"))),
+    (9, "tokenizer_config.json: an unknown bos_token", "raises", bad_tokenizer_config({"bos_token": "<nope>"})),
+    (9, "tokenizer_config.json: add_bos_token \"yes\"", "raises", bad_tokenizer_config({"add_bos_token": "yes"})),
+    (8, "tokenizer.model: a rank listed twice", "raises", bad_tokenizer("IQ== 0\nIg== 0\n", "tokenizer.model")),
+    (8, "tokenizer.model: a negative rank", "raises", bad_tokenizer("IQ== -1\n", "tokenizer.model")),
+    (8, "extra tokens file: invalid UTF-8", "raises", bad_extra_tokens(b"ok\n\xff\xfe bad\n")),
+    (8, "extra tokens file: a 1 MB line", "raises", bad_extra_tokens(b"x" * 2 ** 20 + b"\n")),
     (9, "adapter lora_alpha negative", "raises", adapter(lora_alpha=-16)),
     (9, "mix_temperature=0.001 keeps the weights finite", "holds", tempered_weights_stay_finite),
     (9, "min_lr > learning_rate", "raises", validated(min_lr=1.0)),

@@ -1,15 +1,19 @@
-"""A model's tokenizer travels with it: Hugging Face byte-level BPE tokenizers in (tokenizer.py),
-the refusals by kind, a tiktoken rank file, and data prepared for a model with its ids."""
+"""A model's tokenizer travels with it: Hugging Face tokenizers in (tokenizer.py), built like the
+real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusals by kind, a
+tiktoken rank file, and data prepared for a model with its ids."""
 
 import base64
+import copy
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_train
 
 import data
+import hf_families
 import prepare
 import tokenizer
 from common import UserError
@@ -88,6 +92,107 @@ def test_hf_byte_level_bpe_gives_autotokenizers_ids(hf_bpe):
     assert enc.decode(data.encode(enc, lines[0])) == lines[0]
 
 
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
+    """Each family's tokenizer (Llama 3, Llama 2 / TinyLlama, Mistral, Qwen2 built as the hub's
+    are) read by tokenizer.py gives AutoTokenizer's ids on varied text, its specials written in
+    the text included (as text through data.encode, as ids through allowed_special="all"), the
+    same BOS and EOS, and decodes as AutoTokenizer does; grown by extra tokens, the new ones take
+    the ids after the last."""
+    from transformers import AutoTokenizer
+    n = hf_families.write_tokenizer(family, str(tmp_path))
+    enc, auto = tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
+    specials = ["<s>hi</s> [INST] x [/INST]", "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|>a<|eot_id|>",
+                "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
+    lines = varied_lines() + specials * 4
+    assert enc.n_vocab == len(auto) == n and compare(enc, auto, lines) == 0
+    assert (enc.twin is not None) == (family == "llama3")  # tiktoken encodes Llama 3's layout, exactly
+    if enc.twin is not None:  # and `tokenizers` alone gives the same ids
+        slow = copy.copy(enc)
+        slow.twin = None
+        assert compare(slow, auto, lines) == 0
+    assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None, auto.eos_token_id)
+    assert all(enc.decode(data.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
+                                                                      add_special_tokens=False).input_ids)
+               for line in lines)
+    big = data.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
+    assert [big.encode_single_token(t) for t in ("<|tool|>", "return None")] == [n, n + 1]
+    assert data.encode(big, "a<|tool|>b")[1:-1] == [n]
+    assert data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")  # specials stay text
+
+
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
+    """hf.save_hf_llama with a family's tokenizer grown by extra tokens writes the base's
+    tokenizer.json as `tokenizers` serializes it (the added tokens at their ids): AutoTokenizer
+    gives our ids, one per embedding row, and the base's BOS (none for Qwen2: not its EOS), EOS
+    and model_max_length, in tokenizer_config.json, special_tokens_map.json and config.json."""
+    import hf
+    from model import ModelConfig, Transformer
+    from transformers import AutoTokenizer
+    hf_families.write_tokenizer(family, str(tmp_path / "base"))
+    base = AutoTokenizer.from_pretrained(tmp_path / "base")
+    enc = data.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*data.CHAT_TOKENS, "<|tool|>"])
+    cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    hf.save_hf_llama(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
+    tok, config = AutoTokenizer.from_pretrained(tmp_path / "hf"), json.load(open(tmp_path / "hf" / "config.json"))
+    assert len(tok) == enc.n_vocab == len(base) + 5 and config["vocab_size"] == enc.n_vocab
+    assert (tok.bos_token_id, tok.eos_token_id, tok.model_max_length) == (base.bos_token_id, base.eos_token_id,
+                                                                          base.model_max_length)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (base.bos_token_id, base.eos_token_id)
+    special = json.load(open(tmp_path / "hf" / "special_tokens_map.json"))
+    assert special.get("bos_token") == base.bos_token and special["eos_token"] == base.eos_token
+    bos = [enc.bos_token] if enc.bos_token is not None else []
+    lines = varied_lines()[::3] + ["<|user|>hi<|end|><|assistant|>", "a<|tool|>b"]
+    assert all(tok(line, split_special_tokens=True).input_ids == bos + data.encode(enc, line) for line in lines)
+    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
+    ids = tok.apply_chat_template(chat)  # the template starts with the BOS as prepare starts every document
+    assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + data.render_chat(enc, chat)[0]
+
+
+def test_the_default_tokenizer_walks_no_hugging_face_machinery():
+    """The default job's tokenizer (cl100k_base cut to 8192, through tiktoken) encodes, grows and
+    exports without importing `tokenizers`, transformers or tokenizer.py: only a model's
+    tokenizer file takes that path."""
+    import subprocess
+    import sys
+    code = ("import sys, data, hf; e = data.get_tokenizer('cl100k_base', 8192, ['<|x|>']); data.encode(e, 'a <|x|>'); "
+            "hf.hf_tokenizer(e, 8); print(sorted({'tokenizers', 'tokenizer', 'transformers'} & set(sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
+
+
+def test_extra_tokens_that_start_one_another(llama3_dir):
+    """`tokenizers` matches the longest added token (the twin steps aside), tiktoken tries its
+    special tokens in no fixed order, so there such a list is refused in one line."""
+    path = os.path.join(llama3_dir, "tokenizer.json")
+    big = data.get_tokenizer(path, 0, ["return", "return None"])
+    assert big.twin is None and data.encode(big, "return None")[-1] == big.encode_single_token("return None")
+    with pytest.raises(UserError, match="extra token 'return None' starts with the token 'return'"):
+        data.get_tokenizer("cl100k_base", 512, ["return", "return None"])
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3"))
+    hf_families.write_tokenizer("llama3", path)
+    return path
+
+
+def test_a_changed_tokenizer_config_is_a_changed_tokenizer(tmp_path, corpus):
+    """Data prepared with a tokenizer.json records its hash and its tokenizer_config.json's
+    (legacy and add_bos_token change Llama 2's ids): either file changed since is refused."""
+    hf_families.write_tokenizer("llama2", str(tmp_path / "tok"))
+    path = str(tmp_path / "tok" / "tokenizer.json")
+    meta = prepare.prepare(corpus, str(tmp_path / "data"), path, 0, 0.2, verbose=False)
+    enc = data.tokenizer_from_meta(meta)
+    assert enc.bos_token == 1 and np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[0] == 1
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": True}))
+    with pytest.raises(UserError, match="is gone or changed since"):
+        data.tokenizer_from_meta(meta)
+
+
 def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
     base = data.get_tokenizer("cl100k_base", 2048)
@@ -111,11 +216,6 @@ def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
     return str(path)
 
 
-SENTENCEPIECE = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
-                                                                    {"type": "Replace"}]},
-                 "pre_tokenizer": None, "model": {"type": "BPE", "byte_fallback": True, "vocab": {}, "merges": []}}
-
-
 def spec_of_dir(path):
     import rundir
     from parallel import setup
@@ -123,12 +223,11 @@ def spec_of_dir(path):
 
 
 @pytest.mark.parametrize("tj, model_file, match", [
-    (SENTENCEPIECE, None, "is a SentencePiece-style BPE"),
     ({"model": {"type": "WordPiece", "vocab": {}}}, None, "is a WordPiece tokenizer"),
     ({"model": {"type": "Unigram", "vocab": []}}, None, "is a unigram tokenizer"),
     (None, b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00", "is a SentencePiece model"),
 ])
-def test_tokenizers_we_cannot_reproduce_are_refused_by_kind(tmp_path, tj, model_file, match):
+def test_tokenizers_we_do_not_read_are_refused_by_kind(tmp_path, tj, model_file, match):
     with pytest.raises(UserError, match=match):
         spec_of_dir(hf_dir_with(tmp_path, tj, 512, model_file))
 
