@@ -414,11 +414,31 @@ def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, ti
     assert_same_curve(tied_run("muon" if "optim=muon" in extra else "adamw"), read_metrics(out))
 
 
+def count_newton_schulz(rank):
+    """before= of torchrun: counts the matrices this rank orthogonalizes (a stack counts each),
+    written at every checkpoint save to ns_<rank>.txt in the run's cwd."""
+    import checkpoint
+    import optim
+    seen, ns, save = [0], optim.newton_schulz, checkpoint.train_state
+
+    def newton_schulz(g, *args, **kw):
+        seen[0] += g.shape[0] if g.dim() == 3 else 1
+        return ns(g, *args, **kw)
+
+    def train_state(model, optimizer):
+        with open(f"ns_{rank}.txt", "w") as f:
+            f.write(str(seen[0]))
+        return save(model, optimizer)
+    optim.newton_schulz, checkpoint.train_state = newton_schulz, train_state
+
+
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
-    # with Muon: its momentum buffers are checkpointed too, and every rank orthogonalizes the same mean gradient
+    # with Muon: its momentum buffers are checkpointed too, and every rank orthogonalizes the same
+    # mean gradient; each rank orthogonalizes half of the 14 matrices a step (optim.orthogonalize_shared)
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=100", "ddp_bucket_mb=0.01", "optim=muon"]
     full, half, one = str(tmp_path / "full"), str(tmp_path / "half"), str(tmp_path / "one")
-    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path)
+    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path, before=count_newton_schulz)
+    assert [int((tmp_path / f"ns_{r}.txt").read_text()) for r in range(2)] == [12 * 14 // 2] * 2
     torchrun(2, [*common, f"out_dir={half}", "max_iters=6"], cwd=tmp_path)
     shutil.copytree(half, one)  # the same checkpoint, continued by one process below
     torchrun(2, [*common, f"out_dir={half}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
