@@ -1,6 +1,7 @@
 """The docs stay true: every config key of train.py and sample.py with its default in
 docs/configuration.md, the compatibility matrix rendered from configurator.REFUSALS, the
-README's file map naming every .py file, and the README as a map of at most 200 lines."""
+README's file map naming every .py file, and the README as a map of at most 200 lines; and
+the count behind bench.py reading's reading cost."""
 
 import ast
 import os
@@ -80,3 +81,17 @@ def test_readme_is_a_map_that_names_every_file():
     assert not missing, f"README.md's file map lacks {missing}"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
+
+
+def test_the_reading_cost_counts_each_line_once():
+    """bench.py reading's count (the reading cost the README and STYLE keep under a bound):
+    train.py's lines up to the point reached, plus each function's span elsewhere, once; a
+    function nested in a counted one of the same file (a closure) adds nothing, one at the same
+    lines of another file does, train.py's own
+    functions are inside its lines already, and one seen twice counts once."""
+    import bench
+    funcs = [("model.py", "forward", 10, 29), ("model.py", "inner", 12, 15), ("model.py", "forward", 10, 29),
+             ("optim.py", "step", 40, 40), ("train.py", "evaluate", 300, 310), ("model.py", "other", 40, 41)]
+    total, per_file = bench.reading_count(100, funcs)
+    assert total == 100 + 20 + 2 + 1
+    assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)], "optim.py": [("step", 40, 40)]}
