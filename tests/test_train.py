@@ -38,6 +38,21 @@ def test_the_curve_comparison_can_fail():
         assert_same_curve(a, [*a, {"iter": 2, "loss": 3.5, "grad_norm": 0.7}])
 
 
+def killed_on_rank_1(rank):
+    """before= of torchrun: rank 1 dies of SIGKILL before train.py starts (the OOM killer, say)."""
+    import signal
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_torchrun_reports_a_rank_killed_by_a_signal(dataset, tmp_path):
+    """conftest.torchrun, which every multi-process test runs: a rank that dies of a signal
+    (a negative exit code) fails the call, naming it, and the waiting rank is not left behind."""
+    with pytest.raises(AssertionError, match="rank 1 exited with -9"):
+        torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1"], cwd=tmp_path,
+                 before=killed_on_rank_1, timeout=60)
+
+
 def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     out = str(tmp_path / "run")
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=30", "ckpt_interval=10",
