@@ -65,7 +65,8 @@ def layouts(mesh, hf_dir):
     tp = SimpleNamespace(tp=2, tp_rank=x, tp_group=grid["x"].get_group())
     runs = {"fsdp4": dict(dp_mesh=mesh.dp_mesh), "pp4": dict(stage=mesh.rank, pp=4),
             "fsdp2_pp2": dict(dp_mesh=grid["dp"], stage=x, pp=2), "tp2_pp2": dict(tp=tp, stage=grid["dp"].get_local_rank(), pp=2),
-            "fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp), "hf_fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp, hf_dir=hf_dir),
+            "fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp),
+            "hf_fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp, hf_dir=hf_dir),
             "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf_dir=hf_dir), "hf_pp4": dict(stage=mesh.rank, pp=4, hf_dir=hf_dir),
             "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh), "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf_dir=hf_dir)}
     out = {}

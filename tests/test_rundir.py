@@ -35,8 +35,8 @@ def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     # only the tokenizer changed (the data re-prepared with it under the same name, say): another
     # run too, refused before the data is read, not taken for the finished one (max_iters=1)
     for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512)):
-        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4", f"{key}={value}"],
-                      cwd=tmp_path, check=False)
+        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4",
+                       f"{key}={value}"], cwd=tmp_path, check=False)
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
         assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={dataset} with "
                 f"{key}={value} (the run has {had}): pick a new out_dir") in p.stderr, p.stderr

@@ -275,7 +275,8 @@ def test_tp_dp_streams_with_dropout_and_their_resume(dataset, tmp_path):
             for n, t in ranks[0]["replicated"].items():
                 assert torch.equal(r["replicated"][n], t), (save, n)
         for a, b in ((ranks[0], ranks[1]), (ranks[2], ranks[3])):  # each tp rank: its own stream for its heads
-            assert len(a["attention"]) == 4 and not any(torch.equal(x, y) for x, y in zip(a["attention"], b["attention"]))
+            assert len(a["attention"]) == 4
+            assert not any(torch.equal(x, y) for x, y in zip(a["attention"], b["attention"]))
     shutil.copytree(full, half)  # (b): the same run stopped after its checkpoint at 3, then resumed
     shutil.rmtree(os.path.join(half, "ckpt", "iter_0000006"))
     torchrun(4, [*common, f"out_dir={half}"], cwd=tmp_path)
