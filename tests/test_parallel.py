@@ -384,7 +384,16 @@ def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dat
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
                          *extra], cwd=tmp_path)
     assert layout in p.stdout, p.stdout[-2000:]
-    assert_same_curve(reference_run, read_metrics(out))
+    rows = read_metrics(out)
+    assert_same_curve(reference_run, rows)
+    # MFU: the whole model's FLOPs at the logged token rate, against the peak of every rank
+    # (TINY's peak_flops=1e9 each); tok/s counts the global batch
+    with torch.device("meta"):
+        flops = Transformer(ModelConfig(vocab_size=512, block_size=32, n_layer=4, n_head=4, n_kv_head=2,
+                                        n_embd=32)).flops_per_token()
+    for r in (r for r in rows if "mfu" in r):
+        assert r["mfu"] == pytest.approx(flops * r["tok_per_s"] / (1e9 * nproc), rel=1e-6), r
+        assert r["tok_per_s"] == pytest.approx(4 * 4 * 32 / (r["dt_ms"] / 1000), rel=1e-6), r  # 4 x 4 x 32 tokens
 
 
 @pytest.fixture(scope="module")
