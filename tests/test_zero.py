@@ -201,3 +201,4 @@ def test_zero_holds_one_nth_per_rank(n):
         assert one["params"] == two["params"] == full["params"] and one["grads"] == full["grads"], (one, two, full)
         assert 0 < one["optimizer"] <= full["optimizer"] / n * 1.10, (one, full)
         assert 0 < two["grads"] + two["optimizer"] <= (full["grads"] + full["optimizer"]) / n * 1.10, (two, full)
+        assert full["grads"] / n <= two["grads"] <= full["grads"] / n * 1.10, (two, full)  # its chunks, counted
