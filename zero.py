@@ -144,13 +144,13 @@ class ZeroOptimizer:
     needs each matrix whole: orthogonalize() assembles each from the ranks' pieces and shares
     the Newton-Schulz work over the dp (and tp) ranks, each keeping its pieces of the result.
     offload: the optimizer's state and its step live in CPU memory (each step copies the
-    shards' gradients there and the updated pieces back). On a CPU-only machine there is
-    nothing to move and this is the same path: that is how this code runs it."""
+    shards' gradients there and the updated pieces back). On a CPU device too the stepped
+    pieces are copies, apart from the weights: the same path runs (and is tested) everywhere."""
 
     def __init__(self, model, param_groups, offload=False, muon=None, **adamw):
         assert isinstance(model, ZeroDataParallel), "ZeroOptimizer steps the shards of a ZeroDataParallel"
         self.model, self.mesh, self.shards = model, model.mesh, model.shards
-        self.offload = offload and model.mesh.device.type != "cpu"
+        self.offload = offload
         # what the optimizer steps: the shards themselves (views of the weights), or their copies in CPU memory
         self.stepped = [nn.Parameter(s.tensor.detach().cpu().clone()) if self.offload else s.tensor
                         for s in self.shards]

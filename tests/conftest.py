@@ -142,9 +142,9 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "t
            "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "workarounds", "zero"]
 
 
-def _rank_main(rank, env, args, cwd, out_path, err_path):
+def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     """One rank of torchrun(agent=False), in a fork of the forkserver: what `python train.py
-    args` does in a worker of torchrun, with stdout and stderr to files."""
+    args` does in a worker of torchrun, with stdout and stderr to files (before: torchrun's)."""
     import runpy
 
     import torch
@@ -153,6 +153,8 @@ def _rank_main(rank, env, args, cwd, out_path, err_path):
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (torch read the variable when the forkserver imported it)
     os.chdir(cwd)
+    if before is not None:
+        before(rank)
     sys.argv = [os.path.join(ROOT, "train.py"), *args]
     code = 0
     try:
@@ -167,13 +169,16 @@ def _rank_main(rank, env, args, cwd, out_path, err_path):
     workarounds.exit_now(code)
 
 
-def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
+def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None):
     """train.py on nproc gloo ranks on CPU. Each rank is a fork of a process that has imported
     torch and the project once (PRELOAD) and runs train.py top to bottom given RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as srun or mpirun would (rank 0 hosts
     the store: the env:// path; torchrun's agent store is not there). agent=True: under
     `torchrun --standalone` itself, a fresh interpreter per rank, for the tests of what a user
-    sees from torchrun (its error lines, its exit, its restarts) and of its agent's store."""
+    sees from torchrun (its error lines, its exit, its restarts) and of its agent's store.
+    before (agent=False): a module-level function called as before(rank) in each rank, in cwd,
+    before train.py starts: a test that watches a run from inside wraps a function of a module
+    train.py imports (what every tp rank holds at a save, say)."""
     if agent:
         return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
                          cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
@@ -186,7 +191,7 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False):
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
     with tempfile.TemporaryDirectory() as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
-        procs = [ctx.Process(target=_rank_main, args=(r, env, args, str(cwd), *files[r])) for r in range(nproc)]
+        procs = [ctx.Process(target=_rank_main, args=(r, env, args, str(cwd), *files[r], before)) for r in range(nproc)]
         deadline, code, why = time.time() + timeout, 0, ""
         try:
             for p in procs:

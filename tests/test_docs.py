@@ -1,7 +1,8 @@
 """The docs stay true: every config key of train.py and sample.py with its default in
 docs/configuration.md, the compatibility matrix rendered from configurator.REFUSALS, the
-README's file map naming every .py file, the README as a map of at most 200 lines, and the
-floors the files stand on (no import circle) as the README gives them."""
+README's file map naming every .py file, the README as a map of at most 200 lines, the
+floors the files stand on (no import circle) as the README gives them; and the count behind
+bench.py reading's reading cost."""
 
 import ast
 import os
@@ -119,3 +120,17 @@ def test_the_files_stand_on_floors_as_the_readme_says():
             for f in re.findall(r"`(\w+)\.py`", row[1])}
     wrong = {f"{f}.py": (said.get(f), floor.get(f)) for f in set(said) | set(floor) if said.get(f) != floor.get(f)}
     assert not wrong, f"README.md's 'How the files stand' puts files on other floors (README's, the real): {wrong}"
+
+
+def test_the_reading_cost_counts_each_line_once():
+    """bench.py reading's count (the reading cost the README and STYLE keep under a bound):
+    train.py's lines up to the point reached, plus each function's span elsewhere, once; a
+    function nested in a counted one of the same file (a closure) adds nothing, one at the same
+    lines of another file does, train.py's own
+    functions are inside its lines already, and one seen twice counts once."""
+    import bench
+    funcs = [("model.py", "forward", 10, 29), ("model.py", "inner", 12, 15), ("model.py", "forward", 10, 29),
+             ("optim.py", "step", 40, 40), ("train.py", "evaluate", 300, 310), ("model.py", "other", 40, 41)]
+    total, per_file = bench.reading_count(100, funcs)
+    assert total == 100 + 20 + 2 + 1
+    assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)], "optim.py": [("step", 40, 40)]}

@@ -50,20 +50,23 @@ def full_tensors(model):
     """{name: the full tensor} of what this rank holds (a stage's), gathered over FSDP / tp."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, parallel.DTensor) else parallel.tp_gather(p, p) if hasattr(p, "_tp_dim") else p
-        out[name] = t.detach().clone()
+        t = p.full_tensor() if isinstance(p, parallel.DTensor) else p  # fsdp x tp: the tp slice, then gathered
+        out[name] = (parallel.tp_gather(t, p) if hasattr(p, "_tp_dim") else t).detach().clone()
     return out
 
 
 def layouts(mesh, hf_dir):
-    """On 4 ranks: fsdp=4, pp=4, fsdp=2 x pp=2, tp=2 x pp=2, each built on meta; the import at
-    fsdp=4 and pp=4; and the old whole-then-shard build and import, for their peaks. (dp=2
-    builds the whole model on each rank, as one process does.)"""
+    """On 4 ranks: fsdp=4, pp=4, fsdp=2 x pp=2, tp=2 x pp=2 and fsdp=2 x tp=2, each built on
+    meta; the import at fsdp=4, pp=4 and fsdp=2 x tp=2 (a parameter split both ways: a rank's
+    part starts at its tp slice's offset plus its shard's); and the old whole-then-shard build
+    and import, for their peaks. (dp=2 builds the whole model on each rank, as one process does.)"""
     grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "x"))  # x: a pipeline stage or a tp group
     x = grid["x"].get_local_rank()
     tp = SimpleNamespace(tp=2, tp_rank=x, tp_group=grid["x"].get_group())
     runs = {"fsdp4": dict(dp_mesh=mesh.dp_mesh), "pp4": dict(stage=mesh.rank, pp=4),
             "fsdp2_pp2": dict(dp_mesh=grid["dp"], stage=x, pp=2), "tp2_pp2": dict(tp=tp, stage=grid["dp"].get_local_rank(), pp=2),
+            "fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp),
+            "hf_fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp, hf_dir=hf_dir),
             "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf_dir=hf_dir), "hf_pp4": dict(stage=mesh.rank, pp=4, hf_dir=hf_dir),
             "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh), "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf_dir=hf_dir)}
     out = {}

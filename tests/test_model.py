@@ -330,6 +330,51 @@ def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
         torch.testing.assert_close(update, newton_schulz(m, dtype=torch.float32))
 
 
+def group_of_each_name(model, optim):
+    """{parameter name: (weight decay, lr scale, Muon?)} of the optimizer build_optimizer makes
+    for `model` (one process), each trainable parameter in exactly one group."""
+    from types import SimpleNamespace
+
+    from optim import build_optimizer
+    mesh = SimpleNamespace(device=torch.device("cpu"), dp=1, tp=1, print0=lambda *a: None)
+    c = dict(optim=optim, weight_decay=0.1, embed_lr_scale=10.0, beta1=0.9, beta2=0.95, offload=False,
+             learning_rate=1e-3, muon_momentum=0.95)
+    optimizer, _ = build_optimizer(model, model, mesh, c)
+    where = [(id(p), (g["weight_decay"], g.get("lr_scale", 1.0), g.get("muon", False)))
+             for g in optimizer.param_groups for p in g["params"]]
+    assert len(where) == len({i for i, _ in where}), "a parameter in two groups"
+    where = dict(where)
+    return {n: where.get(id(p)) for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_the_optimizer_groups_by_name(optim):
+    """Weight decay on matrices, none on norm gains; the embedding at embed_lr_scale x the
+    rate; under Muon the layers' matrices in its group and the embedding, head and gains with
+    AdamW (tied: the one embedding-head tensor in the embedding's group, also as a pipeline's
+    last stage's copy); LoRA: the adapters
+    alone, with AdamW and decay (Muon is for whole weight matrices)."""
+    muon = optim == "muon"
+    for tied in (False, True):
+        groups = group_of_each_name(tiny_model(n_layer=2, tie_embeddings=tied), optim)
+        want = {"tok_embeddings.weight": (0.1, 10.0, False), "norm.weight": (0.0, 1.0, False),
+                **({} if tied else {"output.weight": (0.1, 1.0, False)})}
+        for i in range(2):
+            want.update({f"layers.{i}.{n}.weight": (0.0, 1.0, False) for n in ("attention_norm", "ffn_norm")})
+            want.update({f"layers.{i}.{n}.weight": (0.1, 1.0, muon) for n in (
+                "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")})
+        assert groups == want, (tied, {n: (g, want.get(n)) for n, g in groups.items() if g != want.get(n)})
+    # a pipeline's last stage of a tied model: its head is the embedding's copy, in the embedding's group
+    last = group_of_each_name(make_stage(tiny_model(n_layer=2, tie_embeddings=True), 1, 2), optim)
+    assert last["output.weight"] == (0.1, 10.0, False) and last["norm.weight"] == (0.0, 1.0, False), last
+    import lora
+    model = tiny_model(n_layer=1)
+    lora.apply_lora(model, 2, 4.0, 0.0, ["wq", "output"], seed=0)
+    assert group_of_each_name(model, optim) == {f"{m}.lora_{ab}.weight": (0.1, 1.0, False)
+                                                for m in ("layers.0.attention.wq", "output") for ab in "AB"}
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_lr_schedule_equals_torch_schedulers(schedule):
     """get_lr against the same schedule chained from torch's schedulers: linear warmup, then a

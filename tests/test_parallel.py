@@ -384,7 +384,16 @@ def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dat
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
                          *extra], cwd=tmp_path)
     assert layout in p.stdout, p.stdout[-2000:]
-    assert_same_curve(reference_run, read_metrics(out))
+    rows = read_metrics(out)
+    assert_same_curve(reference_run, rows)
+    # MFU: the whole model's FLOPs at the logged token rate, against the peak of every rank
+    # (TINY's peak_flops=1e9 each); tok/s counts the global batch
+    with torch.device("meta"):
+        flops = Transformer(ModelConfig(vocab_size=512, block_size=32, n_layer=4, n_head=4, n_kv_head=2,
+                                        n_embd=32)).flops_per_token()
+    for r in (r for r in rows if "mfu" in r):
+        assert r["mfu"] == pytest.approx(flops * r["tok_per_s"] / (1e9 * nproc), rel=1e-6), r
+        assert r["tok_per_s"] == pytest.approx(4 * 4 * 32 / (r["dt_ms"] / 1000), rel=1e-6), r  # 4 x 4 x 32 tokens
 
 
 @pytest.fixture(scope="module")
@@ -414,11 +423,31 @@ def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, ti
     assert_same_curve(tied_run("muon" if "optim=muon" in extra else "adamw"), read_metrics(out))
 
 
+def count_newton_schulz(rank):
+    """before= of torchrun: counts the matrices this rank orthogonalizes (a stack counts each),
+    written at every checkpoint save to ns_<rank>.txt in the run's cwd."""
+    import checkpoint
+    import optim
+    seen, ns, save = [0], optim.newton_schulz, checkpoint.train_state
+
+    def newton_schulz(g, *args, **kw):
+        seen[0] += g.shape[0] if g.dim() == 3 else 1
+        return ns(g, *args, **kw)
+
+    def train_state(model, optimizer):
+        with open(f"ns_{rank}.txt", "w") as f:
+            f.write(str(seen[0]))
+        return save(model, optimizer)
+    optim.newton_schulz, checkpoint.train_state = newton_schulz, train_state
+
+
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
-    # with Muon: its momentum buffers are checkpointed too, and every rank orthogonalizes the same mean gradient
+    # with Muon: its momentum buffers are checkpointed too, and every rank orthogonalizes the same
+    # mean gradient; each rank orthogonalizes half of the 14 matrices a step (optim.orthogonalize_shared)
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=100", "ddp_bucket_mb=0.01", "optim=muon"]
     full, half, one = str(tmp_path / "full"), str(tmp_path / "half"), str(tmp_path / "one")
-    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path)
+    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path, before=count_newton_schulz)
+    assert [int((tmp_path / f"ns_{r}.txt").read_text()) for r in range(2)] == [12 * 14 // 2] * 2
     torchrun(2, [*common, f"out_dir={half}", "max_iters=6"], cwd=tmp_path)
     shutil.copytree(half, one)  # the same checkpoint, continued by one process below
     torchrun(2, [*common, f"out_dir={half}", "max_iters=12", "init_from=resume"], cwd=tmp_path)

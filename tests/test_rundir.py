@@ -32,6 +32,15 @@ def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={chat_dataset}: "
             f"pick a new out_dir, or init_from={out} to start from its weights") in p.stderr
     assert snapshot(out) == before
+    # only the tokenizer changed (the data re-prepared with it under the same name, say): another
+    # run too, refused before the data is read, not taken for the finished one (max_iters=1)
+    for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512)):
+        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4",
+                       f"{key}={value}"], cwd=tmp_path, check=False)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={dataset} with "
+                f"{key}={value} (the run has {had}): pick a new out_dir") in p.stderr, p.stderr
+    assert snapshot(out) == before
     # init_from=resume with nothing there: refused, and no directory left behind
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"], cwd=tmp_path,
                   check=False)

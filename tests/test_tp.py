@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import (
     INTERLEAVED,
     REFERENCE,
+    TINY,
     assert_same_curve,
     read_metrics,
     run_train,
@@ -220,3 +221,65 @@ def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clip
     pp = 2 if "pp=2" in layout else 1
     assert f"dp={nproc // 2 // pp} x pp={pp} x tp=2" in p.stdout
     assert_same_curve(clipped_run, read_metrics(out), rtol=1e-3 if "compile=True" in layout else 3e-4)
+
+
+def watch_streams(rank):
+    """before= of torchrun, in each rank of a run: at every checkpoint save, writes what this
+    rank holds of the replicated parameters (not tp slices: norm gains) and the random state
+    at its first attention calls with dropout (the draw SDPA makes for this rank's heads)."""
+    import os
+
+    import checkpoint
+    import model as model_py
+    seen, sdpa, save = [], model_py.F.scaled_dot_product_attention, checkpoint.train_state
+
+    def recording_sdpa(*args, dropout_p=0.0, **kw):
+        if dropout_p > 0 and len(seen) < 4:
+            seen.append(torch.get_rng_state())
+        return sdpa(*args, dropout_p=dropout_p, **kw)
+
+    def train_state(model, optimizer):
+        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_dim")}
+        n = len([f for f in os.listdir() if f.startswith(f"watch_{rank}_")])
+        torch.save({"replicated": replicated, "attention": seen}, f"watch_{rank}_{n}.pt")
+        return save(model, optimizer)
+    model_py.F.scaled_dot_product_attention = recording_sdpa  # this rank's process only
+    checkpoint.train_state = train_state
+
+
+def test_tp_dp_streams_with_dropout_and_their_resume(dataset, tmp_path):
+    """tp=2 x dp=2 with dropout on. (a) A tp group shares one random stream (train.py seeds
+    seed + rank // tp): each rank's saved stream equals its tp partner's and differs from the
+    other group's, the replicated parameters (norm gains) stay identical on every rank at each
+    save, and each tp rank's attention draws from a stream of its own (its heads are other
+    heads than its partner's). (b) Stopped at iteration 3 and resumed, the run is the
+    uninterrupted one bit for bit (losses, grad norms, val losses, final weights): each rank
+    restores its group's saved stream, entry (rank // tp) * saved tp of the checkpoint."""
+    import os
+    import shutil
+
+    import checkpoint
+    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    common = [*TINY, f"dataset={dataset}", "dropout=0.1", "tp=2", "max_iters=6", "lr_decay_iters=6",
+              "ckpt_interval=3", "keep_ckpts=0", "ddp_bucket_mb=0.01"]
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    torchrun(4, [*common, f"out_dir={full}"], cwd=watch, before=watch_streams)
+    _, state = checkpoint.read_meta(os.path.join(full, "ckpt", "iter_0000003"))
+    rng = state["rng_cpu"]
+    assert torch.equal(rng[0], rng[1]) and torch.equal(rng[2], rng[3]) and not torch.equal(rng[0], rng[2])
+    for save in (0, 1):  # iterations 3 and 6
+        ranks = [torch.load(watch / f"watch_{r}_{save}.pt", weights_only=True) for r in range(4)]
+        assert ranks[0]["replicated"] and all(n.endswith("norm.weight") for n in ranks[0]["replicated"])
+        for r in ranks[1:]:
+            for n, t in ranks[0]["replicated"].items():
+                assert torch.equal(r["replicated"][n], t), (save, n)
+        for a, b in ((ranks[0], ranks[1]), (ranks[2], ranks[3])):  # each tp rank: its own stream for its heads
+            assert len(a["attention"]) == 4
+            assert not any(torch.equal(x, y) for x, y in zip(a["attention"], b["attention"]))
+    shutil.copytree(full, half)  # (b): the same run stopped after its checkpoint at 3, then resumed
+    shutil.rmtree(os.path.join(half, "ckpt", "iter_0000006"))
+    torchrun(4, [*common, f"out_dir={half}"], cwd=tmp_path)
+    assert_same_curve(read_metrics(full), read_metrics(half), exact=True)
+    want, got = (checkpoint.load_whole(os.path.join(d, "ckpt", "iter_0000006"))[0].state_dict() for d in (full, half))
+    assert all(torch.equal(want[n], got[n]) for n in want), [n for n in want if not torch.equal(want[n], got[n])]

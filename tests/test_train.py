@@ -7,11 +7,50 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, read_metrics, run_train, torchrun
+from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 from common import UserError
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
+
+
+def test_the_curve_comparison_can_fail():
+    """conftest.assert_same_curve, which every layout test leans on: a curve equals itself,
+    rounding passes unless exact=True, and 1% on one loss, grad norm or val loss, a lost
+    iteration or a lost evaluation fails, and so does a train line only in the second curve
+    (a val line only there is allowed: a run stopped early evaluates at its end)."""
+    a = [{"iter": 0, "loss": 5.0, "grad_norm": 1.0}, {"iter": 0, "val_loss": 5.5},
+         {"iter": 1, "loss": 4.0, "grad_norm": 0.8}, {"iter": 2, "val_loss": 4.5}]
+    assert_same_curve(a, [*a, {"iter": 1, "val_loss": 4.7}], exact=True)
+    rounded = [{k: v * (1 + 1e-6) if k != "iter" else v for k, v in r.items()} for r in a]
+    assert_same_curve(a, rounded)
+    with pytest.raises(AssertionError):
+        assert_same_curve(a, rounded, exact=True)
+    for i, key in ((2, "loss"), (0, "grad_norm"), (3, "val_loss")):
+        off = [dict(r) for r in a]
+        off[i][key] *= 1.01
+        with pytest.raises(AssertionError):
+            assert_same_curve(a, off)
+    for lost in (2, 3):
+        with pytest.raises(AssertionError):
+            assert_same_curve(a, a[:lost] + a[lost + 1:])
+    with pytest.raises(AssertionError):
+        assert_same_curve(a, [*a, {"iter": 2, "loss": 3.5, "grad_norm": 0.7}])
+
+
+def killed_on_rank_1(rank):
+    """before= of torchrun: rank 1 dies of SIGKILL before train.py starts (the OOM killer, say)."""
+    import signal
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_torchrun_reports_a_rank_killed_by_a_signal(dataset, tmp_path):
+    """conftest.torchrun, which every multi-process test runs: a rank that dies of a signal
+    (a negative exit code) fails the call, naming it, and the waiting rank is not left behind."""
+    with pytest.raises(AssertionError, match="rank 1 exited with -9"):
+        torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1"], cwd=tmp_path,
+                 before=killed_on_rank_1, timeout=60)
 
 
 def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):

@@ -124,7 +124,9 @@ def batch(rank, step):
 
 def three_steps(mesh, kind):
     """Three AdamW steps (weight decay on 2-D weights only, clipping that clips) on this
-    rank's two micro-batches, accumulated without sync; returns the weights."""
+    rank's two micro-batches, accumulated without sync; returns the weights, and after each
+    step the names of the parameters it left unchanged. kind: torch_zero, zero1, zero2 or
+    zero2_offload (the state stepped in separate CPU memory, then copied into the weights)."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -136,9 +138,9 @@ def three_steps(mesh, kind):
                                       process_group=mesh.dp_group)
         opt.add_param_group(groups[1])
     else:
-        ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
-        opt = zero.ZeroOptimizer(ddp, groups, lr=1e-2)
-    norms = []
+        ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[4]))
+        opt = zero.ZeroOptimizer(ddp, groups, offload=kind.endswith("offload"), lr=1e-2)
+    norms, unchanged = [], []
     for step in range(3):
         opt.zero_grad(set_to_none=True)
         x = batch(mesh.dp_rank, step)
@@ -148,20 +150,25 @@ def three_steps(mesh, kind):
         ddp.wait()
         params = opt.params if kind != "torch_zero" else list(model.parameters())
         norms.append(parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero").item())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.step()
-    return {"norms": norms, **{n: p.detach().clone() for n, p in model.named_parameters()}}
+        unchanged.append([n for n, p in model.named_parameters() if torch.equal(p, before[n])])
+    return {"norms": norms, "unchanged": unchanged, **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def all_kinds(mesh):
-    return {kind: three_steps(mesh, kind) for kind in ("torch_zero", "zero1", "zero2")}
+    return {kind: three_steps(mesh, kind) for kind in ("torch_zero", "zero1", "zero2", "zero2_offload")}
 
 
 def test_stage1_and_2_match_torch_zero_redundancy_optimizer():
     for rank in spawn(all_kinds, 2):
         peer = rank["torch_zero"]
-        for kind in ("zero1", "zero2"):
+        for kind in ("zero1", "zero2", "zero2_offload"):
+            assert rank[kind]["unchanged"] == [[], [], []], kind  # every step moved every weight on every rank
             for n in peer:
                 torch.testing.assert_close(rank[kind][n], peer[n], rtol=1e-5, atol=1e-6, msg=f"{kind} {n}")
+        # offload steps copies in CPU memory (on a CPU device too) and copies them back: the same bits
+        assert all(torch.equal(rank["zero2_offload"][n], rank["zero2"][n]) for n in peer if "." in n)
         assert not torch.equal(peer["norm.weight"], torch.ones_like(peer["norm.weight"]))  # it did train
         assert min(peer["norms"]) > 0.5  # and every step clipped
 
@@ -194,3 +201,4 @@ def test_zero_holds_one_nth_per_rank(n):
         assert one["params"] == two["params"] == full["params"] and one["grads"] == full["grads"], (one, two, full)
         assert 0 < one["optimizer"] <= full["optimizer"] / n * 1.10, (one, full)
         assert 0 < two["grads"] + two["optimizer"] <= (full["grads"] + full["optimizer"]) / n * 1.10, (two, full)
+        assert full["grads"] / n <= two["grads"] <= full["grads"] / n * 1.10, (two, full)  # its chunks, counted
