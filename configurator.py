@@ -153,7 +153,7 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
-PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": ""}  # one process's
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "", "sp": False}  # one process's
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
 RULES = [
@@ -193,6 +193,12 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+    ("sp with pp", lambda c, o: c["sp"] and c["pp"] > 1,
+     "sp=True with pp={pp}: sequence parallelism does not yet pass sequence slices between pipeline stages; "
+     "drop sp or pp"),
+    ("sp with neftune_alpha", lambda c, o: c["sp"] and c["neftune_alpha"] > 0,
+     "sp=True with neftune_alpha={neftune_alpha}: NEFTune scales its noise by the sequence length, which a rank "
+     "holding a slice of it does not see; drop one of the two"),
 ]
 
 
@@ -276,6 +282,11 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
         for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
             check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
                                f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+    if c["sp"]:  # sequence parallel: tensor_parallel.py (each tp rank holds an equal slice of the sequence)
+        check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
+                      "or drop sp")
+        check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
+                                         f"block_size={c['block_size']} does not divide by {tp}: change block_size")
     if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():
         return dp, _check_pipeline(c, dp, n_layer, where)
     return dp, None

@@ -111,6 +111,7 @@ dist_timeout_s = 300            # a collective waiting longer than this (dead pe
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
 pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
 tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
+sp = False                      # tp > 1: sequence parallel, the activations outside the matmuls split along T over tp
 pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)
 pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
 pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
@@ -225,7 +226,7 @@ if whole_first:
     raw_model.to(mesh.device)
 if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the embedding and head become slices)
     import tensor_parallel
-    tensor_parallel.tensor_parallel(raw_model, mesh)
+    tensor_parallel.tensor_parallel(raw_model, mesh, sp)  # sequence parallel: tensor_parallel.py
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in place)
     import fsdp as fsdp_py
