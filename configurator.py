@@ -145,7 +145,7 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual")
+              "pp_virtual", "cp")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
                 "learning_rate", "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
                 "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
@@ -153,7 +153,7 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
-PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "", "sp": False}  # one process's
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "", "sp": False, "cp": 1}  # one process's
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
 RULES = [
@@ -193,6 +193,15 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+    ("cp with pp", lambda c, o: c["cp"] > 1 and c["pp"] > 1,
+     "cp={cp} with pp={pp}: context parallelism does not yet split the sequences that pass between pipeline "
+     "stages; drop cp or pp"),
+    ("cp with tp", lambda c, o: c["cp"] > 1 and c["tp"] > 1,
+     "cp={cp} with tp={tp}: context parallelism does not yet compose with tensor parallelism (its vocabulary-"
+     "parallel loss); drop cp or tp (sp=True splits the sequence over the tp ranks instead)"),
+    ("cp with zero", lambda c, o: c["cp"] > 1 and c["zero"],
+     "cp={cp} with zero={zero}: the gradients averaged over the cp ranks are not yet ZeRO's slices; use fsdp=True "
+     "to shard, or drop zero"),
     ("sp with pp", lambda c, o: c["sp"] and c["pp"] > 1,
      "sp=True with pp={pp}: sequence parallelism does not yet pass sequence slices between pipeline stages; "
      "drop sp or pp"),
@@ -245,7 +254,7 @@ def default_batch_for_layout(c, overrides, world):
     """grad_accum_steps not given (the default 2) but the layout needs a multiple of dp (of
     dp x pp with interleaved 1F1B): raised to the next one, with a note, so that every
     layout runs with the defaults. A value the user gave is checked, never changed."""
-    pp, tp = c["pp"], c["tp"]
+    pp, tp = c["pp"], c["tp"] * c["cp"]
     if "grad_accum_steps" in overrides or world % (pp * tp):
         return
     unit = world // (pp * tp) * (pp if c["pp_schedule"] == "interleaved" else 1)
@@ -273,7 +282,14 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
                            f"processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
-    dp = world // (pp * tp)
+    if c["cp"] > 1:  # context parallel: context_parallel.py (2 cp equal chunks of every sequence)
+        cp = c["cp"]
+        check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: start a multiple "
+                                           f"of cp * tp processes, or change cp")
+        check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} equal chunks, but "
+                                               f"block_size={c['block_size']} does not divide by {2 * cp}: change "
+                                               f"block_size or cp")
+    dp = world // (pp * tp * c["cp"])
     check(c["grad_accum_steps"] % dp == 0,
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "

@@ -112,6 +112,7 @@ backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
 pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
 tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
 sp = False                      # tp > 1: sequence parallel, the activations outside the matmuls split along T over tp
+cp = 1                          # context parallel: ranks that each hold a part of every sequence (ring attention)
 pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)
 pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
 pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
@@ -136,7 +137,7 @@ grad_accum_steps = config["grad_accum_steps"]  # the default is raised to a mult
 started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 # ---- setup ----------------------------------------------------------------------------
-mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp)
+mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
 if dtype == "auto":
     dtype = "bfloat16" if mesh.device.type == "cuda" else "float32"
 # weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
@@ -213,7 +214,7 @@ if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model h
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else ""))
+            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1))
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
 # In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters,
@@ -227,6 +228,9 @@ if whole_first:
 if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the embedding and head become slices)
     import tensor_parallel
     tensor_parallel.tensor_parallel(raw_model, mesh, sp)  # sequence parallel: tensor_parallel.py
+if cp > 1:  # context parallel: context_parallel.py (each rank keeps a part of every sequence after the embedding)
+    import context_parallel
+    context_parallel.context_parallel(raw_model, mesh)
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in place)
     import fsdp as fsdp_py
@@ -283,8 +287,8 @@ def evaluate(val_loader):
     if use_fsdp:  # fsdp with reshard_after_forward=False: free the weights eval gathered
         fsdp_py.reshard(raw_model)
     # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold
-    # losses; with tp every rank of a tp group holds the same one)
-    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp)
+    # losses; with tp or cp every rank of a tp or cp group holds the same one)
+    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
 # ---- run state, logging, checkpoints --------------------------------------------------
@@ -388,14 +392,16 @@ while True:
                                              pp_virtual)
     if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
         parallel.wait_grad_sync(model)
+    if cp > 1:  # context parallel: context_parallel.py (each rank's gradient came from its part of the sequences)
+        context_parallel.average_grads(grad_params, mesh)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
-    # / dp; tp ranks hold the same loss tp times), the stop flag, the ranks whose async save is written
+    # / dp; tp and cp ranks hold the same loss tp x cp times), the stop flag, the ranks whose async save is written
     totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,
                                         "saved": saves.written(),
                                         **({"sources": per_source.sums(src_ids[0])} if per_source else {})}, mesh)
-    loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp), totals["stop"].item() > 0
+    loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp), totals["stop"].item() > 0
     # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards, ZeRO
     # slices and tp slices (computed even when not clipping, for the log): the same on every rank
     grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()

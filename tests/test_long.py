@@ -3,10 +3,14 @@ parallelism (context_parallel.py, cp=N) on real gloo processes. A sharded model'
 gathered gradients against the single process, the dropout streams of the sequence slices,
 then train.py under torchrun: the single-process curve."""
 
+import dataclasses
+import os
+
 import pytest
 import torch
-from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
+from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 
+import context_parallel
 import tensor_parallel
 from model import ModelConfig, Transformer
 
@@ -18,6 +22,11 @@ def batch():
     data = torch.randint(0, 64, (2, 17), generator=g)
     mask = (torch.rand(2, 16, generator=g) < 0.6).long()
     return data[:, :-1], data[:, 1:], mask
+
+
+def documents():
+    """doc_ids (2, 16): packed rows of a few documents each."""
+    return torch.cumsum((torch.rand(2, 16, generator=torch.Generator().manual_seed(3)) < 0.2).long(), 1)
 
 
 def full_grads(model):
@@ -78,3 +87,59 @@ def test_torchrun_sp_gives_the_single_process_curve(nproc, layout, dataset, refe
     p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", *layout], cwd=tmp_path)
     assert f"dp={nproc // 2} x pp=1 x tp=2" in p.stdout
     assert_same_curve(reference_run, read_metrics(out))
+
+
+# ---- context parallel -------------------------------------------------------------------
+def cp_checks(mesh):
+    """A model under context parallelism on all the spawned ranks (their dp grid taken as the
+    cp group): its loss and gradients (averaged over cp), with and without a document mask, by
+    the ring and by the all-gather."""
+    mesh = dataclasses.replace(mesh, cp=mesh.dp, cp_rank=mesh.dp_rank, cp_group=mesh.dp_group, dp=1, dp_rank=0)
+    out = {"positions": context_parallel.positions(16, mesh.cp, mesh.cp_rank)}
+    for ring in (True, False):
+        for doc in (False, True):
+            torch.manual_seed(0)
+            model = context_parallel.context_parallel(Transformer(ModelConfig(**CFG)), mesh, ring)
+            x, y, mask = batch()
+            _, loss = model(x, y, mask, documents() if doc else None)
+            loss.backward()
+            context_parallel.average_grads(list(model.parameters()), mesh)
+            out[f"{ring}_{doc}"] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_model_equals_single_process(cp):
+    ranks = spawn(cp_checks, cp)
+    c = 16 // (2 * cp)  # rank r holds chunks r and 2 cp - 1 - r: together every position once
+    assert torch.equal(ranks[0]["positions"], torch.tensor([*range(c), *range(16 - c, 16)]))
+    assert sorted(torch.cat([r["positions"] for r in ranks]).tolist()) == list(range(16))
+    for doc in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**CFG))
+        x, y, mask = batch()
+        _, loss = model(x, y, mask, documents() if doc else None)
+        loss.backward()
+        for rank in ranks:
+            for ring in (True, False):
+                got, grads = rank[f"{ring}_{doc}"]
+                torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{n} ring={ring}")
+
+
+def test_one_run_moves_between_context_parallel_and_one_process(dataset, reference_run, tmp_path):
+    """One out_dir, 8 iterations of REFERENCE, each leg resuming the last: cp=2 -> one process
+    -> cp=2 x dp=2 (grad_ckpt) -> cp=2 x fsdp=2. The chain is the single-process curve: a cp
+    checkpoint loads into one process and back, and every leg trains like one process."""
+    out = str(tmp_path / "run")
+    chain = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
+        f"dataset={dataset}", "lr_decay_iters=8", "keep_ckpts=0", f"out_dir={out}", "init_from=auto"]
+    p = torchrun(2, [*chain, "max_iters=2", "cp=2"], cwd=tmp_path)
+    assert "dp=1 x pp=1 x cp=2" in p.stdout
+    run_train([*chain, "max_iters=4"], cwd=tmp_path)
+    p = torchrun(4, [*chain, "max_iters=6", "cp=2", "grad_ckpt=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
+    assert "dp=2 x pp=1 x cp=2" in p.stdout
+    torchrun(4, [*chain, "max_iters=8", "cp=2", "fsdp=True"], cwd=tmp_path)
+    assert_same_curve(reference_run, read_metrics(out))
+    assert sorted(os.listdir(os.path.join(out, "ckpt")))[:4] == [f"iter_{i:07d}" for i in (2, 4, 6, 8)]
