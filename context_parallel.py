@@ -122,11 +122,12 @@ def cp_losses(inner, mesh, h, head, targets, chunk=0):
 def context_parallel(model, mesh, ring=True):
     """Splits `model`'s sequence over mesh.cp_group, in place: after the embedding (and its
     dropout) each rank keeps its tokens (positions()), each attention attends across the
-    ranks (ring_attention; ring=False: allgather_attention), and the loss is gathered.
+    ranks (ring_attention; ring=False or attention dropout: allgather_attention), and the
+    loss is gathered.
     Returns the model; a no-op at cp=1."""
     if mesh.cp == 1:
         return model
-    attend = ring_attention if ring else allgather_attention
+    attend = ring_attention if ring and model.cfg.dropout == 0 else allgather_attention  # (the ring has no dropout)
     for block in model.layers.values():
         block.attention.forward = partial(cp_attention, block.attention, mesh, attend)
     model.drop.register_forward_hook(  # (B, T, n_embd) -> this rank's (B, T / cp, n_embd)
@@ -145,4 +146,112 @@ def average_grads(params, mesh):
         g.copy_(part.view_as(g))
 
 
-ring_attention = allgather_attention  # replaced below by the ring
+# ---- ring attention ---------------------------------------------------------------------
+
+
+def ring_pass(t, group, tag=0):
+    """Starts sending t to the next rank of the ring and receiving the previous rank's:
+    (the pending requests, the tensor the previous rank's arrives in). Two messages in flight
+    at once carry different tags."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (r + 1) % cp), group, tag),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % cp), group, tag)]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _block_scores(q, kv, pos, kpos, mask, scale):
+    """Scores of queries q (B, n_head, Tq, hd) at `pos` against one block of keys kv[0]
+    (B, n_kv_head, Tk, hd) at `kpos`, float32, -inf where a query may not look (the future,
+    or another document: `mask`, the document mask's rows for these queries, (B, 1, Tq, T))."""
+    k = kv[0].repeat_interleave(q.shape[1] // kv.shape[2], dim=1)  # GQA
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_head, Tq, Tk)
+    allowed = kpos[None, :] <= pos[:, None]  # causal at global positions (Tq, Tk)
+    if mask is not None:
+        allowed = allowed & mask.index_select(3, kpos)
+    return s.masked_fill(~allowed, float("-inf"))
+
+
+def _ring_forward(q, k, v, pos, mask, group):
+    """RingAttention's forward: (out (B, n_head, Tq, hd), its log-sum-exp (B, n_head, Tq))."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    T, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
+    kv = torch.stack([k, v])  # one message per step: (2, B, n_kv_head, Tk, hd)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    for step in range(cp):
+        if step < cp - 1:  # the next block is on its way while this one is computed
+            pending, nxt = ring_pass(kv, group)
+        kpos = positions(T, cp, (r - step) % cp, q.device)
+        s = _block_scores(q, kv, pos, kpos, mask, scale)
+        block_lse = torch.logsumexp(s, dim=-1)  # -inf: no key of this block is visible
+        p = torch.exp(s - block_lse.nan_to_num(neginf=0.0)[..., None])
+        block_out = p @ kv[1].repeat_interleave(q.shape[1] // kv.shape[2], dim=1).float()
+        new_lse = torch.logaddexp(lse, block_lse)  # finite from step 0 on: a query sees itself
+        out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+        lse = new_lse
+        if step < cp - 1:
+            for req in pending:
+                req.wait()
+            kv = nxt
+    return out.to(q.dtype), lse
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries against every rank's keys and values, passed
+    around the ring one block per step (the top of this file). Forward: per block the
+    partial softmax, merged by log-sum-exp (the online softmax). Backward by hand, as flash
+    attention's: each block's probabilities recomputed from the saved log-sum-exp, the
+    queries' gradient summed here, the block's key and value gradients travelling with it
+    around the ring and home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pos, mask, group):
+        with torch.autocast(q.device.type, enabled=False):  # float32 scores and sums, as backward's
+            out, lse = _ring_forward(q, k, v, pos, mask, group)
+        ctx.save_for_backward(q, k, v, pos, out, lse, *([] if mask is None else [mask]))
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, pos, out, lse, *mask = ctx.saved_tensors
+        mask = mask[0] if mask else None
+        group = ctx.group
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        T, scale, groups = q.shape[2] * cp, q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
+        dout = dout.float()
+        D = (dout * out.float()).sum(-1, keepdim=True)  # (B, n_head, Tq, 1): rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        for step in range(cp):
+            kpos = positions(T, cp, (r - step) % cp, q.device)
+            p = torch.exp(_block_scores(q, kv, pos, kpos, mask, scale) - lse[..., None])  # the final softmax
+            kb, vb = (t.repeat_interleave(groups, dim=1).float() for t in kv)
+            dp = dout @ vb.transpose(-2, -1)
+            ds = p * (dp - D) * scale
+            dq += ds @ kb
+            B, H, Tk, hd = kb.shape  # GQA: a kv head's gradient is the sum over its query heads
+            dkv[0] += (ds.transpose(-2, -1) @ q.float()).view(B, H // groups, groups, Tk, hd).sum(2)
+            dkv[1] += (p.transpose(-2, -1) @ dout).view(B, H // groups, groups, Tk, hd).sum(2)
+            # pass the block and its gradient on; after cp passes the gradient is home, summed
+            # over every rank's queries (the last pass needs no keys and values any more)
+            pending, dkv_next = ring_pass(dkv, group, tag=1)
+            if step < cp - 1:
+                more, kv_next = ring_pass(kv, group)
+                pending += more
+            for req in pending:
+                req.wait()
+            dkv = dkv_next
+            if step < cp - 1:
+                kv = kv_next
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, pos, mask, dropout, group):
+    """Context-parallel attention by the ring: q (B, n_head, Tq, hd) at global positions `pos`,
+    k and v this rank's (B, n_kv_head, Tk, hd); mask None (causal) or the document mask of the
+    whole sequence (B, 1, T, T). No dropout (context_parallel() uses allgather_attention then)."""
+    assert dropout == 0.0, "ring attention has no dropout"
+    return RingAttention.apply(q, k, v, pos, None if mask is None else mask.index_select(2, pos), group)
