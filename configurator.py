@@ -193,21 +193,10 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
-    ("cp with pp", lambda c, o: c["cp"] > 1 and c["pp"] > 1,
-     "cp={cp} with pp={pp}: context parallelism does not yet split the sequences that pass between pipeline "
-     "stages; drop cp or pp"),
-    ("cp with tp", lambda c, o: c["cp"] > 1 and c["tp"] > 1,
-     "cp={cp} with tp={tp}: context parallelism does not yet compose with tensor parallelism (its vocabulary-"
-     "parallel loss); drop cp or tp (sp=True splits the sequence over the tp ranks instead)"),
-    ("cp with zero", lambda c, o: c["cp"] > 1 and c["zero"],
-     "cp={cp} with zero={zero}: the gradients averaged over the cp ranks are not yet ZeRO's slices; use fsdp=True "
-     "to shard, or drop zero"),
-    ("sp with pp", lambda c, o: c["sp"] and c["pp"] > 1,
-     "sp=True with pp={pp}: sequence parallelism does not yet pass sequence slices between pipeline stages; "
-     "drop sp or pp"),
-    ("sp with neftune_alpha", lambda c, o: c["sp"] and c["neftune_alpha"] > 0,
-     "sp=True with neftune_alpha={neftune_alpha}: NEFTune scales its noise by the sequence length, which a rank "
-     "holding a slice of it does not see; drop one of the two"),
+    ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
+     "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
+     "between stages, compose with tensor parallelism (use sp=True for that) or average ZeRO's gradient slices; "
+     "with cp use dp or fsdp=True"),
 ]
 
 
@@ -301,6 +290,10 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
     if c["sp"]:  # sequence parallel: tensor_parallel.py (each tp rank holds an equal slice of the sequence)
         check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
                       "or drop sp")
+        check(pp == 1 and not c["neftune_alpha"], f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: "
+                  f"sequence parallelism does not yet pass sequence slices between pipeline stages, and NEFTune scales "
+                  f"its noise by the sequence length, which a rank holding a slice does not see; drop sp, or pp and "
+                  f"neftune_alpha")
         check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
                                          f"block_size={c['block_size']} does not divide by {tp}: change block_size")
     if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():

@@ -40,7 +40,7 @@ from model import apply_rope
 # K and V), so every cp rank holds the loss of the whole sequence and the token mean is over
 # all of it. The weights' gradients, each rank's part times cp (the gather's backward sums
 # cp copies of the same upstream gradient), are averaged over the cp group after backward
-# (average_grads), as data parallelism averages over its replicas.
+# (parallel.wait_grad_sync), as data parallelism averages over its replicas.
 
 
 def positions(T, cp, rank, device=None):
@@ -136,16 +136,6 @@ def context_parallel(model, mesh, ring=True):
     return model
 
 
-def average_grads(params, mesh):
-    """The gradients averaged over the cp group, in one all-reduce (see the top of this file)."""
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=mesh.cp_group)
-    flat /= mesh.cp  # all_reduce summed; we want the mean (gloo has no AVG)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-
-
 # ---- ring attention ---------------------------------------------------------------------
 
 
@@ -160,36 +150,50 @@ def ring_pass(t, group, tag=0):
     return dist.batch_isend_irecv(ops), recv
 
 
-def _block_scores(q, kv, pos, kpos, mask, scale):
-    """Scores of queries q (B, n_head, Tq, hd) at `pos` against one block of keys kv[0]
-    (B, n_kv_head, Tk, hd) at `kpos`, float32, -inf where a query may not look (the future,
-    or another document: `mask`, the document mask's rows for these queries, (B, 1, Tq, T))."""
-    k = kv[0].repeat_interleave(q.shape[1] // kv.shape[2], dim=1)  # GQA
+def _visible(r, src, n):
+    """Which of this rank's n queries see which of rank src's n keys, as (query rows, key
+    rows, whether the causal mask is needed): the load-balanced split makes every block but
+    the diagonal one half empty and half full. Rank r holds chunks r (early) and 2 cp - 1 - r
+    (late); a block from src < r: its early chunk is before both of ours, its late one after
+    both; from src > r: only our late chunk sees it, all of it."""
+    if src == r:
+        return slice(None), slice(None), True
+    return (slice(None), slice(0, n // 2), False) if src < r else (slice(n // 2, None), slice(None), False)
+
+
+def _block_scores(q, k, pos, kpos, mask, scale, causal):
+    """Scores of queries q (B, n_head, Tq, hd) at `pos` against keys k (B, n_head, Tk, hd) at
+    `kpos`, float32, -inf where a query may not look (the future when `causal`; another
+    document: `mask`, the document mask's rows for these queries, (B, 1, Tq, T))."""
     s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_head, Tq, Tk)
-    allowed = kpos[None, :] <= pos[:, None]  # causal at global positions (Tq, Tk)
+    allowed = kpos[None, :] <= pos[:, None] if causal else None  # causal at global positions (Tq, Tk)
     if mask is not None:
-        allowed = allowed & mask.index_select(3, kpos)
-    return s.masked_fill(~allowed, float("-inf"))
+        allowed = mask.index_select(3, kpos) & (True if allowed is None else allowed)
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
 def _ring_forward(q, k, v, pos, mask, group):
     """RingAttention's forward: (out (B, n_head, Tq, hd), its log-sum-exp (B, n_head, Tq))."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
-    T, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
+    n, scale, groups = q.shape[2], q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
     kv = torch.stack([k, v])  # one message per step: (2, B, n_kv_head, Tk, hd)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
     for step in range(cp):
         if step < cp - 1:  # the next block is on its way while this one is computed
             pending, nxt = ring_pass(kv, group)
-        kpos = positions(T, cp, (r - step) % cp, q.device)
-        s = _block_scores(q, kv, pos, kpos, mask, scale)
-        block_lse = torch.logsumexp(s, dim=-1)  # -inf: no key of this block is visible
+        src = (r - step) % cp
+        qs, ks, causal = _visible(r, src, n)
+        kb, vb = (t[:, :, ks].repeat_interleave(groups, dim=1) for t in kv)  # GQA
+        s = _block_scores(q[:, :, qs], kb, pos[qs], positions(n * cp, cp, src, q.device)[ks],
+                          None if mask is None else mask[:, :, qs], scale, causal)
+        block_lse = torch.logsumexp(s, dim=-1)  # -inf: no key of this block is visible (documents)
         p = torch.exp(s - block_lse.nan_to_num(neginf=0.0)[..., None])
-        block_out = p @ kv[1].repeat_interleave(q.shape[1] // kv.shape[2], dim=1).float()
-        new_lse = torch.logaddexp(lse, block_lse)  # finite from step 0 on: a query sees itself
-        out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
-        lse = new_lse
+        old = lse[:, :, qs]
+        new = torch.logaddexp(old, block_lse)  # finite from step 0 on: a query sees itself
+        out[:, :, qs] = out[:, :, qs] * torch.exp(old - new)[..., None] + (p @ vb.float()) * torch.exp(
+            block_lse - new)[..., None]
+        lse[:, :, qs] = new
         if step < cp - 1:
             for req in pending:
                 req.wait()
@@ -203,7 +207,7 @@ class RingAttention(torch.autograd.Function):
     partial softmax, merged by log-sum-exp (the online softmax). Backward by hand, as flash
     attention's: each block's probabilities recomputed from the saved log-sum-exp, the
     queries' gradient summed here, the block's key and value gradients travelling with it
-    around the ring and home."""
+    around the ring and home. Only the visible half of each off-diagonal block is computed."""
 
     @staticmethod
     def forward(ctx, q, k, v, pos, mask, group):
@@ -219,22 +223,25 @@ class RingAttention(torch.autograd.Function):
         mask = mask[0] if mask else None
         group = ctx.group
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        T, scale, groups = q.shape[2] * cp, q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
+        n, scale, groups = q.shape[2], q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
         dout = dout.float()
         D = (dout * out.float()).sum(-1, keepdim=True)  # (B, n_head, Tq, 1): rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
         for step in range(cp):
-            kpos = positions(T, cp, (r - step) % cp, q.device)
-            p = torch.exp(_block_scores(q, kv, pos, kpos, mask, scale) - lse[..., None])  # the final softmax
-            kb, vb = (t.repeat_interleave(groups, dim=1).float() for t in kv)
-            dp = dout @ vb.transpose(-2, -1)
-            ds = p * (dp - D) * scale
-            dq += ds @ kb
+            src = (r - step) % cp
+            qs, ks, causal = _visible(r, src, n)
+            kb, vb = (t[:, :, ks].repeat_interleave(groups, dim=1).float() for t in kv)
+            qb, dob = q[:, :, qs].float(), dout[:, :, qs]
+            s = _block_scores(qb, kb, pos[qs], positions(n * cp, cp, src, q.device)[ks],
+                              None if mask is None else mask[:, :, qs], scale, causal)
+            p = torch.exp(s - lse[:, :, qs, None])  # the final softmax's probabilities
+            ds = p * (dob @ vb.transpose(-2, -1) - D[:, :, qs]) * scale
+            dq[:, :, qs] += ds @ kb
             B, H, Tk, hd = kb.shape  # GQA: a kv head's gradient is the sum over its query heads
-            dkv[0] += (ds.transpose(-2, -1) @ q.float()).view(B, H // groups, groups, Tk, hd).sum(2)
-            dkv[1] += (p.transpose(-2, -1) @ dout).view(B, H // groups, groups, Tk, hd).sum(2)
+            dkv[0][:, :, ks] += (ds.transpose(-2, -1) @ qb).view(B, H // groups, groups, Tk, hd).sum(2)
+            dkv[1][:, :, ks] += (p.transpose(-2, -1) @ dob).view(B, H // groups, groups, Tk, hd).sum(2)
             # pass the block and its gradient on; after cp passes the gradient is home, summed
             # over every rank's queries (the last pass needs no keys and values any more)
             pending, dkv_next = ring_pass(dkv, group, tag=1)

@@ -143,8 +143,7 @@ if dtype == "auto":
 # weights stay float32; on CUDA the matmuls run in bf16 under autocast (no loss scaler needed)
 autocast = (torch.autocast(mesh.device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
 if mesh.device.type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 elif mesh.device.type == "cpu":
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
@@ -286,8 +285,7 @@ def evaluate(val_loader):
     raw_model.train()
     if use_fsdp:  # fsdp with reshard_after_forward=False: free the weights eval gathered
         fsdp_py.reshard(raw_model)
-    # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold
-    # losses; with tp or cp every rank of a tp or cp group holds the same one)
+    # the global mean, as in training (pp: only last stages hold losses; tp, cp: a group's ranks hold the same one)
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
@@ -390,10 +388,8 @@ while True:
     else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
                                              pp_virtual)
-    if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
-        parallel.wait_grad_sync(model)
-    if cp > 1:  # context parallel: context_parallel.py (each rank's gradient came from its part of the sequences)
-        context_parallel.average_grads(grad_params, mesh)
+    if mesh.dp > 1 or cp > 1:  # data parallel: the last buckets' all-reduces may still be in flight (and with
+        parallel.wait_grad_sync(model, grad_params, mesh)  # cp, context_parallel.py: the mean over the cp ranks)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks

@@ -11,6 +11,7 @@ import torch
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 
 import context_parallel
+import parallel
 import tensor_parallel
 from model import ModelConfig, Transformer
 
@@ -103,7 +104,7 @@ def cp_checks(mesh):
             x, y, mask = batch()
             _, loss = model(x, y, mask, documents() if doc else None)
             loss.backward()
-            context_parallel.average_grads(list(model.parameters()), mesh)
+            parallel.wait_grad_sync(model, list(model.parameters()), mesh)  # the mean over cp
             out[f"{ring}_{doc}"] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     return out
 
