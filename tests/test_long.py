@@ -144,3 +144,20 @@ def test_one_run_moves_between_context_parallel_and_one_process(dataset, referen
     torchrun(4, [*chain, "max_iters=8", "cp=2", "fsdp=True"], cwd=tmp_path)
     assert_same_curve(reference_run, read_metrics(out))
     assert sorted(os.listdir(os.path.join(out, "ckpt")))[:4] == [f"iter_{i:07d}" for i in (2, 4, 6, 8)]
+
+
+@pytest.mark.parametrize("args, world, message", [
+    ({"sp": True}, 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1"),
+    ({"sp": True, "tp": 2, "block_size": 63}, 2, "block_size=63 does not divide by 2"),
+    ({"sp": True, "tp": 2, "pp": 2}, 4, "sequence parallelism does not yet pass sequence slices"),
+    ({"cp": 2, "tp": 2}, 4, "context parallelism does not yet"),
+    ({"cp": 2, "zero": 1}, 4, "context parallelism does not yet"),
+    ({"cp": 4, "block_size": 60}, 4, "cuts each sequence in 2 x cp = 8 equal chunks"),
+    ({"cp": 2}, 3, "cp=2 x tp=1 does not divide the 3 ranks"),
+])
+def test_a_long_sequence_layout_mistake_is_one_line(args, world, message):
+    import configurator
+    from conftest import ROOT
+    config = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), **args}
+    with pytest.raises(configurator.UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        configurator.validate(config, args, world)
