@@ -109,8 +109,8 @@ seed = 1337                     # weights, data order and dropout all derive fro
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
 dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
-pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
-tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
+pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * cp * tp)
+tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * cp * tp)
 sp = False                      # tp > 1: sequence parallel, the activations outside the matmuls split along T over tp
 cp = 1                          # context parallel: ranks that each hold a part of every sequence (ring attention)
 pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)

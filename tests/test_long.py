@@ -161,3 +161,15 @@ def test_a_long_sequence_layout_mistake_is_one_line(args, world, message):
     config = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), **args}
     with pytest.raises(configurator.UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
         configurator.validate(config, args, world)
+
+
+def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):
+    """Muon, tied embeddings, the chunked head + loss and document masks, in one process and
+    under tp=2 sp x zero=1 (dp=2) and cp=2 x torch DDP (dp=2): the same curve."""
+    args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "tie_embeddings=True", "loss_chunk=24", "doc_mask=True"]
+    run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path)
+    single = read_metrics(tmp_path / "single")
+    torchrun(4, [*args, f"out_dir={tmp_path / 'sp'}", "tp=2", "sp=True", "zero=1"], cwd=tmp_path)
+    assert_same_curve(single, read_metrics(tmp_path / "sp"))
+    torchrun(4, [*args, f"out_dir={tmp_path / 'cp'}", "cp=2", "ddp_impl=torch"], cwd=tmp_path)
+    assert_same_curve(single, read_metrics(tmp_path / "cp"))
