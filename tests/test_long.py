@@ -173,3 +173,16 @@ def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):
     assert_same_curve(single, read_metrics(tmp_path / "sp"))
     torchrun(4, [*args, f"out_dir={tmp_path / 'cp'}", "cp=2", "ddp_impl=torch"], cwd=tmp_path)
     assert_same_curve(single, read_metrics(tmp_path / "cp"))
+
+
+def test_lora_under_sp_and_cp(hf_dir, dataset, tmp_path):
+    """LoRA adapters on every linear of a Hugging Face base: tp=2 sp and cp=2 train the
+    single-process curve (the adapters sliced like their bases under tp; whole under cp)."""
+    from conftest import RUN
+    args = [*RUN, f"dataset={dataset}", f"init_from={hf_dir}", "max_iters=6", "lora_rank=4", "lora_alpha=8",
+            "lora_targets=wq,wk,wv,wo,w1,w2,w3,output", "grad_clip=0.5"]
+    run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path)
+    for name, layout in (("sp", ["tp=2", "sp=True"]), ("cp", ["cp=2"])):
+        p = torchrun(2, [*args, f"out_dir={tmp_path / name}", *layout], cwd=tmp_path)
+        assert "lora: r=4" in p.stdout
+        assert_same_curve(read_metrics(tmp_path / "single"), read_metrics(tmp_path / name))
