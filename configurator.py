@@ -153,7 +153,8 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
-PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "", "sp": False, "cp": 1}  # one process's
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
+                "sp": False, "cp": 1}
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
 RULES = [
@@ -290,10 +291,10 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
     if c["sp"]:  # sequence parallel: tensor_parallel.py (each tp rank holds an equal slice of the sequence)
         check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
                       "or drop sp")
-        check(pp == 1 and not c["neftune_alpha"], f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: "
-                  f"sequence parallelism does not yet pass sequence slices between pipeline stages, and NEFTune scales "
-                  f"its noise by the sequence length, which a rank holding a slice does not see; drop sp, or pp and "
-                  f"neftune_alpha")
+        check(pp == 1 and not c["neftune_alpha"],
+              f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does not yet pass "
+              f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence length, which a "
+              f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
         check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
                                          f"block_size={c['block_size']} does not divide by {tp}: change block_size")
     if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():

@@ -59,7 +59,7 @@ from model import RMSNorm, chunked_losses
 # as without sp. The norm gains are replicated but each rank's saw only its slice of the
 # tokens: their gradients are all-reduced over the tp group (f on the gain). The residual
 # and embedding dropouts now act on different tokens on each tp rank, so they draw from a
-# stream of each tp rank's own (own_stream_for_slices), seeded like the heads' one.
+# stream of each tp rank's own (own_stream), seeded like the heads' one.
 
 
 class CopyToTP(torch.autograd.Function):

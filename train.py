@@ -212,8 +212,8 @@ if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model h
     mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
-mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1))
+mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; {mesh.world} ranks: "
+            f"dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
 # In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters,

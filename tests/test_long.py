@@ -81,7 +81,8 @@ def test_sequence_parallel_model_equals_single_process():
 
 # ---- train.py under torchrun ------------------------------------------------------------
 # (the fsdp=2 run recomputes each block in backward: the all-gathers and reduce-scatters run again)
-@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "sp=True"]), (4, ["tp=2", "sp=True", "fsdp=True", "grad_ckpt=True"])],
+@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "sp=True"]),
+                                           (4, ["tp=2", "sp=True", "fsdp=True", "grad_ckpt=True"])],
                          ids=["tp2-sp", "tp2-fsdp2-sp-grad_ckpt"])
 def test_torchrun_sp_gives_the_single_process_curve(nproc, layout, dataset, reference_run, tmp_path):
     out = str(tmp_path / "run")
