@@ -21,10 +21,10 @@ from model import apply_rope
 # weights (replicated across the cp ranks, as data parallelism replicates them). Only
 # attention mixes tokens: a query needs the keys and values of every earlier token, which
 # live on other ranks. Two ways to get them here:
-#   AllGatherKV (the naive one, the test oracle): all-gather K and V (backward: reduce-scatter
+#   allgather_attention (the naive one, the test oracle): all-gather K and V (backward: reduce-scatter
 #     their gradients, each rank keeping the sum for its own tokens), then one SDPA of the
 #     local queries against the whole sequence, with the causal mask at global positions.
-#     Memory: the whole K and V of a layer on every rank.
+#     Memory: the whole K and V of a layer on every rank. It also runs attention dropout.
 #   RingAttention: cp steps; at step s a rank holds the K/V block of rank (r - s) mod cp,
 #     computes its queries' attention to that block (a partial softmax: the block's output and
 #     log-sum-exp), merges it into the running output (the online softmax), and passes the
@@ -34,7 +34,8 @@ from model import apply_rope
 # Causality makes a naive contiguous split unfair: the rank with the first T / cp tokens has
 # almost nothing to attend to, the last one everything. Cut the sequence into 2 cp chunks and
 # give rank r chunks r and 2 cp - 1 - r: every rank then holds one early and one late chunk,
-# the same amount of causal work.
+# the same amount of causal work, and of every block but its own exactly half is visible to it
+# (_visible), which is all the ring computes.
 # RoPE rotates each token by its global position (cos and sin at this rank's positions); the
 # loss gathers each token's cross-entropy into the whole (B, T) (backward: reduce-scatter, as
 # K and V), so every cp rank holds the loss of the whole sequence and the token mean is over
