@@ -127,7 +127,7 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual", "loss_scale_interval", "loss_scale_growth")
+              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
                 "learning_rate", "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
                 "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
@@ -136,7 +136,8 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "loss_scale_init": (1, 2.0 ** 64)}  # the scale's floor is 1; loss x scale must fit a float32
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
-PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": ""}  # one process's
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
+                "sp": False, "cp": 1}
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
 RULES = [
@@ -176,6 +177,10 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+    ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
+     "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
+     "between stages, compose with tensor parallelism (use sp=True for that) or average ZeRO's gradient slices; "
+     "with cp use dp or fsdp=True"),
 ]
 
 
@@ -290,7 +295,7 @@ def default_batch_for_layout(c, overrides, world):
     """grad_accum_steps not given (the default 2) but the layout needs a multiple of dp (of
     dp x pp with interleaved 1F1B): raised to the next one, with a note, so that every
     layout runs with the defaults. A value the user gave is checked, never changed."""
-    pp, tp = c["pp"], c["tp"]
+    pp, tp = c["pp"], c["tp"] * c["cp"]
     if "grad_accum_steps" in overrides or world % (pp * tp):
         return
     unit = world // (pp * tp) * (pp if c["pp_schedule"] == "interleaved" else 1)
@@ -318,7 +323,14 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
                            f"processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
-    dp = world // (pp * tp)
+    if c["cp"] > 1:  # context parallel: context_parallel.py (2 cp equal chunks of every sequence)
+        cp = c["cp"]
+        check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: start a multiple "
+                                           f"of cp * tp processes, or change cp")
+        check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} equal chunks, but "
+                                               f"block_size={c['block_size']} does not divide by {2 * cp}: change "
+                                               f"block_size or cp")
+    dp = world // (pp * tp * c["cp"])
     check(c["grad_accum_steps"] % dp == 0,
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
@@ -327,6 +339,15 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
         for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
             check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
                                f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+    if c["sp"]:  # sequence parallel: tensor_parallel.py (each tp rank holds an equal slice of the sequence)
+        check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
+                      "or drop sp")
+        check(pp == 1 and not c["neftune_alpha"],
+              f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does not yet pass "
+              f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence length, which a "
+              f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
+        check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
+                                         f"block_size={c['block_size']} does not divide by {tp}: change block_size")
     if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():
         return dp, _check_pipeline(c, dp, n_layer, where)
     return dp, None

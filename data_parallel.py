@@ -55,8 +55,8 @@ class DataParallelBase(nn.Module):
         self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
             for t in list(module.parameters()) + list(module.buffers()):
-                # from the global rank of grid[0, pp_rank, tp_rank]
-                dist.broadcast(t, src=mesh.pp_rank * mesh.tp + mesh.tp_rank, group=mesh.dp_group)
+                # from the global rank of grid[0, pp_rank, cp_rank, tp_rank]
+                dist.broadcast(t, src=mesh.rank % (mesh.world // mesh.dp), group=mesh.dp_group)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
     def forward(self, *args, **kwargs):

@@ -33,12 +33,15 @@ from common import UserError
 
 @dataclass
 class Mesh:
-    """Who this process is in the dp x pp x tp rank grid. The grid is
-    torch.arange(world).view(dp, pp, tp): rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+    """Who this process is in the dp x pp x cp x tp rank grid. The grid is
+    torch.arange(world).view(dp, pp, cp, tp):
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
     tp is innermost: the tensor-parallel ranks, which all-reduce inside every block, are
-    consecutive (the same node, its fastest link); then the stages of one pipeline
-    (point-to-point, once per micro-batch per stage boundary); a stage's data-parallel
-    replicas are pp * tp ranks apart (one all-reduce per step)."""
+    consecutive (the same node, its fastest link); then the context-parallel ranks (each
+    holds part of every sequence: keys and values pass between them in every attention);
+    then the stages of one pipeline (point-to-point, once per micro-batch per stage
+    boundary); a stage's data-parallel replicas are pp * cp * tp ranks apart (one all-reduce
+    per step). cp = 1 except under context parallelism (context_parallel.py)."""
     rank: int          # global rank, 0 .. world - 1
     local_rank: int    # rank on this node: picks the GPU
     world: int
@@ -55,6 +58,9 @@ class Mesh:
     tp_rank: int = 0
     tp_group: object = None  # the ranks that share one stage's matmuls (consecutive ranks)
     tp_mesh: object = None   # tp_group as a DeviceMesh (the peer test against torch's tensor parallel)
+    cp: int = 1        # context-parallel ranks: each holds a part of every sequence, the weights replicated
+    cp_rank: int = 0
+    cp_group: object = None  # the ranks that share one sequence (same dp_rank, stage and tp_rank)
 
     @property
     def master(self):
@@ -71,7 +77,7 @@ class Mesh:
     def stage_rank(self, stage):
         """Global rank of stage `stage` in this rank's pipeline: the same tp_rank, so each tp
         shard of a stage talks to the same shard of its neighbours."""
-        return (self.dp_rank * self.pp + stage) * self.tp + self.tp_rank
+        return ((self.dp_rank * self.pp + stage) * self.cp + self.cp_rank) * self.tp + self.tp_rank
 
     def print0(self, *args, **kwargs):
         if self.master:
@@ -88,7 +94,7 @@ def pick_device(device):
     return torch.device(device)
 
 
-def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1):
+def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1, cp=1):
     """The Mesh of this process: one process (no torchrun) is a grid of one and starts no
     process group; under torchrun, start_process_group."""
     dev = pick_device(device)
@@ -96,16 +102,16 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1):
         raise UserError(f"backend=nccl needs CUDA tensors but device is {dev.type}: use backend=gloo (or auto)")
     if "RANK" not in os.environ:
         return Mesh(rank=0, local_rank=0, world=1, dp=1, pp=1, dp_rank=0, pp_rank=0, device=dev, backend="")
-    return start_process_group(dev, dist_timeout_s, backend, pp, tp)
+    return start_process_group(dev, dist_timeout_s, backend, pp, tp, cp)
 
 
-def start_process_group(dev, dist_timeout_s, backend, pp, tp):
+def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
     """Reads RANK / LOCAL_RANK / WORLD_SIZE from torchrun, starts the process group (nccl with
-    one GPU per local rank, gloo on CPU) and builds the dp x pp x tp grid. A collective that
+    one GPU per local rank, gloo on CPU) and builds the dp x pp x cp x tp grid. A collective that
     waits longer than dist_timeout_s (a dead or hung peer) raises instead of hanging."""
     world, rank, local_rank = (int(os.environ[k]) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
     die_with_parent()
-    assert world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the world of {world}"
+    assert world % (pp * cp * tp) == 0, f"pp={pp} x cp={cp} x tp={tp} does not divide the world of {world}"
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
@@ -123,14 +129,16 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp):
             timeout=timedelta(seconds=dist_timeout_s)))
     dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s), rank=rank,
                             world_size=world, device_id=dev if backend == "nccl" else None)
-    dp = world // (pp * tp)
-    # the grid torch.arange(world).view(dp, pp, tp), row-major as Mesh's docstring says:
-    # grid[:, s, t] is a dp group, grid[d, :, t] a pipeline, grid[d, s, :] a tp group
-    grid = init_device_mesh(dev.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // (pp * tp),
-                pp_rank=rank // tp % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
+    dp = world // (pp * cp * tp)
+    # the grid torch.arange(world).view(dp, pp, cp, tp), row-major as Mesh's docstring says:
+    # grid[:, s, c, t] is a dp group, grid[d, :, c, t] a pipeline, grid[d, s, :, t] a cp group,
+    # grid[d, s, c, :] a tp group
+    grid = init_device_mesh(dev.type, (dp, pp, cp, tp), mesh_dim_names=("dp", "pp", "cp", "tp"))
+    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // (pp * cp * tp),
+                pp_rank=rank // (cp * tp) % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
                 pp_group=grid.get_group("pp"), dp_mesh=grid["dp"], tp=tp, tp_rank=rank % tp,
-                tp_group=grid.get_group("tp"), tp_mesh=grid["tp"])
+                tp_group=grid.get_group("tp"), tp_mesh=grid["tp"], cp=cp, cp_rank=rank // tp % cp,
+                cp_group=grid.get_group("cp"))
 
 
 def die_with_parent():
@@ -275,11 +283,20 @@ def set_grad_sync(model, sync):
         model.require_backward_grad_sync = sync
 
 
-def wait_grad_sync(model):
+def wait_grad_sync(model, params=(), mesh=None):
     """Data parallel: the last buckets' all-reduces may still be in flight after backward; once
-    this returns every rank holds the mean gradient (ours only: DDP and FSDP wait in backward)."""
+    this returns every rank holds the mean gradient (ours only: DDP and FSDP wait in backward).
+    Context parallel (mesh.cp > 1): each cp rank's gradient came from its part of the sequences
+    (times cp: context_parallel.py), so `params`' gradients are then averaged over the cp group."""
     if hasattr(model, "wait"):
         model.wait()
+    if mesh is not None and mesh.cp > 1:
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for all of them
+        dist.all_reduce(flat, group=mesh.cp_group)
+        flat /= mesh.cp  # all_reduce summed; we want the mean (gloo has no AVG)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def all_reduce_named(values, mesh):

@@ -1,10 +1,12 @@
 """
 Tensor parallel, by hand (Megatron-LM): tensor_parallel() swaps each block's matmuls for
-column / row slices in place, and the embedding, head and loss for vocabulary-parallel ones.
-model.py knows none of it.
+column / row slices in place, and the embedding, head and loss for vocabulary-parallel ones;
+with sp=True also sequence parallelism (the activations between them split along the
+sequence). model.py knows none of it.
 """
 
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import UserError
-from model import chunked_losses
+from model import RMSNorm, chunked_losses
 
 # ---------------------------------------------------------------------------------------
 # tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
@@ -44,6 +46,20 @@ from model import chunked_losses
 # and the attention reads its local head counts from the shapes it holds. Every sharded
 # parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
 # clipping and checkpoints (parallel.tp_gather to the full tensor, tp_slice on load) read.
+#
+# Sequence parallelism (sp=True; Korthikanti et al. 2022, arXiv:2205.05198): outside f and
+# g the tp ranks hold the same (B, T, n_embd) tp times over, and the norms, residuals and
+# dropout run on it tp times. With sp each tp rank holds a slice (B, T / tp, n_embd) of the
+# sequence there instead: f becomes an all-gather along T (backward: a reduce-scatter of the
+# gradient, each rank keeping its slice of the sum) and g a reduce-scatter along T (backward:
+# an all-gather). An all-reduce is a reduce-scatter followed by an all-gather, so the
+# communication per block is the same and the activations outside the matmuls shrink by tp.
+# The embedding's g reduce-scatters too; the head's f all-gathers the final hidden states
+# (the head's vocabulary slice needs every token), so the loss is the same on every tp rank
+# as without sp. The norm gains are replicated but each rank's saw only its slice of the
+# tokens: their gradients are all-reduced over the tp group (f on the gain). The residual
+# and embedding dropouts now act on different tokens on each tp rank, so they draw from a
+# stream of each tp rank's own (own_stream), seeded like the heads' one.
 
 
 class CopyToTP(torch.autograd.Function):
@@ -75,21 +91,65 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class GatherFromSP(torch.autograd.Function):
+    """f under sequence parallelism: all-gather along T forward, (B, T / tp, ...) -> (B, T, ...);
+    backward, a reduce-scatter along T: this rank's slice of the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class ScatterToSP(torch.autograd.Function):
+    """g under sequence parallelism: reduce-scatter along T forward (the partial sums of the
+    row-parallel matmul added up, this rank keeping its slice of T), all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_seq(grad, ctx.group), None
+
+
+def gather_seq(x, group):
+    """(B, T / n, ...) on each of the n ranks of `group` -> the whole (B, T, ...), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def reduce_scatter_seq(x, group):
+    """(B, T, ...) on each rank of `group` -> this rank's slice along T of their sum (B, T / n, ...)."""
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
 class VocabParallelEmbedding(nn.Module):
     """The token embedding with rows [start, start + V / tp) of the table on this rank:
-    ids outside its range look up zeros, and g adds the ranks' lookups into the full one.
+    ids outside its range look up zeros, and g adds the ranks' lookups into the full one
+    (ScatterToSP under sequence parallelism: this rank's slice of T of it).
     Its parameter keeps the name `weight`, so checkpoints see tok_embeddings.weight."""
 
-    def __init__(self, weight, start, group):
+    def __init__(self, weight, start, group, g=None):
         super().__init__()
-        self.weight, self.start, self.group = weight, start, group
+        self.weight, self.start, self.group, self.g = weight, start, group, g or ReduceFromTP
 
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, n_embd)
         x = x.masked_fill(outside[..., None], 0.0)
-        return ReduceFromTP.apply(x, self.group)
+        return self.g.apply(x, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -129,16 +189,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None
 
 
-def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None):
+def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None):
     """model.cross_entropy_losses for a head that holds a vocabulary slice (rows from `start`):
     each target's loss (B, T), the same on every tp rank, from the logit slices (never gathered):
     all at once (VocabParallelCrossEntropy), or in chunks of rows (model.ChunkedCrossEntropy with
-    the row maxima and sums all-reduced over the tp group)."""
+    the row maxima and sums all-reduced over the tp group). f: the head's input function
+    (CopyToTP; GatherFromSP under sequence parallelism, where h is this rank's slice of T)."""
     if not chunk:
         logits = head(h)  # (its forward pre-hook is CopyToTP)
         losses = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
         return losses.view(targets.shape)
-    h = CopyToTP.apply(h, group)  # what the head's pre-hook does when the head is called
+    h = (f or CopyToTP).apply(h, group)  # what the head's pre-hook does when the head is called
     vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
              lambda t: dist.all_reduce(t, group=group))
     return chunked_losses(h, head, targets, chunk, vocab)
@@ -202,11 +263,12 @@ class _SummedWeightGrad(torch.autograd.Function):
         return (g @ weight).to(x.dtype), dw, None
 
 
-def tensor_parallel(model, mesh):
+def tensor_parallel(model, mesh, sp=False):
     """Shards `model` (a whole model or a pipeline stage, built whole) over mesh.tp_group,
     in place: column-parallel wq, wk, wv, w1, w3 (dim 0, whole heads per rank), row-parallel
     wo, w2 (dim 1), vocabulary-parallel embedding and head with the loss computed from the
-    logit slices. Norms stay replicated. Returns the model; a no-op at tp=1."""
+    logit slices. Norms stay replicated. sp: sequence parallelism outside the matmuls (the
+    top of this file; the sequence length must divide by tp). Returns the model; a no-op at tp=1."""
     if mesh.tp == 1:
         return model
     cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
@@ -215,8 +277,9 @@ def tensor_parallel(model, mesh):
         if n % tp:
             raise UserError(f"tp={tp} does not divide {key}={n}: every tp rank needs an equal share (whole heads, "
                             f"an equal slice of the SwiGLU width and of the vocabulary); use a tp that divides it")
-    f = lambda module, args: (CopyToTP.apply(args[0], group), *args[1:])  # noqa: E731
-    g = lambda module, args, out: ReduceFromTP.apply(out, group)  # noqa: E731
+    fn, gn = (GatherFromSP, ScatterToSP) if sp else (CopyToTP, ReduceFromTP)
+    f = lambda module, args: (fn.apply(args[0], group), *args[1:])  # noqa: E731
+    g = lambda module, args, out: gn.apply(out, group)  # noqa: E731
     for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
         for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
@@ -229,10 +292,16 @@ def tensor_parallel(model, mesh):
         if cfg.dropout > 0:  # attention dropout: this rank's heads draw their own masks
             att.wv.register_forward_hook(partial(own_stream_for_heads, att, mesh, True))
             att.wo.register_forward_hook(partial(own_stream_for_heads, att, mesh, False))
+    if sp:  # sequence parallel: the norms' gains see this rank's tokens only; dropout draws per slice
+        for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+            norm.forward = partial(_rmsnorm_summed_gain, norm, group)
+        for drop in [b.drop for b in model.layers.values()] + [model.drop] if cfg.dropout > 0 else []:
+            drop.register_forward_pre_hook(lambda m, args: own_stream(m, mesh, True))
+            drop.register_forward_hook(lambda m, args, out: own_stream(m, mesh, False))
     start = mesh.tp_rank * cfg.vocab_size // tp  # this rank's first vocabulary row
     if model.tok_embeddings is not None:
         emb = model.tok_embeddings
-        model.tok_embeddings = VocabParallelEmbedding(_shard(emb, 0, mesh), start, group)
+        model.tok_embeddings = VocabParallelEmbedding(_shard(emb, 0, mesh), start, group, gn)
     if model.output is not None:
         if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
             model.output.weight = model.tok_embeddings.weight
@@ -240,17 +309,31 @@ def tensor_parallel(model, mesh):
         else:
             _shard_linear(model.output, 0, mesh)
         model.output.register_forward_pre_hook(f)
-        model.loss_fn = partial(vocab_parallel_losses, start=start, group=group)
+        model.loss_fn = partial(vocab_parallel_losses, start=start, group=group, f=fn)
     return model
+
+
+def _rmsnorm_summed_gain(norm, group, x):
+    """RMSNorm's own forward on this rank's slice of T, its gain through f (CopyToTP): the
+    gain's gradient all-reduced over the tp group in backward, in the graph (as
+    _SummedWeightGrad, so that it holds under FSDP's gathered parameters)."""
+    return type(norm).forward(SimpleNamespace(eps=norm.eps, weight=CopyToTP.apply(norm.weight, group)), x)
 
 
 def own_stream_for_heads(att, mesh, enter, module, args, out):
     """Forward hook: enter (after wv) or leave (after wo) this tp rank's own random stream for
     the attention of its heads (see the top of this file)."""
-    if enter and att.training:
+    own_stream(att, mesh, enter)
+
+
+def own_stream(holder, mesh, enter):
+    """Enter (while `holder` trains) or leave this tp rank's own random stream, seeded from one
+    draw of the shared stream (the same on every tp rank) and the tp rank."""
+    if enter and holder.training:
         seed = int(torch.randint(2 ** 31, ()))  # one draw of the shared stream: the same on every tp rank
-        att._own_stream = torch.random.fork_rng(devices=[mesh.device] if mesh.device.type == "cuda" else [])
-        att._own_stream.__enter__()  # the shared stream's state, restored on leaving
+        holder._own_stream = torch.random.fork_rng(devices=[mesh.device] if mesh.device.type == "cuda" else [])
+        holder._own_stream.__enter__()  # the shared stream's state, restored on leaving
         torch.manual_seed(seed * mesh.tp + mesh.tp_rank)
-    elif not enter and "_own_stream" in att.__dict__:
-        att.__dict__.pop("_own_stream").__exit__(None, None, None)
+    elif not enter and "_own_stream" in holder.__dict__:
+        holder.__dict__.pop("_own_stream").__exit__(None, None, None)
+

@@ -115,8 +115,10 @@ seed = 1337                     # weights, data order and dropout all derive fro
 peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
 dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
-pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * tp)
-tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * tp)
+pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * cp * tp)
+tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * cp * tp)
+sp = False                      # tp > 1: sequence parallel, the activations outside the matmuls split along T over tp
+cp = 1                          # context parallel: ranks that each hold a part of every sequence (ring attention)
 pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)
 pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
 pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
@@ -141,7 +143,7 @@ grad_accum_steps = config["grad_accum_steps"]  # the default is raised to a mult
 started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 # ---- setup ----------------------------------------------------------------------------
-mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp)
+mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
 if dtype == "auto":  # is_bf16_supported(including_emulation=False): T4, V100 only emulate bf16; fp16 is fast there
     dtype = "float32" if mesh.device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported(False) else "float16"
 autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
@@ -219,8 +221,8 @@ if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model h
     mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
-mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else ""))
+mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; {mesh.world} ranks: "
+            f"dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
 # In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters,
@@ -233,7 +235,10 @@ if whole_first:
     raw_model.to(mesh.device)
 if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the embedding and head become slices)
     import tensor_parallel
-    tensor_parallel.tensor_parallel(raw_model, mesh)
+    tensor_parallel.tensor_parallel(raw_model, mesh, sp)  # sequence parallel: tensor_parallel.py
+if cp > 1:  # context parallel: context_parallel.py (each rank keeps a part of every sequence after the embedding)
+    import context_parallel
+    context_parallel.context_parallel(raw_model, mesh)
 use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
 if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in place)
     import fsdp as fsdp_py
@@ -292,9 +297,8 @@ def evaluate(val_loader):
     raw_model.train()
     if use_fsdp:  # fsdp with reshard_after_forward=False: free the weights eval gathered
         fsdp_py.reshard(raw_model)
-    # the global mean, as in training: the sum over all ranks / dp (with pp only last stages hold
-    # losses; with tp every rank of a tp group holds the same one)
-    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp)
+    # the global mean, as in training (pp: only last stages hold losses; tp, cp: a group's ranks hold the same one)
+    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
 # ---- run state, logging, checkpoints --------------------------------------------------
@@ -396,17 +400,17 @@ while True:
     else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
                                              pp_virtual)
-    if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
-        parallel.wait_grad_sync(model)
+    if mesh.dp > 1 or cp > 1:  # data parallel: the last buckets' all-reduces may still be in flight (and with
+        parallel.wait_grad_sync(model, grad_params, mesh)  # cp, context_parallel.py: the mean over the cp ranks)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     loss_sum = scaler.unscale_(grad_params, loss_sum) if scaler else loss_sum  # fp16: the true gradients and loss
     # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
-    # / dp; tp ranks hold the same loss tp times), the stop flag, the ranks whose async save is written
+    # / dp; tp and cp ranks hold the same loss tp x cp times), the stop flag, the ranks whose async save is written
     totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,
                                         "saved": saves.written(),
                                         **({"sources": per_source.sums(src_ids[0])} if per_source else {})}, mesh)
-    loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp), totals["stop"].item() > 0
+    loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp), totals["stop"].item() > 0
     # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards, ZeRO
     # slices and tp slices (computed even when not clipping, for the log): the same on every rank
     grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()

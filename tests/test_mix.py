@@ -178,6 +178,13 @@ def test_mixture_under_tensor_parallel_equals_one_process(mix_run, sources, tmp_
     assert_same_sources(mix_run[0], read_metrics(out))
 
 
+def test_mixture_under_sequence_and_context_parallel_equals_one_process(mix_run, sources, tmp_path):
+    """tp=2 sp and cp=2: each target's loss gathered over the sequence, so the per-source sums are whole."""
+    for name, extra in (("sp", {"tp": 2, "sp": True}), ("cp", {"cp": 2})):
+        torchrun(2, mix_args(sources, out_dir=tmp_path / name, **extra), cwd=tmp_path)
+        assert_same_sources(mix_run[0], read_metrics(tmp_path / name))
+
+
 # the options no other run pairs with a mixture, or with each other: Muon with tied embeddings
 # (dp=2); LoRA on that tied base (dp=2), and (every target, the head's included) on an untied
 # one under the interleaved pipeline
