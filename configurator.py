@@ -17,11 +17,13 @@ default is a list (a list key, such as `phases`, is a Python literal on the comm
 
 import ast
 import difflib
+import io
 import json
 import math
 import os
 import stat
 import sys
+import tokenize
 import traceback
 
 import torch
@@ -45,9 +47,9 @@ def excepthook(kind, err, tb):
         traceback.print_exception(kind, err, tb, file=out)
 
 
-def _unknown(key, defaults, where):
+def _unknown(key, defaults, where, script):
     close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else "see the defaults at the top of train.py"
+    hint = f"did you mean '{close[0]}'?" if close else f"python {script} --help lists them"
     return UserError(f"unknown config key '{key}' {where}: {hint}")
 
 
@@ -72,24 +74,29 @@ def _parse_value(raw, default):
     return raw if isinstance(default, str) and not isinstance(value, str) else value
 
 
-def configure(defaults, argv):
+def configure(defaults, argv, script="train.py"):
     """Returns {key: value} of the overrides in argv (config files and key=value), checked
-    against `defaults` (train.py's globals). Nothing here executes a command-line value."""
+    against `defaults` (the commented defaults of `script`: train.py's globals, sample.py's
+    main()). Nothing here executes a command-line value. -h / --help: the keys, and exit."""
     overrides = {}
     for arg in argv:
+        if arg in ("-h", "--help"):
+            if os.environ.get("RANK", "0") == "0":
+                print(script_help(script, defaults))
+            sys.exit(0)
         if "=" not in arg:
             if arg.startswith("-"):
                 raise UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
-            overrides.update(_config_file(arg, defaults, overrides))
+            overrides.update(_config_file(arg, defaults, overrides, script))
             continue
         key, raw = arg.lstrip("-").split("=", 1)
         if key not in defaults:
-            raise _unknown(key, defaults, "on the command line")
+            raise _unknown(key, defaults, "on the command line", script)
         overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key], "on the command line")
     return overrides
 
 
-def _config_file(path, defaults, overrides):
+def _config_file(path, defaults, overrides, script):
     """The keys a config file assigns: it runs in a namespace that sees the defaults (and the
     overrides before it), and what it changed is kept, type-checked like the command line."""
     try:
@@ -111,7 +118,7 @@ def _config_file(path, defaults, overrides):
         if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
             continue
         if key not in defaults:
-            raise _unknown(key, defaults, f"in {path}")
+            raise _unknown(key, defaults, f"in {path}", script)
         if key in before and value is before[key]:
             continue
         assigned[key] = _typed(key, value, defaults[key], f"in {path}")
@@ -131,6 +138,34 @@ def script_defaults(path):
             except ValueError:
                 pass  # computed, not a default
     return out
+
+
+def script_help(script, defaults):
+    """--help: every key of `defaults` with its default and the comment beside it in `script`
+    (this project's train.py or sample.py: its top-level or main()'s assignments), its section
+    comments as headings: the file that owns the keys is the one source."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    with open(path) as f:
+        source = f.read()
+    comments = {t.start[0]: (t.start[1], t.string.lstrip("# ")) for t in
+                tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    lines, tree = source.splitlines(), ast.parse(source, path)
+    main = [n.body for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assigns = {}  # key: its first assignment, the default
+    for n in tree.body + sum(main, []):
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in defaults:
+            assigns.setdefault(n.targets[0].id, n)
+    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys and their defaults:"]
+    for prev, node in zip([None, *assigns.values()], assigns.values()):
+        heading = [comments[ln][1] for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
+                   if comments.get(ln, (1,))[0] == 0]  # a section's heading: comments at the margin
+        out += [f"\n{' '.join(heading)}"] if heading else []
+        text, ln = [comments.get(node.end_lineno, (0, ""))[1]], node.end_lineno + 1
+        while ln in comments and comments[ln][0] > 0 and not lines[ln - 1][:comments[ln][0]].strip():
+            text, ln = text + [comments[ln][1]], ln + 1  # the comment goes on under the line
+        key = f"{node.targets[0].id} = {ast.get_source_segment(source, node.value)}"
+        out.append(f"  {key:<34} {' '.join(text)}".rstrip())
+    return "\n".join(out)
 
 
 # ---- the one validation pass ----------------------------------------------------------

@@ -46,19 +46,19 @@ def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_
 
 def main(argv):
     out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
-    ckpt = ""
+    ckpt = ""                   # a checkpoint directory to load instead of out_dir's latest
     prompt = ""                 # '' : start from <|endoftext|>, i.e. the beginning of a document
-    num_samples = 2
-    max_new_tokens = 200
+    num_samples = 2             # samples to print, each from the same prompt
+    max_new_tokens = 200        # tokens generated per sample
     temperature = 0.8           # 0: greedy
     top_k = 50                  # 0: sample from the whole distribution
-    seed = 1337
-    device = "auto"
+    seed = 1337                 # the samples' random draws
+    device = "auto"             # 'auto': cuda if available, else cpu
     export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
     export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many MB (0: one file)
     defaults = dict(locals())
-    cfg = {**defaults, **configurator.configure(defaults, argv)}
+    cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 
     check = configurator.check
     check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,

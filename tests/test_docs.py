@@ -80,3 +80,11 @@ def test_readme_is_a_map_that_names_every_file():
     assert not missing, f"README.md's file map lacks {missing}"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
+
+
+def test_every_python_block_of_the_docs_runs():
+    """The docs' Python blocks all sit on docs/finetuning.md, whose workflow test runs each as
+    written (tests/test_tokenizer.py); a block on another page needs a test that runs it."""
+    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    counts = {page: read(page).count("```python") for page in pages}
+    assert {p: n for p, n in counts.items() if n} == {"docs/finetuning.md": 3}, counts
