@@ -226,11 +226,15 @@ def start_wandb(config, out_dir, project, name, run_id):
                       id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
 
 
-def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action):
+def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, again=False):
     """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
     checkpoint back into the model, the optimizer and the random streams, metrics.jsonl cut
     back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
-    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
+    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
+    and `again` (no finite step since the last rollback): the fault is not in a few batches."""
+    check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or gradient norm right "
+                     f"after rolling back: the fault outlives a rollback, so it is not a few bad batches; lower "
+                     f"learning_rate, check the data from there on, or resume from an earlier checkpoint")
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or path is None:
         raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
@@ -405,11 +409,22 @@ class Saves:
 
 def catch_signals(mesh):
     """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
-    which the loop's all-reduce turns into a stop that all ranks agree on (then a checkpoint)."""
+    which the loop's all-reduce turns into a stop that all ranks agree on (then a checkpoint, and
+    exit_code)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))
     return received
+
+
+def signal_name(received):
+    return signal.Signals(received[0]).name if received else "a signal (on another rank)"
+
+
+def exit_code(received):
+    """A run stopped by a signal exits as a shell reports a command it killed: 128 + N (a rank
+    that stopped because another got it: SIGTERM's), so `train.py && sample.py` stops there."""
+    return 128 + (received[0] if received else signal.SIGTERM)
 
 
 def _on_signal(received, rank, signum, frame):

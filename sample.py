@@ -2,8 +2,8 @@
 Generate text from the latest checkpoint of a run, or export its weights to one file:
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
-    python sample.py out_dir=out export=model.pt     # {name: tensor}, for torch.load(weights_only=True)
-    python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory, weights and tokenizer
+    python sample.py out_dir=out export=out/model.pt # {name: tensor}, for torch.load(weights_only=True)
+    python sample.py out_dir=out export_hf=runs/hf_model # a Hugging Face LLaMA directory, weights and tokenizer
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.

@@ -321,7 +321,7 @@ def save(it):
                     "tokenizer_spec": data.spec_of(meta)})  # the model's whole tokenizer travels with it
 
 
-signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
+signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 128 + N
 if fault_nan_at >= 0:  # testing the NaN guard: these iterations' loss (so all their gradients) become NaN
     raw_model.register_forward_hook(lambda m, args, out: (out[0], out[1] * math.nan) if m.training and out[1] is not
                                     None and fault_nan_at <= it < fault_nan_at + fault_nan_steps else None)
@@ -338,6 +338,7 @@ saved_at = start_iter  # the checkpoint of this iteration exists (or it is itera
 dt_avg = None
 stop = False       # a signal asked this run to stop (agreed by all ranks)
 bad_streak = 0     # consecutive iterations with a non-finite loss or gradient norm
+recovered = True   # a finite step since the last rollback (else a second one would go round in circles)
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}
@@ -420,12 +421,12 @@ while True:
         if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
             saves.finish(it)  # an async save in flight is the latest checkpoint once finished
             it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
-                                                            bad_streak, it, nan_action)
-            bad_streak = 0
+                                                            bad_streak, it, nan_action, again=not recovered)
+            bad_streak, recovered = 0, False
             continue
         it += 1
         continue
-    bad_streak = 0
+    bad_streak, recovered = 0, True
     if it % log_interval == 0 or it == max_iters - 1:
         if not peak:  # peak_flops=0: this device's matmul rate, measured once, at the first log line
             peak = parallel.measure_matmul_flops(mesh.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
@@ -442,7 +443,8 @@ while True:
 # ---- the end --------------------------------------------------------------------------
 saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 if stop:
-    mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
+    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
+                f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
 whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
@@ -464,6 +466,8 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
         import sample
         text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
         print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
+if stop:  # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
+    workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
     workarounds.exit_now()  # all is written and the process group is gone: not through the interpreter's
                             # shutdown, where gloo's worker threads can abort a finished run (SIGABRT)
