@@ -78,15 +78,12 @@ def _parse_value(raw, default):
 
 
 def configure(defaults, argv, script="train.py"):
-    """Returns {key: value} of the overrides in argv (config files and key=value), checked
-    against `defaults` (the commented defaults of `script`: train.py's globals, sample.py's
-    main()). Nothing here executes a command-line value. -h / --help: the keys, and exit."""
+    """Returns {key: value} of the overrides in argv (config files and key=value), checked against
+    `defaults` (`script`'s). Nothing here executes a command-line value. -h / --help: the keys."""
     overrides = {}
     for arg in argv:
         if arg in ("-h", "--help"):
-            if os.environ.get("RANK", "0") == "0":
-                print(script_help(script, defaults))
-            sys.exit(0)
+            sys.exit(print(script_help(script, defaults)))  # exit 0
         if "=" not in arg:
             if arg.startswith("-"):
                 raise UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")

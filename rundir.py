@@ -409,8 +409,7 @@ class Saves:
 
 def catch_signals(mesh):
     """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
-    which the loop's all-reduce turns into a stop that all ranks agree on (then a checkpoint, and
-    exit_code)."""
+    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))

@@ -337,8 +337,7 @@ evaluated_at = start_iter if src.kind == "resume" else None  # its val loss is a
 saved_at = start_iter  # the checkpoint of this iteration exists (or it is iteration 0)
 dt_avg = None
 stop = False       # a signal asked this run to stop (agreed by all ranks)
-bad_streak = 0     # consecutive iterations with a non-finite loss or gradient norm
-recovered = True   # a finite step since the last rollback (else a second one would go round in circles)
+bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback (if any)
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}

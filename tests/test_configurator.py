@@ -57,7 +57,7 @@ def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monke
             else:
                 sample.main([flag]) if script == "sample.py" else configure(train_keys(), ["n_layer=2", flag])
         out = capsys.readouterr().out
-        assert stop.value.code == 0
+        assert stop.value.code in (0, None)  # exit status 0
         if script == "data.py":
             assert "--val_fraction VAL_FRACTION" in out and "share of documents that go to val (default: 0.01)" in out
             continue
