@@ -170,14 +170,26 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
-def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
-    """The directory of dataset `source` (a name under data/, or a directory); a missing one
-    is prepared first, from `prep` (data_source=): prepare.prepare_missing."""
+def prepared(source, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None, given=()):
+    """Dataset `source`'s directory (under data/, or a path), prepared from `prep` first if missing."""
     data_dir = source if os.sep in source else os.path.join("data", source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         import prepare
         prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+    if "val_fraction" in given or "data_source" in given and prep:  # the data must be what the command asks for
+        check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, given)
     return data_dir
+
+
+def check_made_as_asked(data_dir, asked, given):
+    """An existing dataset was made with the val_fraction and data_source the command gives
+    (meta.json records them): else one line naming the setting that differs, not the old split."""
+    made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again")
+    for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
+        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:  # (older data: no record)
+            raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command asks for {key}="
+                            f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or drop {key}= to use "
+                            f"it as it is (or pick another dataset= name)")
 
 
 # ---------------------------------------------------------------------------------------

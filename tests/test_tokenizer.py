@@ -226,8 +226,13 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
                                         tmp_path / "runs" / "lora_adapter").eval()
     out = merged.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8 and isinstance(tok.decode(out[0]), str)
+    # the adapter names its base (the SFT run's export), so PEFT's Auto class finds it alone
+    from peft import AutoPeftModelForCausalLM
+    auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "runs" / "lora_adapter").eval()
+    assert auto.peft_config["default"].base_model_name_or_path == str(tmp_path / "runs" / "sft_hf")
     with torch.no_grad():
         torch.testing.assert_close(adapted(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(auto(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
     # the page's export and LoRA-on-the-base commands (that one in one process), then its Python
     # blocks as written, in the directory the commands made
     run_train(doc_commands("docs/finetuning.md", "### Exporting to Hugging Face", "sample.py")[0], cwd=tmp_path,
@@ -235,6 +240,8 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     lora_base = doc_commands("docs/finetuning.md", "## LoRA")[0]
     run_train([*lora_base, *(a for a in shrink if a.split("=")[0] not in {a.split("=")[0] for a in lora_base})],
               cwd=tmp_path)
+    adapter = json.load(open(tmp_path / "runs" / "lora_base_adapter" / "adapter_config.json"))
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "runs" / "base")  # a Hugging Face base: itself
     monkeypatch.chdir(tmp_path)
     blocks = doc_python("docs/finetuning.md")
     assert len(blocks) == 3
