@@ -239,7 +239,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     work = f"{final}.tmp{os.getpid()}"
     clean_stale(final)
     shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    try:
+        os.makedirs(work)
+    except OSError as e:
+        raise UserError(f"cannot create {work} beside the dataset {final} ({e.strerror or e}): pick another output "
+                        f"directory (--out, or dataset=)") from None
     names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
     out = {name: open(os.path.join(work, name), "wb") for name in names}
     tokens = {"train": 0, "val": 0}

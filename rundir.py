@@ -97,11 +97,12 @@ def _make(out_dir):
 def _check_existing(out_dir):
     """A directory that was there before this run: the lock file, config.json, metrics.jsonl
     and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
-    fix = "remove it (or pick another out_dir)"
+    fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
+    if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
+        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, not a directory this "
+                        f"trainer made: {fix}")
     for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
         _regular_or_absent(os.path.join(out_dir, name), fix)
-    if os.path.islink(os.path.join(out_dir, "ckpt")):
-        raise UserError(f"{out_dir}/ckpt is a symbolic link, not a directory this trainer made: {fix}")
 
 
 def _refuse_busy(fd, path, out_dir, e):

@@ -64,13 +64,18 @@ def main(argv):
     check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,
           f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
     for key in ("max_new_tokens", "num_samples", "top_k"):
-        check(cfg[key] >= 0, f"{key}={cfg[key]} must not be negative")
+        check(0 <= cfg[key] <= 10 ** 6, f"{key}={cfg[key]} must be in [0, 10**6]")
     check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
     check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
     export_dir = os.path.dirname(os.path.abspath(cfg["export"])) if cfg["export"] else "."
     check(os.path.isdir(export_dir), f"export={cfg['export']}: the directory {export_dir} does not exist: create it "
                                      f"or export elsewhere")
-    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
+    check(not os.path.isdir(cfg["export"]), f"export={cfg['export']} is a directory: name the file to write, e.g. "
+                                            f"export={os.path.join(cfg['export'], 'model.pt')}")
+    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
+    problem = checkpoint.verify(path) if cfg["ckpt"] else None
+    check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or drop ckpt= to "
+                           f"use the newest intact one of out_dir")
     if path is None:
         raise configurator.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
                                      f"ckpt=path/to/iter_XXXXXXX")
