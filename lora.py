@@ -188,14 +188,13 @@ def _peft_name(name, to_hf):
     return f"{PEFT_PREFIX}{rename(module + '.weight', to_hf).removesuffix('.weight')}.{ab}.weight"
 
 
-def save_peft_lora(path, model, lora, base_name=""):
+def save_peft_lora(path, model, lora):
     """Writes the adapters of `model` (whole, adapters not merged) as a PEFT LoRA directory:
     adapter_config.json + adapter_model.safetensors, which
     peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), path) loads.
     `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf_llama.
     Returns the base it names (base_model_name_or_path, what AutoPeftModelForCausalLM loads):
-    `base_name` (lora_base_name=), else the base's Hugging Face directory (the base itself, or
-    the Hugging Face export of the run it is), else None."""
+    the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or None."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
     assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), "save_peft_lora: unmerge first"
@@ -205,7 +204,7 @@ def save_peft_lora(path, model, lora, base_name=""):
     base = lora.get("base") or {}
     config = {  # the keys of peft.LoraConfig that change what the adapter computes, at their meaning here
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "inference_mode": True,
-        "base_model_name_or_path": base_name or (base.get("path") if base.get("kind") == "hf" else base.get("hf")),
+        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf" else base.get("hf"),
         "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
         "target_modules": sorted(PEFT_TARGETS[t] for t in lora["targets"]),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,

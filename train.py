@@ -78,7 +78,6 @@ lora_dropout = 0.0              # dropout on the adapters' input (the base path 
 lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
 export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
-lora_base_name = ""             # export_lora: the base it names ('': the base's Hugging Face directory, if it has one)
 # optimizer: weight decay on 2-D weights only
 optim = "muon"                  # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
 learning_rate = 4e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
@@ -453,9 +452,9 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     final = raw_model if whole else checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
     final.eval()
     if export_lora and lora:  # LoRA: lora.py
-        named = lora_py.save_peft_lora(export_lora, final, lora, lora_base_name)
+        named = lora_py.save_peft_lora(export_lora, final, lora)
         print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base " + (named or "(unnamed: "
-              "the base run made no export_hf; set lora_base_name= for AutoPeftModelForCausalLM)"), flush=True)
+              "the base run made no export_hf; start LoRA from its export for AutoPeftModelForCausalLM)"), flush=True)
     if lora:  # LoRA: W + (alpha / r) B A, which export_hf writes and sampling runs
         lora_py.merge_lora(final)
     if export_hf:
