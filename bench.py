@@ -939,6 +939,7 @@ def table_race(recipes=None, extra=None):
         print(f"to nanoGPT's final val loss {targets[-1]}: nanoGPT {nano[-1][0]:.0f} s; " +
               "; ".join(f"{name} {t:.0f} s, {nano[-1][0] / t:.2f}x faster" if t else f"{name} never"
                         for name, t in finish.items()) + f" (goal: 4x); load average after: {os.getloadavg()[0]:.2f}")
+    shutil.rmtree(root, ignore_errors=True)  # the recipes' out_dirs
 
 
 def head_row(vocab, chunk, rows, width):
@@ -1338,6 +1339,7 @@ def table_reading(functions=False):
     args = ["max_iters=1", "sample_tokens=0", "eval_interval=1000", f"out_dir={out}", *RUN_KEYS]
     root = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, "-c", READING_PROBE, root] + args, capture_output=True, text=True)
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
     line = [x for x in p.stderr.splitlines() if x.startswith("READING ")]
     assert line, p.stderr[-2000:]
     res = json.loads(line[0][len("READING "):])
