@@ -4,6 +4,8 @@ table compares rows measured in the same run.
 
     python bench.py                  # every table
     python bench.py single           # one table by name
+    python bench.py --smoke          # every table at a tiny size, to check that it runs (numbers mean nothing);
+                                     # key=value after it go to its train.py runs, e.g. dataset=data/mine
 
 single: throughput of one process on the default model (train.py's defaults), with and
         without activation checkpointing: ms/iter, tokens/s, MFU against this machine's
@@ -137,6 +139,8 @@ MODEL = {k: TRAIN[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "
 MODEL["block_size"] = 128  # the tables below were measured on 128-token sequences (the default job trains 64)
 BATCH, ACCUM = 16, 2  # 4096 tokens/iter, as the tables below were measured (the default job trains 1024/iter)
 WARMUP, ITERS = 3, 10
+SMOKE = "--smoke" in sys.argv or os.environ.get("BENCH_SMOKE") == "1"  # every table tiny (see the end of this file)
+RUN_KEYS = []  # key=value for the train.py runs of race, mfu and reading (--smoke: a tiny model's, then the command's)
 
 
 def peak_memory_mb(device):
@@ -182,6 +186,8 @@ def single_row(grad_ckpt):
 
 def in_subprocess(table, **kw):
     """Runs one row in a fresh interpreter (own peak memory) and returns its dict."""
+    if SMOKE:  # a tiny row: its peak memory means nothing anyway
+        return ROWS[table](**kw)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
     out = subprocess.run([sys.executable, __file__, "--row", table, json.dumps(kw)], env=env,
                          capture_output=True, text=True, check=True)
@@ -243,7 +249,9 @@ def run_ranks(worker, world, *args):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank_main, args=(world, port, worker, args, out), nprocs=world, start_method="spawn")
+        # smoke on a CPU: forked ranks start at once (no interpreter to start, no imports again)
+        how = "fork" if SMOKE and not torch.cuda.is_available() else "spawn"
+        mp.start_processes(_rank_main, args=(world, port, worker, args, out), nprocs=world, start_method=how)
         with open(out) as f:
             return json.load(f)
 
@@ -359,7 +367,7 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
 def pp_worker(ms, model):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from model import make_stage, pipeline_split
+    from pipeline import make_stage, pipeline_split
     mesh = parallel.setup("auto", 300, pp=int(os.environ["WORLD_SIZE"]))
     workarounds.keep_freed_memory()  # as train.py does on a CPU
     dev, T, V = mesh.device, model["block_size"], model["vocab_size"]
@@ -512,9 +520,10 @@ def table_pp(stages=(2, 4), ms=(4, 8), model=MODEL, title="the default model"):
         print(f"\n{name}, {split} split{f', V={virtual}' if virtual > 1 else ''}:\n{text}")
 
 
-def table_pp_both():
-    table_pp()
-    table_pp((2, 4), (8,), DEEP_MODEL, "a deeper model")
+def table_pp_both(stages=(2, 4), ms=(4, 8), deep_ms=(8,)):
+    table_pp(stages, ms)
+    if deep_ms:
+        table_pp(stages, deep_ms, DEEP_MODEL, "a deeper model")
 
 
 def tp_worker():
@@ -656,7 +665,7 @@ def table_long(lengths=(512, 1024, 2048)):
 
 
 def layout_worker(layout):
-    from model import make_stage
+    from pipeline import make_stage
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     with open("/proc/self/statm") as f:
@@ -795,7 +804,13 @@ def layout2d_worker(layout, optim_name):
 ITERS2 = 3
 
 
-def table_memory2d():
+LAYOUTS_2D = (("tp=2", "tp2+dp", 2), ("fsdp=4", "fsdp", 4), ("tp=2 x fsdp=2", "tp2+fsdp", 4),
+              ("tp=2 x zero=2", "tp2+zero2", 4), ("tp=2 x zero=1", "tp2+zero1", 4))
+MUON_2D = (("dp=4", "dp", 4), ("zero=2", "zero2", 4), ("fsdp=4", "fsdp", 4), ("tp=2 (x dp=2)", "tp2+dp", 4),
+           ("tp=2 x fsdp=2", "tp2+fsdp", 4))
+
+
+def table_memory2d(layouts=LAYOUTS_2D, muon_layouts=MUON_2D):
     whole = run_ranks(layout2d_worker, 1, "dp", "adamw")
     total = whole["params"] + whole["grads"] + whole["optimizer"]
     n = Transformer(ModelConfig(**MODEL)).num_params()
@@ -804,9 +819,7 @@ def table_memory2d():
     print(f"{'layout':<16} {'ranks':>5} | {'params MB':>9} | {'grads MB':>8} | {'optim MB':>8} | {'p+g+o':>6} | "
           f"{'of one process':>14}")
     print("-" * 82)
-    for name, layout, world in (("one process", "dp", 1), ("tp=2", "tp2+dp", 2), ("fsdp=4", "fsdp", 4),
-                                ("tp=2 x fsdp=2", "tp2+fsdp", 4), ("tp=2 x zero=2", "tp2+zero2", 4),
-                                ("tp=2 x zero=1", "tp2+zero1", 4)):
+    for name, layout, world in (("one process", "dp", 1), *layouts):
         r = whole if world == 1 else run_ranks(layout2d_worker, world, layout, "adamw")
         sum_ = r["params"] + r["grads"] + r["optimizer"]
         print(f"{name:<16} {world:>5} | {r['params']:9.2f} | {r['grads']:8.2f} | {r['optimizer']:8.2f} | {sum_:6.2f} | "
@@ -819,9 +832,7 @@ def table_memory2d():
     print(f"{'layout':<16} {'ranks':>5} | {'NS GFLOP/rank':>13} | {'share of all':>12} | {'orthogonalize ms':>16}")
     print("-" * 74)
     one = run_ranks(layout2d_worker, 1, "dp", "muon")
-    for name, layout, world in (("one process", "dp", 1), ("dp=4", "dp", 4), ("zero=2", "zero2", 4),
-                                ("fsdp=4", "fsdp", 4), ("tp=2 (x dp=2)", "tp2+dp", 4),
-                                ("tp=2 x fsdp=2", "tp2+fsdp", 4)):
+    for name, layout, world in (("one process", "dp", 1), *muon_layouts):
         r = one if world == 1 else run_ranks(layout2d_worker, world, layout, "muon")
         share = r["ns_gflop"] / one["ns_gflop"]
         print(f"{name:<16} {world:>5} | {r['ns_gflop']:13.3f} | {share:12.2f} | {r['ns_ms']:16.1f}")
@@ -943,6 +954,8 @@ def nanogpt_race(data_dir):
     src = nanogpt_dir("train.py", "model.py", "configurator.py", NANOGPT_CPU[0])
     if src is None:
         return None
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
     meta = data.load_meta(data_dir)
     if meta["dtype"] != "uint16":
         raise SystemExit(f"nanoGPT reads uint16 tokens; {data_dir} holds {meta['dtype']}")
@@ -961,14 +974,12 @@ def nanogpt_race(data_dir):
     return rows
 
 
-def table_race(recipes=None):
+def table_race(recipes=None, extra=None):
     """nanoGPT's own train.py (README CPU recipe, when ./nanogpt holds it), then each recipe
     in this trainer, one after the other on the same corpus; the targets: RACE_TARGETS and
     the val loss nanoGPT ends at (as it prints it), the race's finish line."""
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
     root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
     load = os.getloadavg()[0]
     nano = nanogpt_race(data_dir)
     targets = RACE_TARGETS + ((nano[-1][2],) if nano else ())
@@ -992,11 +1003,12 @@ def table_race(recipes=None):
     finish = {}
     for name, (procs, keys) in recipes.items():
         out = os.path.join(root, str(len(os.listdir(root))))
+        keys = {**keys, **(extra or {})}
         args = [f"{k}={v}" for k, v in {"eval_iters": 20, "eval_interval": 50, **keys}.items()]
         launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
         threads = {"OMP_NUM_THREADS": "1"} if procs > 1 else {}  # one process: torch's default, as nanoGPT's
         evals = timed_evals([sys.executable, *launch, TRAIN_PY, f"out_dir={out}", "init_from=scratch",
-                             "sample_tokens=0", "ckpt_interval=100000", *args],
+                             "sample_tokens=0", "ckpt_interval=100000", *args, *RUN_KEYS],
                             r"iter (\d+): val loss ([\d.]+)", env=default_threads_env(**threads))
         cfg = {**TRAIN, **keys}
         finish[name] = row(name, evals, cfg["batch_size"] * cfg["grad_accum_steps"] * cfg["block_size"],
@@ -1005,6 +1017,7 @@ def table_race(recipes=None):
         print(f"to nanoGPT's final val loss {targets[-1]}: nanoGPT {nano[-1][0]:.0f} s; " +
               "; ".join(f"{name} {t:.0f} s, {nano[-1][0] / t:.2f}x faster" if t else f"{name} never"
                         for name, t in finish.items()) + f" (goal: 4x); load average after: {os.getloadavg()[0]:.2f}")
+    shutil.rmtree(root, ignore_errors=True)  # the recipes' out_dirs
 
 
 def head_row(vocab, chunk, rows, width):
@@ -1063,7 +1076,7 @@ def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
               f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
 
 
-def table_mfu(iters=80, skip=20, rounds=2):
+def table_mfu(iters=80, skip=20, rounds=2, modes=(False, True)):
     """The default job's own numbers: `python train.py` in one process (the machine's threads),
     logging every iteration; the median over iterations skip.. of metrics.jsonl's dt_ms, eager
     and with compile=True, alternated for `rounds` (a neighbour's load comes and goes), and MFU
@@ -1074,11 +1087,11 @@ def table_mfu(iters=80, skip=20, rounds=2):
           f"{skip}-{iters - 1}; eager and compiled runs alternated, {rounds} of each")
     rows = []
     for _ in range(rounds):
-        for compile_ in (False, True):
+        for compile_ in modes:
             out = os.path.join(tempfile.mkdtemp(prefix="mfu_"), "out")
             t0 = time.time()
             p = subprocess.run([sys.executable, TRAIN_PY, f"out_dir={out}", f"max_iters={iters}", "log_interval=1",
-                                "eval_iters=1", "sample_tokens=0", "init_from=scratch", f"compile={compile_}"],
+                                "eval_iters=1", "sample_tokens=0", "init_from=scratch", f"compile={compile_}", *RUN_KEYS],
                                env=default_threads_env(), capture_output=True, text=True)
             if p.returncode == 0:
                 with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -1096,10 +1109,11 @@ def table_mfu(iters=80, skip=20, rounds=2):
     for compile_, ms, tok_s, flops_per_token, own_peak, wall in rows:
         print(f"{str(compile_):>7} | {ms:8.1f} | {tok_s:9,.0f} | {flops_per_token * tok_s / peak:6.1%} | "
               f"{own_peak / 1e9:7.1f} GF/s | {wall:7.1f} s")
-    best = {c: max(r[3] * r[2] for r in rows if r[0] == c) / peak for c in (False, True)}
+    best = {c: max(r[3] * r[2] for r in rows if r[0] == c) / peak for c in modes}
     print(f"MFU against {peak / 1e9:.1f} GFLOP/s, the best matmul rate the runs measured (train.py's own line divides "
-          f"by the rate its run measured); the fastest run: eager {best[False]:.1%}, compiled {best[True]:.1%} (goal: "
-          f"45%). FLOPs: 6 per parameter per token plus attention. whole run: launch to exit (imports, two "
+          f"by the rate its run measured); the fastest run: " + ", ".join(
+              f"{'compiled' if c else 'eager'} {m:.1%}" for c, m in best.items()) + f" (goal: 45%)."
+          f" FLOPs: 6 per parameter per token plus attention. whole run: launch to exit (imports, two "
           f"evaluations, a checkpoint, and compile=True's compiling, which a run pays once)")
 
 
@@ -1261,13 +1275,14 @@ def table_gpu():
 BUILD_MODEL = {**MODEL, "n_layer": 16, "n_embd": 256}  # deeper and wider: the layers outweigh embedding and head
 
 
-def build_worker(layout, hf):
+def build_worker(layout, hf_dir):
     """One rank of the build table: peak bytes of tensors this rank allocates while it builds
     the model with fresh weights and while it imports the Hugging Face copy, the meta way
     (train.py) and the old way (whole model first, then cut and shard)."""
     from contextlib import nullcontext
 
-    from model import make_stage
+    import hf
+    from pipeline import make_stage
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     mesh = parallel.setup("cpu", 300, pp=world if layout == "pp" else 1)
@@ -1279,7 +1294,7 @@ def build_worker(layout, hf):
                 with torch.device("meta") if meta else nullcontext():
                     model = Transformer(ModelConfig(**BUILD_MODEL))
                 if source == "import" and not meta:
-                    model.load_state_dict(hf.load_hf_llama(hf)[1])
+                    model.load_state_dict(hf.load_hf_llama(hf_dir)[1])
                 model = make_stage(model, mesh.pp_rank, mesh.pp)
                 if layout == "fsdp" and world > 1:
                     fsdp.fully_shard_model(model, mesh)
@@ -1287,7 +1302,7 @@ def build_worker(layout, hf):
                     build.materialize(model, "cpu")
                     model.init_rope()
                     if source == "import":
-                        hf.load_hf_parts(hf.hf_llama_index(hf)[1], build.local_parts(model))
+                        hf.load_hf_parts(hf.hf_llama_index(hf_dir)[1], build.local_parts(model))
                     else:
                         build.init_weights(model, 0)
             row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
@@ -1310,12 +1325,13 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | {'old build':>9} | "
           f"{'old import':>10}")
     print("-" * 62)
+    import hf
     with tempfile.TemporaryDirectory() as tmp:
-        hf = os.path.join(tmp, "hf")
-        hf.save_hf_llama(hf, model.state_dict(), cfg)
+        hf_dir = os.path.join(tmp, "hf")
+        hf.save_hf_llama(hf_dir, model.state_dict(), cfg)
         del model
         for layout, world in layouts:
-            r = run_ranks(build_worker, world, layout, hf)
+            r = run_ranks(build_worker, world, layout, hf_dir)
             print(f"{layout:<6} {world:>5} | {whole / world:7.1f} | {r['meta_init']:6.1f} | {r['meta_import']:6.1f} | "
                   f"{r['whole_init']:9.1f} | {r['whole_import']:10.1f}")
     print("build/import: the meta-device build (train.py): the stage is cut and the shards made on the meta "
@@ -1439,9 +1455,10 @@ def reading_count(entry, funcs):
 
 def table_reading(functions=False):
     out = os.path.join(tempfile.mkdtemp(), "out")
-    args = ["max_iters=1", "sample_tokens=0", "eval_interval=1000", f"out_dir={out}"]
+    args = ["max_iters=1", "sample_tokens=0", "eval_interval=1000", f"out_dir={out}", *RUN_KEYS]
     root = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, "-c", READING_PROBE, root] + args, capture_output=True, text=True)
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
     line = [x for x in p.stderr.splitlines() if x.startswith("READING ")]
     assert line, p.stderr[-2000:]
     res = json.loads(line[0][len("READING "):])
@@ -1467,15 +1484,37 @@ TABLES = {"single": table_single, "dp": table_dp, "pp": table_pp_both, "tp": tab
           "gpu": table_gpu, "mfu": table_mfu, "profile": table_profile, "tokenize": table_tokenize}
 ROWS = {"single": single_row, "lora": lora_row, "head": head_row}
 
+# --smoke: each table at a tiny model and a row or two of each kind, so that a test runs them all in
+# one launch (tests/test_bench.py): what breaks shows, the numbers mean nothing
+SMOKE_KEYS = dict(vocab_size=512, n_layer=8, n_head=4, n_kv_head=2, n_embd=32, block_size=16, batch_size=2,
+                  grad_accum_steps=2, eval_iters=1)
+SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), deep_ms=()), "tp": dict(worlds=(2,)),
+              "memory": dict(layouts=(("zero2+offload", 2), ("fsdp", 2), ("pp", 2))),
+              "memory2d": dict(layouts=(("tp=2 x zero=2", "tp2+zero2", 4),),
+                               muon_layouts=(("tp=2 x fsdp=2", "tp2+fsdp", 4),)),
+              "sample": dict(batches=(1,), repeats=1), "build": dict(layouts=(("fsdp", 2), ("pp", 2))),
+              "checkpoint": dict(worlds=(2,), saves=1, models=(MODEL,)), "head": dict(vocabs=(512,)),
+              "race": dict(recipes=("default (python train.py)",), extra=dict(max_iters=2, eval_interval=1)),
+              "profile": dict(steps=1),
+              "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,))}
+if SMOKE:
+    os.environ["BENCH_SMOKE"] = "1"  # the ranks and rows it starts import this file again: tiny there too
+    WARMUP, ITERS, ITERS2, BATCH, PP_BATCH, TP_BATCH, MEM_BATCH = 0, 1, 1, 2, 2, 2, 2
+    TRAIN.update(SMOKE_KEYS)
+    for shape in (MODEL, DEEP_MODEL, BIG, BUILD_MODEL, TP_MODEL):  # in place: default arguments hold them
+        shape.update({k: SMOKE_KEYS[k] for k in ("vocab_size", "block_size", "n_layer", "n_embd")})
+    RUN_KEYS = [f"{k}={v}" for k, v in SMOKE_KEYS.items()] + [a for a in sys.argv[1:] if "=" in a]
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--row":
         print(json.dumps(ROWS[sys.argv[2]](**json.loads(sys.argv[3]))))
         sys.exit(0)
-    names = [a for a in sys.argv[1:] if a != "--functions"] or list(TABLES)
+    names = [a for a in sys.argv[1:] if not a.startswith("--") and "=" not in a] or list(TABLES)
     for name in names:
         if name not in TABLES:
             sys.exit(f"error: unknown table '{name}': choose from {', '.join(TABLES)}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     for name in names:
-        TABLES[name](**({"functions": True} if name == "reading" and "--functions" in sys.argv else {}))
+        TABLES[name](**(SMOKE_ARGS.get(name, {}) if SMOKE else {}),
+                     **({"functions": True} if name == "reading" and "--functions" in sys.argv else {}))

@@ -31,6 +31,9 @@ def excepthook(kind, err, tb):
     out = sys.__stderr__
     if isinstance(err, UserError):
         print(f"error: {err}", file=out, flush=True)
+    elif isinstance(err, KeyboardInterrupt):  # Ctrl-C before the run catches it: every file is written whole or not
+        print("interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the command again",
+              file=out, flush=True)
     else:
         traceback.print_exception(kind, err, tb, file=out)
 

@@ -17,8 +17,10 @@ default is a list (a list key, such as `phases`, is a Python literal on the comm
 
 import ast
 import difflib
+import io
 import math
 import os
+import tokenize
 import traceback
 
 import torch
@@ -27,9 +29,9 @@ from common import UserError, check
 from model import ModelConfig
 
 
-def _unknown(key, defaults, where):
+def _unknown(key, defaults, where, script):
     close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else "see the defaults at the top of train.py"
+    hint = f"did you mean '{close[0]}'?" if close else f"python {script} --help lists them"
     return UserError(f"unknown config key '{key}' {where}: {hint}")
 
 
@@ -54,24 +56,25 @@ def _parse_value(raw, default):
     return raw if isinstance(default, str) and not isinstance(value, str) else value
 
 
-def configure(defaults, argv):
-    """Returns {key: value} of the overrides in argv (config files and key=value), checked
-    against `defaults` (train.py's globals). Nothing here executes a command-line value."""
+def configure(defaults, argv, script="train.py"):
+    """Returns {key: value} of the overrides in argv (config files and key=value), checked against
+    `defaults` (`script`'s). Nothing here executes a command-line value. -h / --help: the keys."""
     overrides = {}
     for arg in argv:
         if "=" not in arg:
-            if arg.startswith("-"):
-                raise UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
-            overrides.update(_config_file(arg, defaults, overrides))
+            if arg.startswith("-"):  # -h / --help: the keys, their defaults and comments (exit 0)
+                raise SystemExit(print(script_help(script, defaults))) if arg in ("-h", "--help") else UserError(
+                    f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
+            overrides.update(_config_file(arg, defaults, overrides, script))
             continue
         key, raw = arg.lstrip("-").split("=", 1)
         if key not in defaults:
-            raise _unknown(key, defaults, "on the command line")
+            raise _unknown(key, defaults, "on the command line", script)
         overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key], "on the command line")
     return overrides
 
 
-def _config_file(path, defaults, overrides):
+def _config_file(path, defaults, overrides, script):
     """The keys a config file assigns: it runs in a namespace that sees the defaults (and the
     overrides before it), and what it changed is kept, type-checked like the command line."""
     try:
@@ -93,7 +96,7 @@ def _config_file(path, defaults, overrides):
         if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
             continue
         if key not in defaults:
-            raise _unknown(key, defaults, f"in {path}")
+            raise _unknown(key, defaults, f"in {path}", script)
         if key in before and value is before[key]:
             continue
         assigned[key] = _typed(key, value, defaults[key], f"in {path}")
@@ -115,6 +118,34 @@ def script_defaults(path):
     return out
 
 
+def script_help(script, defaults):
+    """--help: every key of `defaults` with its default and the comment beside it in `script`
+    (this project's train.py or sample.py: its top-level or main()'s assignments), its section
+    comments as headings: the file that owns the keys is the one source."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    with open(path) as f:
+        source = f.read()
+    comments = {t.start[0]: (t.start[1], t.string.lstrip("# ")) for t in
+                tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    lines, tree = source.splitlines(), ast.parse(source, path)
+    main = [n.body for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assigns = {}  # key: its first assignment, the default
+    for n in tree.body + sum(main, []):
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in defaults:
+            assigns.setdefault(n.targets[0].id, n)
+    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys and their defaults:"]
+    for prev, node in zip([None, *assigns.values()], assigns.values()):
+        heading = [comments[ln][1] for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
+                   if comments.get(ln, (1,))[0] == 0]  # a section's heading: comments at the margin
+        out += [f"\n{' '.join(heading)}"] if heading else []
+        text, ln = [comments.get(node.end_lineno, (0, ""))[1]], node.end_lineno + 1
+        while ln in comments and comments[ln][0] > 0 and not lines[ln - 1][:comments[ln][0]].strip():
+            text, ln = text + [comments[ln][1]], ln + 1  # the comment goes on under the line
+        key = f"{node.targets[0].id} = {ast.get_source_segment(source, node.value)}"
+        out.append(f"  {key:<34} {' '.join(text)}".rstrip())
+    return "\n".join(out)
+
+
 # ---- the one validation pass ----------------------------------------------------------
 # Every constraint on the config is stated here once, checked before anything touches the
 # disk or a process group. Per key: its choices and ranges. Between keys: the layout, and the
@@ -127,13 +158,16 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp")
+              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "fault_nan_steps")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
-                "learning_rate", "embed_lr_scale", "min_lr", "weight_decay", "grad_clip", "neftune_alpha", "peak_flops",
-                "sample_tokens", "fault_save_delay_s", "export_shard_mb", "lora_rank")
+                "min_lr", "weight_decay", "grad_clip", "peak_flops", "fault_save_delay_s", "export_shard_mb", "lora_rank")
+# (rates and scales end far past any sane value, where a finite one still overflows float32 in the step;
+# sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1), "loss_scale_backoff": (0, 1),
-            "loss_scale_init": (1, 2.0 ** 64)}  # the scale's floor is 1; loss x scale must fit a float32
+            "loss_scale_init": (1, 2.0 ** 64),  # fp16: the scale's floor is 1; loss x scale fits a float32
+            "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6), "lora_alpha": (0, 10 ** 6),
+            "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
 PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
@@ -407,6 +441,8 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
 def check_files(c):
     """Where the weights come from and where the run writes."""
     init_from, out_dir, export_hf = c["init_from"], c["out_dir"], c["export_hf"]
+    for key in ("out_dir", "export_hf", "export_lora", "init_from"):  # the file system takes up to 255 bytes a name
+        check(max(len(os.fsencode(p)) for p in c[key].split(os.sep)) <= 255, f"{key}= has a name over 255 bytes: shorten it")
     check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
           f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
           f"Hugging Face LLaMA directory)")

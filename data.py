@@ -209,6 +209,17 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
+def check_made_as_asked(data_dir, asked, given):
+    """An existing dataset was made with the val_fraction and data_source the command gives
+    (meta.json records them): else one line naming the setting that differs, not the old split."""
+    made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again")
+    for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
+        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:  # (older data: no record)
+            raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command asks for {key}="
+                            f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or drop {key}= to use "
+                            f"it as it is (or pick another dataset= name)")
+
+
 # ---------------------------------------------------------------------------------------
 # the model's tokenizer: what checkpoints record ("tokenizer_spec"), where a run's comes from
 

@@ -207,7 +207,9 @@ def save_peft_lora(path, model, lora):
     """Writes the adapters of `model` (whole, adapters not merged) as a PEFT LoRA directory:
     adapter_config.json + adapter_model.safetensors, which
     peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), path) loads.
-    `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf_llama."""
+    `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf_llama.
+    Returns the base it names (base_model_name_or_path, what AutoPeftModelForCausalLM loads):
+    the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or None."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
     assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), "save_peft_lora: unmerge first"
@@ -217,7 +219,7 @@ def save_peft_lora(path, model, lora):
     base = lora.get("base") or {}
     config = {  # the keys of peft.LoraConfig that change what the adapter computes, at their meaning here
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "inference_mode": True,
-        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf" else None,
+        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf" else base.get("hf"),
         "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
         "target_modules": sorted(PEFT_TARGETS[t] for t in lora["targets"]),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
@@ -225,6 +227,7 @@ def save_peft_lora(path, model, lora):
         "rank_pattern": {}, "alpha_pattern": {},
     }
     write_export_dir(path, "adapter_config.json", config, "adapter_model.safetensors", tensors)
+    return config["base_model_name_or_path"]
 
 
 def load_peft_lora(path):
@@ -339,6 +342,9 @@ def attach(model, lora, adapter, src, meta, mesh, seed, lora_from=""):
         load_base(model, lora["base"], mesh)
     else:
         lora["base"] = base_reference(src.path, mesh)
+        export = (src.meta or {}).get("config", {}).get("export_hf") if src.kind == "run" else None
+        if export and os.path.isfile(os.path.join(export, "config.json")):  # the base run's own Hugging Face export
+            lora["base"]["hf"] = os.path.abspath(export)
     apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed)
     if adapter is not None:
         load_lora_adapter(model, adapter, lora_from)

@@ -181,6 +181,9 @@ def excepthook(kind, err, tb):
         common.excepthook(kind, err, tb)
     if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
         sys.modules["rundir"].remove_refused()
+    if isinstance(err, KeyboardInterrupt):  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+        out.flush()
+        os._exit(130)
     if dist.is_initialized():
         out.flush()
         sys.stdout.flush()

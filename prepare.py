@@ -245,7 +245,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     work = f"{final}.tmp{os.getpid()}"
     clean_stale(final)
     shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    try:
+        os.makedirs(work)
+    except OSError as e:
+        raise UserError(f"cannot create {work} beside the dataset {final} ({e.strerror or e}): pick another output "
+                        f"directory (--out, or dataset=)") from None
     names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
     out = {name: open(os.path.join(work, name), "wb") for name in names}
     tokens = {"train": 0, "val": 0}
@@ -374,14 +378,15 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
 
 def main():
     sys.excepthook = excepthook
-    ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json")
+    ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help: the defaults too
     ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
                     "(of text, or of chat conversations for SFT)")
-    ap.add_argument("--name", help="dataset name (default: stdlib, or the source's base name)")
-    ap.add_argument("--out", help="output directory (default: data/NAME)")
+    ap.add_argument("--name", help="dataset name (None: stdlib, or the source's base name)")
+    ap.add_argument("--out", help="output directory (None: data/NAME)")
     ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
     ap.add_argument("--vocab_size", type=int, default=8192, help="truncate the BPE to N ids (0: keep it whole)")
-    ap.add_argument("--val_fraction", type=float, default=0.01)
+    ap.add_argument("--val_fraction", type=float, default=0.01, help="share of documents that go to val")
     ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
     ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
     ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")

@@ -98,11 +98,12 @@ def _make(out_dir):
 def _check_existing(out_dir):
     """A directory that was there before this run: the lock file, config.json, metrics.jsonl
     and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
-    fix = "remove it (or pick another out_dir)"
+    fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
+    if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
+        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, not a directory this "
+                        f"trainer made: {fix}")
     for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
         _regular_or_absent(os.path.join(out_dir, name), fix)
-    if os.path.islink(os.path.join(out_dir, "ckpt")):
-        raise UserError(f"{out_dir}/ckpt is a symbolic link, not a directory this trainer made: {fix}")
 
 
 def _refuse_busy(fd, path, out_dir, e):
@@ -230,12 +231,16 @@ def start_wandb(config, out_dir, project, name, run_id):
                       id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
 
 
-def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None):
+def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None, again=False):
     """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
     checkpoint back into the model, the optimizer, the random streams (and fp16's loss
     scaler), metrics.jsonl cut
     back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
-    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error."""
+    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
+    and `again` (no finite step since the last rollback): the fault is not in a few batches."""
+    check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or gradient norm right "
+                     f"after rolling back: the fault outlives a rollback, so it is not a few bad batches; lower "
+                     f"learning_rate, check the data from there on, or resume from an earlier checkpoint")
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or path is None:
         raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
@@ -412,11 +417,21 @@ class Saves:
 
 def catch_signals(mesh):
     """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
-    which the loop's all-reduce turns into a stop that all ranks agree on (then a checkpoint)."""
+    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))
     return received
+
+
+def signal_name(received):
+    return signal.Signals(received[0]).name if received else "a signal (on another rank)"
+
+
+def exit_code(received):
+    """A run stopped by a signal exits as a shell reports a command it killed: 128 + N (a rank
+    that stopped because another got it: SIGTERM's), so `train.py && sample.py` stops there."""
+    return 128 + (received[0] if received else signal.SIGTERM)
 
 
 def _on_signal(received, rank, signum, frame):

@@ -2,8 +2,8 @@
 Generate text from the latest checkpoint of a run, or export its weights to one file:
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
-    python sample.py out_dir=out export=model.pt     # {name: tensor}, for torch.load(weights_only=True)
-    python sample.py out_dir=out export_hf=hf_model   # a Hugging Face LLaMA directory, weights and tokenizer
+    python sample.py out_dir=out export=out/model.pt # {name: tensor}, for torch.load(weights_only=True)
+    python sample.py out_dir=out export_hf=runs/hf_model # a Hugging Face LLaMA directory, weights and tokenizer
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.
@@ -47,31 +47,36 @@ def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_
 
 def main(argv):
     out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
-    ckpt = ""
+    ckpt = ""                   # a checkpoint directory to load instead of out_dir's latest
     prompt = ""                 # '' : start from <|endoftext|>, i.e. the beginning of a document
-    num_samples = 2
-    max_new_tokens = 200
+    num_samples = 2             # samples to print, each from the same prompt
+    max_new_tokens = 200        # tokens generated per sample
     temperature = 0.8           # 0: greedy
     top_k = 50                  # 0: sample from the whole distribution
-    seed = 1337
-    device = "auto"
+    seed = 1337                 # the samples' random draws
+    device = "auto"             # 'auto': cuda if available, else cpu
     export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
     export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many MB (0: one file)
     defaults = dict(locals())
-    cfg = {**defaults, **configurator.configure(defaults, argv)}
+    cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 
     check = common.check
     check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,
           f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
     for key in ("max_new_tokens", "num_samples", "top_k"):
-        check(cfg[key] >= 0, f"{key}={cfg[key]} must not be negative")
+        check(0 <= cfg[key] <= 10 ** 6, f"{key}={cfg[key]} must be in [0, 10**6]")
     check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
     check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
     export_dir = os.path.dirname(os.path.abspath(cfg["export"])) if cfg["export"] else "."
     check(os.path.isdir(export_dir), f"export={cfg['export']}: the directory {export_dir} does not exist: create it "
                                      f"or export elsewhere")
-    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
+    check(not os.path.isdir(cfg["export"]), f"export={cfg['export']} is a directory: name the file to write, e.g. "
+                                            f"export={os.path.join(cfg['export'], 'model.pt')}")
+    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
+    problem = checkpoint.verify(path) if cfg["ckpt"] else None
+    check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or drop ckpt= to "
+                           f"use the newest intact one of out_dir")
     if path is None:
         raise common.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
                                f"ckpt=path/to/iter_XXXXXXX")

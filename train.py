@@ -172,6 +172,8 @@ def prepared(source, prep):  # its directory (a name under data/, or a directory
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
         prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
+    if "val_fraction" in overrides or "data_source" in overrides:  # the data must be what the command asks for
+        data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, overrides)
     return data_dir
 
 
@@ -336,7 +338,7 @@ def save(it):  # tokenizer_spec: the model's whole tokenizer travels with it; lo
                     "tokenizer_spec": data.spec_of(meta), "loss_scale": scaler.state_dict() if scaler else None})
 
 
-signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
+signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 128 + N
 if fault_nan_at >= 0:  # testing the NaN guard: these iterations' loss (so all their gradients) become NaN
     raw_model.register_forward_hook(lambda m, args, out: (out[0], out[1] * math.nan) if m.training and out[1] is not
                                     None and fault_nan_at <= it < fault_nan_at + fault_nan_steps else None)
@@ -352,7 +354,7 @@ evaluated_at = start_iter if src.kind == "resume" else None  # its val loss is a
 saved_at = start_iter  # the checkpoint of this iteration exists (or it is iteration 0)
 dt_avg = None
 stop = False       # a signal asked this run to stop (agreed by all ranks)
-bad_streak = 0     # consecutive iterations with a non-finite loss or gradient norm
+bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback (if any)
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}
@@ -444,12 +446,12 @@ while True:
         if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
             saves.finish(it)  # an async save in flight is the latest checkpoint once finished
             it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
-                                                            bad_streak, it, nan_action, scaler)
-            bad_streak = 0
+                                                            bad_streak, it, nan_action, scaler, again=not recovered)
+            bad_streak, recovered = 0, False
             continue
         it += 1
         continue
-    bad_streak = 0
+    bad_streak, recovered = 0, True
     if it % log_interval == 0 or it == max_iters - 1:
         if not peak:  # peak_flops=0: this device's matmul rate, measured once, at the first log line
             peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
@@ -467,7 +469,8 @@ while True:
 # ---- the end --------------------------------------------------------------------------
 saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 if stop:
-    mesh.print0(f"stopped by a signal after iteration {it}: checkpoint saved; run the same command again to continue")
+    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
+                f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
 whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
@@ -481,8 +484,9 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
         final = checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
     final.eval()
     if export_lora and lora:  # LoRA: lora.py
-        lora_py.save_peft_lora(export_lora, final, lora)
-        print(f"exported the LoRA adapters in PEFT's format to {export_lora}", flush=True)
+        named = lora_py.save_peft_lora(export_lora, final, lora)
+        print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base " + (named or "(unnamed: "
+              "the base run made no export_hf; start LoRA from its export for AutoPeftModelForCausalLM)"), flush=True)
     if lora:  # LoRA: W + (alpha / r) B A, which export_hf writes and sampling runs
         lora_py.merge_lora(final)
     if export_hf:
@@ -494,6 +498,8 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
         import sample
         text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
         print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
+if stop:  # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
+    workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
     workarounds.exit_now()  # all is written and the process group is gone: not through the interpreter's
                             # shutdown, where gloo's worker threads can abort a finished run (SIGABRT)

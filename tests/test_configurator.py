@@ -1,3 +1,6 @@
+import ast
+import re
+
 import pytest
 
 from common import UserError
@@ -30,10 +33,41 @@ def test_wrong_types_are_errors(arg, message):
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(UserError, match="unknown config key 'n_layers' on the command line: did you mean 'n_layer'"):
         configure(DEFAULTS, ["n_layers=3"])
-    with pytest.raises(UserError, match="unknown config key 'zzz'.*see the defaults"):
+    with pytest.raises(UserError, match="unknown config key 'zzz'.*python train.py --help lists them"):
         configure(DEFAULTS, ["--zzz=3"])
     with pytest.raises(UserError, match="is not key=value"):
         configure(DEFAULTS, ["--n_layer"])
+    with pytest.raises(UserError, match="unknown config key 'zzz'.*python sample.py --help"):
+        configure(DEFAULTS, ["zzz=3"], "sample.py")
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "data.py"])
+def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monkeypatch):
+    """-h / --help: each key, its default and the comment beside it, read from the file that
+    owns them (train.py's globals, sample.py's main(); data.py: its argparse options)."""
+    import sys
+
+    import prepare
+    import sample
+    from test_docs import sample_keys, train_keys
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as stop:
+            if script == "data.py":
+                monkeypatch.setattr(sys, "argv", ["data.py", flag])
+                prepare.main()
+            else:
+                sample.main([flag]) if script == "sample.py" else configure(train_keys(), ["n_layer=2", flag])
+        out = capsys.readouterr().out
+        assert stop.value.code in (0, None)  # exit status 0
+        if script == "data.py":
+            assert "--val_fraction VAL_FRACTION" in out and "share of documents that go to val (default: 0.01)" in out
+            continue
+        keys = train_keys() if script == "train.py" else sample_keys()
+        rows = [re.fullmatch(r"  (\w+) = (.+?)(?: {2,}(.*))?", line) for line in out.splitlines() if line[:2] == "  "]
+        assert {m[1]: ast.literal_eval(m[2]) for m in rows} == keys  # every key, its default as the file has it
+        comments = {m[1]: m[3] for m in rows}
+        assert {"train.py": "'scratch' (must not); or a path to start from its weights", "sample.py": "0: greedy"}[
+            script] in comments["init_from" if script == "train.py" else "temperature"]
 
 
 def test_config_file(tmp_path):

@@ -134,3 +134,30 @@ def test_the_reading_cost_counts_each_line_once():
     total, per_file = bench.reading_count(100, funcs)
     assert total == 100 + 20 + 2 + 1
     assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)], "optim.py": [("step", 40, 40)]}
+
+
+def test_every_python_block_of_the_docs_runs():
+    """The docs' Python blocks all sit on docs/finetuning.md, whose workflow test runs each as
+    written (tests/test_tokenizer.py); a block on another page needs a test that runs it."""
+    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    counts = {page: read(page).count("```python") for page in pages}
+    assert {p: n for p, n in counts.items() if n} == {"docs/finetuning.md": 3}, counts
+
+
+def test_what_the_docs_commands_write_is_git_ignored():
+    """Every path a command of the README, the docs, a config file or a script's docstring writes
+    (out_dir=, export_hf=, export_lora=, export=, --out) is ignored by git: a user who follows
+    them keeps a clean checkout."""
+    import subprocess
+    texts = [read(p) for p in ["README.md", *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))),
+                               *(f"config/{f}" for f in os.listdir(os.path.join(ROOT, "config")))]]
+    texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in os.listdir(ROOT) if f.endswith(".py")]
+    written = r"(out_dir|export_hf|export_lora|export|--out)(?:=| = |(?<=--out) )(['\"]?[\w./-]+)"
+    found = {(k, v.strip("'\"")) for t in texts for k, v in re.findall(written, t)}
+    paths = sorted(v + ("" if k == "export" else "/") for k, v in found  # directories, but export='s file
+                   if v not in ("DIR", "D", "x") and not v.startswith(("/", "{")))
+    assert {"out/", "runs/sft_hf/", "runs/lora_adapter/", "out/model.pt"} <= set(paths), paths  # the scan works
+    p = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths], cwd=ROOT,
+                       capture_output=True, text=True)
+    missing = [line.split("\t")[1] for line in p.stdout.splitlines() if line.startswith("::")]
+    assert p.returncode in (0, 1) and not missing, f"not git-ignored: {missing}"

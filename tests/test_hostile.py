@@ -373,6 +373,31 @@ def bad_extra_tokens(raw):
     return make
 
 
+def ckpt_a_file(b, tmp):
+    os.makedirs(os.path.join(tmp, "out"))
+    with open(os.path.join(tmp, "out", "ckpt"), "w") as f:
+        f.write("not a directory")
+    return lambda: rundir.lock_out_dir(os.path.join(tmp, "out"))
+
+
+def sample_unverified_ckpt(b, tmp):
+    """sample.py ckpt= a checkpoint whose file no longer matches its manifest's hash."""
+    run = copy(b["run"], os.path.join(tmp, "out"))
+    ckpt = os.path.join(run, "ckpt", "iter_0000004")
+    with open(os.path.join(ckpt, next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    return lambda: sample.main([f"ckpt={ckpt}", f"export={os.path.join(tmp, 'out', 'w.pt')}"])
+
+
+def data_asked(**asked):
+    """A run that gives val_fraction= or data_source= other than the prepared data's."""
+    def make(b, tmp):
+        c = {"val_fraction": 0.2, "data_source": "", **asked}
+        return lambda: data.check_made_as_asked(b["data"], c, asked)  # train.py's prepared() asks this
+    return make
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -456,6 +481,23 @@ CASES = [
     (10, "busy out_dir under torchrun: one line", "run", busy_out_dir_under_torchrun),
     (10, "disk full on a save says so", "raises", full_disk_save),
     (10, "a refused run leaves nothing behind", "run", refused_run),
+    # issue 41: the last leftovers (numbered 41)
+    (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
+    (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
+    (41, "lora_alpha=1e300", "raises", validated(lora_alpha=1e300)),
+    (41, "neftune_alpha=1e300", "raises", validated(neftune_alpha=1e300)),
+    (41, "fault_nan_steps=-7", "raises", validated(fault_nan_steps=-7)),
+    (41, "sample_tokens=10**30", "raises", validated(sample_tokens=10 ** 30)),
+    (41, "export_hf= a 5,000-character name", "raises", validated(export_hf="x" * 5000)),
+    (41, "sample.py num_samples=-1", "raises", sample_args("num_samples=-1")),
+    (41, "sample.py max_new_tokens=10**30", "raises", sample_args(f"max_new_tokens={10 ** 30}")),
+    (41, "sample.py export= an existing directory", "raises", lambda b, tmp: sample_args(f"export={tmp}")(b, tmp)),
+    (41, "sample.py ckpt= a checkpoint that does not verify", "raises", sample_unverified_ckpt),
+    (41, "data.py --out /proc/self/x", "raises", lambda b, tmp: lambda: prepare.prepare(
+        "stdlib", "/proc/self/x", "cl100k_base", 512, verbose=False)),
+    (41, "out_dir/ckpt a regular file", "raises", ckpt_a_file),
+    (41, "val_fraction= other than the prepared data's", "raises", data_asked(val_fraction=0.5)),
+    (41, "data_source= other than the prepared data's", "raises", data_asked(data_source="elsewhere/*.txt")),
 ]
 
 

@@ -222,6 +222,8 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
+        named = json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
+        assert named == os.path.abspath(hf_dir)  # a Hugging Face base names itself
     if "tp=2" in extra:  # the merged model, W + (alpha / r) B A
         want, got = (hf.load_hf_llama(d)[1] for d in (single["root"] / "merged", tmp_path / "merged"))
         assert got.keys() == want.keys()

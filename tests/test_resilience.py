@@ -80,6 +80,19 @@ def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_
     assert p.stderr.strip().splitlines()[-1].startswith("error: 2 iterations in a row (up to 6) had a non-finite")
 
 
+def test_a_fault_that_outlives_its_rollback_stops_the_run(dataset, tmp_path):
+    """NaNs from iteration 3 on: the rollback lands on the checkpoint of iteration 4, saved
+    inside the streak, and the NaNs come back at once: the run stops (non-zero, one line)
+    instead of skipping its way to max_iters."""
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=10", "ckpt_interval=4",
+                   "fault_nan_at=3", "fault_nan_steps=100"], cwd=tmp_path, check=False)
+    assert p.returncode == 1 and "rolled back to" in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [
+        "error: 3 more iterations in a row (up to 8) had a non-finite loss or gradient norm right after rolling back: "
+        "the fault outlives a rollback, so it is not a few bad batches; lower learning_rate, check the data from "
+        "there on, or resume from an earlier checkpoint"]
+
+
 def rank_pids(out_dir):
     """pid -> RANK of the train.py processes writing to out_dir."""
     pids = {}
@@ -125,7 +138,7 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode != 0 and "exitcode  : 143" in err, err[-3000:]  # stopped, not finished: 128 + SIGTERM
     with open(os.path.join(out, "ckpt", "latest")) as f:
         stopped = int(f.read().strip()[5:])
     assert 7 < stopped < 60 and "got SIGTERM" in err
@@ -234,3 +247,40 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
                           for r in rows]
     again = strip(read_metrics(out))[:len(killed)]
     assert [r["iter"] for r in killed if "loss" in r][-1] >= 7 and strip(killed) == again  # == on floats
+
+
+def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, tmp_path):
+    """Ctrl-C in the loop: the step ends, a checkpoint is saved, exit 130 (so `train.py &&
+    sample.py` stops there). Ctrl-C while the data is being prepared: one line, exit 130, and
+    neither a half-prepared dataset nor an out_dir left behind."""
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, f"dataset={dataset}",
+                             f"out_dir={out}"], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_iter(out, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    with open(os.path.join(out, "ckpt", "latest")) as f:
+        stopped = int(f.read().strip()[5:])
+    assert f"stopped by SIGINT after iteration {stopped}: checkpoint saved" in stdout
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, "dataset=fresh",
+                             "data_source=stdlib", f"out_dir={tmp_path / 'never'}"], cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the whole standard library takes a while to tokenize
+            if line.startswith("preparing data/fresh"):
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.splitlines() == [
+        "interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the command again"], err
+    assert not os.path.exists(tmp_path / "data") or not os.listdir(tmp_path / "data")
+    assert not os.path.exists(tmp_path / "never")

@@ -262,15 +262,23 @@ def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
         data.check_model_tokenizer(alone, "data/alone", spec, "the model")
 
 
-def doc_commands(path, heading):
-    """The `python train.py ...` lines of the first bash block after `heading` in a doc."""
+def doc_commands(path, heading, script="train.py"):
+    """The arguments of each `python train.py ...` (or `torchrun ... train.py`) command of the first
+    bash block after `heading` in a doc (`script`: sample.py's instead)."""
     import shlex
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
-    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
-    return [shlex.split(line)[2:] for line in block.splitlines() if line.startswith("python train.py")]
+    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    return [c[c.index(script) + 1:] for c in commands if c[:1] in (["python"], ["torchrun"]) and script in c]
 
 
-def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path):
+def doc_python(path):
+    """The Python blocks of a doc, in order."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+
+
+def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatch):
     """docs/finetuning.md's workflow as written (tiny model keys and max_iters=2 appended): a
     Hugging Face base with its own BPE tokenizer, CPT with extra tokens, SFT on chat data from
     it, LoRA on that, exports loaded by transformers and peft. A string keeps its id through
@@ -317,5 +325,24 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path):
                                         tmp_path / "runs" / "lora_adapter").eval()
     out = merged.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8 and isinstance(tok.decode(out[0]), str)
+    # the adapter names its base (the SFT run's export), so PEFT's Auto class finds it alone
+    from peft import AutoPeftModelForCausalLM
+    auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "runs" / "lora_adapter").eval()
+    assert auto.peft_config["default"].base_model_name_or_path == str(tmp_path / "runs" / "sft_hf")
     with torch.no_grad():
         torch.testing.assert_close(adapted(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(auto(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
+    # the page's export and LoRA-on-the-base commands (that one in one process), then its Python
+    # blocks as written, in the directory the commands made
+    run_train(doc_commands("docs/finetuning.md", "### Exporting to Hugging Face", "sample.py")[0], cwd=tmp_path,
+              script="sample.py")
+    lora_base = doc_commands("docs/finetuning.md", "## LoRA")[0]
+    run_train([*lora_base, *(a for a in shrink if a.split("=")[0] not in {a.split("=")[0] for a in lora_base})],
+              cwd=tmp_path)
+    adapter = json.load(open(tmp_path / "runs" / "lora_base_adapter" / "adapter_config.json"))
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "runs" / "base")  # a Hugging Face base: itself
+    monkeypatch.chdir(tmp_path)
+    blocks = doc_python("docs/finetuning.md")
+    assert len(blocks) == 3
+    for block in blocks:
+        exec(compile(block, "docs/finetuning.md", "exec"), {})

@@ -1,0 +1,25 @@
+"""bench.py's tables run: `python bench.py --smoke` runs every one of them at a tiny size in
+one launch (their numbers mean nothing here; docs/benchmarks.md holds the real runs)."""
+
+import ast
+import os
+
+from conftest import ROOT, run_train
+
+# the heading each table prints first (gpu: its line for a machine without CUDA)
+HEADINGS = {"single": "## single process", "dp": "## data parallel", "pp": "## pipeline parallel",
+            "tp": "## tensor parallel", "memory": "## memory and speed per layout", "memory2d": "## Muon per step",
+            "lora": "## full fine-tuning vs LoRA", "sample": "## sampling", "build": "## building and importing",
+            "checkpoint": "## checkpoint saves", "race": "| default (python train.py) | 64 | 2 |",
+            "reading": "to the first optimizer step", "head": "## head + loss", "gpu": "## gpu",
+            "mfu": "## mfu", "profile": "## profile"}
+
+
+def test_every_table_runs_at_a_tiny_size(dataset, tmp_path):
+    tree = ast.parse(open(os.path.join(ROOT, "bench.py")).read())
+    tables = next(n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "TABLES")
+    assert sorted(ast.literal_eval(k) for k in tables.keys) == sorted(HEADINGS)  # a new table gets a heading here
+    p = run_train(["--smoke", f"dataset={dataset}"], cwd=tmp_path, script="bench.py", timeout=600)
+    missing = [name for name, heading in HEADINGS.items() if heading not in p.stdout]
+    assert not missing, f"tables that printed nothing: {missing}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert "Traceback" not in p.stderr and not os.listdir(tmp_path)  # and nothing written where it ran
