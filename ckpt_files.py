@@ -72,8 +72,8 @@ def check_meta(meta, path):
         if set(model) - set(fields):
             return f"meta.json: model has unknown keys {sorted(set(model) - set(fields))[:3]}"
         for key, f in fields.items():
-            kind = {int: int, float: float, bool: bool}[type(f.default)]
-            json_field(model, key, kind, "meta.json model", fix, 0 if kind is not bool else None,
+            kind = {int: int, float: float, bool: bool, str: str}[type(f.default)]
+            json_field(model, key, kind, "meta.json model", fix, 0 if kind in (int, float) else None,
                        MAX_SIZES.get(key), required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
         if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
                                                    "block_size", "rope_theta", "norm_eps")):

@@ -51,6 +51,11 @@ class ModelConfig:
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd "
                              f"must be divisible by n_head, n_head divisible by n_kv_head, head_dim even (rotary)")
+        if self.rope_type not in ("default", "linear", "llama3") or not 0 < self.rope_factor or \
+                not 0 < self.rope_low_freq < self.rope_high_freq or self.hf_model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"rope_type={self.rope_type!r}, rope_factor={self.rope_factor}, rope_low_freq="
+                             f"{self.rope_low_freq}, rope_high_freq={self.rope_high_freq}, hf_model_type="
+                             f"{self.hf_model_type!r}: not a rotary scaling or a model type this model implements")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 

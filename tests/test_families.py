@@ -1,0 +1,153 @@
+"""The bases people continue, each built tiny and random by transformers: Llama 3.2 (rotary
+scaling llama3, tied embeddings), Llama 2 / TinyLlama (plain), Mistral (a sliding window shorter
+than the sequences), Qwen2 (q/k/v biases, its window). Each one: load -> logits equal
+transformers' -> continual pretraining with extra tokens -> SFT -> LoRA -> export (HF + PEFT) ->
+transformers and peft load the exports and their logits equal ours."""
+
+import functools
+import json
+
+import pytest
+import torch
+from conftest import RUN, run_train
+
+import checkpoint
+import hf
+from lora import merge_lora
+from model import ModelConfig, Transformer
+
+SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, rms_norm_eps=1e-5)
+# (transformers config class, its keys). Llama 3.2's scaling with original_max_position_embeddings
+# far below the sequences, and wavelengths (2 pi 10000^(2j/8): 6, 63, 628, 6283) on every branch of
+# it: kept (< 64 / 4), blended, divided (> 64 / 1). The windows are shorter than RUN's block_size=32.
+FAMILIES = {
+    "llama3.2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama2": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=12, max_window_layers=0)),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_bpe():
+    """A byte-level BPE trained by `tokenizers` on code (Llama 3's kind), with an end-of-text
+    token and a BOS token that a post-processor adds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    import prepare
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|begin|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    _, files = prepare.stdlib_files()
+    tok.train_from_iterator([open(f, encoding="utf-8", errors="replace").read()[:3000] for f in files[:40]], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A $B:1",
+                                                       special_tokens=[("<|begin|>", 1)])
+    return tok
+
+
+def write_tokenizer(family, directory):
+    """Writes `family`'s tokenizer into `directory`; returns its number of ids. For now one
+    byte-level BPE serves every family: each family's own kind (SentencePiece with byte fallback
+    for Llama 2 and Mistral, NFC for Qwen2, Llama 3's split and specials) replaces it here once
+    the tokenizer branch (issue 36's other half) lands."""
+    from transformers import PreTrainedTokenizerFast
+    tok = _byte_level_bpe()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|endoftext|>").save_pretrained(
+        directory)
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def base(request, tmp_path_factory):
+    """(family, directory): a random tiny model of the family saved by transformers, with its
+    tokenizer; biases random (transformers starts them at 0, which would test nothing)."""
+    import transformers
+    family, (config_class, keys) = request.param, FAMILIES[request.param]
+    path = str(tmp_path_factory.mktemp(family) / "base")
+    vocab = write_tokenizer(family, path)
+    config = getattr(transformers, config_class)(vocab_size=vocab, bos_token_id=1, eos_token_id=0, **SIZE, **keys)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.eval().save_pretrained(path)
+    return family, path
+
+
+def hf_logits(path, x, adapter=None):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model.eval()(x).logits
+
+
+def ours_from(out_dir):
+    """Our model of a run's newest checkpoint (a LoRA run's merged), for inference."""
+    model, _ = checkpoint.load_whole(checkpoint.find(out_dir, None))
+    merge_lora(model)
+    return model.eval()
+
+
+def test_loads_with_transformers_logits(base):
+    """Logits equal transformers' over 128 positions: 16 sliding windows, twice the original
+    context of Llama 3.2's scaling; with the KV cache, generation equals the plain one."""
+    family, path = base
+    kwargs, weights = hf.load_hf_llama(path)
+    cfg = ModelConfig(**kwargs, block_size=128)
+    assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window) == {
+        "llama3.2": ("llama3", True, False, 0), "llama2": ("default", False, False, 0),
+        "mistral": ("default", False, False, 8), "qwen2": ("default", False, True, 12)}[family]
+    model = Transformer(cfg).eval()
+    weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # (tied: one tensor)
+    model.load_state_dict(weights)
+    x = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], hf_logits(path, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.generate(x[:, :4], 30, temperature=0),
+                               model.generate(x[:, :4], 30, temperature=0, kv_cache=False), rtol=0, atol=0)
+
+
+def test_cpt_sft_lora_export(base, corpus, tmp_path):
+    """The workflow: continual pretraining from the base with extra tokens, SFT from that run
+    (exported: the LoRA's base), LoRA from it, exported merged and as PEFT adapters. Each export
+    loads in transformers (the family's class, its context length and rotary scaling) and peft,
+    with our logits."""
+    family, path = base
+    words = tmp_path / "domain.txt"
+    words.write_text("def __init__(self\nreturn None\n")
+    cpt, sft, lora = (str(tmp_path / name) for name in ("cpt", "sft", "lora"))
+    run = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2"]  # (the base's vocabulary)
+    p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2",
+                   f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path)
+    base_vocab = hf.load_hf_llama(path)[0]["vocab_size"]
+    assert f"growing the vocabulary from {base_vocab} to {base_vocab + 2}" in p.stdout
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
+                             for i in range(40)))
+    run_train([*run, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", f"init_from={cpt}",
+               f"out_dir={sft}", f"export_hf={sft}/hf"], cwd=tmp_path)
+    run_train([*run, "dataset=chat", f"init_from={sft}", "lora_rank=4", "lora_targets=wq,wk,wv,wo,w1",
+               f"out_dir={lora}", f"export_hf={lora}/hf", f"export_lora={lora}/peft"], cwd=tmp_path)
+    x = torch.randint(0, base_vocab + 6, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        mine_sft, mine_lora = ours_from(sft)(x)[0], ours_from(lora)(x)[0]
+    torch.testing.assert_close(hf_logits(f"{sft}/hf", x), mine_sft, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_logits(f"{lora}/hf", x), mine_lora, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_logits(f"{sft}/hf", x, adapter=f"{lora}/peft"), mine_lora, rtol=1e-5, atol=1e-5)
+    assert (mine_lora - mine_sft).abs().max() > 1e-3  # the adapters learned something the checks would see
+    base_config, config = (json.load(open(f"{d}/config.json")) for d in (path, f"{lora}/hf"))
+    for key in ("model_type", "architectures", "max_position_embeddings", "sliding_window", "use_sliding_window",
+                "tie_word_embeddings"):
+        assert config.get(key) == base_config.get(key), key  # (max_position_embeddings: the base's 128, not 32)
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(f"{lora}/hf").rope_parameters == AutoConfig.from_pretrained(path).rope_parameters
