@@ -6,10 +6,11 @@ transformers and peft load the exports and their logits equal ours."""
 
 import functools
 import json
+import os
 
 import pytest
 import torch
-from conftest import RUN, run_train
+from conftest import RUN, assert_same_curve, read_metrics, run_train, torchrun
 
 import checkpoint
 import hf
@@ -62,13 +63,11 @@ def write_tokenizer(family, directory):
     return tok.get_vocab_size()
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def base(request, tmp_path_factory):
-    """(family, directory): a random tiny model of the family saved by transformers, with its
-    tokenizer; biases random (transformers starts them at 0, which would test nothing)."""
+def make_base(family, path):
+    """A random tiny model of `family` saved into `path` by transformers, with its tokenizer;
+    biases random (transformers starts them at 0, which would test nothing)."""
     import transformers
-    family, (config_class, keys) = request.param, FAMILIES[request.param]
-    path = str(tmp_path_factory.mktemp(family) / "base")
+    config_class, keys = FAMILIES[family]
     vocab = write_tokenizer(family, path)
     config = getattr(transformers, config_class)(vocab_size=vocab, bos_token_id=1, eos_token_id=0, **SIZE, **keys)
     torch.manual_seed(0)
@@ -78,7 +77,13 @@ def base(request, tmp_path_factory):
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
     model.eval().save_pretrained(path)
-    return family, path
+    return path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def base(request, tmp_path_factory):
+    """(family, its base's directory)."""
+    return request.param, make_base(request.param, str(tmp_path_factory.mktemp(request.param) / "base"))
 
 
 def hf_logits(path, x, adapter=None):
@@ -151,3 +156,26 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
         assert config.get(key) == base_config.get(key), key  # (max_position_embeddings: the base's 128, not 32)
     from transformers import AutoConfig
     assert AutoConfig.from_pretrained(f"{lora}/hf").rope_parameters == AutoConfig.from_pretrained(path).rope_parameters
+
+
+def test_biases_and_window_on_layouts(corpus, tmp_path):
+    """Qwen2's q/k/v biases and its sliding window (12 < block_size) on the layouts, with Muon
+    (biases: AdamW, no decay): one out_dir whose legs resume each other, fsdp (dp=2, the
+    meta-device build importing the base's shards) -> tp=2 (the checkpoint's biases cut with
+    their rows) -> pp=2, is the single-process curve, and its last checkpoint (tp slices
+    gathered on save: pp=2 after tp) holds the single-process weights."""
+    path = make_base("qwen2", str(tmp_path / "base"))
+    common = [a for a in RUN if not a.startswith(("vocab_size=", "optim="))] + [
+        "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
+        "keep_ckpts=0", "eval_interval=2"]
+    single, chain = [*common, f"out_dir={tmp_path / 'single'}"], [*common, f"out_dir={tmp_path / 'chain'}"]
+    run_train([*single, "max_iters=4"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=2", "fsdp=True"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=3", "tp=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=4", "pp=2"], cwd=tmp_path)
+    assert_same_curve(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "chain"))
+    a, b = (checkpoint.load_whole(os.path.join(tmp_path, run, "ckpt", "iter_0000004"))[0].state_dict()
+            for run in ("chain", "single"))
+    assert set(a) == set(b) and "layers.1.attention.wv.bias" in a
+    for k in a:  # (atol: see test_fsdp.py's test_one_run_moves_through_every_layout)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
