@@ -18,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
+MODEL_TYPES = ("llama", "mistral", "qwen2")   # ModelConfig.hf_model_type (hf.py)
+
 
 @dataclass
 class ModelConfig:
@@ -31,13 +34,11 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
-    # Hugging Face's rotary scaling (scaled_frequencies), set from a base's config.json by hf.py:
-    # rope_type 'default' (none), 'linear' (Code Llama) or 'llama3' (Llama 3.1, 3.2)
-    rope_type: str = "default"
+    rope_type: str = "default"  # Hugging Face's rotary scaling (ROPE_TYPES)
     rope_factor: float = 1.0
-    rope_low_freq: float = 1.0         # llama3: low_freq_factor
-    rope_high_freq: float = 4.0        # llama3: high_freq_factor
-    rope_original_len: int = 8192      # llama3: original_max_position_embeddings
+    rope_low_freq: float = 1.0  # llama3: low_freq_factor
+    rope_high_freq: float = 4.0  # llama3: high_freq_factor
+    rope_original_len: int = 8192  # llama3: original_max_position_embeddings
     sliding_window: int = 0    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
     qkv_bias: bool = False     # biases on wq, wk, wv (Qwen2)
     max_position: int = 0      # the context the model is made for (a base's max_position_embeddings; 0: block_size)
@@ -51,11 +52,6 @@ class ModelConfig:
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
             raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd "
                              f"must be divisible by n_head, n_head divisible by n_kv_head, head_dim even (rotary)")
-        if self.rope_type not in ("default", "linear", "llama3") or not 0 < self.rope_factor or \
-                not 0 < self.rope_low_freq < self.rope_high_freq or self.hf_model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"rope_type={self.rope_type!r}, rope_factor={self.rope_factor}, rope_low_freq="
-                             f"{self.rope_low_freq}, rope_high_freq={self.rope_high_freq}, hf_model_type="
-                             f"{self.hf_model_type!r}: not a rotary scaling or a model type this model implements")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
@@ -77,8 +73,7 @@ def rope_tables(head_dim, block_size, theta, cfg=None):
     LlamaForCausalLM uses: frequency j drives dims j and j + head_dim/2 (not interleaved pairs).
     Using HF's layout means HF q/k weights load without a permutation. cfg: its rotary scaling."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if cfg is not None and cfg.rope_type != "default":
-        inv_freq = scaled_frequencies(inv_freq, cfg)
+    inv_freq = inv_freq if cfg is None or cfg.rope_type == "default" else scaled_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)                                  # (T, head_dim)
     return angles.cos(), angles.sin()
@@ -91,7 +86,7 @@ def scaled_frequencies(inv_freq, cfg):
     rope_original_len / rope_high_freq are kept; in between a linear blend of the two."""
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
-    assert cfg.rope_type == "llama3", f"rope_type={cfg.rope_type!r}"
+    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and ckpt_files.py check)
     wavelen = 2 * math.pi / inv_freq
     smooth = (cfg.rope_original_len / wavelen - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
     blend = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
@@ -211,10 +206,8 @@ def init_tensor(name, shape, n_layer, seed):
     that holds a slice draws it whole), the same bits on every device and layout. GPT-2 style:
     N(0, 0.02), norms 1, and the projections into the residual stream (wo, w2) scaled by
     1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth; biases 0."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device="cpu")
-    if name.endswith(".bias"):
-        return torch.zeros(shape, device="cpu")
+    if name.endswith(("norm.weight", ".bias")):
+        return (torch.zeros if name.endswith(".bias") else torch.ones)(shape, device="cpu")
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight")) else 0.02
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
@@ -233,12 +226,14 @@ def document_mask(doc_ids):
     return (same_doc & causal)[:, None]                                        # (B, 1, T, T)
 
 
-def sliding_window_mask(start, T, window, device):
+def sliding_window_mask(start, T, window, device, mask=None):
     """(T, start + T) boolean attention mask of a sliding window (Mistral's, as transformers
-    builds it): the query at position start + i sees key j iff start + i - window < j <= start + i."""
+    builds it): the query at position start + i sees key j iff start + i - window < j <= start + i.
+    And a document mask (B, 1, T, T) (start 0): both, (B, 1, T, T)."""
     q = torch.arange(start, start + T, device=device)[:, None]
     k = torch.arange(start + T, device=device)[None]
-    return (k <= q) & (k > q - window)
+    window = (k <= q) & (k > q - window)
+    return window if mask is None else mask & window
 
 
 class Transformer(nn.Module):
@@ -287,8 +282,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         mask = None if doc_ids is None else document_mask(doc_ids)  # None: SDPA's own causal mask
         if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
-            window = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device)
-            mask = window if mask is None else mask & window
+            mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device, mask)
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
