@@ -265,7 +265,7 @@ def hf_window(hf, refuse):
                                       for i in range(hf["num_hidden_layers"])]
     if set(map(str, kinds)) == {"full_attention"}:
         return 0
-    if set(kinds) != {"sliding_attention"} or len(kinds) != hf["num_hidden_layers"]:
+    if set(map(str, kinds)) != {"sliding_attention"} or len(kinds) != hf["num_hidden_layers"]:
         raise refuse("layer_types", "a sliding window on some layers only is not implemented (all or none)")
     return hf["sliding_window"]
 

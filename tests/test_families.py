@@ -10,10 +10,11 @@ import os
 
 import pytest
 import torch
-from conftest import RUN, assert_same_curve, read_metrics, run_train, torchrun
+from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchrun
 
 import checkpoint
 import hf
+from configurator import UserError
 from lora import merge_lora
 from model import ModelConfig, Transformer
 
@@ -122,6 +123,49 @@ def test_loads_with_transformers_logits(base):
                                model.generate(x[:, :4], 30, temperature=0, kv_cache=False), rtol=0, atol=0)
 
 
+def test_config_forms_and_refusals(tmp_path):
+    """The rotary scaling as the hub's files write it (rope_scaling beside rope_theta, "type" in
+    older ones) and as transformers 5 does (rope_parameters); Qwen2's window by its switch and
+    layer types; each thing not implemented is one line. And `linear` scaling's logits equal
+    transformers'."""
+    llama, qwen2 = {**HF, "model_type": "llama"}, {**HF, "model_type": "qwen2"}
+
+    def ours(hf_config, *keys):
+        cfg = ModelConfig(**hf.hf_config_to_ours(hf_config))
+        return tuple(getattr(cfg, k) for k in keys)
+
+    rope = ("rope_type", "rope_factor", "rope_theta", "rope_low_freq", "rope_high_freq", "rope_original_len")
+    assert ours({**llama, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 5e5}, *rope) == (
+        "linear", 2.0, 5e5, 1.0, 4.0, 8192)
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    assert ours({**llama, "rope_parameters": {**llama3, "rope_theta": 5e5, "original_max_position_embeddings": 8192}},
+                *rope) == ("llama3", 32.0, 5e5, 1.0, 4.0, 8192)
+    assert ours({**llama, "rope_scaling": llama3}, "rope_original_len", "max_position") == (64, 64)  # (as HF)
+    assert ours({**qwen2, "sliding_window": 4096}, "qkv_bias", "sliding_window", "hf_model_type") == (True, 0, "qwen2")
+    assert ours({**qwen2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+                "sliding_window") == (16,)
+    assert ours({**llama, "model_type": "mistral", "sliding_window": None}, "sliding_window") == (0,)
+    for bad, field in [({**llama, "rope_scaling": {**llama3, "low_freq_factor": 4.0}}, "rope_scaling"),
+                       ({**llama, "rope_scaling": {"rope_type": "linear", "factor": True}}, "rope_scaling"),
+                       ({**llama, "rope_parameters": {"rope_type": "longrope"}}, "rope_parameters"),
+                       ({**qwen2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+                        "layer_types"),
+                       ({**qwen2, "use_sliding_window": True, "sliding_window": 16, "layer_types": [[1], "x"]},
+                        "layer_types"),
+                       ({**llama, "model_type": "mistral", "sliding_window": -4}, "sliding_window")]:
+        with pytest.raises(UserError, match=f"config.json: {field}="):
+            hf.hf_config_to_ours(bad)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**HF, rope_scaling={"rope_type": "linear", "factor": 4.0})).save_pretrained(tmp_path)
+    kwargs, weights = hf.load_hf_llama(tmp_path)
+    model = Transformer(ModelConfig(**kwargs, block_size=64)).eval()
+    model.load_state_dict(weights)
+    x = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], hf_logits(tmp_path, x), rtol=1e-5, atol=1e-5)
+
+
 def test_cpt_sft_lora_export(base, corpus, tmp_path):
     """The workflow: continual pretraining from the base with extra tokens, SFT from that run
     (exported: the LoRA's base), LoRA from it, exported merged and as PEFT adapters. Each export
@@ -136,6 +180,7 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
                    f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path)
     base_vocab = hf.load_hf_llama(path)[0]["vocab_size"]
     assert f"growing the vocabulary from {base_vocab} to {base_vocab + 2}" in p.stdout
+    assert " n_layer=2 n_head=4 n_kv_head=2 n_embd=32 ffn_dim=64 " in p.stdout  # the base's, not train.py's defaults
     chats = tmp_path / "chat.jsonl"
     chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
                              for i in range(40)))
@@ -163,7 +208,8 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
     (biases: AdamW, no decay): one out_dir whose legs resume each other, fsdp (dp=2, the
     meta-device build importing the base's shards) -> tp=2 (the checkpoint's biases cut with
     their rows) -> pp=2, is the single-process curve, and its last checkpoint (tp slices
-    gathered on save: pp=2 after tp) holds the single-process weights."""
+    gathered on save: pp=2 after tp) holds the single-process weights. LoRA on the biased
+    linears (the biases frozen with the base) at tp=2 is its single-process curve too."""
     path = make_base("qwen2", str(tmp_path / "base"))
     common = [a for a in RUN if not a.startswith(("vocab_size=", "optim="))] + [
         "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
@@ -179,3 +225,10 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
     assert set(a) == set(b) and "layers.1.attention.wv.bias" in a
     for k in a:  # (atol: see test_fsdp.py's test_one_run_moves_through_every_layout)
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
+    lora = [*common, "max_iters=3", "lora_rank=4", "lora_targets=wq,wk,wv,w1"]
+    run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path)
+    torchrun(2, [*lora, f"out_dir={tmp_path / 'lora_tp'}", "tp=2"], cwd=tmp_path)
+    assert_same_curve(read_metrics(tmp_path / "lora_single"), read_metrics(tmp_path / "lora_tp"))
+    adapted = ours_from(str(tmp_path / "lora_tp")).state_dict()
+    biases = {n: t for n, t in hf.load_hf_llama(path)[1].items() if n.endswith(".bias")}
+    assert len(biases) == 6 and all(torch.equal(adapted[n], t) for n, t in biases.items())  # frozen: as they were
