@@ -14,7 +14,7 @@ import shutil
 import torch
 
 from configurator import MAX_SIZES, UserError, loads_json, read_json
-from model import ModelConfig, Transformer
+from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
 # safetensors, by hand: 8 bytes little-endian header length N, N bytes of JSON
@@ -177,8 +177,8 @@ def rename(name, table):
     return table[key].format(i=m[2] if m else None) if key in table else None
 
 
+# model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def hf_config_to_ours(hf):
@@ -401,7 +401,7 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         if enc.n_vocab != cfg.vocab_size:  # config.json's vocab_size is the tokenizer's: one model
             raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
                              f"vocab_size={cfg.vocab_size}")
-        more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.block_size)
+        more["tokenizer.json"], more["tokenizer_config.json"] = hf_tokenizer(enc, cfg.max_position or cfg.block_size)
         # <|endoftext|> closes every packed document, so it is also what the next one follows
         # (a model's own tokenizer may have a BOS token of its own: tokenizer.py)
         bos = getattr(enc, "bos_token", None)

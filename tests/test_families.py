@@ -199,6 +199,7 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     for key in ("model_type", "architectures", "max_position_embeddings", "sliding_window", "use_sliding_window",
                 "tie_word_embeddings"):
         assert config.get(key) == base_config.get(key), key  # (max_position_embeddings: the base's 128, not 32)
+    assert json.load(open(f"{lora}/hf/tokenizer_config.json"))["model_max_length"] == 128
     from transformers import AutoConfig
     assert AutoConfig.from_pretrained(f"{lora}/hf").rope_parameters == AutoConfig.from_pretrained(path).rope_parameters
 
