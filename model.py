@@ -146,8 +146,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        # mask: None (plain causal) or a boolean (B, 1, T, T), or a sliding window's (T, past + T),
-        # True where attending is allowed.
+        # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where attending is allowed
         # cache: generation's KVCache of the tokens before x (KVCache.extend)
         B, T, C = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
