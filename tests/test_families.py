@@ -21,8 +21,9 @@ from model import ModelConfig, Transformer
 SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, rms_norm_eps=1e-5)
 # (transformers config class, its keys). Llama 3.2's scaling with original_max_position_embeddings
-# far below the sequences, and wavelengths (2 pi 10000^(2j/8): 6, 63, 628, 6283) on every branch of
-# it: kept (< 64 / 4), blended, divided (> 64 / 1). The windows are shorter than RUN's block_size=32.
+# 64, half the positions the load test compares, and wavelengths (2 pi 10000^(2j/8): 6, 63, 628,
+# 6283) on every branch of it: kept (< 64 / 4), blended, divided (> 64 / 1). The windows are
+# shorter than RUN's block_size=32.
 FAMILIES = {
     "llama3.2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
