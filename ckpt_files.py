@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from common import MAX_SIZES, UserError, describe_error, json_field, read_json
-from model import ModelConfig
+from model import MODEL_TYPES, ROPE_TYPES, ModelConfig
 
 
 CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on
@@ -66,12 +66,15 @@ def check_meta(meta, path):
         if set(model) - set(fields):
             return f"meta.json: model has unknown keys {sorted(set(model) - set(fields))[:3]}"
         for key, f in fields.items():
-            kind = {int: int, float: float, bool: bool}[type(f.default)]
-            json_field(model, key, kind, "meta.json model", fix, 0 if kind is not bool else None,
+            kind = {int: int, float: float, bool: bool, str: str}[type(f.default)]
+            json_field(model, key, kind, "meta.json model", fix, 0 if kind in (int, float) else None,
                        MAX_SIZES.get(key), required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
+        if model.get("rope_type") not in (None, *ROPE_TYPES) or model.get("hf_model_type") not in (None, *MODEL_TYPES) \
+                or (model.get("rope_low_freq") or 1.0) >= (model.get("rope_high_freq") or 4.0):
+            return "meta.json: model has a rope_type, rope_low_freq/high_freq or hf_model_type not implemented here"
         if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                                                   "block_size", "rope_theta", "norm_eps")):
-            return "meta.json: a model size, rope_theta or norm_eps is not positive"
+                                                   "block_size", "rope_theta", "norm_eps", "rope_factor")):
+            return "meta.json: a model size, rope_theta, rope_factor or norm_eps is not positive"
         ModelConfig(**model)
         config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
         json_field(config, "tokenizer", str, "meta.json config", fix)

@@ -14,7 +14,7 @@ import shutil
 import torch
 
 from common import MAX_SIZES, UserError, loads_json, read_json
-from model import ModelConfig, Transformer
+from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
 # safetensors, by hand: 8 bytes little-endian header length N, N bytes of JSON
@@ -157,6 +157,9 @@ HF_LLAMA_NAMES = {
     "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wq.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wk.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attention.wq.bias",  # Qwen2's biases
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wk.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wv.bias",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
@@ -174,17 +177,23 @@ def rename(name, table):
     return table[key].format(i=m[2] if m else None) if key in table else None
 
 
+# model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def hf_config_to_ours(hf):
-    """ModelConfig kwargs (all but block_size) from a Hugging Face LLaMA config.json dict.
+    """ModelConfig kwargs (all but block_size) from a Hugging Face config.json dict of a LLaMA,
+    or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer).
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
-        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only plain LLaMA models "
-                         f"(LlamaForCausalLM without those variants) can be loaded")
+        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral and "
+                         f"Qwen2 variants (without those options) can be loaded")
 
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
-              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head"}
+              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+              "max_position_embeddings": "block_size", "sliding_window": "block_size"}
     for field, ours in bounds.items():
-        if field == "num_key_value_heads" and hf.get(field) is None:
+        if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window") and hf.get(field) is None:
             continue
         if type(hf.get(field)) is not int:
             raise refuse(field, "missing or not an int")
@@ -192,26 +201,41 @@ def hf_config_to_ours(hf):
             raise refuse(field, f"a size must be positive and at most {MAX_SIZES[ours]}")
     # a string "false" is truthy, "abc" no eps: the types JSON gives, strictly
     for field, kinds in (("tie_word_embeddings", bool), ("attention_bias", bool), ("mlp_bias", bool),
-                         ("rms_norm_eps", (int, float)), ("rope_theta", (int, float)), ("rope_parameters", dict),
+                         ("use_sliding_window", bool), ("rms_norm_eps", (int, float)), ("rope_theta", (int, float)),
+                         ("rope_parameters", dict), ("rope_scaling", dict), ("layer_types", list),
                          ("hidden_act", str), ("model_type", str), ("head_dim", int)):
         if hf.get(field) is not None and (not isinstance(hf[field], kinds) or
                                           type(hf[field]) is bool and kinds is not bool):
             raise refuse(field, f"a JSON {type(hf[field]).__name__} where {field} needs "
                                 f"{getattr(kinds, '__name__', 'number')}")
-    rope = hf.get("rope_parameters") or {}
-    for field, value in (("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
-                         ("rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))):
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise refuse("model_type", "not a LLaMA model (llama, mistral or qwen2)")
+    # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters
+    rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise refuse(rope_field, f"rope_type {rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
+    scaling = dict(rope_type=rope_type)
+    numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope.get("rope_theta", hf.get(
+        "rope_theta", 10000.0)))]
+    if rope_type != "default":
+        numbers.append(("rope_factor", rope.get("factor")))
+    if rope_type == "llama3":
+        numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor")),
+                    ("rope_original_len", rope.get("original_max_position_embeddings",
+                                                   hf.get("max_position_embeddings")))]
+    for field, value in numbers:
         if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value < 1e30:
-            raise refuse(field, "must be a positive finite number")
-    if hf.get("model_type") != "llama":
-        raise refuse("model_type", "not a LLaMA model")
-    if hf.get("rope_scaling") is not None:
-        raise refuse("rope_scaling", "scaled rotary positions are not implemented")
-    # transformers >= 5 writes rope_theta (and rope_type, its rope_scaling) under rope_parameters
-    if not isinstance(rope.get("rope_type", "default"), str) or rope.get("rope_type", "default") != "default":
-        raise refuse("rope_parameters", "scaled rotary positions are not implemented")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise refuse("attention_bias" if hf.get("attention_bias") else "mlp_bias", "biases are not implemented")
+            raise refuse(field if field in hf else rope_field, f"{field} must be a positive finite number")
+        scaling[field] = float(value) if field != "rope_original_len" else int(value)
+    if rope_type == "llama3" and not scaling["rope_low_freq"] < scaling["rope_high_freq"]:
+        raise refuse(rope_field, "low_freq_factor must be below high_freq_factor")
+    if hf.get("mlp_bias"):
+        raise refuse("mlp_bias", "MLP biases are not implemented")
+    if hf.get("attention_bias"):  # LLaMA's also biases o_proj; Qwen2's q/k/v biases need no flag
+        raise refuse("attention_bias", "an output-projection bias is not implemented (Qwen2's q/k/v biases are)")
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "only silu (SwiGLU) is implemented")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
@@ -220,9 +244,30 @@ def hf_config_to_ours(hf):
                                  f"is implemented")
     return dict(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
-                ffn_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
+                qkv_bias=family == "qwen2", max_position=hf.get("max_position_embeddings") or 0,
+                hf_model_type=family)
+
+
+def hf_window(hf, refuse):
+    """The sliding window of a config.json (0: none): Mistral's applies to every layer; Qwen2's
+    only with use_sliding_window, to the layers layer_types says (transformers 5 writes them;
+    older files: the layers from max_window_layers on), all or none of them here."""
+    if hf["model_type"] == "llama" or hf.get("sliding_window") is None:
+        return 0
+    if hf["model_type"] == "mistral":
+        return hf["sliding_window"]
+    if not hf.get("use_sliding_window"):
+        return 0
+    first = hf.get("max_window_layers", 0)
+    kinds = hf.get("layer_types") or ["sliding_attention" if type(first) is int and i >= first else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    if set(map(str, kinds)) == {"full_attention"}:
+        return 0
+    if set(map(str, kinds)) != {"sliding_attention"} or len(kinds) != hf["num_hidden_layers"]:
+        raise refuse("layer_types", "a sliding window on some layers only is not implemented (all or none)")
+    return hf["sliding_window"]
 
 
 def expected_shapes(cfg):
@@ -327,7 +372,7 @@ def load_hf_llama(path):
 
 def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
-    LLaMA directory that LlamaForCausalLM.from_pretrained loads: config.json and
+    LLaMA directory (or Mistral, Qwen2: cfg.hf_model_type) that AutoModelForCausalLM loads: config.json and
     model.safetensors (float32; no lm_head when the embeddings are tied), or, past shard_mb
     megabytes (10**6 bytes, as HF counts them) of weights, shards model-0000i-of-0000N.safetensors
     and model.safetensors.index.json, as save_pretrained writes them. With `enc` (the run's
@@ -343,20 +388,20 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         raise ValueError(f"save_hf_llama: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
     tensors = {rename(name, to_hf): state_dict[name].detach().to("cpu", torch.float32) for name in expected}
     hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [FAMILIES[cfg.hf_model_type]], "model_type": cfg.hf_model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
+        "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
     }
     more = {}
     if enc is not None:
         if enc.n_vocab != cfg.vocab_size:  # config.json's vocab_size is the tokenizer's: one model
             raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
                              f"vocab_size={cfg.vocab_size}")
-        more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.block_size)
+        more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.max_position or cfg.block_size)
         more["tokenizer_config.json"] = tok_config
         more["special_tokens_map.json"] = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token",
                                                                       "pad_token") if tok_config.get(k) is not None}
@@ -368,6 +413,31 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         hf_config["eos_token_id"] = enc.eot_token
     write_export_dir(path, "config.json", hf_config, "model.safetensors", tensors,
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
+
+
+def hf_rope_scaling(cfg):
+    """config.json's rope_scaling for our rotary scaling (None: none), as the hub's files write it."""
+    if cfg.rope_type == "default":
+        return None
+    scaling = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
+    if cfg.rope_type == "llama3":
+        scaling.update(low_freq_factor=cfg.rope_low_freq, high_freq_factor=cfg.rope_high_freq,
+                       original_max_position_embeddings=cfg.rope_original_len)
+    return scaling
+
+
+def hf_family_fields(cfg):
+    """config.json's fields of the model's family: LLaMA's bias switches, Mistral's window,
+    Qwen2's window switch (its q/k/v biases are implied)."""
+    window = cfg.sliding_window or None
+    assert cfg.qkv_bias == (cfg.hf_model_type == "qwen2") and (cfg.hf_model_type != "llama" or not window), \
+        f"a {cfg.hf_model_type} model with qkv_bias={cfg.qkv_bias}, sliding_window={cfg.sliding_window}"
+    if cfg.hf_model_type == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if cfg.hf_model_type == "mistral":
+        return {"sliding_window": window}
+    return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer}
 
 
 def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):

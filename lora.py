@@ -32,14 +32,13 @@ from parallel import broadcast_object
 
 
 class LoRALinear(nn.Module):
-    """An nn.Linear (no bias) with a LoRA adapter. The base weight stays `.weight`, so the
-    base's names in checkpoints and Hugging Face files do not change."""
+    """An nn.Linear with a LoRA adapter. The base weight stays `.weight` (and its bias, if any,
+    `.bias`: Qwen2's q/k/v), so the base's names in checkpoints and Hugging Face files do not change."""
 
     def __init__(self, base, rank, alpha, dropout=0.0):
         super().__init__()
-        assert base.bias is None, "LoRALinear wraps bias-free linears (all of this model's)"
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight  # the same Parameter: frozen by apply_lora, not copied
+        self.weight, self.bias = base.weight, base.bias  # the same Parameters: frozen by apply_lora, not copied
         # skip_init: no draw from the global RNG here (reset_adapter has its own generator)
         dev = base.weight.device
         self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device=dev)   # weight (r, in)
@@ -63,7 +62,7 @@ class LoRALinear(nn.Module):
         return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         if self.merged:  # W already holds W + (alpha / r) B A
             return y
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling

@@ -18,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
+MODEL_TYPES = ("llama", "mistral", "qwen2")   # ModelConfig.hf_model_type (hf.py)
+
 
 @dataclass
 class ModelConfig:
@@ -31,6 +34,15 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_type: str = "default"  # Hugging Face's rotary scaling (ROPE_TYPES)
+    rope_factor: float = 1.0
+    rope_low_freq: float = 1.0  # llama3: low_freq_factor
+    rope_high_freq: float = 4.0  # llama3: high_freq_factor
+    rope_original_len: int = 8192  # llama3: original_max_position_embeddings
+    sliding_window: int = 0    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
+    qkv_bias: bool = False     # biases on wq, wk, wv (Qwen2)
+    max_position: int = 0      # the context the model is made for (a base's max_position_embeddings; 0: block_size)
+    hf_model_type: str = "llama"  # what an export declares: llama, mistral or qwen2 (hf.py)
     norm_eps: float = 1e-5
     grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
     neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see neftune)
@@ -56,14 +68,31 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim, block_size, theta):
+def rope_tables(head_dim, block_size, theta, cfg=None):
     """cos/sin of shape (block_size, head_dim) in the "rotate half" layout that Hugging Face's
     LlamaForCausalLM uses: frequency j drives dims j and j + head_dim/2 (not interleaved pairs).
-    Using HF's layout means HF q/k weights load without a permutation."""
+    Using HF's layout means HF q/k weights load without a permutation. cfg: its rotary scaling."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = inv_freq if cfg is None or cfg.rope_type == "default" else scaled_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)                                  # (T, head_dim)
     return angles.cos(), angles.sin()
+
+
+def scaled_frequencies(inv_freq, cfg):
+    """The inverse frequencies as transformers' modeling_rope_utils scales them. 'linear': all
+    divided by rope_factor (positions interpolated). 'llama3': only the slow ones, whose
+    wavelength is longer than rope_original_len / rope_low_freq; those shorter than
+    rope_original_len / rope_high_freq are kept; in between a linear blend of the two."""
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and ckpt_files.py check)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (cfg.rope_original_len / wavelen - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
+    blend = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
+    slow = wavelen > cfg.rope_original_len / cfg.rope_low_freq
+    fast = wavelen < cfg.rope_original_len / cfg.rope_high_freq
+    return torch.where(slow, inv_freq / cfg.rope_factor, torch.where(fast, inv_freq, blend))
 
 
 def apply_rope(x, cos, sin):
@@ -91,10 +120,12 @@ class KVCache:
 
     def extend(self, k, v, mask):
         """Attention.forward's keys and values (after RoPE) for T new tokens: appended, and
-        (keys, values, mask, is_causal) for SDPA over all the tokens so far."""
-        assert mask is None, "a KV cache is for generation, which has no document mask"
+        (keys, values, mask, is_causal) for SDPA over all the tokens so far. mask: None, or a
+        sliding window's (T, past + T) (Transformer.forward), which covers the earlier keys."""
         past, T = len(self), k.shape[2]
         k, v = self.append(k, v)  # (B, n_kv_head, past + T, head_dim)
+        if mask is not None:
+            return k, v, mask, False
         if not past:
             return k, v, None, True
         # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0; the new
@@ -108,14 +139,14 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        # mask: None (plain causal) or a boolean (B, 1, T, T), True where attending is allowed.
+        # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where attending is allowed
         # cache: generation's KVCache of the tokens before x (KVCache.extend)
         B, T, C = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -174,9 +205,9 @@ def init_tensor(name, shape, n_layer, seed):
     """The initial value of parameter `name` (a float32 CPU tensor of the full `shape`: a rank
     that holds a slice draws it whole), the same bits on every device and layout. GPT-2 style:
     N(0, 0.02), norms 1, and the projections into the residual stream (wo, w2) scaled by
-    1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device="cpu")
+    1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth; biases 0."""
+    if name.endswith(("norm.weight", ".bias")):
+        return (torch.zeros if name.endswith(".bias") else torch.ones)(shape, device="cpu")
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight")) else 0.02
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
@@ -193,6 +224,16 @@ def document_mask(doc_ids):
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]                      # (B, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     return (same_doc & causal)[:, None]                                        # (B, 1, T, T)
+
+
+def sliding_window_mask(start, T, window, device, mask=None):
+    """(T, start + T) boolean attention mask of a sliding window (Mistral's, as transformers
+    builds it): the query at position start + i sees key j iff start + i - window < j <= start + i.
+    And a document mask (B, 1, T, T) (start 0): both, (B, 1, T, T)."""
+    q = torch.arange(start, start + T, device=device)[:, None]
+    k = torch.arange(start + T, device=device)[None]
+    window = (k <= q) & (k > q - window)
+    return window if mask is None else mask & window
 
 
 class Transformer(nn.Module):
@@ -215,7 +256,7 @@ class Transformer(nn.Module):
 
     def init_rope(self, device=None):
         """(Re)computes the rotary tables: after a build on the meta device they are empty."""
-        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta, self.cfg)
         # not persistent: derived from the config, so checkpoints hold only learned weights
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -240,6 +281,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of length {start + T} is longer than block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         mask = None if doc_ids is None else document_mask(doc_ids)  # None: SDPA's own causal mask
+        if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
+            mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device, mask)
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)

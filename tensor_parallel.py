@@ -205,18 +205,19 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None
     return chunked_losses(h, head, targets, chunk, vocab)
 
 
-def _shard(module, dim, mesh):
-    """module.weight -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
-    full = module.weight
+def _shard(module, dim, mesh, key="weight"):
+    """module.weight (or .bias) -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
+    full = getattr(module, key)
     part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(), requires_grad=full.requires_grad)
     part._tp_dim, part._tp_group = dim, mesh.tp_group
-    module.weight = part
+    setattr(module, key, part)
     return part
 
 
 def _shard_linear(lin, dim, mesh):
     """A column- (dim 0) or row-parallel (dim 1) slice of linear `lin`, in place, and of its
-    LoRA adapter if it has one (lora.LoRALinear: y = x W^T + s * x A^T B^T). The adapter's
+    LoRA adapter if it has one (lora.LoRALinear: y = x W^T + s * x A^T B^T). A column-parallel
+    bias (Qwen2's q/k/v) is cut like W's output rows; no row-parallel linear has one. The adapter's
     slices follow the base's (as torchtitan derives them): column-parallel, B (out, r) is cut
     like W's output rows and A stays whole; row-parallel, A (r, in) is cut like W's input
     columns and B stays whole. The whole factor sees only this rank's part of the product:
@@ -224,8 +225,11 @@ def _shard_linear(lin, dim, mesh):
     B's gradient g (A_i x_i)^T over their input slices. So its gradient is all-reduced over
     the tp group in backward (_SummedWeightGrad, per backward, before accumulation),
     and it stays the same replicated tensor on every tp rank."""
+    assert dim == 0 or lin.bias is None, "a row-parallel bias is added once, after the sum: not implemented"
     _shard(lin, dim, mesh)
     if dim == 0:
+        if lin.bias is not None:
+            _shard(lin, 0, mesh, "bias")
         lin.out_features //= mesh.tp
     else:
         lin.in_features //= mesh.tp

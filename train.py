@@ -151,12 +151,13 @@ scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else No
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"  # TF32 on GPUs
 if mesh.device.type == "cpu":
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
-mesh.print0("config: " + " ".join(f"{k}={config[k]!r}" for k in config_keys))
-if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
-    mesh.print0(schedule_note(config))
 if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
     rundir.lock_out_dir(out_dir)
 src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
+shape = {k: src.saved[k] for k in rundir.SHAPE_KEYS if k in (src.saved or {})}  # a base's or checkpoint's: printed
+mesh.print0("config: " + " ".join(f"{k}={shape.get(k, config[k])!r}" for k in config_keys))
+if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
+    mesh.print0(schedule_note(config))
 if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
     workarounds.exit_now()

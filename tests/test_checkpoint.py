@@ -202,7 +202,10 @@ def test_exported_tokenizer_matches_ours(tmp_path, gap):
 @pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
                                           ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
                                           ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
-                                          ("head_dim", 32), ("model_type", "mistral"), ("vocab_size", None)])
+                                          ("head_dim", 32), ("model_type", "gemma"), ("vocab_size", None),
+                                          ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+                                          ("rope_scaling", {"rope_type": "linear", "factor": -1.0}),
+                                          ("max_position_embeddings", "4k")])
 def test_unsupported_hf_configs_are_refused(field, value):
     hf = {**HF, "model_type": "llama", field: value}
     with pytest.raises(UserError, match=f"config.json: {field}="):

@@ -188,6 +188,31 @@ def test_kv_cache_gives_the_uncached_logits_and_samples():
             assert torch.equal(outs[0], outs[1]), (prompt.shape, temperature, top_k)
 
 
+def test_sliding_window_sees_the_last_window_tokens_of_its_document():
+    """One layer (its receptive field is the window itself), window 4, q/k/v biases, two
+    documents: each position's logits are those of a forward over only what it may see, the
+    last <= 4 tokens of its document (RoPE is relative). With two layers the KV cache's
+    pieces (a prompt, one token, a chunk) equal the whole forward; the window does mask."""
+    for n_layer in (1, 2):
+        model = tiny(n_layer=n_layer, sliding_window=4, qkv_bias=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+        if n_layer == 1:
+            doc = torch.tensor([[0] * 6 + [1] * 10] * 2)
+            full = model(x, doc_ids=doc)[0]
+            for i in range(16):
+                start = max(i - 3, 0 if i < 6 else 6)
+                torch.testing.assert_close(full[:, i], model(x[:, start:i + 1])[0][:, -1], msg=str(i))
+            continue
+        cache = {name: KVCache() for name in model.layers}
+        pieces = [model(x[:, :5], cache=cache)[0], model(x[:, 5:6], cache=cache)[0], model(x[:, 6:], cache=cache)[0]]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), model(x)[0])
+        model.cfg.sliding_window = 0
+        assert (model(x)[0] - torch.cat(pieces, dim=1)).abs().max() > 1e-3
+
+
 def test_grad_ckpt_gives_the_same_gradients():
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
     grads = []
