@@ -299,8 +299,7 @@ TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}  # what prepare writes: dt
 
 
 def load_meta(data_dir):
-    """A prepared dataset's meta.json, its fields checked (types, ranges, dtype from
-    TOKEN_DTYPES) before anything is mapped or built from them."""
+    """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built from it."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
@@ -333,8 +332,7 @@ def map_tokens(path, dtype, vocab_size):
         raise UserError(f"{path} is missing: {redo}" if size is None else f"{path} has {size} bytes, not a multiple "
                         f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is truncated or damaged; {redo}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or a
-    # device assert on GPU): one pass over the mapped file, a second per GB
+    # an id past the vocabulary indexes past the embedding (a crash, or garbage on GPU): one pass, a second per GB
     if int(tokens.max()) >= vocab_size:
         raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says vocab_size {vocab_size}: "
                         f"the file is damaged or from another dataset; {redo}")
