@@ -237,8 +237,8 @@ def spec_of(meta):
 def model_spec(src, tokenizer, vocab_size):
     """The tokenizer of the model a run starts from (rundir.Source: resume, run or hf), or
     None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
-    tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (rows past
-    the ids: a padded embedding). A directory without one is read with this run's tokenizer=, when the sizes agree."""
+    tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (a few
+    rows past the ids: an embedding padded to a round size). A directory without one is read with this run's tokenizer=, when the sizes agree."""
     if src.kind in ("resume", "run"):
         return checkpoint_spec(src.meta)
     if src.kind != "hf":
@@ -253,7 +253,8 @@ def model_spec(src, tokenizer, vocab_size):
                             f"model's tokenizer.json beside its config.json")
         return None
     enc = tokenizer_py.load(path)
-    if enc.n_vocab > rows:  # (fewer ids than rows: an embedding padded for speed, as Qwen2's 151,936 rows)
+    padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)  # rows past the ids: padding (Qwen2: 151,936 for 151,665)
+    if not padded:
         raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have {rows:,} rows "
                         f"(config.json vocab_size): they are not one model; use the tokenizer it was trained with")
     return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
