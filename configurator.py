@@ -288,9 +288,8 @@ def parse_phases(phases, names):
 
 
 def validate(c, overrides, world):
-    """Checks the whole config `c` (train.py's keys; `overrides`: the keys the user gave) for
-    `world` processes. Returns what it derives: {"dp", "layer_counts": pp_layers as a list or
-    None, "lora_targets": a sorted list, "sources": {dataset: weight}}."""
+    """Checks the whole config `c` (`overrides`: the keys the user gave) for `world` processes; returns
+    what it derives: {"dp", "layer_counts": pp_layers' list or None, "lora_targets", "sources": {dataset: weight}}."""
     for key, choices in CHOICES.items():
         check(c[key] in choices, f"{key}={c[key]!r} is not one of {', '.join(choices)}")
     for key in AT_LEAST_1:
@@ -302,8 +301,7 @@ def validate(c, overrides, world):
     for key in POSITIVE:
         check(c[key] > 0, f"{key}={c[key]} must be positive")
     for key, value in c.items():  # 1e999 parses as inf: a rate, eps or alpha of inf trains NaN weights
-        check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not a finite number: give a "
-                                                                     f"finite one")
+        check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not finite: give a finite one")
     for refused, message in RULES:
         check(not refused(c), message.format(**c))
     check_refusals(c, overrides)
@@ -314,8 +312,7 @@ def validate(c, overrides, world):
     lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
           f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
-    shape = {k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}
-    ffn_dim = ModelConfig(**shape).ffn_dim  # (0: derived from n_embd)
+    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # 0: n_embd's
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         default_batch_for_layout(c, overrides, world)

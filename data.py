@@ -237,8 +237,8 @@ def spec_of(meta):
 def model_spec(src, tokenizer, vocab_size):
     """The tokenizer of the model a run starts from (rundir.Source: resume, run or hf), or
     None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
-    tokenizer.json (or tokenizer.model), which must have exactly as many ids as the weights
-    have rows. A directory without one is read with this run's tokenizer=, when the sizes agree."""
+    tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (a few
+    rows past the ids: an embedding padded to a round size). A directory without one is read with this run's tokenizer=, when the sizes agree."""
     if src.kind in ("resume", "run"):
         return checkpoint_spec(src.meta)
     if src.kind != "hf":
@@ -253,7 +253,8 @@ def model_spec(src, tokenizer, vocab_size):
                             f"model's tokenizer.json beside its config.json")
         return None
     enc = tokenizer_py.load(path)
-    if enc.n_vocab != rows:
+    padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)  # rows past the ids: padding (Qwen2: 151,936 for 151,665)
+    if not padded:
         raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have {rows:,} rows "
                         f"(config.json vocab_size): they are not one model; use the tokenizer it was trained with")
     return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
@@ -299,8 +300,7 @@ TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}  # what prepare writes: dt
 
 
 def load_meta(data_dir):
-    """A prepared dataset's meta.json, its fields checked (types, ranges, dtype from
-    TOKEN_DTYPES) before anything is mapped or built from them."""
+    """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built from it."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
@@ -333,8 +333,7 @@ def map_tokens(path, dtype, vocab_size):
         raise UserError(f"{path} is missing: {redo}" if size is None else f"{path} has {size} bytes, not a multiple "
                         f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is truncated or damaged; {redo}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    # an id past the vocabulary would index past the embedding (a crash on CPU, garbage or a
-    # device assert on GPU): one pass over the mapped file, a second per GB
+    # an id past the vocabulary indexes past the embedding (a crash, or garbage on GPU): one pass, a second per GB
     if int(tokens.max()) >= vocab_size:
         raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says vocab_size {vocab_size}: "
                         f"the file is damaged or from another dataset; {redo}")

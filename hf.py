@@ -398,7 +398,7 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     }
     more = {}
     if enc is not None:
-        if enc.n_vocab != cfg.vocab_size:  # config.json's vocab_size is the tokenizer's: one model
+        if enc.n_vocab > cfg.vocab_size:  # every id a row (a padded embedding has rows past the ids)
             raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
                              f"vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.max_position or cfg.block_size)

@@ -42,7 +42,8 @@ def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_
     idx = torch.tensor([start], device=next(model.parameters()).device)
     with autocast or nullcontext():
         out = model.generate(idx, max_new_tokens, temperature, top_k or None)
-    return enc.decode(out[0].tolist() if prompt else out[0, 1:].tolist())
+    ids = out[0].tolist() if prompt else out[0, 1:].tolist()
+    return enc.decode([i for i in ids if i < enc.n_vocab])  # a padded embedding's rows past the ids: no text
 
 
 def main(argv):

@@ -1,5 +1,4 @@
-"""
-Train a LLaMA-style model. The whole run, top to bottom:
+"""Train a LLaMA-style model. The whole run, top to bottom:
 
     python train.py                                  # the default job: Python's stdlib, CPU-sized
     torchrun --standalone --nproc_per_node=2 train.py    # the same on 2 data-parallel ranks
@@ -31,8 +30,7 @@ import workarounds
 from model import ModelConfig, Transformer, grow_vocab
 from optim import build_optimizer, get_lr, schedule_note
 
-# ---------------------------------------------------------------------------------------
-# defaults: every one can be overridden by a config file or key=value
+# ---- defaults: every one can be overridden by a config file or key=value (--help lists them) ----
 # I/O
 out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
 init_from = "auto"              # 'auto': resume out_dir's checkpoint, else fresh; 'resume' (must), 'scratch' (must not);
@@ -196,12 +194,10 @@ for d in data_dir.split(","):  # the data's ids mean what they mean to the model
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
-# First match wins (src, found above): (1) this run's own newest checkpoint (resume); (2) init_from=
-# another run of ours; (3) init_from= a Hugging Face LLaMA directory; (4) fresh random weights.
+# First match wins (src): (1) resume this run's checkpoint; (2) init_from= a run of ours or (3) a HF directory; (4) fresh.
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
-                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
-                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
-                        loss_chunk=loss_chunk)
+                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout, tie_embeddings=tie_embeddings,
+                        grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha, loss_chunk=loss_chunk)
 if src.saved is not None:  # the shape comes from there (an explicit key that disagrees is a mistake)
     model_cfg = rundir.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
 lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning
@@ -209,9 +205,8 @@ if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, derived["lora_targets"], src)
 common.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
-# Built whole by one process, and by every rank when LoRA or vocabulary growth need the whole
-# tensors; else on the meta device (shapes only): cut, sliced and sharded there, then given
-# storage and this rank's weights, so no rank ever holds the whole model (build.py).
+# Built whole by one process (and by every rank when LoRA or vocabulary growth need whole tensors); else on the
+# meta device: cut, sliced and sharded as shapes, then given this rank's weights only (build.py).
 whole_first = world == 1 or lora is not None or model_cfg.vocab_size < meta["vocab_size"]
 torch.manual_seed(seed)  # each weight is drawn from (seed, its name): the same bits on every layout
 with nullcontext() if whole_first else torch.device("meta"):
@@ -228,9 +223,8 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
             f"dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
 # ---- parallelism, applied from outside, and the optimizer -----------------------------
-# In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters,
-# so before anything holds them), shard (FSDP), give a meta model storage and its weights,
-# compile, then wrap for data parallel (whose hooks must see the compiled module's parameters).
+# In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters: before anything
+# holds them), shard (FSDP), give a meta model its weights, compile, wrap for data parallel (its hooks: last).
 if pp > 1:  # pipeline: pipeline.py (this stage's layers only, split by estimated cost or pp_layers)
     import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, derived["layer_counts"], pp_virtual)
