@@ -529,11 +529,12 @@ print(faults() - start)
 def test_keep_freed_memory_cuts_the_page_faults_of_each_step():
     # without it a step's 16 MB tensors are often fresh mmaps whose 4 KB pages fault in one by one
     # (measured 57k-115k faults over 10 steps here, 5k-13k with it)
-    # Each mode's fewest of two runs: the machine's memory reclaim (kdamond here) adds faults
-    # to a run now and then, and under the suite's load a single run of "keep" has reached 13k.
+    # Each mode's fewest of three runs: the machine's memory reclaim (kdamond here) adds faults
+    # to a run now and then; under the suite's load one suite saw plain 29k against keep 12k
+    # (fewest of two), so the bound is a cut by more than half, not the quiet machine's 4x.
     faults = {}
     for mode in ("plain", "keep"):
         faults[mode] = min(int(subprocess.run([sys.executable, "-c", KEEP_FREED, mode], cwd=ROOT, capture_output=True,
                                               text=True, check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout)
-                            for _ in range(2))
-    assert faults["plain"] > 10 * 2000 and faults["keep"] * 4 < faults["plain"], faults
+                            for _ in range(3))
+    assert faults["plain"] > 10 * 2000 and faults["keep"] * 2 < faults["plain"], faults
