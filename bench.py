@@ -927,7 +927,7 @@ def table_checkpoint(worlds=(1, 2), saves=3, models=None):
 RACE_CKPT = 25
 RACE_TARGETS = (4.5, 4.25, 4.0)
 RACE = {"default (python train.py)": (1, {}),  # name: (processes, the keys it sets); run after nanoGPT
-        "default, max_iters=500 (a shorter cosine)": (1, dict(max_iters=500)),
+        "default, dtype=float32 (no bf16 autocast)": (1, dict(dtype="float32")),
         "default, torchrun with 2 processes": (2, {})}
 
 
@@ -1067,7 +1067,7 @@ def table_race(recipes=None, extra=None):
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
     root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
     load, loads = os.getloadavg()[0], {}  # the 1-minute load average before and after each side
-    nano = nanogpt_race(data_dir)
+    nano = None if SMOKE else nanogpt_race(data_dir)  # (--smoke: minutes of nanoGPT, and data/ written where it runs)
     loads["nanoGPT"] = (load, os.getloadavg()[0])
     targets = RACE_TARGETS + ((nano[2],) if nano else ())
     print(f"\n## race, scored alike: every side's model scored by one evaluator (mean cross-entropy over every "
@@ -1173,7 +1173,8 @@ def table_mfu(iters=80, skip=20, rounds=2, modes=(False, True)):
     against the best matmul rate that the runs measured (each train.py measures its own)."""
     import re
     print(f"\n## mfu: the default job's step as train.py times it (python train.py, one process, "
-          f"{os.cpu_count()} CPU threads; float32 on a CPU, bf16 autocast on CUDA), the median of iterations "
+          f"{os.cpu_count()} CPU threads; dtype=auto: bf16 autocast on CUDA and AVX512-BF16 CPUs, else float32), the "
+          f"median of iterations "
           f"{skip}-{iters - 1}; eager and compiled runs alternated, {rounds} of each")
     rows = []
     for _ in range(rounds):
@@ -1208,57 +1209,66 @@ def table_mfu(iters=80, skip=20, rounds=2, modes=(False, True)):
 
 
 def table_profile(steps=5):
+    """Where one step of the default job goes, in float32 and (on a CPU with AVX512-BF16, where
+    dtype=auto picks it) under bf16 autocast, as train.py runs it (attention stays float32 on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     import optim
     workarounds.keep_freed_memory()  # as train.py on the CPU (it stays so for any table after this one)
     mesh = parallel.setup("cpu")
     cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")})
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    opt, _ = optim.build_optimizer(model, model, mesh, TRAIN)
     accum, batch, V = TRAIN["grad_accum_steps"], TRAIN["batch_size"], cfg.vocab_size
-    x = torch.randint(0, V, (accum, batch, cfg.block_size + 1))
-
-    def step():
-        for k in range(accum):
-            _, loss = model(x[k, :, :-1], x[k, :, 1:])
-            (loss / accum).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    for _ in range(3):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dt = (time.perf_counter() - t0) / steps
+    x = torch.randint(0, V, (accum, batch, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
     tokens = accum * batch * cfg.block_size
-    mfu = model.flops_per_token() * tokens / dt / measure_matmul_flops(torch.device("cpu"))
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
+    for dtype in (torch.float32, torch.bfloat16)[:1 + torch.cpu._is_avx512_bf16_supported()]:
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        opt, _ = optim.build_optimizer(model, model, mesh, TRAIN)
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+        def step():
+            for k in range(accum):
+                with autocast:
+                    _, loss = model(x[k, :, :-1], x[k, :, 1:])
+                (loss / accum).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for _ in range(3):
             step()
-    kinds = {}
-    for e in prof.key_averages(group_by_input_shape=True):
-        shapes = str(e.input_shapes)
-        kind = ("head matmuls (vocab x width)" if e.key in ("aten::mm", "aten::addmm") and str(V) in shapes else
-                "other matmuls (blocks, Newton-Schulz)" if e.key in ("aten::mm", "aten::addmm", "aten::bmm") else
-                "log-softmax, its backward, nll's zero-fill" if "softmax" in e.key or (e.key == "aten::fill_" and
-                                                                                       str(V) in shapes) else
-                "attention (SDPA)" if "scaled_dot_product" in e.key else "the rest (elementwise, norms, rope, ...)")
-        kinds[kind] = kinds.get(kind, 0.0) + e.self_cpu_time_total
-    total = sum(kinds.values())
-    print(f"\n## profile: one step of the default job in one process ({tokens} tokens, {torch.get_num_threads()} "
-          f"threads): {dt * 1000:.0f} ms, MFU {mfu:.1%} of the measured float32 matmul rate; self CPU time by kind")
-    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<45} {t / total:6.1%}")
+        times = []
+        for _ in range(steps * 3):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        dt = sorted(times)[len(times) // 2]
+        mfu = model.flops_per_token() * tokens / dt / measure_matmul_flops(torch.device("cpu"), dtype)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(steps):
+                step()
+        kinds = {}
+        for e in prof.key_averages(group_by_input_shape=True):
+            shapes = str(e.input_shapes)
+            kind = ("head matmuls (vocab x width)" if e.key in ("aten::mm", "aten::addmm") and str(V) in shapes else
+                    "other matmuls (blocks, Newton-Schulz)" if e.key in ("aten::mm", "aten::addmm", "aten::bmm",
+                                                                        "aten::baddbmm") else
+                    "log-softmax, its backward, nll's zero-fill" if "softmax" in e.key or (e.key == "aten::fill_" and
+                                                                                           str(V) in shapes) else
+                    "casts (autocast's copies)" if e.key in ("aten::copy_", "aten::_to_copy") else
+                    "attention (SDPA)" if "scaled_dot_product" in e.key else "the rest (elementwise, norms, rope, ...)")
+            kinds[kind] = kinds.get(kind, 0.0) + e.self_cpu_time_total
+        total = sum(kinds.values())
+        print(f"\n## profile: one step of the default job in one process ({tokens} tokens, {torch.get_num_threads()} "
+              f"threads, {str(dtype).removeprefix('torch.')}): {dt * 1000:.0f} ms (median of {len(times)}), MFU "
+              f"{mfu:.1%} of the measured {str(dtype).removeprefix('torch.')} matmul rate; self CPU time by kind")
+        for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:<45} {t / total:6.1%}")
     gs = [p.detach() for g in opt.param_groups if g["muon"] for p in g["params"]]  # Muon's matrices
 
-    def ns_ms(stacked):  # the median of 9
+    def ns_ms(stacked, dtype=torch.float32):  # the median of 9
         times = []
         for _ in range(9):
             t0 = time.perf_counter()
-            optim.newton_schulz_each(gs, torch.float32) if stacked else [optim.newton_schulz(g, dtype=torch.float32)
-                                                                        for g in gs]
+            optim.newton_schulz_each(gs, dtype) if stacked else [optim.newton_schulz(g, dtype=dtype) for g in gs]
             times.append(time.perf_counter() - t0)
         return sorted(times)[4] * 1000
     threads, ms = torch.get_num_threads(), {}
@@ -1269,7 +1279,8 @@ def table_profile(steps=5):
     torch.set_num_threads(threads)
     print(f"Muon's Newton-Schulz on the {len(gs)} matrices, per step: " + "; ".join(
         f"{n} thread{'s' if n > 1 else ''}: {ms[n, True]:.1f} ms stacked by shape (optim.newton_schulz_each), "
-        f"{ms[n, False]:.1f} ms one by one" for n in sorted({threads, 1})))
+        f"{ms[n, False]:.1f} ms one by one" for n in sorted({threads, 1}))
+        + f"; in bfloat16, stacked, {threads} threads: {ns_ms(True, torch.bfloat16):.1f} ms (float32 on a CPU: see optim.py)")
 
 
 GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)

@@ -11,6 +11,7 @@ reads no files (checkpoint.py, hf.py and lora.py do), holds no optimizer (optim.
 
 import math
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -163,9 +164,10 @@ class Attention(nn.Module):
         if n_kv_head != n_head:  # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-        # on CUDA with bf16 this dispatches to flash attention (without a mask); on CPU to flash-cpu
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16  # CPU + bf16:
+        with torch.autocast("cpu", enabled=False) if f32 else nullcontext():  # flash-cpu in float32 (~7x faster)
+            y = F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
+                                               is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 

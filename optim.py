@@ -25,7 +25,7 @@ def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, 
     each singular value towards 1 (to about 0.7-1.2: the coefficients trade precision for
     speed, which does not hurt training). Works on the short side (X X^T is the smaller Gram
     matrix). In bfloat16 by default, as Keller Jordan's reference and torch.optim.Muon do (on a
-    CPU, whose bf16 matmuls are slow, float32)."""
+    CPU float32: on most CPUs bf16 matmuls are emulated and slow; see docs/model.md)."""
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
     x = g.to(dtype).reshape(-1, *g.shape[-2:])  # (k, m, n)

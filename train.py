@@ -56,7 +56,7 @@ tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offli
 vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
 extra_tokens = ""               # a file of domain strings (one per line) to add to the tokenizer when preparing data
 val_fraction = 0.01             # share of documents that go to val when preparing data
-batch_size = 8                  # sequences per micro-batch per rank
+batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
 block_size = 64                 # tokens per sequence
 # model
@@ -83,15 +83,15 @@ optim = "muon"                  # 'adamw', or 'muon': Muon for the layers' matri
 learning_rate = 4e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
 embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this (a row learns only when its token appears)
 muon_momentum = 0.95            # Muon's Nesterov momentum
-max_iters = 800
+max_iters = 350
 weight_decay = 0.1
 beta1 = 0.9
-beta2 = 0.95
+beta2 = 0.99                    # AdamW (embedding, head, gains): 0.99 pays at small batches (rare tokens' rows)
 grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping; the norm is logged anyway)
 # learning rate schedule: linear warmup, then 'cosine' decay to min_lr, or 'wsd' (warmup-stable-decay):
 # flat at learning_rate, then a linear decay to min_lr over the last cooldown_frac of lr_decay_iters
 lr_schedule = "cosine"
-warmup_iters = 50
+warmup_iters = 20
 lr_decay_iters = 0              # 0: = max_iters
 cooldown_frac = 0.2             # wsd: the share of lr_decay_iters spent decaying
 min_lr = 4e-4
@@ -103,7 +103,7 @@ fault_nan_steps = 1             # ... and of the ones after it, this many in all
 fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
-dtype = "auto"                  # autocast's (weights stay float32): 'auto' = bf16 on CUDA (or float16), else float32
+dtype = "auto"                  # autocast's (weights stay float32): 'auto' = bf16 on CUDA (or float16) and bf16 CPUs, else float32
 loss_scale_init = 65536.0       # float16: the first loss scale (these four: torch's GradScaler's defaults)
 loss_scale_growth = 2.0         # float16: the scale x this after loss_scale_interval steps in a row without an overflow
 loss_scale_backoff = 0.5        # float16: the scale x this after an overflow (an inf/NaN gradient: the step is skipped)
@@ -142,8 +142,9 @@ started = time.time()  # metrics' elapsed_s: wall seconds since launch (data pre
 
 # ---- setup ----------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
-if dtype == "auto":  # is_bf16_supported(including_emulation=False): T4, V100 only emulate bf16; fp16 is fast there
-    dtype = "float32" if mesh.device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported(False) else "float16"
+if dtype == "auto":  # bf16 where the matmuls run it natively: CUDA (T4, V100 only emulate it: fp16), AVX512-BF16 CPUs
+    native = torch.cuda.is_bf16_supported(False) if mesh.device.type == "cuda" else torch.cpu._is_avx512_bf16_supported()
+    dtype = "bfloat16" if native else "float16" if mesh.device.type == "cuda" else "float32"
 autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
 scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py (bf16: none)
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"  # TF32 on GPUs
@@ -379,15 +380,12 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     x, y, mask, *src_ids = train_loader.batch(it)  # this rank's micro-batches (mixture: and their sources)
     micro = micro_batches(x, y, mask)  # [(x, y, loss_mask, doc_ids) of micro-batch k]
-    # The objective is the mean cross-entropy over every target token of the global batch:
-    # micro-batch k's mean loss is weighted by its share of those tokens (token_weights: with
-    # no loss mask simply 1 / micro_steps, because backward() adds the micro-steps' gradients).
+    # the mean cross-entropy over every target token of the global batch: token_weights (no loss mask: 1 / micro_steps)
     weights = token_weights(y, mask, scaler.scale if scaler else 1.0)  # fp16: backward from loss x scale
     if pp == 1:  # one micro-step after the other, each a whole forward and backward
         loss_sum = torch.zeros((), device=mesh.device)
         for k, (xk, yk, mk, dk) in enumerate(micro):
-            # data parallel: sync only in the last micro-step's backward (no_sync before). The
-            # all-reduce is launched by hooks *during* backward, so the flag is set before it starts.
+            # data parallel: sync only in the last micro-step's backward (hooks launch the all-reduce during it)
             if mesh.dp > 1:
                 parallel.set_grad_sync(model, k == len(micro) - 1)
             with autocast:

@@ -96,8 +96,9 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
 def test_the_chunked_loss_under_bf16_autocast(head):
     """Under autocast (dtype=bfloat16; here on the CPU) the chunked backward recomputes the
     logits in autocast's dtype as the forward did, so its gradients are the whole path's up to
-    bf16 rounding (measured 3.3e-3 of each gradient's largest entry; recomputed in float32
-    instead: 9.6e-3, and a LoRA head's bf16 adapter input meets a float32 weight: an error)."""
+    bf16 rounding (measured 3.2e-3 of each gradient's largest entry, 6.0e-3 with a LoRA head, attention
+    in float32 on a CPU; recomputed in float32 instead: 1.2e-2, and a LoRA head's bf16 adapter input
+    meets a float32 weight: an error)."""
     import lora
     g = torch.Generator().manual_seed(3)
     idx, tgt = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
@@ -116,7 +117,7 @@ def test_the_chunked_loss_under_bf16_autocast(head):
         loss.backward()
         grads[chunk] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for n, want in grads[0].items():
-        assert (grads[5][n] - want).abs().max() <= 6e-3 * want.abs().max(), n
+        assert (grads[5][n] - want).abs().max() <= 8e-3 * want.abs().max(), n
 
 
 def test_gqa_shapes_and_equivalence_with_repeated_heads():
@@ -423,3 +424,21 @@ def test_lr_schedule_equals_torch_schedulers(schedule):
         assert math.isclose(get_lr(it, c), opt.param_groups[0]["lr"], rel_tol=1e-9), it
         opt.step()
         sched.step()
+
+
+def test_attention_runs_in_float32_under_cpu_bf16_autocast(monkeypatch):
+    """dtype=auto picks bf16 on AVX512-BF16 CPUs, where torch's flash-cpu attention backward is
+    ~7x slower in bf16 than in float32: model.Attention hands SDPA float32 q, k, v outside
+    autocast on a CPU (each of the 2 layers)."""
+    import torch.nn.functional as F
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    assert len(seen) == 2 and all(s == (torch.float32, torch.float32, torch.float32, False) for s in seen), seen
