@@ -41,12 +41,12 @@ memory: the default model at 1, 2 and 4 ranks as dp, ZeRO 1 and 2 (and 2 with op
 race:   side by side on the default corpus, one after the other: nanoGPT's own train.py with
         its README's CPU recipe (its files in ./nanogpt or $NANOGPT_DIR: train.py, model.py,
         configurator.py, config/train_shakespeare_char.py), then the default job launched as the
-        README's quickstart launches it (`python train.py`, one process), a 500-iteration one, and
-        the default job under torchrun with 2 processes. Both sides scored by one evaluator
+        README's quickstart launches it (`python train.py`, one process), the same in float32 (no
+        bf16 autocast: what dtype=auto's bf16 buys), and under torchrun with 2 processes. Both sides scored by one evaluator
         (val_score: every 64-token block of the whole val split): nanoGPT's final model is the
         finish line; ours is scored at a checkpoint every 25 iterations, the time to the line
         interpolated between two. The ratio of the times, the load average around each side, and
-        apart, labelled, each side's own estimate (~15 minutes: run it on a quiet machine).
+        apart, labelled, each side's own estimate (~9 minutes: run it on a quiet machine).
 checkpoint: how long the loop is blocked per checkpoint save, plain (ckpt_async=False) vs
         async (ckpt_async=True: copying the state to CPU memory, then the finish once the
         background write is done), at the default model and one ~10x larger, 1 and 2 ranks
