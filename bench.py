@@ -42,8 +42,9 @@ race:   side by side on the default corpus, one after the other: nanoGPT's own t
         its README's CPU recipe (its files in ./nanogpt or $NANOGPT_DIR: train.py, model.py,
         configurator.py, config/train_shakespeare_char.py), then the default job launched as the
         README's quickstart launches it (`python train.py`, one process), the same in float32 (no
-        bf16 autocast: what dtype=auto's bf16 buys), and under torchrun with 2 processes. Both sides scored by one evaluator
-        (val_score: every 64-token block of the whole val split): nanoGPT's final model is the
+        bf16 autocast: what dtype=auto's bf16 buys), and under torchrun with 2 processes. Both
+        sides scored by one evaluator (val_score: every 64-token block of the whole val split):
+        nanoGPT's final model is the
         finish line; ours is scored at a checkpoint every 25 iterations, the time to the line
         interpolated between two. The ratio of the times, the load average around each side, and
         apart, labelled, each side's own estimate (~9 minutes: run it on a quiet machine).
@@ -1209,8 +1210,9 @@ def table_mfu(iters=80, skip=20, rounds=2, modes=(False, True)):
 
 
 def table_profile(steps=5):
-    """Where one step of the default job goes, in float32 and (on a CPU with AVX512-BF16, where
-    dtype=auto picks it) under bf16 autocast, as train.py runs it (attention stays float32 on a CPU)."""
+    """Where one step of the default job goes, in float32 and under bf16 autocast (what dtype=auto
+    picks on a CPU with AVX512-BF16; elsewhere bf16 is emulated, slowly), as train.py runs each
+    (under CPU bf16 autocast attention stays float32: model.Attention)."""
     from torch.profiler import ProfilerActivity, profile
 
     import optim
@@ -1220,7 +1222,7 @@ def table_profile(steps=5):
     accum, batch, V = TRAIN["grad_accum_steps"], TRAIN["batch_size"], cfg.vocab_size
     x = torch.randint(0, V, (accum, batch, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
     tokens = accum * batch * cfg.block_size
-    for dtype in (torch.float32, torch.bfloat16)[:1 + torch.cpu._is_avx512_bf16_supported()]:
+    for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         model = Transformer(cfg)
         opt, _ = optim.build_optimizer(model, model, mesh, TRAIN)
@@ -1280,7 +1282,8 @@ def table_profile(steps=5):
     print(f"Muon's Newton-Schulz on the {len(gs)} matrices, per step: " + "; ".join(
         f"{n} thread{'s' if n > 1 else ''}: {ms[n, True]:.1f} ms stacked by shape (optim.newton_schulz_each), "
         f"{ms[n, False]:.1f} ms one by one" for n in sorted({threads, 1}))
-        + f"; in bfloat16, stacked, {threads} threads: {ns_ms(True, torch.bfloat16):.1f} ms (float32 on a CPU: see optim.py)")
+        + f"; in bfloat16, stacked, {threads} threads: {ns_ms(True, torch.bfloat16):.1f} ms "
+        f"(float32 on a CPU: see optim.py)")
 
 
 GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)

@@ -86,7 +86,7 @@ muon_momentum = 0.95            # Muon's Nesterov momentum
 max_iters = 350
 weight_decay = 0.1
 beta1 = 0.9
-beta2 = 0.99                    # AdamW (embedding, head, gains): 0.99 pays at small batches (rare tokens' rows)
+beta2 = 0.99                    # AdamW's (under Muon: embedding, head, gains); 0.99 pays at small batches
 grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping; the norm is logged anyway)
 # learning rate schedule: linear warmup, then 'cosine' decay to min_lr, or 'wsd' (warmup-stable-decay):
 # flat at learning_rate, then a linear decay to min_lr over the last cooldown_frac of lr_decay_iters
@@ -103,7 +103,7 @@ fault_nan_steps = 1             # ... and of the ones after it, this many in all
 fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
-dtype = "auto"                  # autocast's (weights stay float32): 'auto' = bf16 on CUDA (or float16) and bf16 CPUs, else float32
+dtype = "auto"                  # autocast's (weights: float32); auto: bf16 on CUDA (or fp16), AVX512-BF16 CPUs; else fp32
 loss_scale_init = 65536.0       # float16: the first loss scale (these four: torch's GradScaler's defaults)
 loss_scale_growth = 2.0         # float16: the scale x this after loss_scale_interval steps in a row without an overflow
 loss_scale_backoff = 0.5        # float16: the scale x this after an overflow (an inf/NaN gradient: the step is skipped)
