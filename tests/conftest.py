@@ -101,11 +101,30 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+_ports = []
+
+
 def free_port():
+    """A port for a test's rendezvous, below the kernel's ephemeral range: a port the OS hands
+    out (bind to 0) can be handed out again, to another xdist worker or to one of gloo's own
+    outgoing connections, between this check and the store's bind (EADDRINUSE, seen on CI).
+    Each xdist worker walks its own slice of 10000-32767 from a random start."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if not _ports:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+        base, width = 10000 + (worker % 8) * 2800, 2800
+        start = random.Random(os.getpid()).randrange(width)
+        _ports.extend(base + (start + i) % width for i in range(width))
+    while _ports:
+        port = _ports.pop(0)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port left below the ephemeral range")
 
 
 def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
