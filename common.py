@@ -34,6 +34,8 @@ def excepthook(kind, err, tb):
     elif isinstance(err, KeyboardInterrupt):  # Ctrl-C before the run catches it: every file is written whole or not
         print("interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the command again",
               file=out, flush=True)
+    elif isinstance(err, BrokenPipeError):  # `... --help | head` closed the pipe: the reader has what it wanted;
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second complaint at exit
     else:
         traceback.print_exception(kind, err, tb, file=out)
 

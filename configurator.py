@@ -63,7 +63,7 @@ def configure(defaults, argv, script="train.py"):
     for arg in argv:
         if "=" not in arg:
             if arg.startswith("-"):  # -h / --help: the keys, their defaults and comments (exit 0)
-                raise SystemExit(print(script_help(script, defaults))) if arg in ("-h", "--help") else UserError(
+                raise SystemExit(print(script_help(script, defaults), flush=True)) if arg in ("-h", "--help") else UserError(
                     f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
             overrides.update(_config_file(arg, defaults, overrides, script))
             continue

@@ -70,6 +70,23 @@ def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monke
             script] in comments["init_from" if script == "train.py" else "temperature"]
 
 
+def test_help_into_a_closed_pipe_says_nothing_more():
+    """`python train.py --help | head`: the reader went away, which is no error to report (no
+    BrokenPipeError traceback, nor Python's "Exception ignored" at exit). The pipe's read end is
+    closed before the script starts, so the first write fails every time."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script in ("train.py", "sample.py", "data.py"):
+        r, w = os.pipe()
+        os.close(r)
+        p = subprocess.run([sys.executable, os.path.join(root, script), "--help"], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        os.close(w)
+        assert p.stderr == "", f"{script} --help into a closed pipe printed:\n{p.stderr[-2000:]}"
+
+
 def test_config_file(tmp_path):
     good = tmp_path / "good.py"
     good.write_text("# a config\nimport math\nn_layer = 2\nn_embd = 16 * n_layer\ndropout = 0\n_private = 5\n")
