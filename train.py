@@ -466,7 +466,8 @@ if stop:
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
-whole = pp == 1 and tp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage, shards or slices)
+whole = pp == 1 and tp == 1 and cp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage,
+                                                            # shards, slices, or attention that needs its cp group)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     if whole:

@@ -133,12 +133,13 @@ def test_context_parallel_model_equals_single_process(cp):
 def test_one_run_moves_between_context_parallel_and_one_process(dataset, reference_run, tmp_path):
     """One out_dir, 8 iterations of REFERENCE, each leg resuming the last: cp=2 -> one process
     -> cp=2 x dp=2 (grad_ckpt) -> cp=2 x fsdp=2. The chain is the single-process curve: a cp
-    checkpoint loads into one process and back, and every leg trains like one process."""
+    checkpoint loads into one process and back, and every leg trains like one process. The
+    first leg ends with the sample every run ends with by default (its model read back whole)."""
     out = str(tmp_path / "run")
     chain = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
         f"dataset={dataset}", "lr_decay_iters=8", "keep_ckpts=0", f"out_dir={out}", "init_from=auto"]
-    p = torchrun(2, [*chain, "max_iters=2", "cp=2"], cwd=tmp_path)
-    assert "dp=1 x pp=1 x cp=2" in p.stdout
+    p = torchrun(2, [*chain, "max_iters=2", "cp=2", "sample_tokens=8"], cwd=tmp_path)
+    assert "dp=1 x pp=1 x cp=2" in p.stdout and " sample " in p.stdout  # sampled on one process, without cp
     run_train([*chain, "max_iters=4"], cwd=tmp_path)
     p = torchrun(4, [*chain, "max_iters=6", "cp=2", "grad_ckpt=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
     assert "dp=2 x pp=1 x cp=2" in p.stdout
