@@ -1617,8 +1617,16 @@ if __name__ == "__main__":
     for name in names:
         if name not in TABLES:
             sys.exit(f"error: unknown table '{name}': choose from {', '.join(TABLES)}")
+    smoke_data = None
+    if SMOKE and not any(a.startswith("dataset=") for a in sys.argv[1:]):  # a tiny dataset of its own, in /tmp:
+        smoke_data = os.path.join(tempfile.mkdtemp(prefix="smoke_"), "docs")  # data/stdlib may hold another vocabulary
+        prepare.prepare(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "*.md"), smoke_data,
+                        "cl100k_base", SMOKE_KEYS["vocab_size"], val_fraction=0.2, verbose=False)
+        RUN_KEYS.append(f"dataset={smoke_data}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     for name in names:
         TABLES[name](**(SMOKE_ARGS.get(name, {}) if SMOKE else {}),
                      **({"functions": True} if name == "reading" and "--functions" in sys.argv else {}))
+    if smoke_data:
+        shutil.rmtree(os.path.dirname(smoke_data))
