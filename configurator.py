@@ -247,10 +247,11 @@ def source_name(source):
     return os.path.basename(source.rstrip("/\\")) or source
 
 
-def parse_phases(phases, names):
+def parse_phases(phases, names, max_iters=None):
     """[(start_iter, {name: weight}, lr_scale)] from `phases`: a list (a config file) or a
     string holding one (the command line), of (start, {name: weight}) or (start, weights,
-    lr_scale) tuples, starts strictly increasing and >= 0. Sources a phase leaves out weigh 0."""
+    lr_scale) tuples, starts strictly increasing and >= 0. Sources a phase leaves out weigh 0.
+    With max_iters (the config check): a note names the phases the run ends before."""
     if isinstance(phases, str):
         try:
             phases = ast.literal_eval(phases) if phases.strip() else []
@@ -284,6 +285,10 @@ def parse_phases(phases, names):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
             raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
         out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
+    late = [start for start, _, _ in out if max_iters is not None and start >= max_iters]
+    if late and os.environ.get("RANK", "0") == "0":
+        print(f"note: the phases at iteration {', '.join(map(str, late))} start at or after max_iters={max_iters}: "
+              f"this run ends before them (raise max_iters, or start them earlier)", flush=True)
     return out
 
 
@@ -308,7 +313,7 @@ def validate(c, overrides, world):
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # a mixture (mixture.py): its spec parsed, nothing read yet
         sources = parse_mixture(c["datasets"]) if c["datasets"] else sources
-        parse_phases(c["phases"], [source_name(s) for s in sources])
+        parse_phases(c["phases"], [source_name(s) for s in sources], c["max_iters"])
     lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
           f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")

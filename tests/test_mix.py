@@ -83,8 +83,14 @@ def test_phases_switch_the_weights_and_lr_and_ranks_take_their_slice(sources):
         assert all((a == b).all() for a, b in zip(one.batch(it)[:2], plain.batch(it)[:2]))
 
 
-def test_phases_parse_and_refuse(sources):
+def test_phases_parse_and_refuse(sources, capsys):
     names = ["a", "b"]
+    spec = '[(0, {"a": 1}), (6, {"a": 1}), (9, {"b": 1})]'
+    configurator.parse_phases(spec, names, max_iters=7)  # the config check: a run that ends first is told so
+    assert capsys.readouterr().out == ("note: the phases at iteration 9 start at or after max_iters=7: this run ends "
+                                       "before them (raise max_iters, or start them earlier)\n")
+    configurator.parse_phases(spec, names, max_iters=10)
+    assert capsys.readouterr().out == ""
     assert configurator.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
         [(0, {"a": 1.0}, 1.0), (6, {"a": 0.5, "b": 0.5}, 0.5)]
     for bad, match in (("[(-1, {'a': 1.0})]", "before 0"), ("[(5, {'a': 1.0}), (3, {'b': 1.0})]", "increasing"),
