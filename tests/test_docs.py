@@ -84,6 +84,40 @@ def test_readme_is_a_map_that_names_every_file():
         assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
 
 
+def anchors(text):
+    """The #anchors GitHub gives a markdown file's headings: lowercased, punctuation dropped
+    (letters, digits, '-', '_' and spaces stay), spaces to '-', a repeat numbered -1, -2, ..."""
+    seen, out = {}, set()
+    for line in re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).splitlines():
+        if m := re.match(r"#{1,6} +(.+?) *#*$", line):
+            slug = re.sub(r"[^\w\- ]", "", m[1].lower()).replace(" ", "-")
+            out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_link_of_the_docs_resolves():
+    """Each relative link of README.md and docs/*.md names a file that exists and, with a
+    #part, a heading of that file (as GitHub renders it): a section that moves takes its
+    links along."""
+    pages = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                             if f.endswith(".md")]
+    broken = []
+    for page in pages:
+        text = read(page)
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, part = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(os.path.join(ROOT, file)):
+                broken.append(f"{page}: ({target}): no file {file}")
+            elif part and file.endswith(".md") and part not in anchors(read(file)):
+                broken.append(f"{page}: ({target}): {file} has no heading #{part}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
 def project_imports():
     """{file: the project files it imports}, counting imports anywhere in it (inside functions
     too), as ../shared/tools/import_layers.py counts them; bench.py and the tests sit on top."""
