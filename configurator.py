@@ -222,9 +222,10 @@ REFUSALS = [
 # from the sources they name.
 
 
-def parse_mixture(spec):
+def parse_mixture(spec, phases=()):
     """{source: weight} from 'stdlib:0.7,notes:0.3' (a source without ':w' weighs 1). A source
-    is a dataset name under data/ or a directory; its name in logs and phases is its base name."""
+    is a dataset name under data/ or a directory; its name in logs and phases is its base name.
+    One source is a mixture only with phases (their lr_scale); else it is dataset=, said so."""
     mixture = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -240,6 +241,9 @@ def parse_mixture(spec):
         if source_name(source) in map(source_name, mixture):
             raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source once")
         mixture[source] = weight
+    if len(mixture) == 1 and not phases:
+        raise UserError(f"datasets={spec!r} names one source, which is no mixture: write dataset={source} (datasets= "
+                        f"takes two or more, e.g. datasets={source}:0.7,stdlib:0.3)")
     return mixture
 
 
@@ -312,7 +316,7 @@ def validate(c, overrides, world):
     check_refusals(c, overrides)
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # a mixture (mixture.py): its spec parsed, nothing read yet
-        sources = parse_mixture(c["datasets"]) if c["datasets"] else sources
+        sources = parse_mixture(c["datasets"], c["phases"]) if c["datasets"] else sources
         parse_phases(c["phases"], [source_name(s) for s in sources], c["max_iters"])
     lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),

@@ -91,6 +91,10 @@ def test_phases_parse_and_refuse(sources, capsys):
                                        "before them (raise max_iters, or start them earlier)\n")
     configurator.parse_phases(spec, names, max_iters=10)
     assert capsys.readouterr().out == ""
+    for one in ("tinyb", "elsewhere/notes:1"):  # one source trained stdlib, silently: now it says dataset=
+        with pytest.raises(data.UserError, match=r"names one source, which is no mixture: write dataset="):
+            configurator.parse_mixture(one)
+    assert configurator.parse_mixture("a", phases=[(0, {"a": 1.0}, 0.5)]) == {"a": 1.0}  # with phases: their lr_scale
     assert configurator.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
         [(0, {"a": 1.0}, 1.0), (6, {"a": 0.5, "b": 0.5}, 0.5)]
     for bad, match in (("[(-1, {'a': 1.0})]", "before 0"), ("[(5, {'a': 1.0}), (3, {'b': 1.0})]", "increasing"),
