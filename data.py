@@ -277,7 +277,9 @@ def check_model_tokenizer(meta, data_dir, spec, where):
     tokens at the same ids (the data may add more after the model's, or use fewer of them:
     a text source beside a chat one)."""
     data_spec = spec_of(meta)
-    same_base = all(data_spec.get(k) == spec.get(k) for k in ("tokenizer", "base_vocab_size", "tokenizer_sha256"))
+    sha = data_spec.get("tokenizer_sha256")  # a model's tokenizer file, known by its bytes (a copied base is the same)
+    same_base = (data_spec["base_vocab_size"] == spec.get("base_vocab_size") and sha == spec.get("tokenizer_sha256")
+                 and (sha or data_spec["tokenizer"] == spec.get("tokenizer")))  # a tiktoken encoding, by its name
     a, b = data_spec["extra_tokens"], spec["extra_tokens"]
     if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
         def describe(s):

@@ -260,6 +260,12 @@ def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
     with pytest.raises(UserError, match=r"data/alone was tokenized as cl100k_base/512 \+ \['<\|system\|>'.*re-prepare|"
                                         r"prepare it for the model"):
         data.check_model_tokenizer(alone, "data/alone", spec, "the model")
+    # a model's tokenizer file is known by its bytes: the same file elsewhere (a copied base) is the same
+    # tokenizer, another file under the same path is not
+    file = data.spec_of({"tokenizer": "/a/base/tokenizer.json", "vocab_size": 512, "tokenizer_sha256": "ab" * 32})
+    data.check_model_tokenizer({**file, "tokenizer": "/copy/of/base/tokenizer.json"}, "data/d", file, "the model")
+    with pytest.raises(UserError, match="its ids mean other strings to this model"):
+        data.check_model_tokenizer({**file, "tokenizer_sha256": "cd" * 32}, "data/d", file, "the model")
 
 
 def doc_commands(path, heading, script="train.py"):
