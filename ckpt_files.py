@@ -73,8 +73,10 @@ def check_meta(meta, path):
                 or (model.get("rope_low_freq") or 1.0) >= (model.get("rope_high_freq") or 4.0):
             return "meta.json: model has a rope_type, rope_low_freq/high_freq or hf_model_type not implemented here"
         if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                                                   "block_size", "rope_theta", "norm_eps", "rope_factor")):
-            return "meta.json: a model size, rope_theta, rope_factor or norm_eps is not positive"
+                                                   "block_size", "norm_eps")) or \
+                not all(model.get(k, 1) >= 1 for k in ("rope_theta", "rope_factor", "rope_original_len")):
+            return "meta.json: a model size or norm_eps is not positive, or rope_theta, rope_factor or " \
+                   "rope_original_len is below 1"
         ModelConfig(**model)
         config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
         json_field(config, "tokenizer", str, "meta.json config", fix)

@@ -213,6 +213,12 @@ def hf_config_to_ours(hf):
         raise refuse("model_type", "not a LLaMA model (llama, mistral or qwen2)")
     # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters
     rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    both = [{**{k: v for k, v in r.items() if k not in ("type", "rope_theta")},
+             "rope_type": r.get("rope_type", r.get("type", "default"))} for r in (hf.get("rope_scaling"),
+                                                                           hf.get("rope_parameters")) if r]
+    if len(both) == 2 and both[0] != both[1]:  # (rope_theta: checked below, from rope_parameters)
+        raise refuse("rope_scaling", "it and rope_parameters both describe the rotary scaling, and differ (readers "
+                                     "disagree on which wins); keep one")
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -226,9 +232,11 @@ def hf_config_to_ours(hf):
         numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor")),
                     ("rope_original_len", rope.get("original_max_position_embeddings",
                                                    hf.get("max_position_embeddings")))]
-    for field, value in numbers:
-        if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value < 1e30:
-            raise refuse(field if field in hf else rope_field, f"{field} must be a positive finite number")
+    for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
+        low, high = (1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0), MAX_SIZES.get(field, 1e30)
+        if type(value) is bool or not isinstance(value, (int, float)) or not (low <= value < high and value > 0):
+            raise refuse(field if field in hf else rope_field, f"{field} must be a positive number"
+                         + (" of at least 1" if low else "") + f" below {high:g}")
         scaling[field] = float(value) if field != "rope_original_len" else int(value)
     if rope_type == "llama3" and not scaling["rope_low_freq"] < scaling["rope_high_freq"]:
         raise refuse(rope_field, "low_freq_factor must be below high_freq_factor")

@@ -126,6 +126,9 @@ def test_config_forms_and_refusals(tmp_path):
     assert ours({**llama, "rope_parameters": {**llama3, "rope_theta": 5e5, "original_max_position_embeddings": 8192}},
                 *rope) == ("llama3", 32.0, 5e5, 1.0, 4.0, 8192)
     assert ours({**llama, "rope_scaling": llama3}, "rope_original_len", "max_position") == (64, 64)  # (as HF)
+    assert ours({**llama, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": {  # two that agree
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}, "rope_type", "rope_factor", "rope_theta") == (
+        "linear", 2.0, 5e5)
     assert ours({**qwen2, "sliding_window": 4096}, "qkv_bias", "sliding_window", "hf_model_type") == (True, 0, "qwen2")
     assert ours({**qwen2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
                 "sliding_window") == (16,)
@@ -137,7 +140,13 @@ def test_config_forms_and_refusals(tmp_path):
                         "layer_types"),
                        ({**qwen2, "use_sliding_window": True, "sliding_window": 16, "layer_types": [[1], "x"]},
                         "layer_types"),
-                       ({**llama, "model_type": "mistral", "sliding_window": -4}, "sliding_window")]:
+                       ({**llama, "model_type": "mistral", "sliding_window": -4}, "sliding_window"),
+                       ({**llama, "rope_theta": 1e-300}, "rope_theta"),  # (trained NaN)
+                       ({**llama, "rope_parameters": {"rope_type": "linear", "factor": 0.5}}, "rope_parameters"),
+                       ({**llama, "rope_scaling": {**llama3, "original_max_position_embeddings": 1e29}},
+                        "rope_scaling"),  # (an OverflowError in the rotary tables)
+                       ({**llama, "rope_scaling": {"type": "linear", "factor": 4.0},  # two that differ: which?
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_scaling")]:
         with pytest.raises(UserError, match=f"config.json: {field}="):
             hf.hf_config_to_ours(bad)
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -414,6 +414,7 @@ CASES = [
     (4, "phase lr_scale=1e999", "raises", validated(datasets="a:1,b:1", phases=[(0, {"a": 1.0}, float("inf"))])),
     (4, "rms_norm_eps=-1", "raises", hf_config(rms_norm_eps=-1)),
     (4, "rope_theta=0", "raises", hf_config(rope_theta=0)),
+    (4, "rope_theta=1e-300", "raises", hf_config(rope_theta=1e-300)),
     (4, "adapter lora_alpha=NaN", "raises", adapter()),
     (4, "a save of NaN weights", "raises", nan_weights),
     (4, "a checkpoint of NaN weights", "raises", nan_checkpoint),
@@ -430,6 +431,10 @@ CASES = [
     (6, "meta.json with an extra model key", "fallback", damaged("meta.json", in_place(
         lambda m: {**m, "model": {**m["model"], "extra": 1}}))),
     (6, "meta.json iter -7", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": -7}))),
+    (6, "meta.json rope_original_len 10**20", "fallback", damaged("meta.json", in_place(  # (an OverflowError)
+        lambda m: {**m, "model": {**m["model"], "rope_type": "llama3", "rope_original_len": 10 ** 20}}))),
+    (6, "meta.json rope_theta 1e-300", "fallback", damaged("meta.json", in_place(  # (trained NaN)
+        lambda m: {**m, "model": {**m["model"], "rope_theta": 1e-300}}))),
     (6, "meta.json iter 10**30", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": 10 ** 30}))),
     (7, "int16 data with -1", "raises", bad_dataset("dtype", "int16", "train", np.full(99, -1, np.int16).tobytes())),
     (7, "empty val.bin", "raises", bad_dataset(None, None, "val", b"")),
