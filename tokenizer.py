@@ -262,14 +262,24 @@ class HFTokenizer:
         self.max_token_value = self.n_vocab - 1
         self.special_tokens_set = {a.content for a in added.values()}
         self.extra_tokens = tuple(a.content for _, a in sorted(added.items()) if not a.special)
+        tj = json.loads(tok.to_str())
+        for pp in (tj.get("post_processor") or {}).get("processors") or [tj.get("post_processor") or {}]:
+            named = {piece["SpecialToken"]["id"] for side in ("single", "pair") for piece in pp.get(side) or []
+                     if pp.get("type") == "TemplateProcessing" and "SpecialToken" in piece}
+            if missing := sorted(named - set(pp.get("special_tokens") or {})):  # (`tokenizers` would panic in Rust)
+                raise UserError(f"{path}: its post-processor's template names {missing} but defines no such special "
+                                f"token: add it to special_tokens, or remove it")
         plain, marked = tok.encode("x", add_special_tokens=False).ids, tok.encode("x").ids
+        if any(not 0 <= i < self.n_vocab for i in marked):
+            raise UserError(f"{path}: its post-processor adds id {max(marked)}, past the {self.n_vocab:,} ids of the "
+                            f"tokenizer: fix the ids in post_processor's special_tokens")
         start = next((k for k in range(len(marked)) if marked[k:k + len(plain)] == plain), None)
         if start is None or start > 1 or marked[start + len(plain):] not in ([], [eot_token]):
             raise UserError(f"{path}: its post-processor wraps text as {marked} (text alone: {plain}); only a BOS "
                             f"before and an EOS after are supported: edit post_processor or add_bos_token")
         self.bos_token = marked[0] if start else None
         self._variants = {}
-        self.twin = tiktoken_twin(json.loads(tok.to_str()))  # the fast path where it is exact, else None
+        self.twin = tiktoken_twin(tj)  # the fast path where it is exact, else None
 
     def _variant(self, allowed, inner=False):
         """The tokenizer that turns exactly the added tokens in `allowed` ("all": every one)

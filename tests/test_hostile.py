@@ -347,6 +347,22 @@ TINY_BPE = {**BPE, "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "
             "added_tokens": [added(3, "<eos>")]}
 
 
+def bos_template(ids, defined=True):
+    """TINY_BPE with a post-processor that puts <bos> (of `ids`; defined=False: named, not defined) first."""
+    def side(*seqs):
+        return [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, *({"Sequence": {"id": s, "type_id": 0}} for s in seqs)]
+    special = {"<bos>": {"id": "<bos>", "ids": ids, "tokens": ["<bos>"]}} if defined else {}
+
+    def make(b, tmp):
+        model = {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4}}  # (the text it wraps: "x")
+        load = bad_tokenizer(json.dumps({**TINY_BPE, "model": model, "post_processor": {
+            "type": "TemplateProcessing", "single": side("A"), "pair": side("A", "B"), "special_tokens": special}}))(b, tmp)
+        with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<eos>"}, f)
+        return load
+    return make
+
+
 def bad_added_tokens(*tokens):
     return bad_tokenizer(json.dumps({**TINY_BPE, "added_tokens": [added(3, "<eos>"), *(added(*t) for t in tokens)]}))
 
@@ -462,6 +478,8 @@ CASES = [
     (8, "tokenizer.json: deep JSON", "raises", bad_tokenizer("[" * 100000 + "]" * 100000)),
     (8, "tokenizer.json: a 5000-digit integer", "raises", bad_tokenizer('{"model": ' + "9" * 5000 + "}")),
     (8, "tokenizer.json: pre_tokenizer not an object", "raises", bad_tokenizer(json.dumps({**BPE, "pre_tokenizer": 5}))),
+    (8, "tokenizer.json: a template naming no defined token", "raises", bos_template([0], defined=False)),  # (a panic)
+    (8, "tokenizer.json: a template adding id 5000 of 5", "raises", bos_template([5000])),  # (written into the data)
     (8, "tokenizer.json: an added token without an id", "raises", bad_tokenizer(json.dumps(
         {**BPE, "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": [{"content": "<x>"}, {"content": "<y>"}]}))),
     (8, "tokenizer.model: a 5000-digit rank", "raises", bad_tokenizer("IQ== " + "9" * 5000 + "\n", "tokenizer.model")),
