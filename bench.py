@@ -93,6 +93,7 @@ build:  peak tensor bytes per rank while building the model (fresh weights) and 
         against building the whole model first, on a model whose layers dominate.
 """
 
+import atexit
 import copy
 import json
 from contextlib import nullcontext
@@ -1067,6 +1068,7 @@ def table_race(recipes=None, extra=None):
     line: nanoGPT's final model's score."""
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
     root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # the recipes' out_dirs, also when a run fails
     load, loads = os.getloadavg()[0], {}  # the 1-minute load average before and after each side
     nano = None if SMOKE else nanogpt_race(data_dir)  # (--smoke: minutes of nanoGPT, and data/ written where it runs)
     loads["nanoGPT"] = (load, os.getloadavg()[0])
@@ -1613,13 +1615,19 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--row":
         print(json.dumps(ROWS[sys.argv[2]](**json.loads(sys.argv[3]))))
         sys.exit(0)
-    names = [a for a in sys.argv[1:] if not a.startswith("--") and "=" not in a] or list(TABLES)
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__.strip()))
+    flags = [a for a in sys.argv[1:] if a.startswith("-") and "=" not in a]
+    if set(flags) - {"--smoke", "--functions"}:  # a typo such as --smok must not start the full-size tables
+        sys.exit(f"error: unknown option {sorted(set(flags) - {'--smoke', '--functions'})[0]}: the options are "
+                 f"--smoke, --functions (reading) and --help")
+    names = [a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a] or list(TABLES)
     for name in names:
         if name not in TABLES:
             sys.exit(f"error: unknown table '{name}': choose from {', '.join(TABLES)}")
-    smoke_data = None
     if SMOKE and not any(a.startswith("dataset=") for a in sys.argv[1:]):  # a tiny dataset of its own, in /tmp:
         smoke_data = os.path.join(tempfile.mkdtemp(prefix="smoke_"), "docs")  # data/stdlib may hold another vocabulary
+        atexit.register(shutil.rmtree, os.path.dirname(smoke_data), ignore_errors=True)  # (also when a table fails)
         prepare.prepare(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "*.md"), smoke_data,
                         "cl100k_base", SMOKE_KEYS["vocab_size"], val_fraction=0.2, verbose=False)
         RUN_KEYS.append(f"dataset={smoke_data}")
@@ -1628,5 +1636,3 @@ if __name__ == "__main__":
     for name in names:
         TABLES[name](**(SMOKE_ARGS.get(name, {}) if SMOKE else {}),
                      **({"functions": True} if name == "reading" and "--functions" in sys.argv else {}))
-    if smoke_data:
-        shutil.rmtree(os.path.dirname(smoke_data))

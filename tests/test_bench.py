@@ -25,3 +25,13 @@ def test_every_table_runs_at_a_tiny_size(tmp_path):
     missing = [name for name, heading in HEADINGS.items() if heading not in p.stdout]
     assert not missing, f"tables that printed nothing: {missing}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr and not os.listdir(tmp_path)  # and nothing written where it ran
+
+
+def test_options_it_does_not_know_start_nothing(tmp_path):
+    """`--help` prints the tables' descriptions; a typo such as `--smok` is one error line (it
+    started the full-size tables, minutes of them)."""
+    p = run_train(["--help"], cwd=tmp_path, script="bench.py", timeout=120)
+    assert "python bench.py --smoke" in p.stdout and "## " not in p.stdout and p.stderr == ""
+    p = run_train(["--smok"], cwd=tmp_path, script="bench.py", check=False, timeout=120)
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.strip().splitlines() == [
+        "error: unknown option --smok: the options are --smoke, --functions (reading) and --help"]
