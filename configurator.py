@@ -213,7 +213,7 @@ REFUSALS = [
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
-     "between stages, compose with tensor parallelism (use sp=True for that) or average ZeRO's gradient slices; "
+     "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or average ZeRO's gradient slices; "
      "with cp use dp or fsdp=True"),
 ]
 
