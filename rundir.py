@@ -323,7 +323,7 @@ def finished_or_other(src, c, overrides, out_dir, mesh):
     model), which init_from=auto must not continue. init_from=resume continues whatever data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size") if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim") if c[k] != had.get(k, c[k])]
     if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
@@ -331,12 +331,21 @@ def finished_or_other(src, c, overrides, out_dir, mesh):
         what = "datasets" if c["datasets"] else "dataset"
         also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
                          if k not in ("dataset", "datasets"))
+        itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)  # (its advice would be this command)
         raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at iteration {it}; "
-                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: pick a new out_dir, "
-                        f"or init_from={out_dir} to start from its weights")
+                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: " + (
+                            "init_from= names out_dir itself: drop init_from= to continue the run there, or write "
+                            "the new run to another out_dir" if itself else
+                            f"pick a new out_dir, or init_from={out_dir} to start from its weights"))
     if it >= c["max_iters"]:
-        mesh.print0(f"{out_dir} holds a finished run (iteration {it}, max_iters={c['max_iters']}): nothing to do; "
-                    f"raise max_iters= to train further, or pick a new out_dir")
+        done = f"{out_dir} holds a finished run (iteration {it}, max_iters={c['max_iters']})"
+        # an export is written by the run that ends: a finished one must not skip it silently
+        check(not c["export_hf"], f"{done}, and export_hf= is written when a run ends: `python sample.py "
+                                  f"out_dir={out_dir} export_hf={c['export_hf']}` exports it now")
+        check(not c["export_lora"], f"{done}, and export_lora= is written when a run ends: raise max_iters= (it "
+                                    f"exports after the last iteration), or export the merged model with "
+                                    f"`python sample.py out_dir={out_dir} export_hf=DIR`")
+        mesh.print0(f"{done}: nothing to do; raise max_iters= to train further, or pick a new out_dir")
         return True
     return False
 

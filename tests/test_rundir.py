@@ -34,13 +34,23 @@ def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     assert snapshot(out) == before
     # only the tokenizer changed (the data re-prepared with it under the same name, say): another
     # run too, refused before the data is read, not taken for the finished one (max_iters=1)
-    for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512)):
+    for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512), ("optim", "muon", "adamw")):
         p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4",
                        f"{key}={value}"], cwd=tmp_path, check=False)
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
         assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={dataset} with "
                 f"{key}={value} (the run has {had}): pick a new out_dir") in p.stderr, p.stderr
     assert snapshot(out) == before
+    # init_from= the out_dir itself: the advice is not the command just refused; an export asked of a
+    # finished run is not skipped in silence
+    for extra, says in ((f"init_from={out}", "init_from= names out_dir itself: drop init_from= to continue the run"),
+                        (f"export_hf={tmp_path / 'hf'}", f"and export_hf= is written when a run ends: `python "
+                                                          f"sample.py out_dir={out} export_hf={tmp_path / 'hf'}`"),
+                        (f"export_lora={tmp_path / 'ad'}", "and export_lora= is written when a run ends")):
+        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4", extra],
+                      cwd=tmp_path, check=False)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+    assert snapshot(out) == before and not os.path.exists(tmp_path / "hf")
     # init_from=resume with nothing there: refused, and no directory left behind
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"], cwd=tmp_path,
                   check=False)
