@@ -75,6 +75,8 @@ def main(argv):
     check(not os.path.isdir(cfg["export"]), f"export={cfg['export']} is a directory: name the file to write, e.g. "
                                             f"export={os.path.join(cfg['export'], 'model.pt')}")
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
+    check(not cfg["ckpt"] or os.path.isdir(path), f"ckpt={path} is not a directory: give a checkpoint's directory, "
+          f"e.g. {cfg['out_dir']}/ckpt/iter_0000350, or drop ckpt= for out_dir's latest")
     problem = checkpoint.verify(path) if cfg["ckpt"] else None
     check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or drop ckpt= to "
                            f"use the newest intact one of out_dir")

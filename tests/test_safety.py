@@ -76,6 +76,9 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000008 does not verify (") and \
         "does not verify (.metadata " in last_line(p) and "refused" in last_line(p)
+    # a ckpt= that is no directory (a typo): said so, not blamed on a save that did not finish
+    p = run_train([f"ckpt={ckpt}/iter_0000009"], cwd=tmp_path, check=False, script="sample.py")
+    assert p.returncode != 0 and last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000009 is not a directory: ")
     # sample.py on the run: the crafted one is skipped as corrupt, the older one is used
     p = run_train([f"out_dir={a}", f"export={tmp_path}/w.pt"], cwd=tmp_path, script="sample.py")
     assert f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout and "iter_0000004" in p.stdout
