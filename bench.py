@@ -1617,10 +1617,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if {"-h", "--help"} & set(sys.argv[1:]):
         sys.exit(print(__doc__.strip()))
-    flags = [a for a in sys.argv[1:] if a.startswith("-") and "=" not in a]
-    if set(flags) - {"--smoke", "--functions"}:  # a typo such as --smok must not start the full-size tables
-        sys.exit(f"error: unknown option {sorted(set(flags) - {'--smoke', '--functions'})[0]}: the options are "
-                 f"--smoke, --functions (reading) and --help")
+    unknown = sorted({a for a in sys.argv[1:] if a.startswith("-") and "=" not in a} - {"--smoke", "--functions"})
+    if unknown:  # a typo such as --smok must not start the full-size tables
+        sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, --functions (reading) and --help")
     names = [a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a] or list(TABLES)
     for name in names:
         if name not in TABLES:

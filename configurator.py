@@ -63,8 +63,8 @@ def configure(defaults, argv, script="train.py"):
     for arg in argv:
         if "=" not in arg:
             if arg.startswith("-"):  # -h / --help: the keys, their defaults and comments (exit 0)
-                raise SystemExit(print(script_help(script, defaults), flush=True)) if arg in ("-h", "--help") else UserError(
-                    f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
+                raise SystemExit(print(script_help(script, defaults), flush=True)) if arg in ("-h", "--help") else \
+                    UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
             overrides.update(_config_file(arg, defaults, overrides, script))
             continue
         key, raw = arg.lstrip("-").split("=", 1)
@@ -213,8 +213,8 @@ REFUSALS = [
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
-     "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or average ZeRO's gradient slices; "
-     "with cp use dp or fsdp=True"),
+     "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "
+     "average ZeRO's gradient slices; with cp use dp or fsdp=True"),
 ]
 
 

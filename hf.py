@@ -233,8 +233,9 @@ def hf_config_to_ours(hf):
                     ("rope_original_len", rope.get("original_max_position_embeddings",
                                                    hf.get("max_position_embeddings")))]
     for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
-        low, high = (1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0), MAX_SIZES.get(field, 1e30)
-        if type(value) is bool or not isinstance(value, (int, float)) or not (low <= value < high and value > 0):
+        low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0
+        high = MAX_SIZES.get(field, 1e30)
+        if type(value) is bool or not isinstance(value, (int, float)) or not (value > 0 and low <= value < high):
             raise refuse(field if field in hf else rope_field, f"{field} must be a positive number"
                          + (" of at least 1" if low else "") + f" below {high:g}")
         scaling[field] = float(value) if field != "rope_original_len" else int(value)

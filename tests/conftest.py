@@ -108,7 +108,7 @@ def free_port():
     """A port for a test's rendezvous, below the kernel's ephemeral range: a port the OS hands
     out (bind to 0) can be handed out again, to another xdist worker or to one of gloo's own
     outgoing connections, between this check and the store's bind (EADDRINUSE, seen on CI).
-    Each xdist worker walks its own slice of 10000-32767 from a random start."""
+    Each xdist worker walks its own slice of 10000-32399 from a random start."""
     import random
     import socket
     if not _ports:
