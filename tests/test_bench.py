@@ -18,7 +18,7 @@ HEADINGS = {"single": "## single process", "dp": "## data parallel", "pp": "## p
 def test_every_table_runs_at_a_tiny_size(tmp_path):
     """As docs/benchmarks.md runs it, with no dataset=: the smoke prepares a tiny one of its own in
     /tmp (after the quickstart, data/stdlib holds another vocabulary) and leaves nothing behind."""
-    tree = ast.parse(open(os.path.join(ROOT, "bench.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "bench", "__main__.py")).read())
     tables = next(n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "TABLES")
     assert sorted(ast.literal_eval(k) for k in tables.keys) == sorted(HEADINGS)  # a new table gets a heading here
     p = run_train(["--smoke"], cwd=tmp_path, script="bench.py", timeout=600)

@@ -157,15 +157,15 @@ def test_the_files_stand_on_floors_as_the_readme_says():
 
 
 def test_the_reading_cost_counts_each_line_once():
-    """bench.py reading's count (the reading cost the README and STYLE keep under a bound):
+    """bench/reading.py's count (the reading cost the README and STYLE keep under a bound):
     train.py's lines up to the point reached, plus each function's span elsewhere, once; a
     function nested in a counted one of the same file (a closure) adds nothing, one at the same
     lines of another file does, train.py's own
     functions are inside its lines already, and one seen twice counts once."""
-    import bench
+    from bench.reading import reading_count
     funcs = [("model.py", "forward", 10, 29), ("model.py", "inner", 12, 15), ("model.py", "forward", 10, 29),
              ("optim.py", "step", 40, 40), ("train.py", "evaluate", 300, 310), ("model.py", "other", 40, 41)]
-    total, per_file = bench.reading_count(100, funcs)
+    total, per_file = reading_count(100, funcs)
     assert total == 100 + 20 + 2 + 1
     assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)], "optim.py": [("step", 40, 40)]}
 

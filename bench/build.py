@@ -1,0 +1,82 @@
+"""Peak tensor bytes per rank while building the model (fresh weights) and while importing a
+Hugging Face copy of it, at 1, 2, 4 ranks as fsdp and pp: train.py's meta-device build against
+building the whole model first, on a model whose layers dominate."""
+
+import os
+import tempfile
+from contextlib import nullcontext
+
+import torch
+
+import build
+import fsdp
+import parallel
+from model import ModelConfig, Transformer
+
+from bench.base import MODEL, run_ranks, sized
+
+
+BUILD_MODEL = sized({**MODEL, "n_layer": 16, "n_embd": 256})  # deeper and wider: the layers outweigh embedding and head
+
+
+def build_worker(layout, hf_dir):
+    """One rank of the build table: peak bytes of tensors this rank allocates while it builds
+    the model with fresh weights and while it imports the Hugging Face copy, the meta way
+    (train.py) and the old way (whole model first, then cut and shard)."""
+    
+    import hf
+    from pipeline import make_stage
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    mesh = parallel.setup("cpu", 300, pp=world if layout == "pp" else 1)
+    row = {}
+    for meta in (True, False):
+        for source in ("init", "import"):
+            with build.TensorMemory() as mem:
+                torch.manual_seed(0)
+                with torch.device("meta") if meta else nullcontext():
+                    model = Transformer(ModelConfig(**BUILD_MODEL))
+                if source == "import" and not meta:
+                    model.load_state_dict(hf.load_hf_llama(hf_dir)[1])
+                model = make_stage(model, mesh.pp_rank, mesh.pp)
+                if layout == "fsdp" and world > 1:
+                    fsdp.fully_shard_model(model, mesh)
+                if meta:
+                    build.materialize(model, "cpu")
+                    model.init_rope()
+                    if source == "import":
+                        hf.load_hf_parts(hf.hf_llama_index(hf_dir)[1], build.local_parts(model))
+                    else:
+                        build.init_weights(model, 0)
+            row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
+            del model
+    rows = parallel.all_gather_object(row, mesh)
+    parallel.teardown(mesh)
+    return {k: max(r[k] for r in rows) for k in row}  # the busiest rank
+
+
+def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4))):
+    cfg = ModelConfig(**BUILD_MODEL)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+          f"vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M parameters, fp32: {whole:.1f} MB whole, "
+          f"largest single parameter {largest:.1f} MB); peak MB of tensors a rank allocates (counted by "
+          f"build.TensorMemory), the busiest rank")
+    print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | {'old build':>9} | "
+          f"{'old import':>10}")
+    print("-" * 62)
+    import hf
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = os.path.join(tmp, "hf")
+        hf.save_hf_llama(hf_dir, model.state_dict(), cfg)
+        del model
+        for layout, world in layouts:
+            r = run_ranks(build_worker, world, layout, hf_dir)
+            print(f"{layout:<6} {world:>5} | {whole / world:7.1f} | {r['meta_init']:6.1f} | {r['meta_import']:6.1f} | "
+                  f"{r['whole_init']:9.1f} | {r['whole_import']:10.1f}")
+    print("build/import: the meta-device build (train.py): the stage is cut and the shards made on the meta "
+          "device, then each rank allocates and reads only its part. old: the whole model first (and the whole "
+          "file read), then cut and sharded. pp's busiest rank is the stage with the embedding or the head.")

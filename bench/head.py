@@ -1,0 +1,68 @@
+"""The output head + cross-entropy alone, forward and backward, at vocab 8k, 32k and 128k
+(train.py's micro-batch of rows, its width): all logits at once (loss_chunk=0) against
+model.ChunkedCrossEntropy (loss_chunk=128), ms and the peak memory above the inputs (CUDA: max
+allocated; CPU: max RSS), each row in a fresh process."""
+
+import time
+
+import torch
+
+from model import cross_entropy_losses
+
+from bench.base import ITERS, TRAIN, WARMUP, in_subprocess
+
+
+def head_row(vocab, chunk, rows, width):
+    """Head + loss forward and backward on `rows` rows of `width`: median ms, and the peak memory
+    above the inputs' in MB."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, rows, width, generator=g).to(device).requires_grad_()
+    head = torch.nn.Linear(width, vocab, bias=False).to(device)
+    y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    h.grad, head.weight.grad = torch.zeros_like(h), torch.zeros_like(head.weight)  # the gradients exist in both
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py on CUDA
+
+    def step():
+        with autocast:  # as train.py: bf16 matmuls on CUDA (the backward restores it), float32 on CPU
+            losses = cross_entropy_losses(h, head, y, chunk)
+        losses.mean().backward()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    else:  # the first step in this fresh process (later ones may reuse memory the heap kept): its peak RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux)
+        before = vm_kb("VmRSS")
+        step()
+        peak = (vm_kb("VmHWM") - before) / 1024
+    times = []
+    for _ in range(WARMUP + ITERS):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000, "peak_mb": peak}
+
+
+def vm_kb(field):
+    """This process's VmRSS or VmHWM (peak RSS) from /proc/self/status, in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
+    rows, width = rows or TRAIN["batch_size"] * TRAIN["block_size"], width or TRAIN["n_embd"]
+    print(f"\n## head + loss: {rows} rows (batch x block) of width {width}, forward and backward, median of "
+          f"{ITERS}; all logits at once vs chunks of {chunk} rows (model.ChunkedCrossEntropy)")
+    print(f"{'vocab':>7} | {'logits':>9} | {'whole ms':>8} | {'chunked ms':>10} | {'whole peak':>10} | "
+          f"{'chunked peak':>12}")
+    print("-" * 72)
+    for v in vocabs:
+        whole, chunked = (in_subprocess("head", vocab=v, chunk=c, rows=rows, width=width) for c in (0, chunk))
+        print(f"{v:7,} | {rows * v * 4 / 2 ** 20:6.0f} MB | {whole['ms']:8.1f} | {chunked['ms']:10.1f} | "
+              f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
