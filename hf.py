@@ -235,8 +235,12 @@ def hf_config_to_ours(hf):
     for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
         low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0
         high = MAX_SIZES.get(field, 1e30)
-        if type(value) is bool or not isinstance(value, (int, float)) or not (value > 0 and low <= value < high):
-            raise refuse(field if field in hf else rope_field, f"{field} must be a positive number"
+        # a length is a whole number (int() would truncate 8192.5; transformers keeps the float)
+        whole = field != "rope_original_len" or type(value) is int or type(value) is float and value.is_integer()
+        if type(value) is bool or not isinstance(value, (int, float)) or not (value > 0 and low <= value < high) \
+                or not whole:
+            raise refuse(field if field in hf else rope_field, f"{field} must be a positive "
+                         + ("whole number" if field == "rope_original_len" else "number")
                          + (" of at least 1" if low else "") + f" below {high:g}")
         scaling[field] = float(value) if field != "rope_original_len" else int(value)
     if rope_type == "llama3" and not scaling["rope_low_freq"] < scaling["rope_high_freq"]:
@@ -342,6 +346,9 @@ def hf_llama_index(path):
         if tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
             raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but config.json implies "
                             f"{expected[ours]}; config.json does not match the weights")
+        if not entry[2].is_floating_point:  # a float's bytes relabelled as integers load as huge weights
+            raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are floating point: "
+                            f"the header is damaged or the file is not these weights; copy or download it again")
         sd[ours] = (name, file, data_start, entry)
     missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) for n in expected if n not in sd]
     if missing:

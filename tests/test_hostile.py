@@ -122,6 +122,21 @@ def hf_weight_map(target):
     return make
 
 
+def hf_relabelled(b, tmp):
+    """A tensor of model.safetensors whose header says I32 where it wrote F32 (same byte count)."""
+    d = copy(b["hf"], os.path.join(tmp, "hf"))
+    with open(os.path.join(d, "model.safetensors"), "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = f.read(n)
+        f.seek(8)
+        f.write(header.replace(b'"F32"', b'"I32"', 1))
+    return lambda: hf.hf_llama_index(d)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
 def adapter(**changes):
     def make(b, tmp):
         d = copy(b["adapter"], os.path.join(tmp, "adapter"))
@@ -504,6 +519,12 @@ CASES = [
     (10, "busy out_dir under torchrun: one line", "run", busy_out_dir_under_torchrun),
     (10, "disk full on a save says so", "raises", full_disk_save),
     (10, "a refused run leaves nothing behind", "run", refused_run),
+    # issue 50: round five (numbered 50)
+    (50, "safetensors: an F32 tensor relabelled I32", "raises", hf_relabelled),
+    (50, "original_max_position_embeddings 8192.5", "raises", hf_config(
+        rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192.5})),
+    (50, "original_max_position_embeddings 8192 holds", "holds", lambda b, tmp: (
+        lambda load: lambda: load()[0]["rope_original_len"] == 8192)(hf_config(rope_scaling=LLAMA3_ROPE)(b, tmp))),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
     (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
