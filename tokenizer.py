@@ -95,6 +95,9 @@ def check_tokenizer_json(tj, path):
                 "style)"}.get(kind, f"a {str(kind)[:40] if kind else 'model-less'} tokenizer")
         raise UserError(f"{path} is {what}; only BPE tokenizers (what LLaMA-family models ship: byte-level or "
                         f"SentencePiece-style) are read: use such a model, or train with tokenizer= of your own")
+    if model.get("continuing_subword_prefix"):  # (`tokenizers` panics on its merges, or drops the text)
+        raise _bad(path, f"its BPE has continuing_subword_prefix {str(model['continuing_subword_prefix'])[:20]!r}, a "
+                         f"WordPiece-style marker that no LLaMA-family tokenizer uses; set it to null")
     vocab, added = model.get("vocab"), tj.get("added_tokens") or []
     if not isinstance(vocab, dict) or not isinstance(added, list) or not isinstance(model.get("merges", []), list):
         raise _bad(path, "model.vocab is not an object, or model.merges / added_tokens not a list")
@@ -158,11 +161,52 @@ def _as_transformers_reads(tj, cfg):
 
 
 def _tokenizer(tj, path):
-    from tokenizers import Tokenizer
     try:
-        return Tokenizer.from_str(json.dumps(tj))
+        return guarded(path, tj)
+    except UserError:
+        raise
     except Exception as e:  # the library's parse error, whatever its kind: one line
         raise _bad(path, f"the tokenizers library cannot read it ({str(e).splitlines()[0][:120] if str(e) else e!r})")
+
+
+def _panic(e):  # pyo3's PanicException derives from BaseException, not Exception
+    return type(e).__name__ == "PanicException"
+
+
+def _call(source, method, args, kwargs):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(json.dumps(source)) if isinstance(source, dict) else source
+    return getattr(tok, method)(*args, **kwargs) if method else tok
+
+
+def guarded(path, source, method=None, *args, **kwargs):
+    """source.method(*args) of the `tokenizers` library, where source is a Tokenizer or a
+    tokenizer.json dict (read first; no method: the Tokenizer). A Rust panic (a regex that
+    backtracks too long, a Replace of an empty pattern, a junk charsmap) is one line naming the
+    file and the parts without which the call works; the panic's own report to stderr is silenced."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        return _call(source, method, args, kwargs)
+    except BaseException as e:
+        if not _panic(e):
+            raise
+        tj, parts = source if isinstance(source, dict) else json.loads(source.to_str()), []
+        for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+            try:
+                if tj.get(part):
+                    _call({**tj, part: None}, method, args, kwargs)
+                    parts.append(f"{part} {json.dumps(tj[part])[:100]}")
+            except BaseException as again:
+                if not _panic(again) and not isinstance(again, Exception):
+                    raise
+        raise UserError(f"{path}: the tokenizers library fails on its {' or '.join(parts) or 'model'} ("
+                        f"{str(e).splitlines()[0][:80] if str(e) else 'a panic'}): fix or remove that part, or "
+                        f"{FIX}") from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def load_tokenizer_json(path):
@@ -170,7 +214,12 @@ def load_tokenizer_json(path):
     tj = _json(path)
     tokens = check_tokenizer_json(tj, path)
     cfg = _config(path, tokens)
-    tok = _tokenizer(_as_transformers_reads(tj, cfg), path)
+    tj = _as_transformers_reads(tj, cfg)
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in tj["model"]["vocab"]]
+    if tj["model"].get("byte_fallback") and missing:
+        raise _bad(path, f"its BPE has byte_fallback but lacks {len(missing)} of the 256 byte tokens (e.g. "
+                         f"{missing[0]}): every character outside its vocabulary would be dropped")
+    tok = _tokenizer(tj, path)
     from tokenizers import AddedToken, processors
     # transformers adds the named special tokens that the file did not, and rebuilds the
     # post-processor from add_bos_token / add_eos_token when the config gives one of them
@@ -196,6 +245,12 @@ def load_tokenizer_json(path):
                         f"documents: add eos_token to tokenizer_config.json")
     name = f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
     return HFTokenizer(name, tok, cfg, tok.token_to_id(eos), path)
+
+
+# text of every kind a corpus holds: tiktoken_twin's encodings must equal the library's on it
+PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
+         "\tdef f(x):\n        return x**2  # 1234567 3.14e-10\r\n   trailing  \u00a0nbsp\u3000 e\u0301 ｆｕｌｌ "
+         "'S 'll I'M aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa {}[]()<>|~`^$@ \x00\x1f\x7f\u200b ")
 
 
 def tiktoken_twin(tj):
@@ -269,7 +324,8 @@ class HFTokenizer:
             if missing := sorted(named - set(pp.get("special_tokens") or {})):  # (`tokenizers` would panic in Rust)
                 raise UserError(f"{path}: its post-processor's template names {missing} but defines no such special "
                                 f"token: add it to special_tokens, or remove it")
-        plain, marked = tok.encode("x", add_special_tokens=False).ids, tok.encode("x").ids
+        plain = guarded(path, tok, "encode", "x", add_special_tokens=False).ids
+        marked = guarded(path, tok, "encode", "x").ids
         if any(not 0 <= i < self.n_vocab for i in marked):
             raise UserError(f"{path}: its post-processor adds id {max(marked)}, past the {self.n_vocab:,} ids of the "
                             f"tokenizer: fix the ids in post_processor's special_tokens")
@@ -279,7 +335,9 @@ class HFTokenizer:
                             f"before and an EOS after are supported: edit post_processor or add_bos_token")
         self.bos_token = marked[0] if start else None
         self._variants = {}
-        self.twin = tiktoken_twin(tj)  # the fast path where it is exact, else None
+        # the fast path where it is exact (and encodes a probe text alike), else None
+        twin, probe = tiktoken_twin(tj), guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids
+        self.twin = twin if twin and twin.encode_ordinary(PROBE) == probe else None
 
     def _variant(self, allowed, inner=False):
         """The tokenizer that turns exactly the added tokens in `allowed` ("all": every one)
@@ -301,14 +359,15 @@ class HFTokenizer:
     def encode(self, text, allowed_special=(), disallowed_special=()):
         if self.twin:
             return self.twin.encode(text, allowed_special=_set(allowed_special), disallowed_special=())
-        return self._variant(allowed_special).encode(text, add_special_tokens=False).ids
+        return guarded(self._path, self._variant(allowed_special), "encode", text, add_special_tokens=False).ids
 
     def encode_batch(self, texts, num_threads=8, allowed_special=(), disallowed_special=()):
         if self.twin:
             return self.twin.encode_batch(texts, num_threads=num_threads, allowed_special=_set(allowed_special),
                                           disallowed_special=())
         # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
-        return [e.ids for e in self._variant(allowed_special).encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast", texts,
+                                       add_special_tokens=False)]
 
     def encode_inner_batch(self, texts, allowed_special=()):
         """encode_batch of texts that each follow a token in a longer text (a chat message after
@@ -317,7 +376,8 @@ class HFTokenizer:
         piece only, not after a token."""
         if self.twin:  # (a byte-level split has no first piece of its own)
             return self.encode_batch(texts, allowed_special=allowed_special)
-        return [e.ids for e in self._variant(allowed_special, True).encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in guarded(self._path, self._variant(allowed_special, True), "encode_batch_fast", texts,
+                                       add_special_tokens=False)]
 
     def encode_ordinary(self, text):
         return self.encode(text)
@@ -326,7 +386,7 @@ class HFTokenizer:
         return self.encode_batch(texts, num_threads)
 
     def decode(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return guarded(self._path, self._tok, "decode", list(ids), skip_special_tokens=False)
 
     def encode_single_token(self, token):
         i = self._tok.token_to_id(token)

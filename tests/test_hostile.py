@@ -378,6 +378,16 @@ def bos_template(ids, defined=True):
     return make
 
 
+def bad_tokenizer_config_for(tj):
+    """The tokenizer.json `tj` with a tokenizer_config.json naming its <eos>."""
+    def make(b, tmp):
+        load = bad_tokenizer(json.dumps(tj))(b, tmp)
+        with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<eos>"}, f)
+        return load
+    return make
+
+
 def bad_added_tokens(*tokens):
     return bad_tokenizer(json.dumps({**TINY_BPE, "added_tokens": [added(3, "<eos>"), *(added(*t) for t in tokens)]}))
 
@@ -392,6 +402,52 @@ def bad_tokenizer_config(config):
             "add_bos_token" not in config else True  # the file alone is fine: the config is the fault
         return load
     return make
+
+
+def exported_tokenizer(change, text=None):
+    """Our export of a 512-id cl100k_base (a byte-level file that tiktoken can twin), changed by
+    change(tokenizer.json dict); loaded, and with `text` also encoded."""
+    def make(b, tmp):
+        tj, config = hf.hf_tokenizer(data.get_tokenizer("cl100k_base", 512), 64)
+        change(tj)
+        os.makedirs(os.path.join(tmp, "tok"))
+        for name, obj in (("tokenizer.json", tj), ("tokenizer_config.json", config)):
+            with open(os.path.join(tmp, "tok", name), "w") as f:
+                json.dump(obj, f)
+        path = os.path.join(tmp, "tok", "tokenizer.json")
+        return lambda: tokenizer.load(path) if text is None else tokenizer.load(path).encode(text)
+    return make
+
+
+def split_regex(regex):
+    return lambda tj: tj["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=regex)
+
+
+def set_part(part, value):
+    return lambda tj: tj.update({part: value})
+
+
+def twin_keeps_all_text(b, tmp):
+    """A Split regex that matches letters only: tiktoken would keep the matches alone, the
+    `tokenizers` library keeps the spans between them too: the twin must not be used."""
+    load = exported_tokenizer(split_regex("[a-z]+"))(b, tmp)
+    text = "hello world, 42!\n"
+    return lambda: (lambda enc: enc.twin is None and enc.decode(enc.encode(text)) == text)(load())
+
+
+def naming(part, make):
+    """make's case, whose one line must also name tokenizer.json and `part` (what failed)."""
+    def wrapped(b, tmp):
+        call = make(b, tmp)
+
+        def named():
+            try:
+                call()
+            except UserError as e:
+                assert "tokenizer.json" in str(e) and part in str(e), str(e)
+                raise
+        return named
+    return wrapped
 
 
 def bad_extra_tokens(raw):
@@ -525,6 +581,24 @@ CASES = [
         rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192.5})),
     (50, "original_max_position_embeddings 8192 holds", "holds", lambda b, tmp: (
         lambda load: lambda: load()[0]["rope_original_len"] == 8192)(hf_config(rope_scaling=LLAMA3_ROPE)(b, tmp))),
+    (50, "tiktoken twin: a Split regex that does not tile the text", "holds", twin_keeps_all_text),
+    (50, "tokenizer.json: byte_fallback without the <0xNN> tokens", "raises", bad_tokenizer_config_for(
+        {**TINY_BPE, "model": {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4},
+                               "byte_fallback": True}})),
+    (50, "tokenizer.json: a Split regex that backtracks", "raises", naming("pre_tokenizer", exported_tokenizer(
+        split_regex("(a+)+b"), "a" * 50))),
+    (50, "tokenizer.json: a Replace regex that backtracks on the text", "raises", naming("normalizer",
+        exported_tokenizer(set_part("normalizer", {"type": "Replace", "pattern": {"Regex": "(b+)+c"}, "content": "x"}),
+                           "b" * 50))),
+    (50, "tokenizer.json: a Replace of an empty pattern", "raises", naming("normalizer", exported_tokenizer(
+        set_part("normalizer", {"type": "Replace", "pattern": {"String": ""}, "content": "x"}), "hello"))),
+    (50, "tokenizer.json: a junk Precompiled charsmap", "raises", naming("normalizer", bad_tokenizer_config_for(
+        {**TINY_BPE, "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA"}}))),
+    (50, "tokenizer.json: a template whose single names $B", "raises", naming("post_processor", bad_tokenizer_config_for(
+        {**TINY_BPE, "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "B", "type_id": 0}}],
+                                        "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}}))),
+    (50, "tokenizer.json: continuing_subword_prefix on a byte-level file", "raises", naming(
+        "continuing_subword_prefix", exported_tokenizer(lambda tj: tj["model"].update(continuing_subword_prefix="##")))),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
     (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
