@@ -525,14 +525,14 @@ def bytes_to_unicode():
 
 def hf_tokenizer(enc, max_length):
     """(tokenizer.json, tokenizer_config.json) as dicts for the tiktoken encoding `enc` (see
-    data.get_tokenizer: a possibly truncated BPE, its special tokens, extra tokens).
+    tokenizer.get_tokenizer: a possibly truncated BPE, its special tokens, extra tokens).
 
-    Special tokens in text behave as data.encode treats them: <|endoftext|> (and tiktoken's
+    Special tokens in text behave as tokenizer.encode treats them: <|endoftext|> (and tiktoken's
     other special tokens) written in a text is ordinary text, split into byte-level tokens
     (tokenizer_config's split_special_tokens), while the extra tokens (the chat template's
     among them) become their ids; they are added tokens that are not "special" to HF, which is
     also why decode(..., skip_special_tokens=True) keeps them and drops only <|endoftext|>."""
-    if hasattr(enc, "export"):  # a model's tokenizer.json (tokenizer.HFTokenizer): itself, grown
+    if hasattr(enc, "export"):  # a model's tokenizer.json (hf_tokenizer.HFTokenizer): itself, grown
         tokenizer, config = enc.export(max_length)
         return tokenizer, {**config, **chat_template(enc)}
     ranks = enc._mergeable_ranks
@@ -574,7 +574,7 @@ def hf_tokenizer(enc, max_length):
                   "merges": [[m[3], m[4]] for m in merges]},
     }
     names = {i: t for t, i in enc._special_tokens.items()}
-    eot, bos = names[enc.eot_token], getattr(enc, "bos_token", None)  # a model's tokenizer: tokenizer.py
+    eot, bos = names[enc.eot_token], getattr(enc, "bos_token", None)  # a model's tokenizer: hf_tokenizer.py
     if bos is not None:  # documents start with it, as the model's own tokenizer does
         tokenizer["post_processor"] = {"type": "TemplateProcessing",
                                        "single": [{"SpecialToken": {"id": names[bos], "type_id": 0}},
@@ -595,8 +595,8 @@ def hf_tokenizer(enc, max_length):
 
 
 def chat_template(enc):
-    """{"chat_template": data.render_chat's template} when `enc` has its tokens as extra tokens, else {}."""
-    roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # data.CHAT_TOKENS
+    """{"chat_template": tokenizer.render_chat's template} when `enc` has its tokens as extra tokens, else {}."""
+    roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # tokenizer.CHAT_TOKENS
     if not all(t in getattr(enc, "extra_tokens", ()) for t in roles):
         return {}
     bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""  # as prepare starts each document

@@ -29,7 +29,8 @@ import zlib
 import numpy as np
 
 from common import UserError, excepthook, loads_json
-from data import (
+from data import token_dtype
+from tokenizer import (
     CHAT_TOKENS,
     ROLES,
     encode_batch,
@@ -38,7 +39,6 @@ from data import (
     load_extra_tokens,
     render_chat,
     split_known,
-    token_dtype,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -321,9 +321,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
             "train_docs": docs["train"], "val_docs": docs["val"],
             "text_chars": n_chars, "replaced_bytes": n_replaced}
-    if "eot_token" in vars(base):  # a model's tokenizer file (tokenizer.py): checked when read again
-        import tokenizer as tokenizer_py
-        meta.update(tokenizer_sha256=tokenizer_py.sha256(tokenizer))
+    if "eot_token" in vars(base):  # a model's tokenizer file (hf_tokenizer.py): checked when read again
+        import hf_tokenizer
+        meta.update(tokenizer_sha256=hf_tokenizer.sha256(tokenizer))
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
     with open(os.path.join(work, "meta.json"), "w") as f:
@@ -355,7 +355,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
 def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
-    from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (data.model_spec:
+    from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (tokenizer.model_spec:
     the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
     its last id."""
     prep = prep or ("stdlib" if source == "stdlib" else "")
@@ -397,10 +397,10 @@ def main():
     args = ap.parse_args()
     name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
     model_tokens = ()
-    if args.init_from:  # the model's tokenizer (data.model_spec), as train.py's init_from= prepares it
+    if args.init_from:  # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
         import parallel
         import rundir
-        from data import model_spec
+        from tokenizer import model_spec
         spec = model_spec(rundir.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer, args.vocab_size)
         if spec:
             args.tokenizer, args.vocab_size, model_tokens = spec["tokenizer"], spec["base_vocab_size"], spec["extra_tokens"]

@@ -19,9 +19,9 @@ import torch
 import checkpoint
 import common
 import configurator
-import data
 import hf
 import parallel
+import tokenizer
 from lora import load_whole, merge_lora
 
 
@@ -86,7 +86,7 @@ def main(argv):
     if cfg["export_shard_mb"] < 0:
         raise common.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
-    enc = data.tokenizer_from_meta(data.checkpoint_spec(meta))
+    enc = tokenizer.tokenizer_from_meta(tokenizer.checkpoint_spec(meta))
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above

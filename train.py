@@ -26,6 +26,7 @@ import data
 import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)
 import parallel
 import rundir
+import tokenizer as tokenizer_py
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
 from optim import build_optimizer, get_lr, schedule_note
@@ -160,7 +161,7 @@ if max_iters < warmup_iters:  # the run ends inside the warmup: say what the sch
 if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
     workarounds.exit_now()
-spec = None if src.kind == "fresh" else data.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
+spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
 
 # ---- data: one dataset, or a mixture --------------------------------------------------
 sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
@@ -191,7 +192,7 @@ else:  # mixture: mixture.py (each sequence drawn from one source; per-source lo
         sources, phases, mix_temperature, lambda source: prepared(source, data_source if not datasets else ""), loader)
 for d in data_dir.split(","):  # the data's ids mean what they mean to the model
     m = data.load_meta(d)
-    data.check_model_tokenizer(m, d, spec, src.where) if spec else data.check_tokenizer(m, d, tokenizer, vocab_size)
+    tokenizer_py.check_model_tokenizer(m, d, spec, src.where) if spec else tokenizer_py.check_tokenizer(m, d, tokenizer, vocab_size)
 tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
 
 # ---- the model: where its weights come from -------------------------------------------
@@ -331,7 +332,7 @@ def save(it):  # tokenizer_spec: the model's whole tokenizer travels with it; lo
     saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
                     "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
-                    "tokenizer_spec": data.spec_of(meta), "loss_scale": scaler.state_dict() if scaler else None})
+                    "tokenizer_spec": tokenizer_py.spec_of(meta), "loss_scale": scaler.state_dict() if scaler else None})
 
 
 signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 128 + N
@@ -486,11 +487,11 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     if export_hf:
         import hf
         hf.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg,
-                         data.tokenizer_from_meta(meta), export_shard_mb)
+                         tokenizer_py.tokenizer_from_meta(meta), export_shard_mb)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
     if sample_tokens > 0:
         import sample
-        text = sample.sample_text(final, data.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
+        text = sample.sample_text(final, tokenizer_py.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
         print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
 if stop:  # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
     workarounds.exit_now(rundir.exit_code(signals))

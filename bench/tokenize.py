@@ -1,8 +1,8 @@
 """Encoding the default corpus (its first ~30 MB) with the default tokenizer (cl100k_base cut to
 8,192 ids) through tiktoken, and with the same BPE exported as a tokenizer.json
-(hf.hf_tokenizer) read back by tokenizer.load (how a model's tokenizer.json is read: its
+(hf.hf_tokenizer) read back by hf_tokenizer.load (how a model's tokenizer.json is read: its
 tiktoken twin where that is exact, as here) and through the `tokenizers` library alone,
-data.encode_batch on the machine's threads, best of 3: tokens/s and MB/s; the ids are checked
+tokenizer_py.encode_batch on the machine's threads, best of 3: tokens/s and MB/s; the ids are checked
 equal."""
 
 import copy
@@ -11,20 +11,20 @@ import os
 import tempfile
 import time
 
-import data
+import tokenizer as tokenizer_py
 
 
 def table_tokenize(max_mb=30, repeats=3):
     import hf
     import prepare
-    import tokenizer
-    enc = data.get_tokenizer("cl100k_base", 8192)
+    import hf_tokenizer
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 8192)
     tmp = tempfile.mkdtemp()
     tj, config = hf.hf_tokenizer(enc, 256)
     for name, obj in (("tokenizer.json", tj), ("tokenizer_config.json", config)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, ensure_ascii=False)
-    ours = tokenizer.load(os.path.join(tmp, "tokenizer.json"))
+    ours = hf_tokenizer.load(os.path.join(tmp, "tokenizer.json"))
     texts, size = [], 0
     for path in prepare.stdlib_files()[1]:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -34,16 +34,16 @@ def table_tokenize(max_mb=30, repeats=3):
             break
     threads = os.cpu_count() or 1
     print(f"\n## encoding {len(texts)} files ({size / 1e6:.1f} MB) of the default corpus with cl100k_base/8192, "
-          f"data.encode_batch on {threads} threads, best of {repeats}")
+          f"tokenizer_py.encode_batch on {threads} threads, best of {repeats}")
     print(f"{'backend':52} | {'tokens/s':>12} | {'MB/s':>6}")
     print("-" * 78)
     slow = copy.copy(ours)
     slow.twin = None
     got = {}
     for label, e in (("tiktoken (cl100k_base/8192)", enc),
-                     ("tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
+                     ("hf_tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
                      ("the same, `tokenizers` alone (no twin)", slow)):
-        best = min(timed(lambda: got.__setitem__(label, data.encode_batch(e, texts, threads))) for _ in range(repeats))
+        best = min(timed(lambda: got.__setitem__(label, tokenizer_py.encode_batch(e, texts, threads))) for _ in range(repeats))
         n = sum(map(len, got[label]))
         print(f"{label:52} | {n / best:12,.0f} | {size / 1e6 / best:6.2f}")
     assert ours.twin is not None and len(set(map(str, got.values()))) == 1, "the backends gave different ids"

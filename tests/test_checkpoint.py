@@ -15,8 +15,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-import data
 import prepare
+import tokenizer as tokenizer_py
 from common import UserError
 from hf import (
     hf_config_to_ours,
@@ -108,7 +108,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    enc = data.get_tokenizer("cl100k_base", 299, ["<|tool|>"])  # <|endoftext|> = 298, <|tool|> = 299
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 299, ["<|tool|>"])  # <|endoftext|> = 298, <|tool|> = 299
     shard_mb = 0.03 if tied else 5000.0  # tied: 77 kB of weights -> 3 shards
     save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg, enc, shard_mb)
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # the temp directory is gone
@@ -141,7 +141,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     assert tok.eos_token_id == 298 and tok.convert_tokens_to_ids("<|tool|>") == 299
     prompt = "def f(x):<|tool|>"
     start = tok(prompt, return_tensors="pt").input_ids
-    assert start[0].tolist() == data.encode(enc, prompt) and start[0, -1] == 299
+    assert start[0].tolist() == tokenizer_py.encode(enc, prompt) and start[0, -1] == 299
     out = hf.generate(start, max_new_tokens=6, min_new_tokens=6, do_sample=False)  # min: no stop at <|endoftext|>
     assert out.tolist() == model.generate(start, 6, temperature=0).tolist()
     assert tok.decode(out[0, :start.shape[1]]) == prompt
@@ -168,11 +168,11 @@ def stdlib_lines(n=1000, per_file=20):
 def test_exported_tokenizer_matches_ours(tmp_path, gap):
     """tokenizer.json from the tiktoken ranks gives our ids through AutoTokenizer, and decodes
     back, on 1,000 lines of the default corpus and a few awkward strings; extra tokens in text
-    become their ids, <|endoftext|> in text stays text (data.encode's rule); the chat template
-    renders data.render_chat's format. gap: ids missing between the ranks and the special
+    become their ids, <|endoftext|> in text stays text (tokenizer_py.encode's rule); the chat template
+    renders tokenizer_py.render_chat's format. gap: ids missing between the ranks and the special
     tokens, as in the whole cl100k_base (no id 100256; that one, checked by hand, takes 10 s)."""
-    extra = [*data.CHAT_TOKENS, "<|tool|>"]
-    enc = data.get_tokenizer("cl100k_base", 8192, extra)  # the default vocabulary
+    extra = [*tokenizer_py.CHAT_TOKENS, "<|tool|>"]
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 8192, extra)  # the default vocabulary
     if gap:  # <|endoftext|> at 8200, not 8191
         special = {"<|endoftext|>": 8200, **{t: 8201 + i for i, t in enumerate(extra)}}
         enc = tiktoken.Encoding("gap", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
@@ -187,7 +187,7 @@ def test_exported_tokenizer_matches_ours(tmp_path, gap):
     lines = stdlib_lines() + odd
     got = tok(lines).input_ids
     for line, ids in zip(lines, got):
-        assert ids == data.encode(enc, line), line
+        assert ids == tokenizer_py.encode(enc, line), line
         assert tok.decode(ids) == line
     assert tok.eos_token_id == enc.eot_token == (8200 if gap else 8191)
     tool, end = enc.encode_single_token("<|tool|>"), enc.encode_single_token("<|end|>")
@@ -196,7 +196,7 @@ def test_exported_tokenizer_matches_ours(tmp_path, gap):
     assert tok.decode([enc.eot_token, *got[0]], skip_special_tokens=True) == lines[0]  # only <|endoftext|> is special
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
             {"role": "assistant", "content": "Hello."}]
-    assert tok.apply_chat_template(chat, tokenize=False) == tok.decode(data.render_chat(enc, chat)[0])
+    assert tok.apply_chat_template(chat, tokenize=False) == tok.decode(tokenizer_py.render_chat(enc, chat)[0])
 
 
 @pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import checkpoint
 import data
+import tokenizer
 from model import ModelConfig, Transformer
 
 
@@ -65,11 +66,11 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
     # the chat data is tokenized with stage 1's tokenizer: its words keep ids 512, 513, the chat tokens follow
     assert "growing the vocabulary from 514 to 518" in p.stdout and "exported the model" in p.stdout
     chat_meta = json.load(open(tmp_path / "data" / "chat" / "meta.json"))
-    assert chat_meta["extra_tokens"] == ["def __init__(self", "return None", *data.CHAT_TOKENS]
+    assert chat_meta["extra_tokens"] == ["def __init__(self", "return None", *tokenizer.CHAT_TOKENS]
     assert LlamaForCausalLM.from_pretrained(hf_out).config.vocab_size == len(AutoTokenizer.from_pretrained(hf_out)) == 518
-    enc = data.tokenizer_from_meta(chat_meta)  # with the chat tokens
+    enc = tokenizer.tokenizer_from_meta(chat_meta)  # with the chat tokens
     text = "<|user|>What is 7 times 2?<|end|><|assistant|>"
-    assert AutoTokenizer.from_pretrained(hf_out)(text).input_ids == data.encode(enc, text)
+    assert AutoTokenizer.from_pretrained(hf_out)(text).input_ids == tokenizer.encode(enc, text)
     # 3. or export any checkpoint later
     run_train([f"out_dir={sft}", f"export_hf={tmp_path / 'later'}"], cwd=tmp_path, script="sample.py")
     assert os.path.isfile(tmp_path / "later" / "model.safetensors")
@@ -98,7 +99,7 @@ def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
     assert "3 of the 5 extra tokens are already tokens of" in p.stdout and f"from {n} to {n + 2}" in p.stdout
     meta = json.load(open(tmp_path / "data" / "domain" / "meta.json"))
     assert meta["extra_tokens"] == ["return None", "<|tool|>"] and meta["vocab_size"] == n + 2
-    enc = data.tokenizer_from_meta(meta)
+    enc = tokenizer.tokenizer_from_meta(meta)
     tok = AutoTokenizer.from_pretrained(export)
     config = json.load(open(export / "config.json"))
     assert len(tok) == config["vocab_size"] == n + 2 and tok.convert_tokens_to_ids("<|tool|>") == n + 1
@@ -107,7 +108,7 @@ def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"]) == (auto_base.bos_token_id, auto_base.eos_token_id)
     lines = [*test_tokenizer.varied_lines(), "x = f() ; return None", "import self <|tool|> return"]
     bos = [enc.bos_token] if enc.bos_token is not None else []
-    assert all(tok(line, split_special_tokens=True).input_ids == bos + data.encode(enc, line) for line in lines)
+    assert all(tok(line, split_special_tokens=True).input_ids == bos + tokenizer.encode(enc, line) for line in lines)
     assert all(tok.convert_ids_to_tokens(i) is not None for i in range(len(tok)))  # no id decodes to nothing
     # back into this trainer: the same corpus gets the same ids through the export's tokenizer
     p = run_train([*run, "dataset=again", f"data_source={corpus}", f"init_from={export}",

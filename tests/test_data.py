@@ -7,6 +7,7 @@ import torch
 
 import data
 import prepare
+import tokenizer
 from common import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
@@ -15,7 +16,7 @@ TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcod
 
 @pytest.mark.parametrize("vocab_size", [257, 512, 8192])
 def test_truncated_tokenizer_round_trips(vocab_size):
-    enc = data.get_tokenizer("cl100k_base", vocab_size)
+    enc = tokenizer.get_tokenizer("cl100k_base", vocab_size)
     assert enc.n_vocab == vocab_size and enc.eot_token == vocab_size - 1
     for text in TEXTS:
         ids = enc.encode_ordinary(text)
@@ -25,7 +26,7 @@ def test_truncated_tokenizer_round_trips(vocab_size):
 
 
 def test_truncated_tokenizer_is_a_prefix_of_the_full_one():
-    full, small = data.get_tokenizer("cl100k_base"), data.get_tokenizer("cl100k_base", 1000)
+    full, small = tokenizer.get_tokenizer("cl100k_base"), tokenizer.get_tokenizer("cl100k_base", 1000)
     assert full.n_vocab == 100277
     for i in range(999):
         assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
@@ -33,13 +34,13 @@ def test_truncated_tokenizer_is_a_prefix_of_the_full_one():
     text = "".join(TEXTS)
     assert len(small.encode_ordinary(text)) > len(full.encode_ordinary(text))
     with pytest.raises(UserError, match="at least 257"):
-        data.get_tokenizer("cl100k_base", 100)
+        tokenizer.get_tokenizer("cl100k_base", 100)
 
 
 def read_docs(out, split):
     meta = json.load(open(os.path.join(out, "meta.json")))
     tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
-    enc = data.get_tokenizer(meta["tokenizer"], meta["vocab_size"])
+    enc = tokenizer.get_tokenizer(meta["tokenizer"], meta["vocab_size"])
     assert tokens[-1] == enc.eot_token
     cuts = np.flatnonzero(tokens == enc.eot_token)
     return [enc.decode(d.tolist()) for d in np.split(tokens, cuts + 1)[:-1] for d in [d[:-1]]]

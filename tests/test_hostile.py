@@ -22,13 +22,14 @@ import checkpoint
 import configurator
 import data
 import hf
+import hf_tokenizer
 import lora
 import mixture
 import parallel
 import prepare
 import rundir
 import sample
-import tokenizer
+import tokenizer as tokenizer_py
 from common import UserError
 from model import ModelConfig, Transformer
 from optim import AdamW
@@ -339,13 +340,13 @@ def symlinked_config_run(b, tmp):
 
 U16 = np.array([1, 2, 3], dtype=np.int16).tobytes()
 def bad_tokenizer(text, name="tokenizer.json"):
-    """A Hugging Face tokenizer file of `text` (tokenizer.load reads it for init_from= a model directory)."""
+    """A Hugging Face tokenizer file of `text` (hf_tokenizer.load reads it for init_from= a model directory)."""
     def make(b, tmp):
         os.makedirs(os.path.join(tmp, "tok"))
         path = os.path.join(tmp, "tok", name)
         with open(path, "w") as f:
             f.write(text)
-        return lambda: tokenizer.load(path)
+        return lambda: hf_tokenizer.load(path)
     return make
 
 
@@ -398,7 +399,7 @@ def bad_tokenizer_config(config):
         load = bad_tokenizer(json.dumps(TINY_BPE))(b, tmp)
         with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
             json.dump({"eos_token": "<eos>", **config}, f)
-        assert tokenizer.load(os.path.join(tmp, "tok", "tokenizer.json")) if "bos_token" not in config and \
+        assert hf_tokenizer.load(os.path.join(tmp, "tok", "tokenizer.json")) if "bos_token" not in config and \
             "add_bos_token" not in config else True  # the file alone is fine: the config is the fault
         return load
     return make
@@ -408,14 +409,14 @@ def exported_tokenizer(change, text=None):
     """Our export of a 512-id cl100k_base (a byte-level file that tiktoken can twin), changed by
     change(tokenizer.json dict); loaded, and with `text` also encoded."""
     def make(b, tmp):
-        tj, config = hf.hf_tokenizer(data.get_tokenizer("cl100k_base", 512), 64)
+        tj, config = hf.hf_tokenizer(tokenizer_py.get_tokenizer("cl100k_base", 512), 64)
         change(tj)
         os.makedirs(os.path.join(tmp, "tok"))
         for name, obj in (("tokenizer.json", tj), ("tokenizer_config.json", config)):
             with open(os.path.join(tmp, "tok", name), "w") as f:
                 json.dump(obj, f)
         path = os.path.join(tmp, "tok", "tokenizer.json")
-        return lambda: tokenizer.load(path) if text is None else tokenizer.load(path).encode(text)
+        return lambda: hf_tokenizer.load(path) if text is None else hf_tokenizer.load(path).encode(text)
     return make
 
 
@@ -456,7 +457,7 @@ def bad_extra_tokens(raw):
         path = os.path.join(tmp, "words.txt")
         with open(path, "wb") as f:
             f.write(raw)
-        return lambda: data.load_extra_tokens(path)
+        return lambda: tokenizer_py.load_extra_tokens(path)
     return make
 
 

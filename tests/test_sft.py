@@ -10,6 +10,7 @@ from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torc
 
 import data
 import prepare
+import tokenizer
 from common import UserError
 from model import ModelConfig, Transformer
 
@@ -24,58 +25,58 @@ EXTRA = ["<|tool|>", "<|result|>"]
 
 @pytest.mark.parametrize("vocab_size", [512, 0])
 def test_expansion_keeps_old_ids_and_appends_new_ones(vocab_size):
-    base = data.get_tokenizer("cl100k_base", vocab_size)
-    big = data.get_tokenizer("cl100k_base", vocab_size, EXTRA)
+    base = tokenizer.get_tokenizer("cl100k_base", vocab_size)
+    big = tokenizer.get_tokenizer("cl100k_base", vocab_size, EXTRA)
     assert big.n_vocab == base.n_vocab + 2  # 512 -> 514; cl100k_base's 100277 -> 100279
     assert [big.encode_single_token(t) for t in EXTRA] == [base.n_vocab, base.n_vocab + 1]
-    assert big.eot_token == base.eot_token and big._special_tokens[data.EOT] == base.eot_token
+    assert big.eot_token == base.eot_token and big._special_tokens[tokenizer.EOT] == base.eot_token
     for text in TEXTS:  # text without the new tokens: exactly the old ids
-        assert data.encode(big, text) == data.encode(base, text) == base.encode_ordinary(text)
-    assert data.encode_batch(big, TEXTS, 2) == base.encode_ordinary_batch(TEXTS)
+        assert tokenizer.encode(big, text) == tokenizer.encode(base, text) == base.encode_ordinary(text)
+    assert tokenizer.encode_batch(big, TEXTS, 2) == base.encode_ordinary_batch(TEXTS)
     for i in sorted(base._mergeable_ranks.values())[::97] + list(base._special_tokens.values()):
         assert big.decode_single_token_bytes(i) == base.decode_single_token_bytes(i)
 
 
 def test_new_tokens_encode_to_their_ids_anywhere():
-    enc = data.get_tokenizer("cl100k_base", 512, EXTRA)
+    enc = tokenizer.get_tokenizer("cl100k_base", 512, EXTRA)
     tool, result = 512, 513
     text = "call<|tool|>now\nline <|result|>end<|tool|><|tool|>"
     o = enc.encode_ordinary
     want = o("call") + [tool] + o("now\nline ") + [result] + o("end") + [tool, tool]
-    assert data.encode(enc, text) == want
-    assert data.encode_batch(enc, [text, "plain"], 2) == [want, o("plain")]
+    assert tokenizer.encode(enc, text) == want
+    assert tokenizer.encode_batch(enc, [text, "plain"], 2) == [want, o("plain")]
     assert enc.decode(want) == text
     for t in TEXTS:
-        assert enc.decode(data.encode(enc, t)) == t
+        assert enc.decode(tokenizer.encode(enc, t)) == t
     # without the expansion the same string is just text
-    small = data.get_tokenizer("cl100k_base", 512)
-    assert max(data.encode(small, text)) < 511 and small.decode(data.encode(small, text)) == text
+    small = tokenizer.get_tokenizer("cl100k_base", 512)
+    assert max(tokenizer.encode(small, text)) < 511 and small.decode(tokenizer.encode(small, text)) == text
 
 
 def test_endoftext_and_other_specials_in_text_stay_text():
-    enc = data.get_tokenizer("cl100k_base", 0, EXTRA)  # the full vocabulary has fim_* specials too
+    enc = tokenizer.get_tokenizer("cl100k_base", 0, EXTRA)  # the full vocabulary has fim_* specials too
     text = "a <|endoftext|> b <|fim_prefix|> c <|endofprompt|> <|tool|>"
-    ids = data.encode(enc, text)
+    ids = tokenizer.encode(enc, text)
     specials = set(enc._special_tokens.values())
     assert [i for i in ids if i in specials] == [enc.encode_single_token("<|tool|>")]
     assert ids[:-1] == enc.encode_ordinary(text[:-len("<|tool|>")])
     assert enc.decode(ids) == text
-    plain = data.get_tokenizer("cl100k_base", 0)  # no extra tokens: encode_ordinary exactly
-    assert data.encode(plain, text) == plain.encode_ordinary(text)
+    plain = tokenizer.get_tokenizer("cl100k_base", 0)  # no extra tokens: encode_ordinary exactly
+    assert tokenizer.encode(plain, text) == plain.encode_ordinary(text)
 
 
 def test_extra_token_errors_and_file(tmp_path):
-    for bad, match in ([["<|a|>", "<|a|>"], "listed twice"], [[data.EOT], "already a special"], [[""], "non-empty"]):
+    for bad, match in ([["<|a|>", "<|a|>"], "listed twice"], [[tokenizer.EOT], "already a special"], [[""], "non-empty"]):
         with pytest.raises(UserError, match=match):
-            data.get_tokenizer("cl100k_base", 512, bad)
+            tokenizer.get_tokenizer("cl100k_base", 512, bad)
     path = tmp_path / "tokens.txt"
     path.write_text("<|tool|>\n\n  <|result|>  \n<|tool|>\n<|x|>\n", encoding="utf-8")
-    assert data.load_extra_tokens(str(path)) == ["<|tool|>", "<|result|>", "<|x|>"]
+    assert tokenizer.load_extra_tokens(str(path)) == ["<|tool|>", "<|result|>", "<|x|>"]
     with pytest.raises(UserError, match="not found"):
-        data.load_extra_tokens(str(tmp_path / "missing.txt"))
+        tokenizer.load_extra_tokens(str(tmp_path / "missing.txt"))
     path.write_text("\n \n")
     with pytest.raises(UserError, match="has no tokens"):
-        data.load_extra_tokens(str(path))
+        tokenizer.load_extra_tokens(str(path))
 
 
 def test_text_dataset_with_extra_tokens(tmp_path):
@@ -91,7 +92,7 @@ def test_text_dataset_with_extra_tokens(tmp_path):
     tokens = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
     assert (tokens == 512).sum() == (tokens == 513).sum() == 20
     assert (tokens == 511).sum() == 20  # one <|endoftext|> per document: the literal one is text
-    enc = data.tokenizer_from_meta(meta)
+    enc = tokenizer.tokenizer_from_meta(meta)
     cuts = np.flatnonzero(tokens == enc.eot_token)
     assert sorted(enc.decode(d[:-1].tolist()) for d in np.split(tokens, cuts + 1)[:-1]) == sorted(texts)
     ld = data.Loader(str(tmp_path / "out"), "train", 8, 2, 1, seed=0)
@@ -111,7 +112,7 @@ CONVERSATION = [
 
 
 def chat_tokenizer():
-    return data.get_tokenizer("cl100k_base", 512, data.CHAT_TOKENS + EXTRA)
+    return tokenizer.get_tokenizer("cl100k_base", 512, tokenizer.CHAT_TOKENS + EXTRA)
 
 
 def masked_runs(ids, mask):
@@ -128,7 +129,7 @@ def masked_runs(ids, mask):
 
 def test_render_chat_masks_exactly_the_assistant_replies():
     enc = chat_tokenizer()
-    ids, mask = data.render_chat(enc, CONVERSATION)
+    ids, mask = tokenizer.render_chat(enc, CONVERSATION)
     assert len(ids) == len(mask) and set(mask) == {0, 1}
     assert enc.decode(ids) == "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in CONVERSATION)
     end = enc.encode_single_token("<|end|>")
@@ -142,12 +143,12 @@ def test_render_chat_masks_exactly_the_assistant_replies():
     assert ids.count(enc.encode_single_token("<|assistant|>")) == 2
     assert ids.count(enc.encode_single_token("<|tool|>")) == 2
     # every role token, and everything but the replies, is unmasked
-    roles = {enc.encode_single_token(t) for t in data.CHAT_TOKENS[:3]}
+    roles = {enc.encode_single_token(t) for t in tokenizer.CHAT_TOKENS[:3]}
     assert all(m == 0 for i, m in zip(ids, mask) if i in roles)
-    assert sum(mask) == sum(len(data.encode_chat_contents(enc, [[m]])[0][0]) + 1 for m in CONVERSATION
+    assert sum(mask) == sum(len(tokenizer.encode_chat_contents(enc, [[m]])[0][0]) + 1 for m in CONVERSATION
                             if m["role"] == "assistant")
     with pytest.raises(UserError, match="no chat tokens"):
-        data.render_chat(data.get_tokenizer("cl100k_base", 512), CONVERSATION)
+        tokenizer.render_chat(tokenizer.get_tokenizer("cl100k_base", 512), CONVERSATION)
 
 
 def write_jsonl(path, records):
@@ -178,7 +179,7 @@ def as_messages(record):
 
 def test_prompt_response_is_one_user_and_one_assistant_turn():
     enc = chat_tokenizer()
-    ids, mask = data.render_chat(enc, as_messages({"prompt": "2+2?", "response": "4"}))
+    ids, mask = tokenizer.render_chat(enc, as_messages({"prompt": "2+2?", "response": "4"}))
     assert enc.decode(ids) == "<|user|>2+2?<|end|><|assistant|>4<|end|>"
     assert [enc.decode(r) for r in masked_runs(ids, mask)] == ["4<|end|>"]
 
@@ -203,10 +204,10 @@ def read_split(out, meta, split):
 
 def test_chat_dataset_round_trips(chat_with_extra_tokens):
     out, meta, records = chat_with_extra_tokens
-    assert meta["format"] == "chat" and meta["chat_tokens"] == data.CHAT_TOKENS
-    assert meta["extra_tokens"] == data.CHAT_TOKENS + EXTRA and meta["vocab_size"] == 512 + 6
+    assert meta["format"] == "chat" and meta["chat_tokens"] == tokenizer.CHAT_TOKENS
+    assert meta["extra_tokens"] == tokenizer.CHAT_TOKENS + EXTRA and meta["vocab_size"] == 512 + 6
     assert json.load(open(os.path.join(out, "meta.json"))) == meta
-    enc = data.tokenizer_from_meta(meta)
+    enc = tokenizer.tokenizer_from_meta(meta)
     assert enc.encode_single_token("<|tool|>") == 516
     lines = [i + 1 + (i > 0) for i in range(len(records))]  # doc ids are sft.jsonl:LINE
     for split in ("train", "val"):
@@ -215,7 +216,7 @@ def test_chat_dataset_round_trips(chat_with_extra_tokens):
         assert mask.sum() == meta[f"{split}_loss_tokens"] > 0
         cuts = np.flatnonzero(tokens == enc.eot_token) + 1
         got = [(t.tolist(), m.tolist()) for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts)[:-1])]
-        want = [data.render_chat(enc, as_messages(r)) for r, line in zip(records, lines)
+        want = [tokenizer.render_chat(enc, as_messages(r)) for r, line in zip(records, lines)
                 if prepare.is_val(f"sft.jsonl:{line}", 0.2) == (split == "val")]
         assert got == [(ids + [enc.eot_token], m + [0]) for ids, m in want]
         assert meta[f"{split}_docs"] == len(want) > 0
@@ -309,7 +310,7 @@ def test_cli_prepares_chat_with_extra_tokens(tmp_path):
                         "--format", "chat"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     meta = json.load(open(tmp_path / "out" / "meta.json"))
-    assert meta["format"] == "chat" and meta["extra_tokens"] == data.CHAT_TOKENS + ["<|tool|>"]
+    assert meta["format"] == "chat" and meta["extra_tokens"] == tokenizer.CHAT_TOKENS + ["<|tool|>"]
     assert "assistant replies" in p.stdout
     p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), src, "--extra_tokens", "nope.txt"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""A model's tokenizer travels with it: Hugging Face tokenizers in (tokenizer.py), built like the
+"""A model's tokenizer travels with it: Hugging Face tokenizers in (hf_tokenizer.py), built like the
 real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusals by kind, a
 tiktoken rank file, and data prepared for a model with its ids."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import ROOT, run_train
 
-import data
 import hf_families
+import hf_tokenizer
 import prepare
-import tokenizer
+import tokenizer as tokenizer_py
 from common import UserError
 
 SPECIALS = ["<|endoftext|>", "<|begin|>"]
@@ -69,13 +69,13 @@ def hf_bpe(tmp_path_factory):
 
 
 def compare(enc, auto, lines):
-    """How many lines give different ids: data.encode (added non-special tokens become ids,
+    """How many lines give different ids: tokenizer_py.encode (added non-special tokens become ids,
     special ones stay text) against AutoTokenizer with split_special_tokens, and tiktoken's
     encode with every special against AutoTokenizer's default; both with the BOS."""
     bos = [enc.bos_token] if enc.bos_token is not None else []
     differ = 0
     for line in lines:
-        ours = bos + data.encode(enc, line)
+        ours = bos + tokenizer_py.encode(enc, line)
         theirs = auto(line, split_special_tokens=True).input_ids
         ours_all = bos + enc.encode(line, allowed_special="all")
         differ += ours != theirs or ours_all != auto(line).input_ids
@@ -84,24 +84,24 @@ def compare(enc, auto, lines):
 
 def test_hf_byte_level_bpe_gives_autotokenizers_ids(hf_bpe):
     path, auto = hf_bpe
-    enc = tokenizer.load(os.path.join(path, "tokenizer.json"))
+    enc = hf_tokenizer.load(os.path.join(path, "tokenizer.json"))
     lines = varied_lines()
     assert len(lines) >= 400 and compare(enc, auto, lines) == 0
     assert enc.n_vocab == len(auto) and enc.eot_token == 0 and enc.bos_token == 1
     assert enc.extra_tokens == ("<|tool|>",)
-    assert enc.decode(data.encode(enc, lines[0])) == lines[0]
+    assert enc.decode(tokenizer_py.encode(enc, lines[0])) == lines[0]
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
 def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
     """Each family's tokenizer (Llama 3, Llama 2 / TinyLlama, Mistral, Qwen2 built as the hub's
-    are) read by tokenizer.py gives AutoTokenizer's ids on varied text, its specials written in
-    the text included (as text through data.encode, as ids through allowed_special="all"), the
+    are) read by hf_tokenizer.py gives AutoTokenizer's ids on varied text, its specials written in
+    the text included (as text through tokenizer_py.encode, as ids through allowed_special="all"), the
     same BOS and EOS, and decodes as AutoTokenizer does; grown by extra tokens, the new ones take
     the ids after the last."""
     from transformers import AutoTokenizer
     n = hf_families.write_tokenizer(family, str(tmp_path))
-    enc, auto = tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
+    enc, auto = hf_tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
     specials = ["<s>hi</s> [INST] x [/INST]", "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|>a<|eot_id|>",
                 "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
     lines = varied_lines() + specials * 4
@@ -112,13 +112,13 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
         slow.twin = None
         assert compare(slow, auto, lines) == 0
     assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None, auto.eos_token_id)
-    assert all(enc.decode(data.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
+    assert all(enc.decode(tokenizer_py.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
                                                                       add_special_tokens=False).input_ids)
                for line in lines)
-    big = data.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
+    big = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
     assert [big.encode_single_token(t) for t in ("<|tool|>", "return None")] == [n, n + 1]
-    assert data.encode(big, "a<|tool|>b")[1:-1] == [n]
-    assert data.encode(big, "<|im_end|>") == data.encode(enc, "<|im_end|>")  # specials stay text
+    assert tokenizer_py.encode(big, "a<|tool|>b")[1:-1] == [n]
+    assert tokenizer_py.encode(big, "<|im_end|>") == tokenizer_py.encode(enc, "<|im_end|>")  # specials stay text
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
@@ -132,7 +132,7 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     from transformers import AutoTokenizer
     hf_families.write_tokenizer(family, str(tmp_path / "base"))
     base = AutoTokenizer.from_pretrained(tmp_path / "base")
-    enc = data.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*data.CHAT_TOKENS, "<|tool|>"])
+    enc = tokenizer_py.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*tokenizer_py.CHAT_TOKENS, "<|tool|>"])
     cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
     hf.save_hf_llama(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
     tok, config = AutoTokenizer.from_pretrained(tmp_path / "hf"), json.load(open(tmp_path / "hf" / "config.json"))
@@ -144,20 +144,21 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     assert special.get("bos_token") == base.bos_token and special["eos_token"] == base.eos_token
     bos = [enc.bos_token] if enc.bos_token is not None else []
     lines = varied_lines()[::3] + ["<|user|>hi<|end|><|assistant|>", "a<|tool|>b"]
-    assert all(tok(line, split_special_tokens=True).input_ids == bos + data.encode(enc, line) for line in lines)
+    assert all(tok(line, split_special_tokens=True).input_ids == bos + tokenizer_py.encode(enc, line) for line in lines)
     chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
     ids = tok.apply_chat_template(chat)  # the template starts with the BOS as prepare starts every document
-    assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + data.render_chat(enc, chat)[0]
+    assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + tokenizer_py.render_chat(enc, chat)[0]
 
 
 def test_the_default_tokenizer_walks_no_hugging_face_machinery():
     """The default job's tokenizer (cl100k_base cut to 8192, through tiktoken) encodes, grows and
-    exports without importing `tokenizers`, transformers or tokenizer.py: only a model's
+    exports without importing `tokenizers`, transformers or hf_tokenizer.py: only a model's
     tokenizer file takes that path."""
     import subprocess
     import sys
-    code = ("import sys, data, hf; e = data.get_tokenizer('cl100k_base', 8192, ['<|x|>']); data.encode(e, 'a <|x|>'); "
-            "hf.hf_tokenizer(e, 8); print(sorted({'tokenizers', 'tokenizer', 'transformers'} & set(sys.modules)))")
+    code = ("import sys, tokenizer, hf; e = tokenizer.get_tokenizer('cl100k_base', 8192, ['<|x|>']); "
+            "tokenizer.encode(e, 'a <|x|>'); hf.hf_tokenizer(e, 8); "
+            "print(sorted({'tokenizers', 'hf_tokenizer', 'transformers'} & set(sys.modules)))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
 
@@ -166,10 +167,10 @@ def test_extra_tokens_that_start_one_another(llama3_dir):
     """`tokenizers` matches the longest added token (the twin steps aside), tiktoken tries its
     special tokens in no fixed order, so there such a list is refused in one line."""
     path = os.path.join(llama3_dir, "tokenizer.json")
-    big = data.get_tokenizer(path, 0, ["return", "return None"])
-    assert big.twin is None and data.encode(big, "return None")[-1] == big.encode_single_token("return None")
+    big = tokenizer_py.get_tokenizer(path, 0, ["return", "return None"])
+    assert big.twin is None and tokenizer_py.encode(big, "return None")[-1] == big.encode_single_token("return None")
     with pytest.raises(UserError, match="extra token 'return None' starts with the token 'return'"):
-        data.get_tokenizer("cl100k_base", 512, ["return", "return None"])
+        tokenizer_py.get_tokenizer("cl100k_base", 512, ["return", "return None"])
 
 
 @pytest.fixture(scope="module")
@@ -185,20 +186,20 @@ def test_a_changed_tokenizer_config_is_a_changed_tokenizer(tmp_path, corpus):
     hf_families.write_tokenizer("llama2", str(tmp_path / "tok"))
     path = str(tmp_path / "tok" / "tokenizer.json")
     meta = prepare.prepare(corpus, str(tmp_path / "data"), path, 0, 0.2, verbose=False)
-    enc = data.tokenizer_from_meta(meta)
+    enc = tokenizer_py.tokenizer_from_meta(meta)
     assert enc.bos_token == 1 and np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[0] == 1
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": True}))
     with pytest.raises(UserError, match="is gone or changed since"):
-        data.tokenizer_from_meta(meta)
+        tokenizer_py.tokenizer_from_meta(meta)
 
 
 def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
-    base = data.get_tokenizer("cl100k_base", 2048)
+    base = tokenizer_py.get_tokenizer("cl100k_base", 2048)
     path = tmp_path / "tokenizer.model"
     path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in base._mergeable_ranks.items()))
-    enc = tokenizer.load(str(path))
+    enc = hf_tokenizer.load(str(path))
     assert enc.n_vocab == 2047 + 256 and enc.bos_token == 2047 and enc.eot_token == 2048
     for line in varied_lines()[:100]:
         assert enc.encode_ordinary(line) == [i for i in base.encode_ordinary(line)]  # the same pattern and ranks here
@@ -219,7 +220,7 @@ def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
 def spec_of_dir(path):
     import rundir
     from parallel import setup
-    return data.model_spec(rundir.start_from(path, setup("cpu")), "cl100k_base", 512)
+    return tokenizer_py.model_spec(rundir.start_from(path, setup("cpu")), "cl100k_base", 512)
 
 
 @pytest.mark.parametrize("tj, model_file, match", [
@@ -249,23 +250,23 @@ def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
     """A dataset prepared for a model extends the model's tokenizer: its added tokens keep
     their ids, the chat tokens come after them; data with other ids is refused."""
     words = ["sublicense", "licensee"]
-    spec = data.spec_of({"tokenizer": "cl100k_base", "vocab_size": 514, "base_vocab_size": 512, "extra_tokens": words})
+    spec = tokenizer_py.spec_of({"tokenizer": "cl100k_base", "vocab_size": 514, "base_vocab_size": 512, "extra_tokens": words})
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"q{i} sublicense", "response": f"a{i}"}) + "\n" for i in range(30)))
     meta = prepare.prepare(str(chat), str(tmp_path / "chat"), "cl100k_base", 512, 0.2, verbose=False,
                            model_tokens=words)
-    assert meta["extra_tokens"] == words + data.CHAT_TOKENS and meta["vocab_size"] == 518
-    data.check_model_tokenizer(meta, "data/chat", spec, "the model")
+    assert meta["extra_tokens"] == words + tokenizer_py.CHAT_TOKENS and meta["vocab_size"] == 518
+    tokenizer_py.check_model_tokenizer(meta, "data/chat", spec, "the model")
     alone = prepare.prepare(str(chat), str(tmp_path / "alone"), "cl100k_base", 512, 0.2, verbose=False)
     with pytest.raises(UserError, match=r"data/alone was tokenized as cl100k_base/512 \+ \['<\|system\|>'.*re-prepare|"
                                         r"prepare it for the model"):
-        data.check_model_tokenizer(alone, "data/alone", spec, "the model")
+        tokenizer_py.check_model_tokenizer(alone, "data/alone", spec, "the model")
     # a model's tokenizer file is known by its bytes: the same file elsewhere (a copied base) is the same
     # tokenizer, another file under the same path is not
-    file = data.spec_of({"tokenizer": "/a/base/tokenizer.json", "vocab_size": 512, "tokenizer_sha256": "ab" * 32})
-    data.check_model_tokenizer({**file, "tokenizer": "/copy/of/base/tokenizer.json"}, "data/d", file, "the model")
+    file = tokenizer_py.spec_of({"tokenizer": "/a/base/tokenizer.json", "vocab_size": 512, "tokenizer_sha256": "ab" * 32})
+    tokenizer_py.check_model_tokenizer({**file, "tokenizer": "/copy/of/base/tokenizer.json"}, "data/d", file, "the model")
     with pytest.raises(UserError, match="its ids mean other strings to this model"):
-        data.check_model_tokenizer({**file, "tokenizer_sha256": "cd" * 32}, "data/d", file, "the model")
+        tokenizer_py.check_model_tokenizer({**file, "tokenizer_sha256": "cd" * 32}, "data/d", file, "the model")
 
 
 def doc_commands(path, heading, script="train.py"):
@@ -308,19 +309,19 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
         run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path)
     # one id per string: the words got 701, 702 in step 1 and keep them; the chat tokens follow
     base = len(hf_bpe[1])
-    words, chat = ["return None", "self.assert"], data.CHAT_TOKENS
+    words, chat = ["return None", "self.assert"], tokenizer_py.CHAT_TOKENS
     specs = [json.load(open(tmp_path / "runs" / run / "ckpt" / "iter_0000002" / "meta.json"))["tokenizer_spec"]
              for run in ("cpt", "sft", "lora")]
     assert [s["extra_tokens"] for s in specs] == [words, words + chat, words + chat]
     assert all(s["tokenizer"] == str(tmp_path / "runs" / "base" / "tokenizer.json") and s["base_vocab_size"] == base
                for s in specs)
-    enc = data.tokenizer_from_meta(specs[-1])
+    enc = tokenizer_py.tokenizer_from_meta(specs[-1])
     assert [enc.encode_single_token(t) for t in words + chat] == list(range(base, base + 6))
     lines = varied_lines() + ["x = f() ; return None", "<|user|>hi<|end|><|assistant|>"]
     for export in ("sft_hf", "lora_merged"):
         tok = AutoTokenizer.from_pretrained(tmp_path / "runs" / export)
         assert json.load(open(tmp_path / "runs" / export / "config.json"))["vocab_size"] == len(tok) == base + 6
-        assert all(tok(line, split_special_tokens=True).input_ids == [enc.bos_token, *data.encode(enc, line)]
+        assert all(tok(line, split_special_tokens=True).input_ids == [enc.bos_token, *tokenizer_py.encode(enc, line)]
                    for line in lines)
     # transformers generates from the merged export, and peft's adapter on the SFT export is the same model
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}], add_generation_prompt=True,
