@@ -175,10 +175,29 @@ def iter_documents(kind, root, files, text_field="text", format="text"):
             yield f"{rel}:{lineno}", record[text_field], bad
 
 
-def is_val(doc_id, val_fraction):
+def val_score(doc_id):
     """A document's split is a function of its id (path, or path:line) alone, so adding files
-    to a corpus never moves an existing document between train and val."""
-    return zlib.crc32(doc_id.encode()) % 10_000 < val_fraction * 10_000
+    to a corpus never moves an existing document between train and val: it goes to val when
+    this score is below val_fraction * 10,000."""
+    return zlib.crc32(doc_id.encode()) % 10_000
+
+
+def is_val(doc_id, val_fraction):
+    return val_score(doc_id) < val_fraction * 10_000
+
+
+def move_to_val(work, chat, dtype, doc):
+    """A corpus too small for val_fraction to pick any document: the train document `doc` (its
+    tokens at doc["start"], doc["n"] of them, in train.bin) moves to the empty val split."""
+    for suffix, dt in ((".bin", dtype), (".mask.bin", np.uint8))[:1 + chat]:
+        path = os.path.join(work, f"train{suffix}")
+        train = np.memmap(path, dtype=dt, mode="r")
+        train[doc["start"]:doc["start"] + doc["n"]].tofile(os.path.join(work, f"val{suffix}"))
+        with open(path + ".cut", "wb") as f:
+            train[:doc["start"]].tofile(f)
+            train[doc["start"] + doc["n"]:].tofile(f)
+        del train
+        os.replace(path + ".cut", path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,11 +274,18 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     tokens = {"train": 0, "val": 0}
     learned = {"train": 0, "val": 0}  # tokens with mask 1
     docs = {"train": 0, "val": 0}
+    per_file = {"train": {}, "val": {}}  # source file -> its documents in each split (meta.json lists the files)
+    nearest = {"score": 10_000}  # the train document nearest to val: it moves there if val gets none
     n_chars = n_replaced = files_with_replaced = 0
     t0 = last_print = time.time()
 
     def write(doc_id, ids, mask=None):
         split = "val" if is_val(doc_id, val_fraction) else "train"
+        name = doc_id if kind == "text" else doc_id.rpartition(":")[0]
+        per_file[split][name] = per_file[split].get(name, 0) + 1
+        if split == "train" and val_score(doc_id) < nearest["score"]:
+            nearest.update(score=val_score(doc_id), doc=doc_id, file=name, start=tokens["train"],
+                           n=len(bos) + len(ids) + 1, learned=sum(mask) if mask else 0)
         np.asarray(bos + ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
             np.asarray([0] * len(bos) + mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
@@ -310,16 +336,26 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         discard()
         raise UserError(f"data source '{source}' has no documents{' for train' if docs['val'] else ''}: "
                         f"add non-empty files or lower val_fraction")
+    if tokens["val"] == 0 and docs["train"] >= 2:  # a small corpus: val gets one document all the same
+        move_to_val(work, chat, dtype, nearest)
+        for split, sign in (("train", -1), ("val", 1)):
+            tokens[split] += sign * nearest["n"]
+            learned[split] += sign * nearest["learned"]
+            docs[split] += sign
+            per_file[split][nearest["file"]] = per_file[split].get(nearest["file"], 0) + sign
+        print(f"prepare: note: val_fraction={val_fraction} put none of the {docs['train'] + 1} documents in val, "
+              f"so {nearest['doc']} went there (a function of its name, like every split)", flush=True)
     if tokens["val"] == 0:
         discard()
-        raise UserError(f"data source '{source}' put no document in val (val_fraction={val_fraction}, "
-                        f"{docs['train']} documents): add documents or raise val_fraction")
+        raise UserError(f"data source '{source}' has one document, and val needs one of its own beside train's: "
+                        f"add a document (or split the file in two)")
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
             "chat_tokens": [t for t in extra_tokens if t in CHAT_TOKENS],
             "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
             "train_docs": docs["train"], "val_docs": docs["val"],
+            **{f"{split}_files": sorted(f for f, n in per_file[split].items() if n) for split in ("train", "val")},
             "text_chars": n_chars, "replaced_bytes": n_replaced}
     if "eot_token" in vars(base):  # a model's tokenizer file (hf_tokenizer.py): checked when read again
         import hf_tokenizer

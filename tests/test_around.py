@@ -1,0 +1,157 @@
+"""Around the run: two torchrun agents as two nodes (and one of them killed), plot.py's
+picture of real runs' metrics, the evaluation command, small corpora."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REFERENCE, ROOT, assert_same_curve, free_port, read_metrics, run_train
+
+# the kill case: long enough that the kill (at its first checkpoint) lands mid-run
+KILLED = [*REFERENCE, "max_iters=30", "ckpt_interval=5", "keep_ckpts=0", "dist_timeout_s=15"]
+
+
+def start_nodes(args, cwd, port):
+    """Two torchrun agents as on two hosts (here one machine): one process each, a c10d
+    rendezvous on 127.0.0.1:port, each agent in a session of its own so a test can kill a
+    whole "node" (the agent and its worker, which torchrun starts in a session of its own too)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                              f"--node-rank={n}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                              os.path.join(ROOT, "train.py"), *args], cwd=cwd, env=env, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+
+
+def finish(procs, timeout=300):
+    out = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o + e for o, e in out)[-4000:]
+    return out
+
+
+def kill_node(agent):
+    """SIGKILL to an agent and its worker: a host that lost power."""
+    workers = [int(pid) for task in os.listdir(f"/proc/{agent.pid}/task")
+               for pid in open(f"/proc/{agent.pid}/task/{task}/children").read().split()]
+    for pid in [*workers, agent.pid]:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(dataset, tmp_path_factory):
+    """REFERENCE trained by two torchrun agents sharing out_dir: (out_dir, stdout of node 0)."""
+    out = str(tmp_path_factory.mktemp("nodes") / "run")
+    procs = start_nodes([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], os.path.dirname(out), free_port())
+    return out, finish(procs)[0][0]
+
+
+def test_two_torchrun_agents_train_as_one_process(two_nodes, reference_run):
+    out, stdout = two_nodes
+    assert "dp=2" in stdout
+    assert_same_curve(reference_run, read_metrics(out))
+    # one checkpoint, written by both nodes into the shared out_dir (each its own part)
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["iter_0000008", "latest"]
+
+
+def test_a_killed_node_ends_the_other_with_one_line_and_the_run_resumes(dataset, tmp_path):
+    """Node 1 dies mid-run (agent and worker SIGKILLed after the first checkpoint): node 0
+    ends with one error line within dist_timeout_s; the same two commands again continue from
+    the checkpoint to the single-process curve of the whole run."""
+    out, args = str(tmp_path / "run"), [*KILLED, f"dataset={dataset}"]
+    procs = start_nodes([*args, f"out_dir={out}"], tmp_path, free_port())
+    try:
+        deadline = time.time() + 180
+        while not os.path.exists(os.path.join(out, "ckpt", "latest")):
+            assert time.time() < deadline and procs[0].poll() is None, "the run did not reach its first checkpoint"
+            time.sleep(0.02)
+        kill_node(procs[1])
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.time() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode != 0 and waited < 15 + 30, waited
+    done = [r["iter"] for r in read_metrics(out) if "loss" in r]
+    assert max(done) < 29, "the run finished before the kill: nothing was tested"
+    lines = err.splitlines()
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and "dist_timeout_s" in errors[0], err[-3000:]
+    stdout, _ = finish(start_nodes([*args, f"out_dir={out}"], tmp_path, free_port()))[0]
+    assert "resumed from" in stdout
+    single = str(tmp_path / "single")
+    run_train([*args, f"out_dir={single}"], cwd=tmp_path)
+    assert_same_curve(read_metrics(single), read_metrics(out))
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_draws_two_real_runs(two_nodes, reference_run, tmp_path):
+    pytest.importorskip("matplotlib", reason="plot.py's picture needs matplotlib (requirements-test.txt has it)")
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reference_run))
+    png = tmp_path / "curves.png"
+    p = run_train([str(single), two_nodes[0], "--out", str(png)], cwd=tmp_path, script="plot.py")
+    assert png_size(png) == (550, 400) and "2 run(s)" in p.stdout  # one panel: no mixture
+    p = run_train([two_nodes[0], "--x", "time", "--out", str(tmp_path / "t.png")], cwd=tmp_path, script="plot.py")
+    assert png_size(tmp_path / "t.png") == (550, 400)
+
+
+@pytest.mark.parametrize("content", ["", '{"iter": 0, "loss": 9.0}\n{"iter": 1, "lo'])
+def test_plot_refuses_an_empty_or_torn_log_in_one_line(content, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    p = run_train([str(tmp_path)], cwd=tmp_path, script="plot.py", check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: "), p.stderr
+    assert ("is empty" if not content else "line 2") in p.stderr
+
+
+def test_a_small_corpus_gets_a_val_document_and_meta_lists_the_files(tmp_path, capsys):
+    """17 files at the default val_fraction=0.01: none falls to val by its hash, so the one
+    nearest moves there (with a note); train and val hold exactly their documents' tokens."""
+    import numpy as np
+
+    import data
+    import prepare
+    from conftest import write_corpus
+    root = write_corpus(str(tmp_path / "corpus"), n_docs=17, chars=400)
+    names = sorted(os.listdir(root))
+    assert not any(prepare.is_val(n, 0.01) for n in names)  # the case: the hash alone gives val nothing
+    meta = prepare.prepare(root, str(tmp_path / "d"), "cl100k_base", 512)
+    note = capsys.readouterr().out
+    moved = min(names, key=prepare.val_score)
+    assert f"put none of the 17 documents in val, so {moved} went there" in note
+    assert (meta["train_docs"], meta["val_docs"]) == (16, 1)
+    assert meta["val_files"] == [moved] and meta["train_files"] == [n for n in names if n != moved]
+    enc = data.get_tokenizer("cl100k_base", 512)
+    ids = {n: data.encode(enc, open(os.path.join(root, n)).read()) + [enc.eot_token] for n in names}
+    read = {s: np.fromfile(tmp_path / "d" / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")}
+    assert read["val"] == ids[moved] and read["train"] == sum((ids[n] for n in names if n != moved), [])
+    one = write_corpus(str(tmp_path / "one"), n_docs=1)
+    with pytest.raises(prepare.UserError, match="has one document"):
+        prepare.prepare(one, str(tmp_path / "d1"), "cl100k_base", 512, verbose=False)
+
+
+def test_a_small_chat_corpus_moves_the_masks_along(tmp_path):
+    import numpy as np
+
+    import prepare
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Add {i} and {i}.", "response": f"{2 * i}."}) + "\n"
+                           for i in range(3)))
+    meta = prepare.prepare(str(src), str(tmp_path / "d"), "cl100k_base", 512, val_fraction=0.001, verbose=False)
+    assert meta["val_docs"] == 1 and meta["train_files"] == meta["val_files"] == ["chat.jsonl"]
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "d" / f"{split}.bin", dtype=np.uint16)
+        mask = np.fromfile(tmp_path / "d" / f"{split}.mask.bin", dtype=np.uint8)
+        assert len(tokens) == len(mask) == meta[f"{split}_tokens"] and mask.sum() == meta[f"{split}_loss_tokens"] > 0
