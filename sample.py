@@ -4,6 +4,7 @@ Generate text from the latest checkpoint of a run, or export its weights to one 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
     python sample.py out_dir=out export=out/model.pt # {name: tensor}, for torch.load(weights_only=True)
     python sample.py out_dir=out export_hf=runs/hf_model # a Hugging Face LLaMA directory, weights and tokenizer
+    python sample.py init_from=runs/base dataset=papers eval=True  # val loss of a base, a run or an export
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.
@@ -12,17 +13,24 @@ into one whole model here. train.py's end-of-run sample and export use the funct
 import math
 import os
 import sys
+import time
 from contextlib import nullcontext
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 import checkpoint
 import common
 import configurator
+import data
 import hf
+import hf_tokenizer
 import parallel
+import rundir
 import tokenizer
 from lora import load_whole, merge_lora
+from model import ModelConfig, Transformer, grow_vocab
 
 
 def load_model(path):
@@ -46,6 +54,75 @@ def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_
     return enc.decode([i for i in ids if i < enc.n_vocab])  # a padded embedding's rows past the ids: no text
 
 
+def load_from(init_from):
+    """(whole model on CPU, its tokenizer spec, the run's config or {}) of init_from: a Hugging
+    Face LLaMA directory (a base, an export) or a run's out_dir (its newest intact checkpoint)."""
+    if os.path.isdir(os.path.join(init_from, "ckpt")):
+        path = checkpoint.find(init_from, None)
+        common.check(path is not None, f"init_from={init_from} has no checkpoint in ckpt/: train it first")
+        model, meta = load_model(path)
+        return model, tokenizer.checkpoint_spec(meta), meta.get("config") or {}
+    saved, index = hf.hf_llama_index(init_from)
+    common.check(hf_tokenizer.find(init_from) is not None, f"{init_from} has no tokenizer.json (or tokenizer.model): "
+                                                        f"put the model's beside its config.json, so its ids are known")
+    src = rundir.Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+    spec = tokenizer.model_spec(src, "cl100k_base", 0)
+    model = Transformer(ModelConfig(**saved))
+    rundir.load_whole_into(model, src)
+    return model, spec, {}
+
+
+@torch.no_grad()
+def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
+    """(loss, target tokens): the mean cross-entropy over every target token of the whole val
+    split of data_dir, in sequences of block_size (the loader's chunks, each once), weighted by
+    tokens as training's loss and its evaluation are: each target token counts once, the loss
+    masks (chat: the assistant's tokens) deciding which count."""
+    loader = data.Loader(data_dir, "val", block_size, batch_size, 1, seed=0)
+    eot, device = data.load_meta(data_dir)["eot_token"], next(model.parameters()).device
+    loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+    for start in range(0, loader.n_chunks, batch_size):
+        x, y, mask = loader.rows(np.arange(start, min(start + batch_size, loader.n_chunks)))
+        mask = torch.ones(y.shape) if mask is None else mask
+        with autocast or nullcontext():
+            losses, _ = model(x.to(device), y.to(device), None, data.doc_ids(x, eot).to(device) if doc_mask else None)
+        loss_sum += (losses.double().cpu() * mask).sum()
+        count += int(mask.sum())
+    return loss_sum.item() / max(count, 1), count
+
+
+def evaluate(c):
+    """eval=True: one line with the val loss of the model on each dataset of c["dataset"]."""
+    common.check(c["dataset"], "eval=True needs dataset= (a prepared dataset, or several: dataset=a,b)")
+    what = c["init_from"] or c["ckpt"] or c["out_dir"]
+    if c["init_from"]:
+        model, spec, run = load_from(c["init_from"])
+    else:
+        path = c["ckpt"] or checkpoint.find(c["out_dir"], None)
+        common.check(path is not None, f"no checkpoint in {c['out_dir']}/ckpt: train first, or pass init_from=")
+        model, meta = load_model(path)
+        spec, run = tokenizer.checkpoint_spec(meta), meta.get("config") or {}
+    block = c["block_size"] or run.get("block_size") or min(model.cfg.max_position or 1024, 1024)
+    model.cfg = replace(model.cfg, block_size=block)  # the rotary tables for this length
+    model.init_rope()
+    results, t0 = [], time.time()
+    for name in c["dataset"].split(","):
+        data_dir = name if os.sep in name else os.path.join("data", name)
+        meta = data.load_meta(data_dir)
+        tokenizer.check_model_tokenizer(meta, data_dir, spec, what)
+        if model.cfg.vocab_size < meta["vocab_size"]:  # tokens the model has never seen: as training's first eval
+            print(f"note: {data_dir} has {meta['vocab_size'] - model.cfg.vocab_size} tokens {what} lacks: their rows "
+                  f"start as the mean row, as a run's first evaluation does")
+            grow_vocab(model, meta["vocab_size"])
+        model.to(parallel.pick_device(c["device"])).eval()
+        print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val split of "
+              f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...", flush=True)
+        loss, n = val_loss(model, data_dir, block, c["batch_size"], c["doc_mask"])
+        results.append(f"{name} {loss:.4f} ({n:,} target tokens)")
+    print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, doc_mask={c['doc_mask']} "
+          f"({time.time() - t0:.0f} s)", flush=True)
+
+
 def main(argv):
     out_dir = "out"             # the run whose ckpt/latest to load (or ckpt=path/to/iter_XXXXXXX)
     ckpt = ""                   # a checkpoint directory to load instead of out_dir's latest
@@ -59,6 +136,12 @@ def main(argv):
     export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
     export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many MB (0: one file)
+    init_from = ""              # eval=True: a Hugging Face LLaMA directory (a base, an export) or a run's out_dir
+    eval = False                # print the val loss of the model on dataset= (the whole val split) and exit
+    dataset = ""                # eval=True: a prepared dataset (a name under data/, or a directory), or several: a,b
+    block_size = 0              # eval=True: tokens per sequence (0: the run's; a Hugging Face model: 1024 at most)
+    batch_size = 8              # eval=True: sequences per forward
+    doc_mask = False            # eval=True: attention stays inside each document, as a run with doc_mask=True
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 
@@ -74,6 +157,11 @@ def main(argv):
                                      f"or export elsewhere")
     check(not os.path.isdir(cfg["export"]), f"export={cfg['export']} is a directory: name the file to write, e.g. "
                                             f"export={os.path.join(cfg['export'], 'model.pt')}")
+    check(0 <= cfg["block_size"] <= 2 ** 20 and 1 <= cfg["batch_size"] <= 2 ** 16,
+          f"block_size={cfg['block_size']} and batch_size={cfg['batch_size']} must be in [0, 2**20] and [1, 2**16]")
+    if cfg["eval"]:
+        return evaluate(cfg)
+    check(not cfg["init_from"], "init_from= names the model for eval=True; to sample or export a run, use out_dir=")
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
     check(not cfg["ckpt"] or os.path.isdir(path), f"ckpt={path} is not a directory: give a checkpoint's directory, "
           f"e.g. {cfg['out_dir']}/ckpt/iter_0000350, or drop ckpt= for out_dir's latest")

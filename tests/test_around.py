@@ -121,8 +121,8 @@ def test_a_small_corpus_gets_a_val_document_and_meta_lists_the_files(tmp_path, c
     nearest moves there (with a note); train and val hold exactly their documents' tokens."""
     import numpy as np
 
-    import data
     import prepare
+    import tokenizer
     from conftest import write_corpus
     root = write_corpus(str(tmp_path / "corpus"), n_docs=17, chars=400)
     names = sorted(os.listdir(root))
@@ -133,8 +133,8 @@ def test_a_small_corpus_gets_a_val_document_and_meta_lists_the_files(tmp_path, c
     assert f"put none of the 17 documents in val, so {moved} went there" in note
     assert (meta["train_docs"], meta["val_docs"]) == (16, 1)
     assert meta["val_files"] == [moved] and meta["train_files"] == [n for n in names if n != moved]
-    enc = data.get_tokenizer("cl100k_base", 512)
-    ids = {n: data.encode(enc, open(os.path.join(root, n)).read()) + [enc.eot_token] for n in names}
+    enc = tokenizer.get_tokenizer("cl100k_base", 512)
+    ids = {n: tokenizer.encode(enc, open(os.path.join(root, n)).read()) + [enc.eot_token] for n in names}
     read = {s: np.fromfile(tmp_path / "d" / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")}
     assert read["val"] == ids[moved] and read["train"] == sum((ids[n] for n in names if n != moved), [])
     one = write_corpus(str(tmp_path / "one"), n_docs=1)
@@ -155,3 +155,34 @@ def test_a_small_chat_corpus_moves_the_masks_along(tmp_path):
         tokens = np.fromfile(tmp_path / "d" / f"{split}.bin", dtype=np.uint16)
         mask = np.fromfile(tmp_path / "d" / f"{split}.mask.bin", dtype=np.uint8)
         assert len(tokens) == len(mask) == meta[f"{split}_tokens"] and mask.sum() == meta[f"{split}_loss_tokens"] > 0
+
+
+def test_the_evaluation_command_on_a_run_and_its_export_against_transformers(two_nodes, corpus, dataset, tmp_path):
+    """`python sample.py out_dir=RUN eval=True dataset=D` (a run), and init_from= its Hugging
+    Face export on D prepared for it: the same val loss, which transformers' model computes
+    alike over the whole val split (every chunk once, each target token counted once)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    def val_line(args):
+        p = run_train([*args, "eval=True", "block_size=32"], cwd=tmp_path, script="sample.py")
+        assert "evaluating " in p.stdout and "M parameters) on the whole val split" in p.stdout  # said before it runs
+        loss, tokens = p.stdout.splitlines()[-1].split(": ", 1)[1].split(" ")[1:3]
+        return float(loss), int(tokens.strip("(").replace(",", ""))
+
+    run = val_line([f"out_dir={two_nodes[0]}", f"dataset={dataset}"])
+    export, data_dir = str(tmp_path / "hf"), str(tmp_path / "for_hf")
+    run_train([f"out_dir={two_nodes[0]}", f"export_hf={export}"], cwd=tmp_path, script="sample.py")
+    run_train([corpus, "--out", data_dir, "--init_from", export, "--val_fraction", "0.2"], cwd=tmp_path,
+              script="data.py")
+    exported = val_line([f"init_from={export}", f"dataset={data_dir}"])
+    tokens = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
+    n = (len(tokens) - 1) // 32
+    x, y = tokens[:n * 32].view(n, 32), tokens[1:n * 32 + 1].view(n, 32)
+    with torch.no_grad():
+        logits = LlamaForCausalLM.from_pretrained(export).eval()(x).logits
+    want = F.cross_entropy(logits.flatten(0, 1).double(), y.flatten()).item()
+    assert run[1] == exported[1] == y.numel()
+    assert abs(run[0] - want) < 1e-5 * want and abs(exported[0] - want) < 1e-5 * want, (run, exported, want)
