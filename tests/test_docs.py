@@ -173,7 +173,7 @@ def test_the_reading_cost_counts_each_line_once():
 def test_every_python_block_of_the_docs_runs():
     """The docs' Python blocks all sit on docs/finetuning.md, whose workflow test runs each as
     written (tests/test_tokenizer.py); a block on another page needs a test that runs it."""
-    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
     counts = {page: read(page).count("```python") for page in pages}
     assert {p: n for p, n in counts.items() if n} == {"docs/finetuning.md": 3}, counts
 
@@ -183,7 +183,7 @@ def test_what_the_docs_commands_write_is_git_ignored():
     (out_dir=, export_hf=, export_lora=, export=, --out) is ignored by git: a user who follows
     them keeps a clean checkout."""
     import subprocess
-    texts = [read(p) for p in ["README.md", *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))),
+    texts = [read(p) for p in ["README.md", *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")),
                                *(f"config/{f}" for f in os.listdir(os.path.join(ROOT, "config")))]]
     texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in os.listdir(ROOT) if f.endswith(".py")]
     written = r"(out_dir|export_hf|export_lora|export|--out)(?:=| = |(?<=--out) )(['\"]?[\w./-]+)"
