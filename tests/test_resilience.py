@@ -254,8 +254,11 @@ def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, 
     sample.py` stops there). Ctrl-C while the data is being prepared: one line, exit 130, and
     neither a half-prepared dataset nor an out_dir left behind."""
     out = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, f"dataset={dataset}",
-                             f"out_dir={out}"], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    # a run that cannot end before the signal: LONG's 60 tiny iterations take about a second, and
+    # on a loaded machine they ended between the check for iteration 3 and the signal (exit 0)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, "max_iters=1000000",
+                             f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_iter(out, 3, proc)
