@@ -47,7 +47,7 @@ def materialize(model, device):
                 m._parameters[key] = new[p]
         for key, b in m._buffers.items():
             if b is not None and b.is_meta:
-                m._buffers[key] = torch.empty_like(b, device=device)
+                m._buffers[key] = torch.zeros_like(b, device=device)  # (a derived one is computed again: init_rope)
     return model
 
 

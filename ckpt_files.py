@@ -77,6 +77,9 @@ def check_meta(meta, path):
                 not all(model.get(k, 1) >= 1 for k in ("rope_theta", "rope_factor", "rope_original_len")):
             return "meta.json: a model size or norm_eps is not positive, or rope_theta, rope_factor or " \
                    "rope_original_len is below 1"
+        if model.get("moe_score", "softmax") not in ("softmax", "sigmoid") or model.get("moe_every", 1) < 1 or \
+                model.get("n_experts") and not 1 <= model.get("moe_top_k", 2) <= model["n_experts"]:
+            return "meta.json: model has a moe_score, moe_every or moe_top_k (1 to n_experts) not implemented here"
         ModelConfig(**model)
         config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
         json_field(config, "tokenizer", str, "meta.json config", fix)

@@ -155,12 +155,15 @@ def script_help(script, defaults):
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
            "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl")}
+           "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl"),
+           "moe_score": ("softmax", "sigmoid")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "fault_nan_steps")
+              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "fault_nan_steps", "moe_top_k",
+              "moe_every")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
-                "min_lr", "weight_decay", "grad_clip", "peak_flops", "fault_save_delay_s", "export_shard_mb", "lora_rank")
+                "min_lr", "weight_decay", "grad_clip", "peak_flops", "fault_save_delay_s", "export_shard_mb", "lora_rank",
+                "n_experts", "moe_ffn_dim", "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
 # (rates and scales end far past any sane value, where a finite one still overflows float32 in the step;
 # sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
@@ -184,6 +187,8 @@ RULES = [
                                              "adapter's rank is at most its layer's width; lower lora_rank"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
+    (lambda c: c["n_experts"] and c["moe_top_k"] > c["n_experts"],
+     "moe_top_k={moe_top_k} is more than n_experts={n_experts}: a token picks top_k of the experts; lower moe_top_k"),
     # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
     (lambda c: c["n_embd"] % c["n_head"],
      "n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head"),
@@ -211,6 +216,12 @@ REFUSALS = [
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+    ("a mixture of experts with tp", lambda c, o: c["n_experts"] and c["tp"] > 1,
+     "n_experts={n_experts} with tp={tp}: the experts are not cut into tensor-parallel slices (ep x tp included); "
+     "split them over ranks with ep= instead, or drop tp"),
+    ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
+     "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, which cp splits "
+     "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
      "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "
@@ -355,7 +366,7 @@ def check_refusals(c, overrides):
         check(not refused(c, overrides), message.format(**c))
 
 
-def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where=""):
+def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
     """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
     shape, when it comes from a checkpoint). Returns (dp, pp_layers as a list or None)."""
     pp, tp = c["pp"], c["tp"]

@@ -14,6 +14,8 @@ import shutil
 import torch
 
 from common import MAX_SIZES, UserError, loads_json, read_json
+import hf_moe
+from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
 from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def rename(name, table):
 
 
 # model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", **MOE_FAMILIES}
 
 
 def hf_config_to_ours(hf):
@@ -186,8 +188,8 @@ def hf_config_to_ours(hf):
     or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer).
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
-        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral and "
-                         f"Qwen2 variants (without those options) can be loaded")
+        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral, "
+                         f"Qwen2, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
 
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
@@ -195,6 +197,8 @@ def hf_config_to_ours(hf):
     for field, ours in bounds.items():
         if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window") and hf.get(field) is None:
             continue
+        if field == "sliding_window" and hf.get(field) == 0 and hf.get("use_sliding_window") is False:
+            continue  # (Qwen2-MoE's as transformers 5 saves it: no window)
         if type(hf.get(field)) is not int:
             raise refuse(field, "missing or not an int")
         if not 0 < hf[field] <= MAX_SIZES[ours]:
@@ -210,7 +214,7 @@ def hf_config_to_ours(hf):
                                 f"{getattr(kinds, '__name__', 'number')}")
     family = hf.get("model_type")
     if family not in FAMILIES:
-        raise refuse("model_type", "not a LLaMA model (llama, mistral or qwen2)")
+        raise refuse("model_type", f"not a LLaMA model ({', '.join(FAMILIES)})")
     # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters
     rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     both = [{**{k: v for k, v in r.items() if k not in ("type", "rope_theta")},
@@ -255,11 +259,13 @@ def hf_config_to_ours(hf):
     if hf.get("head_dim") is not None and hf["head_dim"] != n_embd // n_head:
         raise refuse("head_dim", f"only head_dim = hidden_size // num_attention_heads = {n_embd // n_head} "
                                  f"is implemented")
-    return dict(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
+    moe = config_fields(hf, refuse) if family in MOE_FAMILIES else {}  # Mixtral, Qwen2-MoE: hf_moe.py
+    return dict(**moe, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
                 ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
-                qkv_bias=family == "qwen2", max_position=hf.get("max_position_embeddings") or 0,
+                qkv_bias=family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
+                max_position=hf.get("max_position_embeddings") or 0,
                 hf_model_type=family)
 
 
@@ -269,7 +275,7 @@ def hf_window(hf, refuse):
     older files: the layers from max_window_layers on), all or none of them here."""
     if hf["model_type"] == "llama" or hf.get("sliding_window") is None:
         return 0
-    if hf["model_type"] == "mistral":
+    if hf["model_type"] in ("mistral", "mixtral"):
         return hf["sliding_window"]
     if not hf.get("use_sliding_window"):
         return 0
@@ -288,7 +294,7 @@ def expected_shapes(cfg):
     embedding, not a weight of its own). Built on the meta device: no memory, no init."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.endswith("expert_bias")}
     if cfg.tie_embeddings:
         del shapes["output.weight"]
     return shapes
@@ -334,23 +340,23 @@ def hf_llama_index(path):
     except ValueError as e:
         raise UserError(f"{path}/config.json: {e}") from None
     expected = expected_shapes(cfg)
-    sd = {}
+    sd = index_experts(hf_tensors, expected, path) if cfg.n_experts else {}  # the 3-D expert weights: hf_moe.py
     for name, t in hf_tensors.items():
-        ours = rename(name, HF_LLAMA_NAMES)
+        ours = rename(name, HF_LLAMA_NAMES) or (rename(name, HF_MOE_NAMES) if cfg.n_experts else None)
         if ours == "output.weight" and cfg.tie_embeddings:
             continue  # a tied head that was saved anyway: it is the embedding
         if ours not in expected:
             raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; the checkpoint is "
                             f"not a plain LlamaForCausalLM, or config.json does not match its weights")
         file, data_start, entry = t
-        if tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
+        if ours in sd or tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
             raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but config.json implies "
                             f"{expected[ours]}; config.json does not match the weights")
         if not entry[2].is_floating_point:  # a float's bytes relabelled as integers load as huge weights
             raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are floating point: "
                             f"the header is damaged or the file is not these weights; copy or download it again")
         sd[ours] = (name, file, data_start, entry)
-    missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) for n in expected if n not in sd]
+    missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) or n for n in expected if n not in sd]
     if missing:
         raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
                         f"the checkpoint is incomplete (a shard missing from weight_map?): copy or download it again")
@@ -364,11 +370,19 @@ def load_hf_parts(index, parts):
     to, converted to local's dtype: a rank reads only the bytes of what it holds (whole rows
     of an FSDP shard: one byte range per tensor)."""
     files = {}
+
+    def read(t, dim, start, stop):  # (a slice of) one tensor of the files
+        hf_name, file, data_start, entry = t
+        f = files.get(file) or files.setdefault(file, open(file, "rb"))
+        return read_safetensors_part(f, file, data_start, hf_name, entry, dim, start, stop)
     try:
         for name, local, _, dim, start, stop in parts:
-            hf_name, file, data_start, entry = index[name]
-            f = files.get(file) or files.setdefault(file, open(file, "rb"))
-            local.copy_(read_safetensors_part(f, file, data_start, hf_name, entry, dim, start, stop))
+            if name.endswith("expert_bias"):  # no routing bias in Mixtral, Qwen2-MoE
+                local.zero_()
+            elif index[name][0] == "experts":  # a MoE layer's 3-D weight, of several tensors or half of one
+                local.copy_(read_experts(index[name][1], read, dim, start, stop))
+            else:
+                local.copy_(read(index[name], dim, start, stop))
     finally:
         for f in files.values():
             f.close()
@@ -381,7 +395,11 @@ def load_hf_llama(path):
     kwargs, index = hf_llama_index(path)
     sd = {}
     for ours, shape in expected_shapes(ModelConfig(**kwargs)).items():
-        sd[ours] = torch.empty(shape, dtype=index[ours][3][2])
+        first = index[ours] if index[ours][0] != "experts" else next(iter(index[ours][1].values()))
+        sd[ours] = torch.empty(shape, dtype=(first[0] if isinstance(first[0], tuple) else first)[3][2])
+    for name, b in Transformer(ModelConfig(**kwargs)).named_buffers() if kwargs.get("n_experts") else ():
+        if name.endswith("expert_bias"):  # no routing bias in the files: zero
+            sd[name] = torch.zeros_like(b)
     load_hf_parts(index, [(name, t, tuple(t.shape), None, 0, 0) for name, t in sd.items()])
     return kwargs, sd
 
@@ -402,15 +420,18 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ValueError(f"save_hf_llama: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
-    tensors = {rename(name, to_hf): state_dict[name].detach().to("cpu", torch.float32) for name in expected}
+    tensors = {rename(name, to_hf): state_dict[name] for name in expected if rename(name, to_hf)}
+    tensors.update(tensors_out(state_dict, cfg) if cfg.n_experts else {})  # the MoE layers: hf_moe.py
+    tensors = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}
     hf_config = {
-        "architectures": [FAMILIES[cfg.hf_model_type]], "model_type": cfg.hf_model_type,
+        "architectures": [FAMILIES[export_type(cfg)]], "model_type": export_type(cfg),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
         "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
+        **(config_out(cfg) if cfg.n_experts else {}),
     }
     more = {}
     if enc is not None:
@@ -442,15 +463,21 @@ def hf_rope_scaling(cfg):
     return scaling
 
 
+def export_type(cfg):
+    """The model_type an export declares: the family it came from; a MoE model of ours, Mixtral or
+    Qwen2-MoE (hf_moe.family)."""
+    return hf_moe.family(cfg) if cfg.n_experts else cfg.hf_model_type
+
+
 def hf_family_fields(cfg):
     """config.json's fields of the model's family: LLaMA's bias switches, Mistral's window,
     Qwen2's window switch (its q/k/v biases are implied)."""
-    window = cfg.sliding_window or None
-    assert cfg.qkv_bias == (cfg.hf_model_type == "qwen2") and (cfg.hf_model_type != "llama" or not window), \
-        f"a {cfg.hf_model_type} model with qkv_bias={cfg.qkv_bias}, sliding_window={cfg.sliding_window}"
-    if cfg.hf_model_type == "llama":
+    window, kind = cfg.sliding_window or None, export_type(cfg)
+    assert (cfg.qkv_bias == (kind == "qwen2") or kind == "qwen2_moe") and (kind != "llama" or not window), \
+        f"a {kind} model with qkv_bias={cfg.qkv_bias}, sliding_window={cfg.sliding_window}"
+    if kind == "llama":
         return {"attention_bias": False, "mlp_bias": False}
-    if cfg.hf_model_type == "mistral":
+    if kind in ("mistral", "mixtral"):
         return {"sliding_window": window}
     return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
             "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer}

@@ -19,8 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from moe import MoE
+
 ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
-MODEL_TYPES = ("llama", "mistral", "qwen2")   # ModelConfig.hf_model_type (hf.py)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")  # ModelConfig.hf_model_type (hf.py, hf_moe.py)
 
 
 @dataclass
@@ -43,11 +45,22 @@ class ModelConfig:
     sliding_window: int = 0    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
     qkv_bias: bool = False     # biases on wq, wk, wv (Qwen2)
     max_position: int = 0      # the context the model is made for (a base's max_position_embeddings; 0: block_size)
-    hf_model_type: str = "llama"  # what an export declares: llama, mistral or qwen2 (hf.py)
+    hf_model_type: str = "llama"  # what an export declares: one of MODEL_TYPES (hf.py)
     norm_eps: float = 1e-5
     grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
     neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see neftune)
     loss_chunk: int = 0        # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
+    # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a MoE
+    n_experts: int = 0
+    moe_top_k: int = 2         # experts per token
+    moe_every: int = 1         # layer i is MoE when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)
+    moe_ffn_dim: int = 0       # each expert's SwiGLU width (0: ffn_dim)
+    moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
+    moe_norm_topk: bool = True  # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
+    moe_shared_ffn_dim: int = 0  # > 0: a shared expert of this width, sigmoid-gated (Qwen2-MoE)
+    moe_aux_weight: float = 0.01  # Switch/GShard load-balancing loss weight
+    moe_z_weight: float = 0.0  # router z-loss weight
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's aux-loss-free bias: its step per optimizer step
 
     def __post_init__(self):  # (configurator.py's RULES say the same, with the fix, for the config)
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
@@ -183,12 +196,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer=0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        moe = cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0  # a mixture of experts: moe.py
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
@@ -210,7 +224,7 @@ def init_tensor(name, shape, n_layer, seed):
     1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth; biases 0."""
     if name.endswith(("norm.weight", ".bias")):
         return (torch.zeros if name.endswith(".bias") else torch.ones)(shape, device="cpu")
-    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
 
@@ -244,7 +258,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -316,7 +330,7 @@ class Transformer(nn.Module):
         the attention scores and values, 12 * n_layer * n_embd * block_size."""
         emb = self.tok_embeddings.weight
         matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
-        n = sum((6 if p.requires_grad else 4) * p.numel() for p in matmul)
+        n = sum((6 if p.requires_grad else 4) * p.numel() * getattr(p, "_active", 1) for p in matmul)  # (moe.py)
         return n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
 
     @torch.no_grad()

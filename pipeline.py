@@ -223,14 +223,17 @@ def forward_step(st, k, micro, inp, chunk=0):
         inp.requires_grad_()  # we need the gradient of the stage's input, to send it back
     out, loss = stage_forward(st.stage, st.mesh, micro, inp, st.autocast, chunk if st.virtual > 1 else None,
                               st.virtual)
-    if loss is not None:  # the last (virtual) stage
-        out = loss * st.weights[k]  # the backward starts here
+    send = out
+    if st.mesh.last_stage and (st.virtual == 1 or chunk == st.virtual - 1):  # the last (virtual) stage
+        out = send = loss * st.weights[k]  # the backward starts here
         st.loss_sum += loss.detach() * st.weights[k]
+    elif loss is not None:  # a stage's own loss terms (a mixture of experts' balancing losses: moe.attach)
+        out = (out, loss * st.weights[k])  # their backward starts with the output's
     st.alive[chunk, k] = (inp, out)
     st.peak = max(st.peak, len(st.alive))
     if st.trace is not None:
         st.trace.append(("F", k, t0, _clock(st), chunk))
-    return out.detach()
+    return send.detach()
 
 
 def backward_step(st, k, grad_out, chunk=0):
@@ -243,7 +246,7 @@ def backward_step(st, k, grad_out, chunk=0):
     # chunk 0 (the backwards run the chunks from the last to the first); the buckets that
     # backward does not complete (other chunks' layers) go in wait()
     set_grad_sync(st.stage, k == len(st.weights) - 1 and chunk == 0)
-    torch.autograd.backward(out, grad_out)
+    torch.autograd.backward(out, (grad_out, None) if isinstance(out, tuple) else grad_out)
     if st.trace is not None:
         st.trace.append(("B", k, t0, _clock(st), chunk))
     return None if inp is None else inp.grad

@@ -350,7 +350,8 @@ def finished_or_other(src, c, overrides, out_dir, mesh):
     return False
 
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size")
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
+              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim")
 
 
 def saved_shape(src, overrides, base_vocab, c, world):
@@ -364,12 +365,13 @@ def saved_shape(src, overrides, base_vocab, c, world):
               (key == "vocab_size" and overrides[key] == base_vocab),
               f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
               f"use a new out_dir")
-    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk")}
+    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
+                                  "moe_z_weight", "moe_bias_rate")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
-    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, where=f" in {src.where}")
+    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
                  where=f" for the model in {src.where}")
-    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings}, overrides)  # a tied model: tie_embeddings with pp
+    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings, "n_experts": cfg.n_experts}, overrides)  # tied + pp, moe + tp
     return cfg
 
 

@@ -72,6 +72,17 @@ grad_ckpt = False               # activation checkpointing: recompute each block
 loss_chunk = 0                  # the head and the loss in chunks of this many rows, never all logits (0: all at once)
 doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
 neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
+# mixture of experts (moe.py): every moe_every-th layer's feed-forward becomes n_experts SwiGLU experts
+n_experts = 0                   # 0: dense
+moe_top_k = 2                   # experts per token
+moe_every = 1                   # layer i is MoE when (i + 1) % moe_every == 0
+moe_ffn_dim = 0                 # each expert's hidden width (0: ffn_dim)
+moe_score = "softmax"           # router scores: 'softmax' (Mixtral, Qwen2-MoE) or 'sigmoid' (DeepSeek-V3)
+moe_norm_topk = True            # renormalise the top_k weights to sum 1
+moe_shared_ffn_dim = 0          # > 0: a shared expert of this width with a sigmoid gate (Qwen2-MoE)
+moe_aux_weight = 0.01           # Switch/GShard load-balancing loss, per micro-batch
+moe_z_weight = 0.0              # router z-loss
+moe_bias_rate = 0.0             # DeepSeek-V3 aux-loss-free balancing: the bias's step per optimizer step
 # LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
 lora_rank = 0                   # rank r of the adapters (0: no LoRA, full fine-tuning)
 lora_alpha = 16.0               # the adapters' update B A is scaled by lora_alpha / lora_rank
@@ -199,7 +210,8 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all rank
 # First match wins (src): (1) resume this run's checkpoint; (2) init_from= a run of ours or (3) a HF directory; (4) fresh.
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout, tie_embeddings=tie_embeddings,
-                        grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha, loss_chunk=loss_chunk)
+                        grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha, loss_chunk=loss_chunk,
+                        **{k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")})
 if src.saved is not None:  # the shape comes from there (an explicit key that disagrees is a mistake)
     model_cfg = rundir.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
 lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning
@@ -245,6 +257,9 @@ if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in 
 if not whole_first:  # the meta-device build: build.py (storage for what this rank holds, then its weights)
     import build
     build.fill(raw_model, src, seed, mesh, torch.device("cpu") if use_fsdp and offload else mesh.device)
+if model_cfg.n_experts:  # mixture of experts: moe.py (its balancing losses join the loss's gradient)
+    import moe
+    moe.attach(raw_model, model_cfg)
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
 if use_zero:  # ZeRO: zero.py (data parallel whose ranks each own a slice of every bucket and its optimizer state)
@@ -413,6 +428,7 @@ while True:
     finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
     if finite:  # the NaN guard: no update from a non-finite batch
         optimizer.step()
+    moe_stats = moe.after_step(raw_model, mesh, finite) if model_cfg.n_experts else {}  # moe.py: the bias, the load
     # fp16: loss_scale.py. One inf/NaN in any rank's gradients makes the global norm inf/NaN on every rank: an
     # overflow, the scale backs off (unless the loss itself is not finite: that is the NaN guard's); else it may grow
     overflow = scaler is not None and scaler.update(not math.isfinite(grad_norm)) and math.isfinite(loss_mean)
@@ -454,9 +470,10 @@ while True:
         by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture: mixture.py
         mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
                     f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
-                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + (mixture.compact(by_source) if by_source else ""))
+                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + (mixture.compact(by_source) if by_source else "")
+                    + (moe.compact(moe_stats) if moe_stats else ""))  # moe.py
         log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source,
+             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source, **moe_stats,
              **({"loss_scale": scaler.scale} if scaler else {})})  # fp16: the scale the next iteration starts from
     it += 1
 

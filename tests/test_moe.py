@@ -1,0 +1,143 @@
+"""Mixture of experts (moe.py, expert_parallel.py, hf_moe.py): the layer against transformers'
+Mixtral and Qwen2-MoE blocks, both families in and out of Hugging Face directories (either
+on-disk layout), the balancing losses and the bias in a run, and the layouts against one process."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, torchrun
+
+import hf
+import moe
+from model import ModelConfig, Transformer
+
+# the tiny MoE model of the run tests: 4 experts, 2 a token, in both layers
+MOE = [*TINY, "n_experts=4", "moe_top_k=2", "moe_ffn_dim=48"]
+
+
+def hf_moe_model(family, seed=0):
+    """A tiny random Mixtral or Qwen2-MoE built by transformers (eager experts: the CPU's), its
+    router randomised (Qwen2-MoE's starts at zero: every token would tie)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts_per_tok=2, max_position_embeddings=64)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
+                                                   shared_expert_intermediate_size=36, num_experts=4,
+                                                   decoder_sparse_step=2 if family == "qwen2_moe_sparse" else 1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "bias")):
+                p.normal_(0, 0.5)
+    model.set_experts_implementation("eager") if hasattr(model, "set_experts_implementation") else None
+    return model.eval()
+
+
+def hf_logits(path, x):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    with torch.no_grad():
+        return model(x).logits
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen2_moe_sparse"])
+def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
+    """A Mixtral and a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) that
+    transformers saved, read from its per-expert files and from transformers 5's fused
+    gate_up_proj / down_proj: our logits equal transformers'; exported, transformers reads
+    ours to the same logits, and the files hold the names and shapes its own save writes."""
+    model = hf_moe_model(family)
+    saved, fused = str(tmp_path / "saved"), str(tmp_path / "fused")
+    model.save_pretrained(saved)
+    os.makedirs(fused)  # the in-memory names: mlp.experts.gate_up_proj (E, 2F, D), mlp.experts.down_proj (E, D, F)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(fused, "model.safetensors"))
+    config = json.load(open(os.path.join(saved, "config.json")))
+    json.dump(config, open(os.path.join(fused, "config.json"), "w"))
+    assert any("gate_up_proj" in k for k in model.state_dict()), "transformers no longer fuses: test the layout"
+    x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x).logits
+    for path in (saved, fused):
+        kwargs, weights = hf.load_hf_llama(path)
+        cfg = ModelConfig(**kwargs, block_size=64)
+        assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_norm_topk, bool(cfg.moe_shared_ffn_dim)) == (
+            4, 2, family == "mixtral", family != "mixtral")
+        ours = Transformer(cfg).eval()
+        ours.load_state_dict(weights)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x)[0], want, rtol=1e-5, atol=1e-5)
+    out = str(tmp_path / "export")
+    hf.save_hf_llama(out, ours.state_dict(), cfg)
+    torch.testing.assert_close(hf_logits(out, x), want, rtol=1e-5, atol=1e-5)
+    from safetensors import safe_open
+    shapes = [{k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} for f in
+              (safe_open(os.path.join(d, "model.safetensors"), "pt") for d in (saved, out))]
+    assert shapes[0] == shapes[1]
+    exported = json.load(open(os.path.join(out, "config.json")))
+    assert {k: exported.get(k) for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")} == {
+        k: config[k] for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")}
+
+
+def test_layer_equals_transformers_blocks_and_routes_by_the_bias():
+    """Our MoE layer against MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock on the same
+    weights, forward and the gradient of the input; the bias chooses but never weighs: a
+    large bias on one expert puts it in every token's top-k with its unbiased score."""
+    for family in ("mixtral", "qwen2_moe"):
+        hf_model = hf_moe_model(family)
+        block = hf_model.model.layers[0].mlp
+        kwargs, _ = hf.hf_config_to_ours(hf_model.config.to_dict()), None
+        cfg = ModelConfig(**kwargs, block_size=64)
+        layer = moe.MoE(cfg)
+        sd = {k: v for k, v in hf_model.state_dict().items() if k.startswith("model.layers.0.mlp.")}
+        F = cfg.moe_ffn_dim
+        with torch.no_grad():
+            layer.router.weight.copy_(sd["model.layers.0.mlp.gate.weight"])
+            gate_up = sd["model.layers.0.mlp.experts.gate_up_proj"]
+            layer.experts.w1.copy_(gate_up[:, :F]), layer.experts.w3.copy_(gate_up[:, F:])
+            layer.experts.w2.copy_(sd["model.layers.0.mlp.experts.down_proj"])
+            if cfg.moe_shared_ffn_dim:
+                for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                    getattr(layer.shared_expert, ours).weight.copy_(sd[f"model.layers.0.mlp.shared_expert.{theirs}.weight"])
+                layer.shared_gate.weight.copy_(sd["model.layers.0.mlp.shared_expert_gate.weight"])
+        x = torch.randn(3, 10, 32, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        y, y2 = layer(x), block(x2)
+        torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
+        y.square().sum().backward(), y2.square().sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        layer.expert_bias[3] = 100.0
+        chosen, weights, _, scores = layer.route(x.reshape(-1, 32))
+    assert (chosen == 3).any(-1).all()
+    torch.testing.assert_close(weights, scores.gather(1, chosen))  # (qwen2_moe: not renormalised)
+
+
+def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_path):
+    """One process: the aux and z-losses and each layer's load go to metrics.jsonl and the log
+    line, the logged loss stays the plain cross-entropy (moe_aux_weight changes the gradient,
+    not the first loss), the bias moves and is saved, and a resumed run repeats the curve."""
+    base = [*MOE, f"dataset={dataset}", "max_iters=6", "ckpt_interval=3", "moe_z_weight=1e-3",
+            "moe_bias_rate=1e-2"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    log = run_train([*base, f"out_dir={full}"], cwd=str(tmp_path)).stdout
+    assert "moe aux " in log and " load " in log
+    rows = [r for r in read_metrics(full) if "loss" in r]
+    assert all(0.5 < r["moe_aux"] < 4 and r["moe_z"] > 0 and r["moe_load/0"] >= 1 and r["moe_load/1"] >= 1
+               for r in rows)  # (the aux loss is 1 at a perfect balance, at most n_experts)
+    no_aux = str(tmp_path / "no_aux")
+    run_train([*base, "max_iters=2", "moe_aux_weight=0", "moe_z_weight=0", f"out_dir={no_aux}"], cwd=str(tmp_path))
+    first = [r for r in read_metrics(no_aux) if "loss" in r]
+    assert first[0]["loss"] == rows[0]["loss"] and first[1]["loss"] != rows[1]["loss"]
+    run_train([*base, "max_iters=3", f"out_dir={part}"], cwd=str(tmp_path))
+    run_train([*base, f"out_dir={part}"], cwd=str(tmp_path))
+    assert_same_curve(read_metrics(full), read_metrics(part), exact=True)
+    import checkpoint
+    model, _ = checkpoint.load_whole(checkpoint.find(full, None))
+    assert model.layers["0"].feed_forward.expert_bias.abs().sum() > 0
