@@ -130,7 +130,7 @@ class TensorMemory(TorchDispatchMode):
 
 def fill(model, src, seed, mesh, device):
     """Storage on `device` for the part of the meta-built `model` this rank holds, then its
-    weights from `src` (rundir.Source): a Hugging Face directory's tensors (of a shard only its
+    weights from `src` (origin.Source): a Hugging Face directory's tensors (of a shard only its
     rows), another run's checkpoint (DCP reads only what this rank holds), or fresh weights:
     this rank's slices of what a single process draws. A run that resumes starts from the
     fresh ones until its checkpoint is loaded, with the optimizer state, once that exists."""

@@ -308,8 +308,9 @@ def parse_phases(phases, names, max_iters=None):
 
 
 def validate(c, overrides, world):
-    """Checks the whole config `c` (`overrides`: the keys the user gave) for `world` processes; returns
-    what it derives: {"dp", "layer_counts": pp_layers' list or None, "lora_targets", "sources": {dataset: weight}}."""
+    """Checks the whole config `c` (`overrides`: the keys the user gave) for `world` processes,
+    changing nothing; returns what it derives: {"dp", "layer_counts": pp_layers' list or None,
+    "lora_targets", "sources": {dataset: weight}, "grad_accum_steps": the one this layout runs}."""
     for key, choices in CHOICES.items():
         check(c[key] in choices, f"{key}={c[key]!r} is not one of {', '.join(choices)}")
     for key in AT_LEAST_1:
@@ -335,20 +336,21 @@ def validate(c, overrides, world):
     ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # 0: n_embd's
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
-        default_batch_for_layout(c, overrides, world)
+        c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}
         dp, layer_counts = check_layout(c, world, c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim)
     check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
-    return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources}
+    return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources,
+            "grad_accum_steps": c["grad_accum_steps"]}
 
 
-def default_batch_for_layout(c, overrides, world):
-    """grad_accum_steps not given (the default 2) but the layout needs a multiple of dp (of
-    dp x pp with interleaved 1F1B): raised to the next one, with a note, so that every
-    layout runs with the defaults. A value the user gave is checked, never changed."""
+def batch_for_layout(c, overrides, world):
+    """The grad_accum_steps this layout runs: the default (2) raised to the next multiple of dp
+    (of dp x pp with interleaved 1F1B) where the layout needs one, with a note, so that every
+    layout runs with the defaults. A value the user gave is kept (and checked, never changed)."""
     pp, tp = c["pp"], c["tp"] * c["cp"]
     if "grad_accum_steps" in overrides or world % (pp * tp):
-        return
+        return c["grad_accum_steps"]
     unit = world // (pp * tp) * (pp if c["pp_schedule"] == "interleaved" else 1)
     if c["grad_accum_steps"] % unit:
         raised = -(-c["grad_accum_steps"] // unit) * unit
@@ -356,7 +358,8 @@ def default_batch_for_layout(c, overrides, world):
             print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, a multiple of the "
                   f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
                   f"set grad_accum_steps= to choose", flush=True)
-        c["grad_accum_steps"] = raised
+        return raised
+    return c["grad_accum_steps"]
 
 
 def check_refusals(c, overrides):

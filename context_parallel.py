@@ -9,6 +9,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from model import apply_rope
 
@@ -41,7 +42,7 @@ from model import apply_rope
 # K and V), so every cp rank holds the loss of the whole sequence and the token mean is over
 # all of it. The weights' gradients, each rank's part times cp (the gather's backward sums
 # cp copies of the same upstream gradient), are averaged over the cp group after backward
-# (parallel.wait_grad_sync), as data parallelism averages over its replicas.
+# (average_gradients), as data parallelism averages over its replicas.
 
 
 def positions(T, cp, rank, device=None):
@@ -135,6 +136,18 @@ def context_parallel(model, mesh, ring=True):
         lambda m, args, x: x.index_select(1, positions(x.shape[1], mesh.cp, mesh.cp_rank, x.device)))
     model.loss_fn = partial(cp_losses, model.loss_fn, mesh)
     return model
+
+
+def average_gradients(params, mesh):
+    """After backward: each cp rank's gradient came from its part of the sequences, times cp
+    (the loss gather's backward), so `params`' gradients become their mean over the cp group,
+    in one all-reduce."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh.cp_group)
+    flat /= mesh.cp  # all_reduce summed; we want the mean (gloo has no AVG)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 # ---- ring attention ---------------------------------------------------------------------

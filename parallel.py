@@ -286,20 +286,11 @@ def set_grad_sync(model, sync):
         model.require_backward_grad_sync = sync
 
 
-def wait_grad_sync(model, params=(), mesh=None):
+def wait_grad_sync(model):
     """Data parallel: the last buckets' all-reduces may still be in flight after backward; once
-    this returns every rank holds the mean gradient (ours only: DDP and FSDP wait in backward).
-    Context parallel (mesh.cp > 1): each cp rank's gradient came from its part of the sequences
-    (times cp: context_parallel.py), so `params`' gradients are then averaged over the cp group."""
+    this returns every rank holds the mean gradient (ours only: DDP and FSDP wait in backward)."""
     if hasattr(model, "wait"):
         model.wait()
-    if mesh is not None and mesh.cp > 1:
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for all of them
-        dist.all_reduce(flat, group=mesh.cp_group)
-        flat /= mesh.cp  # all_reduce summed; we want the mean (gloo has no AVG)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
 
 
 def all_reduce_named(values, mesh):

@@ -435,9 +435,9 @@ def main():
     model_tokens = ()
     if args.init_from:  # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
         import parallel
-        import rundir
+        import origin
         from tokenizer import model_spec
-        spec = model_spec(rundir.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer, args.vocab_size)
+        spec = model_spec(origin.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer, args.vocab_size)
         if spec:
             args.tokenizer, args.vocab_size, model_tokens = spec["tokenizer"], spec["base_vocab_size"], spec["extra_tokens"]
     prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,

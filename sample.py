@@ -26,8 +26,8 @@ import configurator
 import data
 import hf
 import hf_tokenizer
+import origin
 import parallel
-import rundir
 import tokenizer
 from lora import load_whole, merge_lora
 from model import ModelConfig, Transformer, grow_vocab
@@ -65,10 +65,10 @@ def load_from(init_from):
     saved, index = hf.hf_llama_index(init_from)
     common.check(hf_tokenizer.find(init_from) is not None, f"{init_from} has no tokenizer.json (or tokenizer.model): "
                                                         f"put the model's beside its config.json, so its ids are known")
-    src = rundir.Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+    src = origin.Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
     spec = tokenizer.model_spec(src, "cl100k_base", 0)
     model = Transformer(ModelConfig(**saved))
-    rundir.load_whole_into(model, src)
+    origin.load_whole_into(model, src)
     return model, spec, {}
 
 

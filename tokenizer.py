@@ -212,7 +212,7 @@ def spec_of(meta):
 
 
 def model_spec(src, tokenizer, vocab_size):
-    """The tokenizer of the model a run starts from (rundir.Source: resume, run or hf), or
+    """The tokenizer of the model a run starts from (origin.Source: resume, run or hf), or
     None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
     tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (a few
     rows past the ids: an embedding padded to a round size). A directory without one is read with this run's tokenizer=, when the sizes agree."""

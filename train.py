@@ -24,6 +24,7 @@ import common
 import configurator
 import data
 import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)
+import origin
 import parallel
 import rundir
 import tokenizer as tokenizer_py
@@ -149,7 +150,7 @@ globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
 derived = configurator.validate(config, overrides, world)  # everything, before anything touches disk or peers
-grad_accum_steps = config["grad_accum_steps"]  # the default is raised to a multiple of dp if the layout needs it
+config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]  # the default, raised if the layout needs it
 started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
 
 # ---- setup ----------------------------------------------------------------------------
@@ -164,12 +165,14 @@ if mesh.device.type == "cpu":
     workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
 if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
     rundir.lock_out_dir(out_dir)
-src = rundir.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
-shape = {k: src.saved[k] for k in rundir.SHAPE_KEYS if k in (src.saved or {})}  # a base's or checkpoint's: printed
+src = origin.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
+shape = {k: src.saved[k] for k in origin.SHAPE_KEYS if k in (src.saved or {})}  # a base's or checkpoint's: printed
 mesh.print0("config: " + " ".join(f"{k}={shape.get(k, config[k])!r}" for k in config_keys))
 if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
     mesh.print0(schedule_note(config))
-if src.kind == "resume" and rundir.finished_or_other(src, config, overrides, out_dir, mesh):
+if src.kind == "resume":
+    origin.check_same_run(src, config, overrides, out_dir)
+if src.kind == "resume" and origin.finished(src, config, out_dir, mesh):
     parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
     workarounds.exit_now()
 spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
@@ -213,7 +216,7 @@ model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_
                         grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha, loss_chunk=loss_chunk,
                         **{k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")})
 if src.saved is not None:  # the shape comes from there (an explicit key that disagrees is a mistake)
-    model_cfg = rundir.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
+    model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
 lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
@@ -226,7 +229,7 @@ torch.manual_seed(seed)  # each weight is drawn from (seed, its name): the same 
 with nullcontext() if whole_first else torch.device("meta"):
     raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
 if whole_first and src.kind in ("hf", "run"):  # (2), (3): read the whole model
-    rundir.load_whole_into(raw_model, src)
+    origin.load_whole_into(raw_model, src)
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
 if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model has never seen (extra, chat tokens)
@@ -411,8 +414,10 @@ while True:
     else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
                                              pp_virtual)
-    if mesh.dp > 1 or cp > 1:  # data parallel: the last buckets' all-reduces may still be in flight (and with
-        parallel.wait_grad_sync(model, grad_params, mesh)  # cp, context_parallel.py: the mean over the cp ranks)
+    if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
+        parallel.wait_grad_sync(model)
+    if cp > 1:  # context parallel: context_parallel.py (the mean over the cp ranks)
+        context_parallel.average_gradients(grad_params, mesh)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     loss_sum = scaler.unscale_(grad_params, loss_sum) if scaler else loss_sum  # fp16: the true gradients and loss

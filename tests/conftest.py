@@ -160,7 +160,7 @@ def spawn(fn, world, *args, pp=1, tp=1):
 # the project): ~4.5 s of CPU per process on this machine, against well under a second of
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint", "common",
-           "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "parallel",
+           "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "origin", "parallel",
            "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds", "zero"]
 
 

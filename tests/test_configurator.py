@@ -130,12 +130,12 @@ def test_the_default_batch_is_raised_for_the_layout_and_a_given_one_is_checked(c
     Given explicitly, the same value is an error, not changed."""
     from configurator import validate
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"))
-    validate(c, {}, 4)
-    assert c["grad_accum_steps"] == 4 and "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
+    derived = validate(c, {}, 4)
+    assert derived["grad_accum_steps"] == 4 and "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
+    assert c["grad_accum_steps"] == 2  # validate changes nothing: train.py takes the derived value
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"), pp=2, n_layer=4, pp_virtual=2,
              pp_schedule="interleaved")
-    validate(c, {"pp": 2}, 4)
-    assert c["grad_accum_steps"] == 4
+    assert validate(c, {"pp": 2}, 4)["grad_accum_steps"] == 4
     with pytest.raises(UserError, match="grad_accum_steps=2 micro-batches per iteration cannot be shared evenly by 4"):
         validate(dict(_train_defaults(), out_dir=str(tmp_path / "out")), {"grad_accum_steps": 2}, 4)
 

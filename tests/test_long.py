@@ -105,7 +105,7 @@ def cp_checks(mesh):
             x, y, mask = batch()
             _, loss = model(x, y, mask, documents() if doc else None)
             loss.backward()
-            parallel.wait_grad_sync(model, list(model.parameters()), mesh)  # the mean over cp
+            context_parallel.average_gradients(list(model.parameters()), mesh)  # the mean over cp
             out[f"{ring}_{doc}"] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     return out
 

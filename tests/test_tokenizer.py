@@ -218,9 +218,9 @@ def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
 
 
 def spec_of_dir(path):
-    import rundir
+    import origin
     from parallel import setup
-    return tokenizer_py.model_spec(rundir.start_from(path, setup("cpu")), "cl100k_base", 512)
+    return tokenizer_py.model_spec(origin.start_from(path, setup("cpu")), "cl100k_base", 512)
 
 
 @pytest.mark.parametrize("tj, model_file, match", [

@@ -1,0 +1,147 @@
+"""
+Where a run's weights come from, the first that matches: (1) its own newest intact checkpoint in
+out_dir (resume: weights, optimizer state, random streams, iteration), (2) another run's
+checkpoint (init_from= its out_dir), (3) a Hugging Face LLaMA directory (init_from= it), or
+(4) fresh ones. Also whether the run found in out_dir is this command's, and the model's shape
+when it comes from (1)-(3).
+"""
+
+import os
+from dataclasses import dataclass
+
+import checkpoint
+from common import UserError, check
+from configurator import check_layout, check_memory, check_refusals
+from model import ModelConfig
+from parallel import broadcast_object
+
+
+@dataclass
+class Source:
+    """Where this run's weights come from. kind: "resume" (this run's own newest intact
+    checkpoint: weights, optimizer state, RNG and iteration), "run" (another run's newest
+    checkpoint: its weights), "hf" (a Hugging Face LLaMA directory) or "fresh"."""
+    kind: str
+    path: str = None        # the checkpoint (resume, run) or the directory (hf)
+    meta: dict = None       # resume, run: the checkpoint's meta.json; resume: state, its state.pt
+    state: dict = None
+    saved: dict = None      # the model's shape there (ModelConfig fields), None when fresh
+    where: str = ""         # for messages
+    hf_index: object = None  # hf: the weight files' index (hf.hf_llama_index)
+    lora: dict = None       # resume of a LoRA run: its settings (meta.json's "lora")
+
+
+def weights_source(out_dir, init_from, mesh):
+    """The Source of this run's weights: the first of train.py's (1)-(4) that matches."""
+    saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)  # rank 0's view decides
+    if not saved and init_from in ("auto", "scratch"):                     # (4), nothing saved here
+        return Source("fresh")
+    return _found_source(out_dir, init_from, mesh, saved)
+
+
+def _found_source(out_dir, init_from, mesh, saved):
+    """weights_source where out_dir holds checkpoints or init_from names where to start."""
+    ckpt = checkpoint.find(out_dir, mesh, warn=mesh.print0) if saved else None
+    check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has no checkpoint: use "
+                                                        f"init_from=auto (or scratch), or the out_dir of the run to "
+                                                        f"continue")
+    check(not (init_from == "scratch" and ckpt), f"init_from=scratch but {out_dir} holds checkpoints of an earlier "
+                                                 f"run: continue it with init_from=auto, or pick a new out_dir (or "
+                                                 f"delete {out_dir}/ckpt)")
+    if ckpt:                                                                # (1)
+        meta, state = checkpoint.read_meta(ckpt)
+        return Source("resume", ckpt, meta, state, meta["model"], f"the checkpoint in {out_dir}", lora=meta.get("lora"))
+    if init_from in ("auto", "scratch", "resume"):                          # (4)
+        return Source("fresh")
+    return start_from(init_from, mesh)
+
+
+def start_from(init_from, mesh):
+    """(2) or (3): the Source of a run that starts from another model's weights."""
+    if os.path.isdir(os.path.join(init_from, "ckpt")):                      # (2)
+        ckpt = checkpoint.find(init_from, mesh, warn=mesh.print0)
+        check(ckpt is not None, f"init_from={init_from} is a run directory with no checkpoint in ckpt/: train it "
+                                f"first, or point at another run or a Hugging Face model")
+        meta = checkpoint.read_meta(ckpt)[0]
+        check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged model (export_hf= of "
+                                    f"train.py or sample.py), or its base with lora_from= its export_lora")
+        return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
+    import hf                                                               # (3)
+    saved, index = hf.hf_llama_index(init_from)
+    return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+
+
+def check_same_run(src, c, overrides, out_dir):
+    """A run that found a checkpoint in its own out_dir continues it only when it is this
+    command's run: a UserError when the data, model shape, tokenizer, optimizer or starting
+    model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
+    had, it = src.meta.get("config") or {}, src.meta["iter"]
+    differ = [] if c["init_from"] == "resume" else [
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim") if c[k] != had.get(k, c[k])]
+    if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
+        differ.append("init_from")  # (auto continues a run that started from a model too)
+    differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
+    if differ:
+        what = "datasets" if c["datasets"] else "dataset"
+        also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
+                         if k not in ("dataset", "datasets"))
+        itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)  # (its advice would be this command)
+        raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at iteration {it}; "
+                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: " + (
+                            "init_from= names out_dir itself: drop init_from= to continue the run there, or write "
+                            "the new run to another out_dir" if itself else
+                            f"pick a new out_dir, or init_from={out_dir} to start from its weights"))
+
+
+def finished(src, c, out_dir, mesh):
+    """True (after one line saying so) when the run in out_dir has reached max_iters: this one
+    then exits without touching anything."""
+    it = src.meta["iter"]
+    if it >= c["max_iters"]:
+        done = f"{out_dir} holds a finished run (iteration {it}, max_iters={c['max_iters']})"
+        # an export is written by the run that ends: a finished one must not skip it silently
+        check(not c["export_hf"], f"{done}, and export_hf= is written when a run ends: `python sample.py "
+                                  f"out_dir={out_dir} export_hf={c['export_hf']}` exports it now")
+        check(not c["export_lora"], f"{done}, and export_lora= is written when a run ends: raise max_iters= (it "
+                                    f"exports after the last iteration), or export the merged model with "
+                                    f"`python sample.py out_dir={out_dir} export_hf=DIR`")
+        mesh.print0(f"{done}: nothing to do; raise max_iters= to train further, or pick a new out_dir")
+        return True
+    return False
+
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
+              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim")
+
+
+def saved_shape(src, overrides, base_vocab, c, world):
+    """The ModelConfig of a model that comes from a checkpoint or a model directory: its shape
+    from there, the run's own keys (block_size, dropout, ...) from the config `c`. An explicit
+    shape key that disagrees is a mistake; the layout is checked against this shape."""
+    for key in SHAPE_KEYS:
+        # (vocab_size= names the tokenizer's base size, already checked against the data: a model
+        # grown by chat or extra tokens, here or in an earlier stage, has more rows)
+        check(key not in overrides or key not in src.saved or overrides[key] == src.saved[key] or
+              (key == "vocab_size" and overrides[key] == base_vocab),
+              f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
+              f"use a new out_dir")
+    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
+                                  "moe_z_weight", "moe_bias_rate")}
+    cfg = ModelConfig(**{**src.saved, **run_keys})
+    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
+    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
+                 where=f" for the model in {src.where}")
+    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings, "n_experts": cfg.n_experts}, overrides)  # tied + pp, moe + tp
+    return cfg
+
+
+def load_whole_into(model, src):
+    """(2) or (3) into a model built whole: every rank reads all of it."""
+    if src.kind == "hf":
+        import hf
+        weights = hf.load_hf_llama(src.path)[1]
+        if model.cfg.tie_embeddings:  # one tensor under two names
+            weights.setdefault("output.weight", weights["tok_embeddings.weight"])
+        model.load_state_dict(weights)
+    else:
+        checkpoint.load(src.path, model, no_dist=True)
