@@ -215,21 +215,22 @@ def hf_config_to_ours(hf):
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise refuse("model_type", f"not a LLaMA model ({', '.join(FAMILIES)})")
-    # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters
+    # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters.
+    # Read as transformers reads them: a dict's own rope_theta before the top-level one. Of two
+    # dicts transformers takes rope_scaling, other readers rope_parameters: they must agree
     rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    both = [{**{k: v for k, v in r.items() if k not in ("type", "rope_theta")},
-             "rope_type": r.get("rope_type", r.get("type", "default"))} for r in (hf.get("rope_scaling"),
-                                                                           hf.get("rope_parameters")) if r]
-    if len(both) == 2 and both[0] != both[1]:  # (rope_theta: checked below, from rope_parameters)
-        raise refuse("rope_scaling", "it and rope_parameters both describe the rotary scaling, and differ (readers "
-                                     "disagree on which wins); keep one")
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    both = [{**{k: v for k, v in r.items() if k != "type"}, "rope_type": r.get("rope_type", r.get("type", "default")),
+             "rope_theta": r.get("rope_theta", hf.get("rope_theta", 10000.0))}
+            for r in (hf.get("rope_scaling"), hf.get("rope_parameters")) if r]
+    if len(both) == 2 and both[0] != both[1]:
+        raise refuse("rope_scaling", "it and rope_parameters both describe the rotary embedding, and differ "
+                                     "(readers disagree on which wins); keep one")
+    rope = both[0] if both else {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    rope_type = rope["rope_type"]
     if rope_type not in ROPE_TYPES:
         raise refuse(rope_field, f"rope_type {rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
     scaling = dict(rope_type=rope_type)
-    numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope.get("rope_theta", hf.get(
-        "rope_theta", 10000.0)))]
+    numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope["rope_theta"])]
     if rope_type != "default":
         numbers.append(("rope_factor", rope.get("factor")))
     if rope_type == "llama3":
@@ -243,7 +244,8 @@ def hf_config_to_ours(hf):
         whole = field != "rope_original_len" or type(value) is int or type(value) is float and value.is_integer()
         if type(value) is bool or not isinstance(value, (int, float)) or not (value > 0 and low <= value < high) \
                 or not whole:
-            raise refuse(field if field in hf else rope_field, f"{field} must be a positive "
+            blame = field if field in hf and field not in (hf.get(rope_field) or {}) else rope_field
+            raise refuse(blame, f"{field} must be a positive "
                          + ("whole number" if field == "rope_original_len" else "number")
                          + (" of at least 1" if low else "") + f" below {high:g}")
         scaling[field] = float(value) if field != "rope_original_len" else int(value)

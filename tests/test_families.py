@@ -126,9 +126,17 @@ def test_config_forms_and_refusals(tmp_path):
     assert ours({**llama, "rope_parameters": {**llama3, "rope_theta": 5e5, "original_max_position_embeddings": 8192}},
                 *rope) == ("llama3", 32.0, 5e5, 1.0, 4.0, 8192)
     assert ours({**llama, "rope_scaling": llama3}, "rope_original_len", "max_position") == (64, 64)  # (as HF)
-    assert ours({**llama, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": {  # two that agree
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}, "rope_type", "rope_factor", "rope_theta") == (
-        "linear", 2.0, 5e5)
+    # every form as transformers reads the same dict: a dict's own rope_theta before the top-level one
+    from transformers import AutoConfig
+    for form in [{**llama, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 5e5},
+                 {**llama, "rope_parameters": {**llama3, "rope_theta": 5e5, "original_max_position_embeddings": 8192}},
+                 {**llama, "rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 2e4}},
+                 {**llama, "rope_theta": 5e5, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+                 {**llama, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0},  # two that agree
+                  "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}]:
+        theirs = AutoConfig.for_model(**form).rope_parameters
+        assert ours(form, "rope_type", "rope_theta", "rope_factor") == (
+            theirs["rope_type"], theirs["rope_theta"], theirs.get("factor", 1.0)), form
     assert ours({**qwen2, "sliding_window": 4096}, "qkv_bias", "sliding_window", "hf_model_type") == (True, 0, "qwen2")
     assert ours({**qwen2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
                 "sliding_window") == (16,)
@@ -146,7 +154,9 @@ def test_config_forms_and_refusals(tmp_path):
                        ({**llama, "rope_scaling": {**llama3, "original_max_position_embeddings": 1e29}},
                         "rope_scaling"),  # (an OverflowError in the rotary tables)
                        ({**llama, "rope_scaling": {"type": "linear", "factor": 4.0},  # two that differ: which?
-                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_scaling")]:
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_scaling"),
+                       ({**llama, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0},  # in theta
+                         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 2e4}}, "rope_scaling")]:
         with pytest.raises(UserError, match=f"config.json: {field}="):
             hf.hf_config_to_ours(bad)
     from transformers import LlamaConfig, LlamaForCausalLM
