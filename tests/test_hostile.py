@@ -523,6 +523,8 @@ CASES = [
         lambda m: {**m, "model": {**m["model"], "rope_type": "llama3", "rope_original_len": 10 ** 20}}))),
     (6, "meta.json rope_theta 1e-300", "fallback", damaged("meta.json", in_place(  # (trained NaN)
         lambda m: {**m, "model": {**m["model"], "rope_theta": 1e-300}}))),
+    (6, "meta.json rope_factor 0", "fallback", damaged("meta.json", in_place(  # (NaN rotary tables)
+        lambda m: {**m, "model": {**m["model"], "rope_type": "linear", "rope_factor": 0.0}}))),
     (6, "meta.json iter 10**30", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": 10 ** 30}))),
     (7, "int16 data with -1", "raises", bad_dataset("dtype", "int16", "train", np.full(99, -1, np.int16).tobytes())),
     (7, "empty val.bin", "raises", bad_dataset(None, None, "val", b"")),
