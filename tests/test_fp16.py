@@ -178,11 +178,12 @@ FP16 = [*REFERENCE, "dtype=float16", "loss_scale_init=1099511627776.0", "loss_sc
         "learning_rate=1e-3", "min_lr=1e-4"]
 SCALES = {0: 2.0 ** 29, 1: 2.0 ** 18, 2: 2.0 ** 18, 3: 2.0 ** 18, 4: 2.0 ** 19, 5: 2.0 ** 19, 6: 2.0 ** 19,
           7: 2.0 ** 20}  # after each iteration
-# A layout against the single process, both in fp16: fp16 autocast rounds each matmul's output
-# to 11 significant bits (relative 2**-11 at most; the sums inside run in float32), and a
-# layout rounds elsewhere (tp: two half sums, each rounded, then added; ZeRO, FSDP, pipeline:
-# other orders). The loss and the gradient norm are sums over many such values, whose
-# roundings do not add up in one direction: they differ by less than one rounding, 2**-11.
+# A layout against the single process, both in fp16, and fp16 against float32: fp16 autocast
+# rounds each matmul's output to 11 significant bits (relative 2**-11 at most; the sums inside
+# run in float32), float32 does not, and a layout rounds elsewhere (tp: two half sums, each
+# rounded, then added; ZeRO, FSDP, pipeline: other orders). The loss and the gradient norm are
+# sums over many such values, whose roundings do not add up in one direction: they differ by
+# less than one rounding, 2**-11 (measured: fp16 against float32 1.6e-4).
 # That holds while training does not amplify the difference, and at REFERENCE's learning rate
 # it does: AdamW's first steps are about lr x sign(g), so a near-zero gradient element that
 # rounding flips moves by 2 lr (the embedding's: 10 lr). At 1e-2 one grad norm of zero=2 x
@@ -208,12 +209,21 @@ def worst(a, b):
 
 
 def test_fp16_layouts_equal_the_single_process(dataset, tmp_path):
-    """dp=2 x tp=2 with ZeRO-2 and dp=2 x pp=2 with FSDP against one process: the same skipped
-    iterations and scales, exactly, and the same curve to fp16's rounding."""
-    single = str(tmp_path / "single")
+    """The single process against float32 with the same two iterations skipped (by the NaN
+    guard: float32 does not overflow), so with the same weights at each step: the same curve to
+    fp16's rounding (fp16 against fp16 alone would pass a slip both sides carry, such as grad
+    norms 2**19 too large from a loss unscaled without its gradients). Then dp=2 x tp=2 with
+    ZeRO-2 and dp=2 x pp=2 with FSDP against one process: the same skipped iterations and
+    scales, exactly, and the same curve to fp16's rounding."""
+    single, f32 = str(tmp_path / "single"), str(tmp_path / "float32")
     run_train([*FP16, f"dataset={dataset}", f"out_dir={single}"], cwd=tmp_path)
     want, scales, skipped = fp16_rows(single)
     assert scales == SCALES and skipped == [0, 1], (scales, skipped)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "fault_nan_at=0", "fault_nan_steps=2",
+               "nan_max_consecutive=3"], cwd=tmp_path)
+    print(f"\nfp16 vs float32, one process: worst relative difference {worst(read_metrics(f32), want):.1e}")
+    assert_same_curve([r for r in read_metrics(f32) if "skipped" not in r], [r for r in want if "skipped" not in r],
+                      rtol=RTOL_FP16)
     for name, layout in (("zero2-tp2", ["zero=2", "tp=2"]), ("fsdp-pp2", ["fsdp=True", "pp=2"])):
         out = str(tmp_path / name)
         torchrun(4, [*FP16, f"dataset={dataset}", f"out_dir={out}", *layout], cwd=tmp_path)
@@ -257,8 +267,18 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
 
 def test_fp16_nan_loss_is_the_nan_guards_not_an_overflow(dataset, tmp_path):
     """A non-finite loss (fault_nan_at poisons the forward's loss) is no overflow the scale
-    answers for: the NaN guard counts it (here: stops at the first), though the scale backs off."""
+    answers for: the NaN guard counts it (here: stops at the first), though the scale backs off.
+    A rollback takes the checkpoint's scale back with its weights: NaNs at 5 and 6 back the
+    scale off to its floor of 1, and the run rolled back to iteration 4 goes on from 2**18 (and
+    the two clean steps counted there) as the uninterrupted run did."""
     p = run_train([*FP16, f"dataset={dataset}", f"out_dir={tmp_path / 'nan'}", "fault_nan_at=3"], cwd=tmp_path,
                   check=False)
     assert p.returncode != 0 and "iter 3: non-finite loss nan" in p.stdout, p.stdout[-2000:]
     assert p.stderr.strip().splitlines()[-1].startswith("error: 1 iterations in a row (up to 3) had a non-finite")
+    out = str(tmp_path / "rollback")
+    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={out}", "fault_nan_at=5", "fault_nan_steps=2",
+                   "nan_max_consecutive=2", "nan_action=rollback", "ckpt_interval=4"], cwd=tmp_path)
+    assert "rolled back to" in p.stdout, p.stdout[-2000:]
+    rows, scales, skipped = fp16_rows(out)
+    assert scales == {i: SCALES[i] for i in (0, 1, 2, 3, 4)} | {7: SCALES[6]}, scales
+    assert [r["iter"] for r in rows if r.get("skipped") == "known bad batch"] == [5, 6]
