@@ -73,3 +73,13 @@ def test_one_error_line_per_run_under_torchrun(tmp_path):
         assert p.returncode != 0 and sum("error" in line for line in lines[:report]) == 1, p.stderr
         assert lines[report - 1].startswith(match), p.stderr
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_stopped_run_exits_as_a_shell_reports_its_signal():
+    """128 + the signal a rank got (143: SIGTERM, 130: Ctrl-C, 138: SIGUSR1), and SIGTERM's on a
+    rank that stopped because another rank got one (test_resilience watches both under torchrun)."""
+    import signal
+
+    import rundir
+    received = ([signal.SIGTERM], [signal.SIGINT], [signal.SIGUSR1], [])
+    assert [rundir.exit_code(r) for r in received] == [143, 130, 138, 143]
