@@ -34,6 +34,8 @@ def materialize(model, device):
         marks = [(m, k, p._tp_dim, p._tp_group) for m in model.modules() for k, p in m._parameters.items()
                  if p is not None and hasattr(p, "_tp_dim")]
         model.to_empty(device=device)
+        for b in model.buffers():  # (as below: zero; a derived one is computed again, init_rope)
+            b.zero_()
         for m, k, dim, group in marks:  # fsdp x tp: the new parameters keep their tp marks
             m._parameters[k]._tp_dim, m._parameters[k]._tp_group = dim, group
         return model

@@ -160,7 +160,7 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
               "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "fault_nan_steps", "moe_top_k",
-              "moe_every")
+              "moe_every", "ep")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
                 "min_lr", "weight_decay", "grad_clip", "peak_flops", "fault_save_delay_s", "export_shard_mb", "lora_rank",
                 "n_experts", "moe_ffn_dim", "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
@@ -222,6 +222,11 @@ REFUSALS = [
     ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
      "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, which cp splits "
      "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
+    ("ep with zero, fsdp or ddp_impl=torch", lambda c, o: c["ep"] > 1 and (c["zero"] or c["fsdp"] or
+                                                                       c["ddp_impl"] == "torch"),
+     "ep={ep} with zero={zero}, fsdp={fsdp}, ddp_impl={ddp_impl}: the experts of an ep rank are its own, and these "
+     "shard or average every parameter over all dp ranks (not yet taught to leave the experts to expert_parallel.py); "
+     "use ep with plain data parallel (ddp_impl=bucketed or naive) and pp"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
      "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "
@@ -335,7 +340,7 @@ def validate(c, overrides, world):
           f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
     ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # 0: n_embd's
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
-    if world > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
+    if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}
         dp, layer_counts = check_layout(c, world, c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim)
     check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
@@ -372,7 +377,7 @@ def check_refusals(c, overrides):
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
     """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
     shape, when it comes from a checkpoint). Returns (dp, pp_layers as a list or None)."""
-    pp, tp = c["pp"], c["tp"]
+    pp, tp, n_experts = c["pp"], c["tp"], c["n_experts"] if n_experts is None else n_experts
     check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
                            f"processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
@@ -389,6 +394,13 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
           f"fewer ranks")
+    # (a model from a checkpoint or a directory brings its own n_experts: checked again with it, rundir.saved_shape)
+    if c["ep"] > 1 and (n_experts or where or c["init_from"] == "scratch"):  # expert parallel: expert_parallel.py
+        check(n_experts, f"ep={c['ep']} splits the experts over ranks, but the model{where} is dense (n_experts=0): "
+                         f"set n_experts= or drop ep")
+        check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
+              f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
+              f"n_experts={n_experts}{where} (each holds as many experts): change ep")
     if tp > 1:  # tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width
         for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
             check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "

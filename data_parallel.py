@@ -54,10 +54,11 @@ class DataParallelBase(nn.Module):
         self.require_backward_grad_sync = True  # off: backward only accumulates into the local .grad
         self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
-            for t in list(module.parameters()) + list(module.buffers()):
+            # (not the experts of expert parallelism, different on each rank of an ep group: expert_parallel.py)
+            for t in [p for p in module.parameters() if not hasattr(p, "_ep")] + list(module.buffers()):
                 # from the global rank of grid[0, pp_rank, cp_rank, tp_rank]
                 dist.broadcast(t, src=mesh.rank % (mesh.world // mesh.dp), group=mesh.dp_group)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad and not hasattr(p, "_ep")]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -115,8 +115,8 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
                                       muon=False))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
-            assert not group["muon"] or all(len(whole_shape(p)) == 2 for p in group["params"]), \
-                "Muon is for 2-D matrices"
+            assert not group["muon"] or all(len(whole_shape(p)) in (2, 3) for p in group["params"]), \
+                "Muon is for 2-D matrices (or a stack of them: a MoE layer's experts)"
 
     def orthogonalize(self, params, gs):
         """Newton-Schulz of each whole matrix, here. With more than one rank build_optimizer
@@ -151,7 +151,7 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         updates = self.orthogonalize([p for p, _, _ in muon], [g for _, g, _ in muon])
         for (p, _, lr), update in zip(muon, updates):
-            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(whole_shape(p))))
+            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(whole_shape(p)[-2:])))
 
 
 def whole_shape(p):
@@ -243,7 +243,7 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
     if c["optim"] == "muon" and lora:
         mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole weight matrices)")
     muon = c["optim"] == "muon" and not lora
-    hidden = [p for n, p in trains if muon and p.dim() == 2 and n.startswith("layers.")]
+    hidden = [p for n, p in trains if muon and p.dim() in (2, 3) and n.startswith("layers.")]  # (3: experts)
     tied = raw_model.cfg.tie_embeddings  # the head is the embedding (on the last pipeline stage: its copy)
     embedding = [p for n, p in trains if n == "tok_embeddings.weight" or (tied and n == "output.weight")]
     decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]  # head (+ AdamW: matmuls)

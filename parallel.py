@@ -381,18 +381,18 @@ def sum_over_shards(params, mesh, sharded=False):
     (ZeroOptimizer.params), a different part of the gradient on each dp rank, summed like
     FSDP's shards."""
     sq = torch.zeros((), device=mesh.device)
-    sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
+    sliced = {}  # tp slices (and expert_parallel's experts): each rank of the slice's group holds a different part
     for p in params:
         s = _local(p.grad).float().pow(2).sum()
         if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
         if hasattr(p, "_tp_dim"):
-            sq_tp += s
+            sliced[p._tp_group] = sliced.get(p._tp_group, 0) + s
         else:
             sq += s
-    if mesh.tp > 1:
-        dist.all_reduce(sq_tp, group=mesh.tp_group)
-    sq += sq_tp
+    for group, s in sliced.items():
+        dist.all_reduce(s, group=group)
+        sq += s
     if sharded or any(isinstance(p.grad, DTensor) for p in params):  # FSDP, ZeRO: each dp rank holds a different part
         dist.all_reduce(sq, group=mesh.dp_group)
     if mesh.pp > 1:

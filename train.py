@@ -84,6 +84,7 @@ moe_shared_ffn_dim = 0          # > 0: a shared expert of this width with a sigm
 moe_aux_weight = 0.01           # Switch/GShard load-balancing loss, per micro-batch
 moe_z_weight = 0.0              # router z-loss
 moe_bias_rate = 0.0             # DeepSeek-V3 aux-loss-free balancing: the bias's step per optimizer step
+ep = 1                          # expert parallel: each MoE layer's experts split over ep ranks taken from dp
 # LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
 lora_rank = 0                   # rank r of the adapters (0: no LoRA, full fine-tuning)
 lora_alpha = 16.0               # the adapters' update B A is scaled by lora_alpha / lora_rank
@@ -247,6 +248,10 @@ if pp > 1:  # pipeline: pipeline.py (this stage's layers only, split by estimate
     raw_model = pipeline.cut_stage(raw_model, mesh, derived["layer_counts"], pp_virtual)
 if whole_first:
     raw_model.to(mesh.device)
+if ep > 1:  # expert parallel: expert_parallel.py (each rank of an ep group keeps its share of the experts)
+    import expert_parallel
+    import moe
+    expert_parallel.expert_parallel(raw_model, mesh, ep, moe.moe_layers)
 if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the embedding and head become slices)
     import tensor_parallel
     tensor_parallel.tensor_parallel(raw_model, mesh, sp)  # sequence parallel: tensor_parallel.py
@@ -418,6 +423,8 @@ while True:
         parallel.wait_grad_sync(model)
     if cp > 1:  # context parallel: context_parallel.py (the mean over the cp ranks)
         context_parallel.average_gradients(grad_params, mesh)
+    if ep > 1:  # expert parallel: expert_parallel.py (the experts' gradients, over the ranks holding the same ones)
+        expert_parallel.sync_grads(raw_model, mesh)
     if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
         pipeline.all_reduce_tied(raw_model, grad_params)
     loss_sum = scaler.unscale_(grad_params, loss_sum) if scaler else loss_sum  # fp16: the true gradients and loss
@@ -489,7 +496,7 @@ if stop:
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
-whole = pp == 1 and tp == 1 and cp == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage,
+whole = pp == 1 and tp == 1 and cp == 1 and ep == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage,
                                                             # shards, slices, or attention that needs its cp group)
 parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):

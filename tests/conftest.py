@@ -161,7 +161,8 @@ def spawn(fn, world, *args, pp=1, tp=1):
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint", "common",
            "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "origin", "parallel",
-           "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds", "zero"]
+           "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds", "zero",
+           "moe", "expert_parallel", "hf_moe"]
 
 
 def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):

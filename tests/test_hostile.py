@@ -97,6 +97,18 @@ def validated(**changes):
     return make
 
 
+def validated_at(world, **changes):
+    def make(b, tmp):
+        return lambda: configurator.validate({**b["defaults"], **changes}, changes, world)
+    return make
+
+
+def moe_meta_on_dense_tensors(b, tmp):
+    """The run's checkpoint whose meta.json says 4 experts a layer: its tensors have none."""
+    out = damaged("meta.json", in_place(lambda m: {**m, "model": {**m["model"], "n_experts": 4}}))(b, tmp)
+    return lambda: checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))
+
+
 def hf_config(**changes):
     def make(b, tmp):
         d = copy(b["hf"], os.path.join(tmp, "hf"))
@@ -619,6 +631,18 @@ CASES = [
     (41, "out_dir/ckpt a regular file", "raises", ckpt_a_file),
     (41, "val_fraction= other than the prepared data's", "raises", data_asked(val_fraction=0.5)),
     (41, "data_source= other than the prepared data's", "raises", data_asked(data_source="elsewhere/*.txt")),
+    # issue 48: mixture of experts (numbered 48)
+    (48, "moe_top_k=5 of n_experts=4", "raises", validated(n_experts=4, moe_top_k=5)),
+    (48, "ep=2 on one data-parallel rank", "raises", validated(n_experts=4, ep=2)),
+    (48, "ep=3 not dividing n_experts=4 (6 ranks)", "raises", validated_at(6, n_experts=4, ep=3)),
+    (48, "ep=2 on a dense model", "raises", validated_at(2, ep=2, init_from="scratch")),
+    (48, "ep=2 with zero=1", "raises", validated_at(2, n_experts=4, ep=2, zero=1)),
+    (48, "n_experts=4 with tp=2", "raises", validated_at(2, n_experts=4, tp=2)),
+    (48, "meta.json n_experts=4 on a dense checkpoint's tensors", "raises", moe_meta_on_dense_tensors),
+    (48, "meta.json moe_top_k 9 of 4 experts", "fallback", damaged("meta.json", in_place(
+        lambda m: {**m, "model": {**m["model"], "n_experts": 4, "moe_top_k": 9}}))),
+    (48, "config.json: Mixtral num_experts_per_tok 9 of 4", "raises", hf_config(
+        model_type="mixtral", num_local_experts=4, num_experts_per_tok=9)),
 ]
 
 

@@ -141,3 +141,94 @@ def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_pat
     import checkpoint
     model, _ = checkpoint.load_whole(checkpoint.find(full, None))
     assert model.layers["0"].feed_forward.expert_bias.abs().sum() > 0
+
+
+# ---- expert parallel and the layouts ---------------------------------------------------------
+
+def _ep_grads(mesh, ep):
+    """On each rank, twice (starve: the bias keeps every token off the experts of ep rank 1, which
+    receive no row and must still join the exchanges): the gradients of one process over the
+    whole batch (every rank computes them), and ep's: this rank's share of the batch, its
+    experts, the data-parallel wrapper and expert_parallel.sync_grads."""
+    import data_parallel
+    import expert_parallel
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+                      moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    out = []
+    for starve in (False, True):
+        def build():
+            torch.manual_seed(0)
+            model = moe.attach(Transformer(cfg), cfg)
+            for layer in moe.moe_layers(model).values():
+                layer.expert_bias.copy_(torch.tensor([100.0, 100.0, 0, 0]) if starve else torch.zeros(4))
+            return model
+        one = build()
+        for k in range(4):  # one process: the mean over 4 micro-batches (the loop's token weights, no mask)
+            (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 4).backward()
+        ours = expert_parallel.expert_parallel(build(), mesh, ep, moe.moe_layers)
+        wrapped = data_parallel.wrap(ours, mesh, "bucketed", 0.01)
+        steps = 4 // mesh.dp
+        for k in range(mesh.dp_rank * steps, (mesh.dp_rank + 1) * steps):  # weight dp / micro-batches
+            wrapped.require_backward_grad_sync = k == (mesh.dp_rank + 1) * steps - 1
+            (wrapped(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] * mesh.dp / 4).backward()
+        wrapped.wait()
+        expert_parallel.sync_grads(ours, mesh)
+        r, n = mesh.dp_rank % ep, 4 // ep
+        want = {name: p.grad[r * n:(r + 1) * n] if "experts." in name else p.grad for name, p in one.named_parameters()}
+        out.append({name: (p.grad, want[name]) for name, p in ours.named_parameters()})
+    return out
+
+
+def test_ep_gradients_equal_one_process_even_with_an_expert_starved():
+    """ep=2 on 2 ranks: every gradient equals one process's (the experts' not ep times too large:
+    summed over the ranks holding them, divided by dp), also when every token avoids the
+    experts of one rank, which then receive nothing and still join both exchanges (no hang)."""
+    from conftest import spawn
+    for rank in spawn(_ep_grads, 2, 2):
+        for run in rank:
+            for name, (got, want) in run.items():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    assert rank[0]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (rank 1's experts: tokens came)
+    assert rank[1]["layers.0.feed_forward.experts.w1"][1].abs().sum() == 0  # (starved: none came)
+
+
+# the run every MoE layout must reproduce: Muon (each expert's matrices orthogonalized), the
+# balancing losses and the bias on, 4 micro-batches
+MOE_REF = [*MOE, "grad_accum_steps=4", "max_iters=4", "optim=muon", "moe_z_weight=1e-3", "moe_bias_rate=1e-2",
+           "eval_interval=2", "ckpt_interval=2"]
+
+
+def _bias(out_dir):
+    import checkpoint
+    model, _ = checkpoint.load_whole(checkpoint.find(out_dir, None))
+    return torch.stack([m.expert_bias for m in moe.moe_layers(model).values()])
+
+
+def test_moe_layouts_equal_one_process_and_resume_from_ep2_into_one(dataset, tmp_path):
+    """ep=2, ep=2 in dp=4, ep=2 x pp=2, and MoE under zero=2 and fsdp give the single-process
+    curve, and the same bias; an ep=2 run resumed by one process goes on along it. At
+    accumulation 1 and 2 (the same global batch, no balancing loss: its unit is the micro-batch)
+    the bias is the same too."""
+    base = [*MOE_REF, f"dataset={dataset}"]
+    ref = str(tmp_path / "ref")
+    run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path))
+    runs = {"ep2dp4": (4, ["ep=2"]), "ep2pp2": (4, ["ep=2", "pp=2"]), "zero2": (2, ["zero=2"]),
+            "fsdp": (2, ["fsdp=True"])}
+    for name, (n, extra) in runs.items():
+        torchrun(n, [*base, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
+        assert_same_curve(read_metrics(ref), read_metrics(str(tmp_path / name)))
+        torch.testing.assert_close(_bias(str(tmp_path / name)), _bias(ref), rtol=0, atol=0)
+    resumed = str(tmp_path / "resumed")
+    torchrun(2, [*base, "ep=2", "max_iters=2", f"out_dir={resumed}"], cwd=str(tmp_path))
+    run_train([*base, f"out_dir={resumed}"], cwd=str(tmp_path))
+    assert_same_curve(read_metrics(ref), read_metrics(resumed))
+    assert [r["iter"] for r in read_metrics(resumed) if "loss" in r] == [0, 1, 2, 3]
+    accum = {}
+    for steps, batch in ((1, 8), (2, 4)):
+        out = str(tmp_path / f"accum{steps}")
+        run_train([*base, "moe_aux_weight=0", "moe_z_weight=0", "max_iters=3", f"grad_accum_steps={steps}",
+                   f"batch_size={batch}", f"out_dir={out}"], cwd=str(tmp_path))
+        accum[steps] = _bias(out)
+    assert accum[1].abs().sum() > 0
+    torch.testing.assert_close(accum[1], accum[2], rtol=0, atol=0)
