@@ -48,15 +48,18 @@ def sp_checks(mesh):
         _, loss = model(x, y, mask)
         loss.backward()
         out[f"model_{chunk}_{tie}"] = (loss.detach(), full_grads(model), seen[0])
-    # dropout under sp: the residual dropout of each slice draws a stream of its tp rank's own,
-    # and the shared stream (which LoRA's dropout on the gathered input uses) moves on alike
+    # dropout under sp: the embedding's and each block's residual dropout of each slice draw a
+    # stream of their tp rank's own, and the shared stream (which LoRA's dropout on the gathered
+    # input uses) moves on alike
     torch.manual_seed(0)
     model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "dropout": 0.5})), mesh, sp=True)
-    masks = []
-    model.layers["0"].drop.register_forward_hook(lambda m, args, o: masks.append(o == 0))
+    masks = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout):  # the first mask each draws
+            m.register_forward_hook(lambda m, args, o, name=name: masks.setdefault(name, o == 0))
     torch.manual_seed(1)  # the shared stream (train.py: seed + rank // tp)
     model(batch()[0], batch()[1])[1].backward()
-    out["masks"], out["after"] = masks[0], torch.get_rng_state()
+    out["masks"], out["after"] = masks, torch.get_rng_state()
     return out
 
 
@@ -75,7 +78,9 @@ def test_sequence_parallel_model_equals_single_process():
             for n, p in model.named_parameters():  # the norm gains too: summed over the slices
                 torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
     a, b = ranks
-    assert a["masks"].shape == (2, 8, 32) and not torch.equal(a["masks"], b["masks"])
+    assert sorted(a["masks"]) == ["drop", "layers.0.drop", "layers.1.drop"]
+    for name, mask in a["masks"].items():
+        assert mask.shape == (2, 8, 32) and not torch.equal(mask, b["masks"][name]), name
     assert torch.equal(a["after"], b["after"])
 
 
