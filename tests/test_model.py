@@ -391,6 +391,10 @@ def test_the_optimizer_groups_by_name(optim):
                 "attention.wq", "attention.wk", "attention.wv", "attention.wo",
                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")})
         assert groups == want, (tied, {n: (g, want.get(n)) for n, g in groups.items() if g != want.get(n)})
+    # Qwen2's q/k/v biases: vectors, with AdamW and without decay, as the norm gains
+    biases = group_of_each_name(tiny_model(n_layer=1, qkv_bias=True), optim)
+    assert {n: g for n, g in biases.items() if n.endswith(".bias")} == {
+        f"layers.0.attention.{m}.bias": (0.0, 1.0, False) for m in ("wq", "wk", "wv")}, biases
     # a pipeline's last stage of a tied model: its head is the embedding's copy, in the embedding's group
     last = group_of_each_name(make_stage(tiny_model(n_layer=2, tie_embeddings=True), 1, 2), optim)
     assert last["output.weight"] == (0.1, 10.0, False) and last["norm.weight"] == (0.0, 1.0, False), last
