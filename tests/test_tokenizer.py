@@ -244,6 +244,16 @@ def test_vocab_that_disagrees_with_the_weights_is_refused(tmp_path, hf_bpe):
         os.link(os.path.join(hf_bpe[0], name), os.path.join(path, name))
     with pytest.raises(UserError, match="has 701 ids but the weights in .* have 32,000 rows"):
         spec_of_dir(path)
+    # a few rows past the ids load (an embedding padded to a round size, as Qwen2's); an id without a row does not
+    for rows in (704, 700):
+        path = hf_dir_with(tmp_path / str(rows), vocab_size=rows)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.link(os.path.join(hf_bpe[0], name), os.path.join(path, name))
+        if rows > 701:
+            assert spec_of_dir(path)["vocab_size"] == 701
+        else:
+            with pytest.raises(UserError, match="has 701 ids but the weights in .* have 700 rows"):
+                spec_of_dir(path)
 
 
 def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
