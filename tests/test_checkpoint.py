@@ -164,6 +164,21 @@ def stdlib_lines(n=1000, per_file=20):
     return lines[:n]
 
 
+def test_an_export_keeps_padding_rows_and_refuses_an_id_without_a_row(tmp_path):
+    """An embedding padded past its tokenizer's ids (Qwen2's 151,936 rows for 151,665 ids)
+    exports every row beside the tokenizer; a tokenizer with more ids than rows is refused."""
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 299, ["<|tool|>"])  # 300 ids
+    for rows in (304, 299):
+        cfg = ModelConfig(vocab_size=rows, block_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)
+        if rows < enc.n_vocab:
+            with pytest.raises(ValueError, match="has 300 ids but the model has vocab_size=299"):
+                save_hf_llama(str(tmp_path / str(rows)), Transformer(cfg).state_dict(), cfg, enc)
+            continue
+        save_hf_llama(str(tmp_path / str(rows)), Transformer(cfg).state_dict(), cfg, enc)
+        assert json.loads((tmp_path / str(rows) / "config.json").read_text())["vocab_size"] == rows
+        assert load_hf_llama(tmp_path / str(rows))[1]["tok_embeddings.weight"].shape == (rows, 16)
+
+
 @pytest.mark.parametrize("gap", [False, True])
 def test_exported_tokenizer_matches_ours(tmp_path, gap):
     """tokenizer.json from the tiktoken ranks gives our ids through AutoTokenizer, and decodes
