@@ -104,7 +104,8 @@ def test_layer_equals_transformers_blocks_and_routes_by_the_bias():
             layer.experts.w2.copy_(sd["model.layers.0.mlp.experts.down_proj"])
             if cfg.moe_shared_ffn_dim:
                 for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                    getattr(layer.shared_expert, ours).weight.copy_(sd[f"model.layers.0.mlp.shared_expert.{theirs}.weight"])
+                    theirs = sd[f"model.layers.0.mlp.shared_expert.{theirs}.weight"]
+                    getattr(layer.shared_expert, ours).weight.copy_(theirs)
                 layer.shared_gate.weight.copy_(sd["model.layers.0.mlp.shared_expert_gate.weight"])
         x = torch.randn(3, 10, 32, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
