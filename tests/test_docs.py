@@ -195,3 +195,13 @@ def test_what_the_docs_commands_write_is_git_ignored():
                        capture_output=True, text=True)
     missing = [line.split("\t")[1] for line in p.stdout.splitlines() if line.startswith("::")]
     assert p.returncode in (0, 1) and not missing, f"not git-ignored: {missing}"
+
+
+def test_the_hostile_tables_count_is_the_tables():
+    """docs/tests.md says how many cases the hostile-input table holds and which issues they
+    come from: the table's own count, so that a row added there is counted here."""
+    import test_hostile
+    row = next(line for line in read("docs/tests.md").splitlines() if line.startswith("| `test_hostile.py` |"))
+    assert f" {len(test_hostile.CASES)} crafted files and arguments" in row, len(test_hostile.CASES)
+    for issue in sorted({n for n, *_ in test_hostile.CASES if n > 10}):
+        assert f"Numbered {issue}," in row, issue
