@@ -17,7 +17,6 @@ This module knows no loop: it takes a model, an optimizer, paths and the Mesh.
 import json
 import os
 import shutil
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -250,19 +249,6 @@ def _prune(root, keep, protect):
 # Until then `latest` names the previous checkpoint: a crash mid-write loses only the new one.
 
 
-class _Writer(FileSystemWriter):
-    """DCP's file writer, with fault_save_delay_s: each write starts this many seconds late
-    (a slow disk, for the tests of async saves)."""
-
-    def __init__(self, path, delay_s=0.0):
-        super().__init__(path)
-        self.delay_s = delay_s
-
-    def write_data(self, plan, planner):
-        time.sleep(self.delay_s)
-        return super().write_data(plan, planner)
-
-
 @dataclass
 class PendingSave:
     """A save between start_save and finish_save. run_state and meta were taken when it
@@ -301,7 +287,7 @@ def _done(fn):
     return f
 
 
-def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False, group=None, delay_s=0.0):
+def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False, group=None):
     """Called by every rank: starts checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
     its PendingSave for finish_save. Plain: DCP writes this rank's part of the model and
     optimizer (replicated tensors once, shards by their owners) into ckpt/.tmp_iter_XXXXXXX
@@ -327,7 +313,7 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
         raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
                         f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
                         f"from the last checkpoint")
-    state, writer, no_dist = train_state(model, optimizer), _Writer(tmp, delay_s), not mesh.backend
+    state, writer, no_dist = train_state(model, optimizer), FileSystemWriter(tmp), not mesh.backend
     if asynchronous:
         try:
             written = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)

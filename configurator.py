@@ -159,10 +159,10 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "moe_score": ("softmax", "sigmoid")}
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
               "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
-              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "fault_nan_steps", "moe_top_k",
+              "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "moe_top_k",
               "moe_every", "ep")
 NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
-                "min_lr", "weight_decay", "grad_clip", "peak_flops", "fault_save_delay_s", "export_shard_mb",
+                "min_lr", "weight_decay", "grad_clip", "peak_flops", "export_shard_mb",
                 "lora_rank", "n_experts", "moe_ffn_dim", "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
 # (rates and scales end far past any sane value, where a finite one still overflows float32 in the step;
 # sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)

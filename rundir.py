@@ -263,9 +263,9 @@ class Saves:
     written in the background: the loop pauses only to copy the state to CPU); finish(now),
     once every rank has written it, makes it the latest. One save is in flight at most."""
 
-    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, delay_s, resumed_from):
+    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, resumed_from):
         self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
-        self.keep, self.asynchronous, self.delay_s, self.resumed_from = keep, asynchronous, delay_s, resumed_from
+        self.keep, self.asynchronous, self.resumed_from = keep, asynchronous, resumed_from
         self.group = checkpoint.save_group(mesh) if asynchronous else None  # its own process group (checkpoint.py)
         self.pending = None  # the save in flight: started, not finished yet
 
@@ -275,7 +275,7 @@ class Saves:
         states and `meta`, the run's metadata (meta.json)."""
         self.finish(it)  # the previous save first
         self.pending = checkpoint.start_save(self.out_dir, it, self.model, self.optimizer, rng_states(self.mesh),
-                                             meta, self.mesh, self.asynchronous, self.group, self.delay_s)
+                                             meta, self.mesh, self.asynchronous, self.group)
         if not self.asynchronous:
             self.finish(it)
 

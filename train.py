@@ -109,12 +109,9 @@ warmup_iters = 20
 lr_decay_iters = 0              # 0: = max_iters
 cooldown_frac = 0.2             # wsd: the share of lr_decay_iters spent decaying
 min_lr = 4e-4
-# faults
+# the NaN guard
 nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step; after this many in a row ...
 nan_action = "rollback"         # ... 'rollback' to the latest checkpoint and step over the bad batches, or 'stop'
-fault_nan_at = -1               # testing the guard: poison the gradients of this iteration (-1: never) ...
-fault_nan_steps = 1             # ... and of the ones after it, this many in all
-fault_save_delay_s = 0.0        # testing async saves: every checkpoint write starts this many seconds late
 # system
 device = "auto"                 # 'auto': cuda if available, else cpu
 dtype = "auto"                  # autocast's (weights: float32); auto: bf16 on CUDA (or fp16), AVX512-BF16 CPUs; else fp32
@@ -347,7 +344,7 @@ def log(record):
             wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async, fault_save_delay_s,
+saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
                      resumed_from=src.path if src.kind == "resume" else None)  # never pruned
 
 
@@ -359,9 +356,6 @@ def save(it):  # tokenizer_spec: the model's whole tokenizer travels with it; lo
 
 
 signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 128 + N
-if fault_nan_at >= 0:  # testing the NaN guard: these iterations' loss (so all their gradients) become NaN
-    raw_model.register_forward_hook(lambda m, args, out: (out[0], out[1] * math.nan) if m.training and out[1] is not
-                                    None and fault_nan_at <= it < fault_nan_at + fault_nan_steps else None)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
 
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: what MFU is measured against

@@ -167,15 +167,19 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "t
 
 def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     """One rank of torchrun(agent=False), in a fork of the forkserver: what `python train.py
-    args` does in a worker of torchrun, with stdout and stderr to files (before: torchrun's)."""
+    args` does in a worker of torchrun, with stdout and stderr to files (before: torchrun's),
+    and the faults its environment asks for (tests/faults.py)."""
     import runpy
 
     import torch
+
+    import faults
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (torch read the variable when the forkserver imported it)
     os.chdir(cwd)
+    faults.install()
     if before is not None:
         before(rank)
     sys.argv = [os.path.join(ROOT, "train.py"), *args]
@@ -192,7 +196,7 @@ def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     workarounds.exit_now(code)
 
 
-def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None):
+def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None, env=None):
     """train.py on nproc gloo ranks on CPU. Each rank is a fork of a process that has imported
     torch and the project once (PRELOAD) and runs train.py top to bottom given RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as srun or mpirun would (rank 0 hosts
@@ -201,17 +205,20 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
     sees from torchrun (its error lines, its exit, its restarts) and of its agent's store.
     before (agent=False): a module-level function called as before(rank) in each rank, in cwd,
     before train.py starts: a test that watches a run from inside wraps a function of a module
-    train.py imports (what every tp rank holds at a save, say)."""
+    train.py imports (what every tp rank holds at a save, say). env: added to every rank's
+    environment (FAULT_*: the faults of tests/faults.py)."""
     if agent:
-        return run_train(["--standalone", f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
-                         cwd, check=check, timeout=timeout, script="-m torch.distributed.run")
+        script = os.path.join(ROOT, "tests", "faults.py" if env else "train.py")
+        return run_train(["--standalone", f"--nproc_per_node={nproc}", script, *args],
+                         cwd, check=check, timeout=timeout, script="-m torch.distributed.run", env=env)
     import multiprocessing
     import tempfile
     import time
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+           **(env or {})}
     with tempfile.TemporaryDirectory() as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
         procs = [ctx.Process(target=_rank_main, args=(r, env, args, str(cwd), *files[r], before)) for r in range(nproc)]

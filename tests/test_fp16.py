@@ -11,6 +11,7 @@ from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spaw
 from test_parallel import CLIP_CFG, clip_batch, clip_model_grads
 
 import data_parallel
+import faults
 import fsdp
 import parallel
 import tensor_parallel
@@ -219,8 +220,8 @@ def test_fp16_layouts_equal_the_single_process(dataset, tmp_path):
     run_train([*FP16, f"dataset={dataset}", f"out_dir={single}"], cwd=tmp_path)
     want, scales, skipped = fp16_rows(single)
     assert scales == SCALES and skipped == [0, 1], (scales, skipped)
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "fault_nan_at=0", "fault_nan_steps=2",
-               "nan_max_consecutive=3"], cwd=tmp_path)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "nan_max_consecutive=3"], cwd=tmp_path,
+              script="tests/faults.py", env=faults.nan_at(0, 2))
     print(f"\nfp16 vs float32, one process: worst relative difference {worst(read_metrics(f32), want):.1e}")
     assert_same_curve([r for r in read_metrics(f32) if "skipped" not in r], [r for r in want if "skipped" not in r],
                       rtol=RTOL_FP16)
@@ -266,18 +267,18 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
 
 
 def test_fp16_nan_loss_is_the_nan_guards_not_an_overflow(dataset, tmp_path):
-    """A non-finite loss (fault_nan_at poisons the forward's loss) is no overflow the scale
+    """A non-finite loss (faults.nan_at poisons the forward's loss) is no overflow the scale
     answers for: the NaN guard counts it (here: stops at the first), though the scale backs off.
     A rollback takes the checkpoint's scale back with its weights: NaNs at 5 and 6 back the
     scale off to its floor of 1, and the run rolled back to iteration 4 goes on from 2**18 (and
     the two clean steps counted there) as the uninterrupted run did."""
-    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={tmp_path / 'nan'}", "fault_nan_at=3"], cwd=tmp_path,
-                  check=False)
+    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={tmp_path / 'nan'}"], cwd=tmp_path, script="tests/faults.py",
+                  env=faults.nan_at(3), check=False)
     assert p.returncode != 0 and "iter 3: non-finite loss nan" in p.stdout, p.stdout[-2000:]
     assert p.stderr.strip().splitlines()[-1].startswith("error: 1 iterations in a row (up to 3) had a non-finite")
     out = str(tmp_path / "rollback")
-    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={out}", "fault_nan_at=5", "fault_nan_steps=2",
-                   "nan_max_consecutive=2", "nan_action=rollback", "ckpt_interval=4"], cwd=tmp_path)
+    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={out}", "nan_max_consecutive=2", "nan_action=rollback",
+                   "ckpt_interval=4"], cwd=tmp_path, script="tests/faults.py", env=faults.nan_at(5, 2))
     assert "rolled back to" in p.stdout, p.stdout[-2000:]
     rows, scales, skipped = fp16_rows(out)
     assert scales == {i: SCALES[i] for i in (0, 1, 2, 3, 4)} | {7: SCALES[6]}, scales

@@ -18,6 +18,7 @@ from conftest import (
     torchrun,
 )
 
+import faults
 import fsdp
 import hf
 import lora
@@ -27,11 +28,11 @@ from model import ModelConfig, Transformer
 from pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
-# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped), a checkpoint at 3;
-# the default optim=muon (the adapters train with AdamW)
+# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped: tests/faults.py, NAN),
+# a checkpoint at 3; the default optim=muon (the adapters train with AdamW)
 LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}",
-        "fault_nan_at=4",
         "ckpt_interval=3", "grad_clip=0.5"]
+NAN = dict(script="tests/faults.py", env=faults.nan_at(4))
 CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=96)
 
 
@@ -41,7 +42,7 @@ def single(hf_dir, dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     out = str(root / "run")
     p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}",
-                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"], cwd=root)
+                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"], cwd=root, **NAN)
     return {"root": root, "out": out, "stdout": p.stdout, "metrics": read_metrics(out)}
 
 
@@ -156,18 +157,20 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
     assert not any("lora" not in k for k in keys if k.startswith("optim."))
     # resume: stop at 3, continue to 6; the same numbers as the uninterrupted run
     out = str(single["root"] / "resumed")
-    run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3"], cwd=single["root"])
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"], cwd=single["root"])
+    run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3"], cwd=single["root"],
+              **NAN)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"], cwd=single["root"], **NAN)
     assert "resumed from" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out), exact=True)
     # the base changed under the run: resuming is refused with one line
     moved = str(single["root"] / "base_copy")
     shutil.copytree(hf_dir, moved)
     out2 = str(single["root"] / "changed")
-    run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}", f"init_from={moved}", "max_iters=3"], cwd=single["root"])
+    run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}", f"init_from={moved}", "max_iters=3"],
+              cwd=single["root"], **NAN)
     cfg = json.load(open(os.path.join(moved, "config.json")))
     json.dump({**cfg, "rms_norm_eps": 1e-6}, open(os.path.join(moved, "config.json"), "w"))
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"], check=False)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"], check=False, **NAN)
     assert p.returncode != 0 and "has changed since this LoRA run started" in p.stderr
 
 
@@ -213,7 +216,7 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []  # pp / fsdp / tp rebuild the model on rank 0
     exports += [f"export_hf={tmp_path / 'merged'}"] if "tp=2" in extra else []
     p = torchrun(2, [*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", *extra, *exports],
-                 cwd=tmp_path)
+                 cwd=tmp_path, env=NAN["env"])
     assert "lora: r=4" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out), rtol=1e-5)
     if exports:

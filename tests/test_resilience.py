@@ -12,6 +12,9 @@ import time
 import torch
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
+FAULTS = os.path.join("tests", "faults.py")  # train.py with the faults its environment asks for
+
+import faults
 import rundir
 
 # long enough to be interrupted mid-run (a few seconds), with a checkpoint every 5 iterations
@@ -29,7 +32,7 @@ def skipped(rows):
 
 def nan_gradients_at_3(rank):
     """before= of torchrun: iteration 3's gradients become NaN just before clipping measures
-    them, its loss stays finite (fault_nan_at poisons the loss, and so both)."""
+    them, its loss stays finite (faults.nan_at poisons the loss, and so both)."""
     import parallel
     clip, calls = parallel.clip_grad_norm_, [0]
 
@@ -47,7 +50,8 @@ def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=8"]
     before, poisoned, grads = str(tmp_path / "before"), str(tmp_path / "poisoned"), str(tmp_path / "grads")
     run_train([*common, f"out_dir={before}", "max_iters=3"], cwd=tmp_path)
-    p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4", "fault_nan_at=3"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4"], cwd=tmp_path, script=FAULTS,
+                  env=faults.nan_at(3))
     assert "iter 3: non-finite" in p.stdout and "step skipped" in p.stdout
     rows = read_metrics(poisoned)
     assert skipped(rows) == [3] and sorted(trained(rows)) == [0, 1, 2, 4, 5, 6, 7]  # and the run went on
@@ -63,19 +67,19 @@ def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
 
 
 def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_path):
-    common = [*TINY, f"dataset={dataset}", "max_iters=14", "lr_decay_iters=14", "ckpt_interval=4",
-              "fault_nan_at=5", "fault_nan_steps=3"]
+    common = [*TINY, f"dataset={dataset}", "max_iters=14", "lr_decay_iters=14", "ckpt_interval=4"]
+    nans = dict(script=FAULTS, env=faults.nan_at(5, 3))
     # async saves: the rollback first finishes the save in flight (the checkpoint of iteration 4)
     p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3", "ckpt_async=True"],
-                  cwd=tmp_path)
+                  cwd=tmp_path, **nans)
     assert "rolled back to" in p.stdout and "iter_0000004" in p.stdout
     # the same bad window without a rollback (only skips): a rollback must not change the curve
-    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path)
+    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path, **nans)
     a, b = read_metrics(str(tmp_path / "rollback")), read_metrics(str(tmp_path / "skips"))
     assert skipped(a) == skipped(b) == [5, 6, 7]
     assert trained(a) == trained(b) and sorted(trained(a)) == [i for i in range(14) if i not in (5, 6, 7)]
     p = run_train([*common, f"out_dir={tmp_path / 'stop'}", "nan_max_consecutive=2", "nan_action=stop"],
-                  cwd=tmp_path, check=False)
+                  cwd=tmp_path, check=False, **nans)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: 2 iterations in a row (up to 6) had a non-finite")
 
@@ -84,8 +88,8 @@ def test_a_fault_that_outlives_its_rollback_stops_the_run(dataset, tmp_path):
     """NaNs from iteration 3 on: the rollback lands on the checkpoint of iteration 4, saved
     inside the streak, and the NaNs come back at once: the run stops (non-zero, one line)
     instead of skipping its way to max_iters."""
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=10", "ckpt_interval=4",
-                   "fault_nan_at=3", "fault_nan_steps=100"], cwd=tmp_path, check=False)
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=10", "ckpt_interval=4"],
+                  cwd=tmp_path, check=False, script=FAULTS, env=faults.nan_at(3, 100))
     assert p.returncode == 1 and "rolled back to" in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.strip().splitlines() == [
         "error: 3 more iterations in a row (up to 8) had a non-finite loss or gradient norm right after rolling back: "
@@ -109,10 +113,12 @@ def rank_pids(out_dir):
     return pids
 
 
-def start_torchrun(args, cwd, extra=()):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def start_torchrun(args, cwd, extra=(), faults_env=None):
+    """torchrun --standalone with 2 ranks of train.py (of tests/faults.py with faults_env: its faults)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(faults_env or {})}
+    script = os.path.join(ROOT, FAULTS if faults_env else "train.py")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *extra, os.path.join(ROOT, "train.py"), *args], cwd=cwd, env=env,
+                             *extra, script, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -226,7 +232,7 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
 
     # async saves on a slow disk (every write 1.5 s late), 2 ranks, killed while the save of
     # iteration 8 is being written (the loop meanwhile went on to iteration 8 or further)
-    proc = start_torchrun([*common, f"out_dir={out}", "fault_save_delay_s=1.5"], tmp_path)
+    proc = start_torchrun([*common, f"out_dir={out}"], tmp_path, faults_env={"FAULT_SAVE_DELAY_S": "1.5"})
     try:
         deadline = time.time() + 120
         while not (latest() == "iter_0000004" and os.path.isdir(os.path.join(ckpt, ".tmp_iter_0000008"))):

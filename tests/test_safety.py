@@ -22,6 +22,7 @@ from conftest import ROOT, TINY, read_metrics, run_train
 import checkpoint
 import rundir
 import data
+import faults
 import fsdp
 import hf
 import parallel
@@ -218,9 +219,9 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     opt = AdamW(model.parameters())
     want = {k: v.clone() for k, v in model.state_dict().items()}
     out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
-    pending = checkpoint.start_save(out, 1, model, opt, RNG, meta(1), mesh, asynchronous=True,
-                                    delay_s=0.5)
-    assert not checkpoint.written(pending)  # the write sleeps (fault_save_delay_s) while "training" goes on:
+    monkeypatch.setattr(checkpoint, "FileSystemWriter", faults.slow_writer(0.5))
+    pending = checkpoint.start_save(out, 1, model, opt, RNG, meta(1), mesh, asynchronous=True)
+    assert not checkpoint.written(pending)  # the write sleeps (faults.slow_writer) while "training" goes on:
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
