@@ -342,7 +342,9 @@ def validate(c, overrides, world):
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}
-        dp, layer_counts = check_layout(c, world, c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim)
+        # a model directory's shape is not read yet: rundir.saved_shape checks the layout against it
+        shape = [None] * 4 if os.path.isdir(c["init_from"]) else [c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim]
+        dp, layer_counts = check_layout(c, world, *shape)
     check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
     return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources,
@@ -376,7 +378,8 @@ def check_refusals(c, overrides):
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
     """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
-    shape, when it comes from a checkpoint). Returns (dp, pp_layers as a list or None)."""
+    shape, when it comes from a checkpoint; None: not known yet, only the rest is checked). Returns
+    (dp, pp_layers as a list or None)."""
     pp, tp, n_experts = c["pp"], c["tp"], c["n_experts"] if n_experts is None else n_experts
     check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
                            f"processes (torchrun --nproc_per_node=N), or change pp")
@@ -401,7 +404,7 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
         check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
               f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
               f"n_experts={n_experts}{where} (each holds as many experts): change ep")
-    if tp > 1:  # tensor parallel: each tp rank holds whole heads and an equal slice of the SwiGLU width
+    if tp > 1 and n_head is not None:  # tensor parallel: each rank holds whole heads, an equal slice of SwiGLU
         for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
             check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
                                f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
@@ -422,9 +425,10 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
 def _check_pipeline(c, dp, n_layer, where):
     """The stages and their layers (pipeline.py). Returns pp_layers as a list, or None."""
     pp, v = c["pp"], c["pp_virtual"]
-    check(pp <= n_layer, f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least one")
-    check(pp * v <= n_layer, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} layers{where}: "
-                             f"every virtual stage needs at least one; lower pp_virtual")
+    n = n_layer or pp * v  # (not known yet: nothing refused for it)
+    check(pp <= n, f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least one")
+    check(pp * v <= n, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} layers{where}: "
+                       f"every virtual stage needs at least one; lower pp_virtual")
     check((c["pp_schedule"] == "interleaved") == (v > 1) and (v == 1 or pp > 1),
           f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp > 1 and "
           f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
@@ -437,7 +441,7 @@ def _check_pipeline(c, dp, n_layer, where):
     check(all(s.strip().isascii() and s.strip().isdigit() for s in spec.split(",")),
           f"pp_layers='{spec}' is not a comma-separated list of layer counts, e.g. pp_layers=3,1")
     counts = [int(s) for s in spec.split(",")]
-    check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == n_layer,
+    check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == (n_layer or sum(counts)),
           f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
           f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
     return counts
