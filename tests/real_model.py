@@ -11,6 +11,7 @@ its ChatML template (chat_template.jinja). That takes a while, so it is built on
     path = smollm2_dir()   # builds it on the first call
 """
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -33,13 +34,22 @@ def gguf_path():
 
 def smollm2_dir():
     """The Hugging Face directory of SmolLM2-135M-Instruct in float32, built on the first call.
-    Two test workers may race: each builds into its own temporary directory and renames it into
-    place; the loser finds the winner's and drops its own."""
+    Two test workers may ask at once: the second waits on a lock for the first's build. The
+    build goes into a temporary directory renamed into place, so a killed one leaves nothing."""
     if os.path.isfile(os.path.join(CACHE, "model.safetensors")):
         return CACHE
+    gguf = gguf_path()
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    with open(f"{CACHE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(CACHE, "model.safetensors")):
+            _build(gguf)
+    return CACHE
+
+
+def _build(gguf):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf = gguf_path()
     tmp = f"{CACHE}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -50,11 +60,7 @@ def smollm2_dir():
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF).save_pretrained(tmp)
-        try:
-            os.rename(tmp, CACHE)
-        except OSError:  # another worker got there first: its directory is the same model
-            if not os.path.isfile(os.path.join(CACHE, "model.safetensors")):
-                raise
+        shutil.rmtree(CACHE, ignore_errors=True)  # a directory without its weights (deleted by hand)
+        os.rename(tmp, CACHE)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return CACHE
