@@ -38,6 +38,9 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_to
                   "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
                   *[f"<|reserved_special_token_{i}|>" for i in range(5, 251)]]
 MAX_ID_GAP = 1024  # unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
+# where transformers 5 saves a tokenizer's chat template (tokenizer_config.json's "chat_template" before)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MAX_TEMPLATE_BYTES = 1 << 20  # the longest real ones (tool-calling templates) are ~20 kB
 
 
 def find(model_dir):
@@ -48,20 +51,24 @@ def find(model_dir):
     return None
 
 
-def sha256(path):
+def sha256(path, template=True):
     """The hash a model's tokenizer is recorded with (tokenizer.spec_of): its file's, and for a
     tokenizer.json also the tokenizer_config.json beside it (its special tokens and flags
-    change ids too)."""
+    change ids too) and the chat_template.jinja beside that, when there is one (the chat
+    format's ids and loss masks come from it)."""
     digest, config = sha256_file(path), os.path.join(os.path.dirname(path), "tokenizer_config.json")
     if path.endswith(".json") and os.path.isfile(config):
         digest = hashlib.sha256(f"{digest} {sha256_file(config)}".encode()).hexdigest()
+    jinja = os.path.join(os.path.dirname(path), CHAT_TEMPLATE_FILE)
+    if template and path.endswith(".json") and os.path.isfile(jinja):
+        digest = hashlib.sha256(f"{digest} {sha256_file(jinja)}".encode()).hexdigest()
     return digest
 
 
 def unchanged(path, recorded):
     """Whether the tokenizer file `path` is still the one recorded with hash `recorded` (by
-    sha256, or, recorded before the config was hashed too, by its file's hash alone)."""
-    return os.path.isfile(path) and recorded in (sha256(path), sha256_file(path))
+    sha256, or as recorded before: without the template file, or without the config)."""
+    return os.path.isfile(path) and recorded in (sha256(path), sha256(path, template=False), sha256_file(path))
 
 
 FIX = "copy the model's tokenizer files again"
@@ -140,6 +147,15 @@ def _config(path, tokens):
     for key in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space"):
         if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
             raise _bad(cfg_path, f"{key} is {str(cfg[key])[:40]!r}, not true or false")
+    jinja = os.path.join(os.path.dirname(path), CHAT_TEMPLATE_FILE)
+    if "chat_template" not in cfg and os.path.isfile(jinja):  # transformers 5's place: kept in the config from here
+        if os.path.getsize(jinja) > MAX_TEMPLATE_BYTES:
+            raise _bad(jinja, f"{os.path.getsize(jinja):,} bytes, more than a chat template's {MAX_TEMPLATE_BYTES:,}")
+        with open(jinja, "rb") as f:
+            try:
+                cfg["chat_template"] = f.read().decode("utf-8")
+            except UnicodeDecodeError:
+                raise _bad(jinja, "not UTF-8 text") from None
     return cfg
 
 
@@ -334,6 +350,11 @@ class HFTokenizer:
             raise UserError(f"{path}: its post-processor wraps text as {marked} (text alone: {plain}); only a BOS "
                             f"before and an EOS after are supported: edit post_processor or add_bos_token")
         self.bos_token = marked[0] if start else None
+        # the model's chat format (chat_template.py renders it), or None: the project's own then
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates (transformers: "default" unless one is named)
+            self.chat_template = next((t.get("template") for t in self.chat_template
+                                       if isinstance(t, dict) and t.get("name") == "default"), self.chat_template)
         self._variants = {}
         # the fast path where it is exact (and encodes a probe text alike), else None
         twin, probe = tiktoken_twin(tj), guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids
@@ -378,6 +399,20 @@ class HFTokenizer:
             return self.encode_batch(texts, allowed_special=allowed_special)
         return [e.ids for e in guarded(self._path, self._variant(allowed_special, True), "encode_batch_fast", texts,
                                        add_special_tokens=False)]
+
+    def encode_with_offsets(self, text, as_text=False, first=True):
+        """(ids, each token's character span) of a piece of a rendered chat, as transformers
+        encodes one (apply_chat_template: every added token matched; as_text: none, a quoted
+        control token). A piece after the first is encoded after a newline, then dropped, as
+        transformers' encode_marked_chat does (so a SentencePiece-style split adds no '▁')."""
+        tok = self._variant(()) if as_text else self._tok
+        if not first:
+            newline = guarded(self._path, self._tok, "encode", "\n", add_special_tokens=False).ids
+            e = guarded(self._path, tok, "encode", "\n" + text, add_special_tokens=False)
+            if e.ids[:len(newline)] == newline:
+                return e.ids[len(newline):], [(a - 1, b - 1) for a, b in e.offsets[len(newline):]]
+        e = guarded(self._path, tok, "encode", text, add_special_tokens=False)
+        return e.ids, e.offsets
 
     def encode_ordinary(self, text):
         return self.encode(text)

@@ -28,6 +28,7 @@ import zlib
 
 import numpy as np
 
+import chat_template
 from common import UserError, excepthook, loads_json
 from data import token_dtype
 from tokenizer import (
@@ -229,8 +230,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
 
     A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
-    is rendered with render_chat and also writes {train,val}.mask.bin; the tokenizer then
-    gets CHAT_TOKENS before `extra_tokens` (a list, or the path of a file of them).
+    also writes {train,val}.mask.bin. It is rendered in the model's own chat template when the
+    tokenizer has one (chat_template.py: no token added, each conversation ended by a token the
+    template never writes), else with render_chat, the tokenizer then getting CHAT_TOKENS before
+    `extra_tokens` (a list, or the path of a file of them).
     `model_tokens` are the tokens a model (that the data is prepared for) has already added to
     the same base: they keep their ids, and only the tokens it lacks come after them.
 
@@ -244,7 +247,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     fmt = detect_format(kind, files, text_field, format)
     chat = fmt == "chat"
     base = get_tokenizer(tokenizer, vocab_size)
-    first = list(model_tokens) + [t for t in (CHAT_TOKENS if chat else []) if t not in model_tokens]
+    # the model's own chat format, unless an earlier stage taught it ours (its tokens are the model's)
+    own = chat and getattr(base, "chat_template", None) is not None and not set(CHAT_TOKENS) & set(model_tokens)
+    first = list(model_tokens) + [t for t in (CHAT_TOKENS if chat and not own else []) if t not in model_tokens]
     asked = [t for t in extra_tokens if t not in first and t not in getattr(base, "extra_tokens", ())]
     new, known = split_known(base, asked)
     if known and verbose:
@@ -253,6 +258,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     extra_tokens = first + new
     enc = get_tokenizer(tokenizer, vocab_size, extra_tokens)
     bos = [enc.bos_token] if getattr(enc, "bos_token", None) is not None else []  # a model's tokenizer may start documents
+    eot = enc.eot_token
+    if own:  # the template writes the BOS it wants
+        bos, eot = [], chat_template.separator(enc, enc.chat_template)
     vocab = enc.n_vocab
     dtype = token_dtype(vocab)
     if type(workers) is not int or workers < 0:
@@ -286,7 +294,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         if split == "train" and val_score(doc_id) < nearest["score"]:
             nearest.update(score=val_score(doc_id), doc=doc_id, file=name, start=tokens["train"],
                            n=len(bos) + len(ids) + 1, learned=sum(mask) if mask else 0)
-        np.asarray(bos + ids + [enc.eot_token], dtype=dtype).tofile(out[f"{split}.bin"])
+        if own and eot in ids:  # (only the template can write it: in a message it is text)
+            raise UserError(f"{doc_id}: the chat template wrote {enc.decode([eot])!r}, the token that ends "
+                            f"conversations in packed data: remove it from the template")
+        np.asarray(bos + ids + [eot], dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
             np.asarray([0] * len(bos) + mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
             learned[split] += sum(mask)
@@ -294,7 +305,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         docs[split] += 1
 
     def flush(batch):
-        if chat:
+        if own:
+            for doc_id, messages in batch:
+                write(doc_id, *chat_template.encode(enc, messages, doc_id))
+        elif chat:
             contents = encode_chat_contents(enc, [messages for _, messages in batch], num_threads=workers)
             for (doc_id, messages), content in zip(batch, contents):
                 write(doc_id, *render_chat(enc, messages, content))
@@ -350,7 +364,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         raise UserError(f"data source '{source}' has one document, and val needs one of its own beside train's: "
                         f"add a document (or split the file in two)")
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
-            "extra_tokens": list(extra_tokens), "eot_token": enc.eot_token, "format": fmt,
+            "extra_tokens": list(extra_tokens), "eot_token": eot, "format": fmt,
             "chat_tokens": [t for t in extra_tokens if t in CHAT_TOKENS],
             "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
@@ -381,8 +395,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
               f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
               f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
         if chat:
-            print(f"prepare: chat: {learned['train']:,}/{learned['val']:,} train/val tokens are assistant replies "
-                  f"(the loss counts only those)", flush=True)
+            print(f"prepare: chat in {'the model' if own else 'the project'}'s chat template: {learned['train']:,}/"
+                  f"{learned['val']:,} train/val tokens are assistant replies (the loss counts only those)", flush=True)
         if n_replaced:
             print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
                   f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD", flush=True)

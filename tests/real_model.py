@@ -9,6 +9,8 @@ its ChatML template (chat_template.jinja). That takes a while, so it is built on
 
     from real_model import smollm2_dir
     path = smollm2_dir()   # builds it on the first call
+
+`python tests/real_model.py runs/smol` builds it into a directory of your own (docs/finetuning.md).
 """
 
 import fcntl
@@ -43,14 +45,15 @@ def smollm2_dir():
     with open(f"{CACHE}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(CACHE, "model.safetensors")):
-            _build(gguf)
+            build(gguf, CACHE)
     return CACHE
 
 
-def _build(gguf):
+def build(gguf, dest):
+    """The Hugging Face directory `dest` from the GGUF file (a temporary directory renamed)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tmp = f"{CACHE}.tmp{os.getpid()}"
+    tmp = f"{dest}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF, dtype=torch.float32)
@@ -60,7 +63,16 @@ def _build(gguf):
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF).save_pretrained(tmp)
-        shutil.rmtree(CACHE, ignore_errors=True)  # a directory without its weights (deleted by hand)
-        os.rename(tmp, CACHE)
+        shutil.rmtree(dest, ignore_errors=True)  # a directory without its weights (deleted by hand)
+        os.rename(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import sys
+    target = sys.argv[1] if len(sys.argv) > 1 else CACHE
+    if os.path.exists(target):
+        sys.exit(f"error: {target} exists: remove it or name another directory")
+    build(gguf_path(), target)
+    print(f"SmolLM2-135M-Instruct as a Hugging Face directory (float32) in {target}")

