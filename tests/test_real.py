@@ -83,16 +83,17 @@ def test_layouts_on_the_real_model_equal_one_process_and_its_export_is_transform
     from transformers import AutoTokenizer, LlamaForCausalLM
     args = [*RUN, f"init_from={base}", f"dataset={real_data}"]
     one, export = str(tmp_path / "one"), str(tmp_path / "one_hf")
-    run_train([*args, f"out_dir={one}", f"export_hf={export}"], cwd=tmp_path)
+    run_train([*args, f"out_dir={one}", f"export_hf={export}"], cwd=tmp_path, timeout=600)
     for n, layout in ((2, "dp2"), (3, "tp=3")):
         out = str(tmp_path / layout)
-        torchrun(n, [*args, f"out_dir={out}", *(["tp=3"] if layout == "tp=3" else [])], cwd=tmp_path)
+        torchrun(n, [*args, f"out_dir={out}", *(["tp=3"] if layout == "tp=3" else [])], cwd=tmp_path, timeout=600)
         assert_same_curve(read_metrics(one), read_metrics(out))
     model, _ = sample.load_model(os.path.join(one, "ckpt", "iter_0000002"))
     theirs = LlamaForCausalLM.from_pretrained(export).eval()
     x, _ = val_blocks(real_data, 40)
     with torch.no_grad():
-        torch.testing.assert_close(theirs(x[:2]).logits, model.eval()(x[:2])[0], rtol=0, atol=1e-4)
+        # logits of ~10 through 30 layers, summed in other orders: ~1e-5 apart (a wrong weight: ~1)
+        torch.testing.assert_close(theirs(x[:2]).logits, model.eval()(x[:2])[0], rtol=1e-4, atol=1e-4)
     # continued pretraining keeps the base's chat template (chat_template.jinja there, the config here)
     tok = AutoTokenizer.from_pretrained(export)
     assert tok.chat_template == open(os.path.join(base, "chat_template.jinja")).read()
@@ -120,14 +121,15 @@ def test_lora_sft_on_the_real_model_in_its_own_chat_format_loads_in_peft(base, t
     # a high rate, so that 2 steps move B away from zero and the adapters change the logits
     p = run_train([*RUN, "block_size=16", "learning_rate=1e-2", "min_lr=1e-3", "lora_rank=4", f"init_from={base}",
                    "dataset=chat", f"data_source={tmp_path / 'chat.jsonl'}", "val_fraction=0.3", "doc_mask=True",
-                   f"out_dir={out}", f"export_lora={adapter}", f"export_hf={merged}"], cwd=tmp_path)
+                   f"out_dir={out}", f"export_lora={adapter}", f"export_hf={merged}"], cwd=tmp_path, timeout=600)
     assert "the model's chat template" in p.stdout and "growing" not in p.stdout
     ours, _ = sample.load_model(os.path.join(out, "ckpt", "iter_0000002"))  # the adapters merged
     theirs = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter).eval()
     x, _ = val_blocks(str(tmp_path / "data" / "chat"), 16)
     with torch.no_grad():
         want = theirs(x[:2]).logits
-        torch.testing.assert_close(ours.eval()(x[:2])[0], want, rtol=0, atol=1e-4)
+        # merged (W + (alpha / r) B A) against peft's separate adapter path: rounding ~1e-5 of logits ~10
+        torch.testing.assert_close(ours.eval()(x[:2])[0], want, rtol=1e-4, atol=1e-4)
         with theirs.disable_adapter():
             assert (theirs(x[:2]).logits - want).abs().max() > 1e-2  # the adapters count
     tok = AutoTokenizer.from_pretrained(merged)
