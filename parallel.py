@@ -381,20 +381,27 @@ def sum_over_shards(params, mesh, sharded=False):
     (ZeroOptimizer.params), a different part of the gradient on each dp rank, summed like
     FSDP's shards."""
     sq = torch.zeros((), device=mesh.device)
-    sliced = {}  # tp slices (and expert_parallel's experts): each rank of the slice's group holds a different part
+    sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
+    experts = torch.zeros((), device=mesh.device)  # expert_parallel.py: each rank of an ep group its own experts
     for p in params:
         s = _local(p.grad).float().pow(2).sum()
         if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
-        if hasattr(p, "_tp_dim"):
-            sliced[p._tp_group] = sliced.get(p._tp_group, 0) + s
+        if hasattr(p, "_ep"):  # (the same on the ranks that hold the same experts: counted once, after dp's sum)
+            experts += s
+        elif hasattr(p, "_tp_dim"):
+            sq_tp += s
         else:
             sq += s
-    for group, s in sliced.items():
-        dist.all_reduce(s, group=group)
-        sq += s
+    if mesh.tp > 1:
+        dist.all_reduce(sq_tp, group=mesh.tp_group)
+    sq += sq_tp
     if sharded or any(isinstance(p.grad, DTensor) for p in params):  # FSDP, ZeRO: each dp rank holds a different part
         dist.all_reduce(sq, group=mesh.dp_group)
+    ep_group = next((p._tp_group for p in params if hasattr(p, "_ep")), None)
+    if ep_group is not None:
+        dist.all_reduce(experts, group=ep_group)
+        sq += experts
     if mesh.pp > 1:
         dist.all_reduce(sq, group=mesh.pp_group)
     return sq

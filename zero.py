@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from data_parallel import Bucket, DataParallel
-from optim import MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
+from optim import AdamW, MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
 from parallel import tp_gather, tp_slice
 
 # ---------------------------------------------------------------------------------------
@@ -161,13 +161,23 @@ class ZeroOptimizer:
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [t for s, t in zip(self.shards, self.stepped) if group_of[s.param] == i]}
                   for i, g in enumerate(param_groups)]
-        self.muon_params = [p for g in param_groups if g.get("muon") for p in g["params"]]  # every rank's, in order
+        self.muon_params = [p for g in param_groups if g.get("muon") for p in g["params"]
+                            if not hasattr(p, "_ep")]  # every rank's, in order
         if muon:
             self.optimizer = MuonWithAdamW(groups, **muon)
             self.optimizer.orthogonalize = self.orthogonalize
         else:
             self.optimizer = torch.optim.AdamW(groups, **adamw)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        # expert parallel (expert_parallel.py): a rank's own experts are in no bucket; a plain optimizer
+        # of their own steps them whole (each expert's matrices are all here: Muon needs no gathering)
+        self.experts = [p for g in param_groups for p in g["params"] if hasattr(p, "_ep")]
+        if self.experts:
+            own = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"]
+                                                                             if hasattr(p, "_ep")]} for g in param_groups]
+            own = [g for g in own if g["params"]]
+            self.experts_optimizer = MuonWithAdamW(own, **muon) if muon else AdamW(own, **adamw)
+            self.param_groups = self.param_groups + self.experts_optimizer.param_groups
 
     def orthogonalize(self, pieces, gs):
         """MuonWithAdamW.orthogonalize over this rank's pieces: each matrix that trained this
@@ -202,7 +212,7 @@ class ZeroOptimizer:
     @property
     def params(self):
         """The shards, whose gradients clipping measures (sharded over dp: clip_grad_norm_(..., sharded=True))."""
-        return [s.tensor for s in self.shards]
+        return [s.tensor for s in self.shards] + self.experts
 
     def zero_grad(self, set_to_none=True):
         for p in self.model.params + self.params + self.stepped:
@@ -214,6 +224,8 @@ class ZeroOptimizer:
             for s, t in zip(self.shards, self.stepped):
                 t.grad = None if s.tensor.grad is None else s.tensor.grad.to("cpu")
         self.optimizer.step()
+        if self.experts:
+            self.experts_optimizer.step()
         if self.offload:
             for s, t in zip(self.shards, self.stepped):
                 s.tensor.copy_(t)  # into the weights: the shard is a view of them
@@ -264,12 +276,14 @@ class ZeroOptimizer:
         for p, i in index.items():
             if p not in muon:
                 out[f"{names[p]}.step"] = steps[i].cpu().clone()
-        return out
+        return {**out, **(self.experts_optimizer.full_state(names) if self.experts else {})}
 
     def load_full_state(self, state, names):
         """Takes this rank's slices of a whole AdamW state (full_state's form, as loaded from a checkpoint)."""
         fused = self.optimizer.defaults.get("fused")
         muon = set(self.muon_params)
+        if self.experts:
+            self.experts_optimizer.load_full_state(state, names)
         for s, t in zip(self.shards, self.stepped):
             name = names[s.param]
             if s.param in muon:
