@@ -208,7 +208,7 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
     train.py imports (what every tp rank holds at a save, say). env: added to every rank's
     environment (FAULT_*: the faults of tests/faults.py)."""
     if agent:
-        script = os.path.join(ROOT, "tests", "faults.py" if env else "train.py")
+        script = os.path.join(ROOT, "tests", "faults.py") if env else os.path.join(ROOT, "train.py")
         return run_train(["--standalone", f"--nproc_per_node={nproc}", script, *args],
                          cwd, check=check, timeout=timeout, script="-m torch.distributed.run", env=env)
     import multiprocessing
