@@ -291,3 +291,11 @@ def schedule_note(c):
     return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning rate only warms up, "
             f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never reached, and there is "
             f"no decay); lower warmup_iters for a full schedule")
+
+
+def pretrained_rate_note(c):
+    """A line for a run that starts from a trained model (init_from=) at a from-scratch rate."""
+    return (f"warning: learning_rate={c['learning_rate']:.0e} is a from-scratch rate and "
+            f"{c['init_from']} is a trained model: it would overwrite what the model knows; start "
+            f"from a continuation recipe: python train.py config/cpt.py (continued pretraining) "
+            f"or config/sft.py (fine-tuning) init_from=...")

@@ -30,7 +30,7 @@ import rundir
 import tokenizer as tokenizer_py
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
-from optim import build_optimizer, get_lr, schedule_note
+from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 
 # ---- defaults: every one can be overridden by a config file or key=value (--help lists them) ----
 # I/O
@@ -168,6 +168,8 @@ shape = {k: src.saved[k] for k in origin.SHAPE_KEYS if k in (src.saved or {})}  
 mesh.print0("config: " + " ".join(f"{k}={shape.get(k, config[k])!r}" for k in config_keys))
 if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
     mesh.print0(schedule_note(config))
+if src.kind in ("hf", "run") and learning_rate >= 1e-3 and not lora_rank:  # a from-scratch rate
+    mesh.print0(pretrained_rate_note(config))
 if src.kind == "resume":
     origin.check_same_run(src, config, overrides, out_dir)
 if src.kind == "resume" and origin.finished(src, config, out_dir, mesh):

@@ -145,3 +145,18 @@ def _train_defaults():
 
     from configurator import script_defaults
     return script_defaults(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"))
+
+
+@pytest.mark.parametrize("recipe", ["config/cpt.py", "config/sft.py"])
+def test_the_continuation_recipes_load_and_are_not_from_scratch_rates(recipe):
+    """config/cpt.py and config/sft.py set only train.py's keys, with the right types, and a
+    rate below the one train.py warns about on a trained model (its 1e-3, from optim.py)."""
+    import os
+
+    from conftest import ROOT
+
+    from configurator import script_defaults
+    defaults = script_defaults(os.path.join(ROOT, "train.py"))
+    got = configure(defaults, [os.path.join(ROOT, recipe)])
+    assert got["optim"] == "adamw" and got["learning_rate"] < 1e-3 <= defaults["learning_rate"]
+    assert got["min_lr"] < got["learning_rate"] and got["embed_lr_scale"] == 1.0

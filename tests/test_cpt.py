@@ -51,6 +51,8 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
     p = run_train([*RUN, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2", f"out_dir={out}",
                    f"init_from={hf_dir}", "max_iters=3"], cwd=tmp_path)
     assert "growing the vocabulary from 512 to 514" in p.stdout
+    # a from-scratch rate (RUN's 1e-2) on a trained model: one line naming the recipes
+    assert p.stdout.count("is a from-scratch rate") == 1 and "config/cpt.py" in p.stdout
     meta = json.load(open(tmp_path / "data" / "domain" / "meta.json"))
     assert meta["vocab_size"] == 514 and meta["extra_tokens"] == ["def __init__(self", "return None"]
     tokens = torch.from_numpy(np.fromfile(tmp_path / "data" / "domain" / "train.bin", dtype="uint16").astype("int64"))

@@ -1,0 +1,16 @@
+# Continued pretraining: a trained model on your own text, beside the from-scratch defaults
+# (as nanoGPT's config/finetune_shakespeare.py). Measured on SmolLM2-135M-Instruct: docs/benchmarks.md.
+#   python train.py config/cpt.py init_from=path/to/hf_model dataset=mine data_source='mine/*.txt'
+# The defaults race a fresh model (Muon at 4e-3, the embedding at 10x): on a trained one they
+# overwrite what it knows. AdamW, as such bases were trained, at a rate 40x lower, every weight alike.
+optim = "adamw"
+learning_rate = 1e-4
+min_lr = 1e-5
+embed_lr_scale = 1.0
+warmup_iters = 10
+# the base was trained on long contexts: blocks of 512, 4 x 4 of them (8,192 tokens) a step
+block_size = 512
+batch_size = 4
+grad_accum_steps = 4
+max_iters = 200
+eval_interval = 50

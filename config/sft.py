@@ -1,0 +1,17 @@
+# Fine-tuning on conversations (JSONL of {"messages": [...]}), from a trained model: the loss on the
+# assistant's words only. Measured on SmolLM2-135M-Instruct: docs/benchmarks.md.
+#   python train.py config/sft.py init_from=path/to/model dataset=chat data_source=chat.jsonl
+# As config/cpt.py: AdamW at a rate 40x below the from-scratch defaults', every weight alike
+# (LoRA, lora_rank=8: its adapters start at zero and take ~10x this rate).
+optim = "adamw"
+learning_rate = 1e-4
+min_lr = 1e-5
+embed_lr_scale = 1.0
+warmup_iters = 10
+# each conversation attends only to itself in a packed block
+doc_mask = True
+block_size = 512
+batch_size = 4
+grad_accum_steps = 4
+max_iters = 200
+eval_interval = 50
