@@ -252,7 +252,9 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
               {"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0},
               {"params": hidden, "weight_decay": c["weight_decay"], "muon": True}]
     groups = [g for g in groups if g["params"]]  # a pipeline stage without the embedding, LoRA (frozen embedding)
-    betas, fused = (c["beta1"], c["beta2"]), mesh.device.type == "cuda" and not c["offload"]
+    # fused AdamW: one pass over each tensor. On a CPU the default loop over tensors reads and
+    # writes each weight-sized tensor ~10 times: 6x slower, at 135M parameters a third of a step
+    betas, fused = (c["beta1"], c["beta2"]), mesh.device.type in ("cuda", "cpu") and not c["offload"]
     muon_kw = dict(lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],
                    ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
     if sharded:  # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)

@@ -363,13 +363,19 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
     if mesh.world > 1:  # the parts of the gradient other ranks hold
         sq = sum_over_shards(params, mesh, sharded)
     else:
-        sq = sum((p.grad.float().pow(2).sum() for p in params), torch.zeros((), device=mesh.device))
+        sq = sum((squared_norm(p.grad) for p in params), torch.zeros((), device=mesh.device))
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # never scales a gradient up
         for p in params:
             _local(p.grad).mul_(coef)
     return norm
+
+
+def squared_norm(g):
+    """|g|^2 in float32, in one pass over g (g.pow(2).sum() writes a g-sized temporary first:
+    at 135M parameters on a CPU, ~8x slower)."""
+    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 
 def sum_over_shards(params, mesh, sharded=False):
@@ -384,7 +390,7 @@ def sum_over_shards(params, mesh, sharded=False):
     sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
     experts = torch.zeros((), device=mesh.device)  # expert_parallel.py: each rank of an ep group its own experts
     for p in params:
-        s = _local(p.grad).float().pow(2).sum()
+        s = squared_norm(_local(p.grad))
         if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
         if hasattr(p, "_ep"):  # (the same on the ranks that hold the same experts: counted once, after dp's sum)
