@@ -20,7 +20,7 @@ import torch
 import prepare
 
 from bench import (build, checkpoint, dp, gpu, head, long, lora, memory, memory2d, mfu, moe, pp, profile, race,
-                   reading, sample, single, tokenize, tp)
+                   reading, real, sample, single, tokenize, tp)
 from bench.base import ROOT, RUN_KEYS, SMOKE, SMOKE_KEYS
 
 TABLES = {"single": single.table_single, "dp": dp.table_dp, "pp": pp.table_pp_both, "tp": tp.table_tp,
@@ -28,8 +28,8 @@ TABLES = {"single": single.table_single, "dp": dp.table_dp, "pp": pp.table_pp_bo
           "lora": lora.table_lora, "sample": sample.table_sample, "build": build.table_build,
           "checkpoint": checkpoint.table_checkpoint, "race": race.table_race, "reading": reading.table_reading,
           "head": head.table_head, "gpu": gpu.table_gpu, "mfu": mfu.table_mfu, "profile": profile.table_profile,
-          "tokenize": tokenize.table_tokenize, "moe": moe.table_moe}
-ROWS = {"single": single.single_row, "lora": lora.lora_row, "head": head.head_row}
+          "tokenize": tokenize.table_tokenize, "moe": moe.table_moe, "real": real.table_real}
+ROWS = {"single": single.single_row, "lora": lora.lora_row, "head": head.head_row, "real": real.real_row}
 
 # --smoke: a row or two of each kind
 SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), deep_ms=()), "tp": dict(worlds=(2,)),
@@ -40,7 +40,7 @@ SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), 
               "checkpoint": dict(worlds=(2,), saves=1, models=(checkpoint.MODEL,)), "head": dict(vocabs=(512,)),
               "race": dict(recipes=("default (python train.py)",), extra=dict(max_iters=2, eval_interval=1)),
               "profile": dict(steps=1), "long": dict(lengths=(64,)), "tokenize": dict(max_mb=0.2, repeats=1),
-              "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3)}
+              "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3), "real": dict(rounds=1)}
 
 
 def describe():
