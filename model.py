@@ -174,13 +174,18 @@ class Attention(nn.Module):
         is_causal = mask is None
         if cache is not None:  # generation (sample.py): the earlier tokens' keys and values too
             k, v, mask, is_causal = cache.extend(k, v, mask)
-        if n_kv_head != n_head:  # GQA: each kv head is shared by a group of n_head // n_kv_head query heads
+        # GQA: each kv head is shared by a group of n_head // n_kv_head query heads. Without a mask
+        # SDPA's flash kernels read the groups in place (enable_gqa); CUDA's kernel for masks needs
+        # equal head counts, so with one k and v are repeated (copies kept for backward)
+        gqa = n_kv_head != n_head and mask is None
+        if n_kv_head != n_head and not gqa:
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
         f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16  # CPU + bf16:
         with torch.autocast("cpu", enabled=False) if f32 else nullcontext():  # flash-cpu in float32 (~7x faster)
             y = F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
-                                               is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0)
+                                               is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+                                               enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 
