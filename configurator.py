@@ -222,10 +222,9 @@ REFUSALS = [
     ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
      "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, which cp splits "
      "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
-    ("ep with fsdp or ddp_impl=torch", lambda c, o: c["ep"] > 1 and (c["fsdp"] or c["ddp_impl"] == "torch"),
-     "ep={ep} with fsdp={fsdp}, ddp_impl={ddp_impl}: the experts of an ep rank are its own, and these shard or "
-     "average every parameter over all dp ranks (not yet taught to leave the experts to expert_parallel.py); use ep "
-     "with data parallel (ddp_impl=bucketed or naive), zero=1/2 or pp"),
+    ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
+     "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
+     "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
      "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 # ---------------------------------------------------------------------------------------
 # Expert parallel (GShard, Lepikhin et al. 2020; torchtitan's "dp2ep").
@@ -121,6 +122,10 @@ def sync_grads(model, mesh):
     """The experts' gradients: summed over the ranks that hold the same experts, / dp (see above).
     One all-reduce for all of them."""
     experts = [p for p in model.parameters() if hasattr(p, "_ep") and p.requires_grad]  # (LoRA: frozen)
+    if experts and isinstance(experts[0], DTensor):  # fsdp (fsdp.py): its reduce-scatter over the replicas took
+        for p in experts:  # their mean, the sum / (dp / ep): / ep more (gloo has no pre-scaled sum to ask it for)
+            p.grad.to_local().div_(dist.get_world_size(p._tp_group))
+        return
     if not experts:  # (a pipeline stage without MoE layers)
         return
     for p in experts:  # (every expert runs, with no rows if none came: a gradient on every rank)

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 # ---------------------------------------------------------------------------------------
@@ -43,13 +44,18 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
     kw = dict(mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
               offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu" else OffloadPolicy())
     kw["shard_placement_fn"] = lambda p: Shard(p._tp_dim) if hasattr(p, "_tp_dim") else Shard(0)
-    marks = [(m, k, p._tp_dim, p._tp_group) for m in model.modules() for k, p in m._parameters.items()
-             if p is not None and hasattr(p, "_tp_dim")]
+    marks = [(m, k, {a: getattr(p, a) for a in ("_tp_dim", "_tp_group", "_ep") if hasattr(p, a)})
+             for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_tp_dim")]
+    # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the ranks that hold the
+    # same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum / dp it needs
+    for experts in [m for m in model.modules() if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
+        group = next(iter(experts.parameters()))._ep
+        fully_shard(experts, **{**kw, "mesh": DeviceMesh.from_group(group, mesh.device.type)})
     for block in model.layers.values():
         fully_shard(block, **kw)
     fully_shard(model, **kw)
-    for m, k, dim, group in marks:  # fully_shard made new (DTensor) parameters: mark them again
-        m._parameters[k]._tp_dim, m._parameters[k]._tp_group = dim, group
+    for m, k, attrs in marks:  # fully_shard made new (DTensor) parameters: mark them again
+        m._parameters[k].__dict__.update(attrs)
     return model
 
 

@@ -393,7 +393,8 @@ def sum_over_shards(params, mesh, sharded=False):
         s = squared_norm(_local(p.grad))
         if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
-        if hasattr(p, "_ep"):  # (the same on the ranks that hold the same experts: counted once, after dp's sum)
+        if hasattr(p, "_ep") and not isinstance(p.grad, DTensor):  # (the same on the ranks holding the same experts:
+            # counted once, after dp's sum; under fsdp a shard like the others)
             experts += s
         elif hasattr(p, "_tp_dim"):
             sq_tp += s

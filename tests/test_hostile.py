@@ -637,7 +637,7 @@ CASES = [
     (48, "ep=2 on one data-parallel rank", "raises", validated(n_experts=4, ep=2)),
     (48, "ep=3 not dividing n_experts=4 (6 ranks)", "raises", validated_at(6, n_experts=4, ep=3)),
     (48, "ep=2 on a dense model", "raises", validated_at(2, ep=2, init_from="scratch")),
-    (48, "ep=2 with fsdp=True", "raises", validated_at(2, n_experts=4, ep=2, fsdp=True)),
+    (48, "ep=2 with ddp_impl=torch", "raises", validated_at(2, n_experts=4, ep=2, ddp_impl="torch")),
     (48, "n_experts=4 with tp=2", "raises", validated_at(2, n_experts=4, tp=2)),
     (48, "meta.json n_experts=4 on a dense checkpoint's tensors", "raises", moe_meta_on_dense_tensors),
     (48, "meta.json moe_top_k 9 of 4 experts", "fallback", damaged("meta.json", in_place(

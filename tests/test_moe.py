@@ -207,15 +207,15 @@ def _bias(out_dir):
 
 
 def test_moe_layouts_equal_one_process_and_resume_from_ep2_into_one(dataset, tmp_path):
-    """ep=2 in dp=4, ep=2 x pp=2, ep=2 x zero=2, and MoE under fsdp give the single-process
-    curve, and the same bias; an ep=2 run resumed by one process goes on along it. At
+    """ep=2 in dp=4, ep=2 x pp=2, ep=2 x zero=2 and ep=2 x fsdp=4 (the experts sharded over the
+    ranks that hold the same ones) give the single-process curve, and the same bias; an ep=2 run resumed by one process goes on along it. At
     accumulation 1 and 2 (the same global batch, no balancing loss: its unit is the micro-batch)
     the bias is the same too."""
     base = [*MOE_REF, f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
     run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path))
     runs = {"ep2dp4": (4, ["ep=2"]), "ep2pp2": (4, ["ep=2", "pp=2"]), "ep2zero2": (2, ["ep=2", "zero=2"]),
-            "fsdp": (2, ["fsdp=True"])}
+            "ep2fsdp4": (4, ["ep=2", "fsdp=True"])}
     for name, (n, extra) in runs.items():
         torchrun(n, [*base, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
         assert_same_curve(read_metrics(ref), read_metrics(str(tmp_path / name)))
