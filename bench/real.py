@@ -94,10 +94,10 @@ def transformers_loop(path, T, grad_ckpt, device):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.train()
-    if grad_ckpt:  # (transformers 5.24 renamed it activation_checkpointing_enable)
+    if grad_ckpt:  # transformers 5.24 renamed gradient_checkpointing_enable; a GPU box may have 5.17
         model.config.use_cache = False
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
 
     def step(x, y):
