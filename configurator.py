@@ -189,6 +189,8 @@ RULES = [
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
     (lambda c: c["n_experts"] and c["moe_top_k"] > c["n_experts"],
      "moe_top_k={moe_top_k} is more than n_experts={n_experts}: a token picks top_k of the experts; lower moe_top_k"),
+    (lambda c: c["n_experts"] and c["moe_every"] > c["n_layer"],
+     "moe_every={moe_every} is more than n_layer={n_layer}: no layer would be a mixture of experts; lower moe_every"),
     # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
     (lambda c: c["n_embd"] % c["n_head"],
      "n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head"),

@@ -634,6 +634,7 @@ CASES = [
     (41, "data_source= other than the prepared data's", "raises", data_asked(data_source="elsewhere/*.txt")),
     # issue 48: mixture of experts (numbered 48)
     (48, "moe_top_k=5 of n_experts=4", "raises", validated(n_experts=4, moe_top_k=5)),
+    (48, "moe_every=9 past n_layer=4", "raises", validated(n_experts=4, moe_every=9)),
     (48, "ep=2 on one data-parallel rank", "raises", validated(n_experts=4, ep=2)),
     (48, "ep=3 not dividing n_experts=4 (6 ranks)", "raises", validated_at(6, n_experts=4, ep=3)),
     (48, "ep=2 on a dense model", "raises", validated_at(2, ep=2, init_from="scratch")),

@@ -73,6 +73,12 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
         ours.load_state_dict(weights)
         with torch.no_grad():
             torch.testing.assert_close(ours(x)[0], want, rtol=1e-5, atol=1e-5)
+        # an ep rank reads only its experts (build.fill): experts 2, 3 of a layer, from either layout
+        _, index = hf.hf_llama_index(path)
+        for name in ("layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2"):
+            part = torch.empty(2, *weights[name].shape[1:])
+            hf.load_hf_parts(index, [(name, part, tuple(weights[name].shape), 0, 2, 4)])
+            assert torch.equal(part, weights[name][2:4])
     out = str(tmp_path / "export")
     hf.save_hf_llama(out, ours.state_dict(), cfg)
     torch.testing.assert_close(hf_logits(out, x), want, rtol=1e-5, atol=1e-5)
