@@ -67,10 +67,12 @@ def stdlib_files():
 
 
 def resolve_source(source):
-    """(kind, root, files) for 'stdlib', a directory of .txt files, a glob, or .jsonl files."""
+    """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or .jsonl
+    files: each file once, by its real path (a link to another file of the source is skipped:
+    the text would be in the data twice, maybe in both val and train), skipped of them."""
     if source == "stdlib":
         root, files = stdlib_files()
-        return "text", root, files
+        return "text", root, files, 0
     if os.path.isdir(source):
         files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
         root = source
@@ -87,7 +89,11 @@ def resolve_source(source):
     jsonl = [f.endswith(".jsonl") for f in files]
     if any(jsonl) and not all(jsonl):
         raise UserError(f"data source '{source}' mixes .jsonl and other files: prepare them separately")
-    return ("jsonl" if all(jsonl) else "text"), root, files
+    real = {}  # real path -> the name kept: the file's own rather than a link's
+    for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
+        real.setdefault(os.path.realpath(f), f)
+    kept = set(real.values())
+    return ("jsonl" if all(jsonl) else "text"), root, [f for f in files if f in kept], len(files) - len(kept)
 
 
 def _records(path, text_field):
@@ -243,7 +249,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     pickling text to worker processes."""
     if isinstance(extra_tokens, str):
         extra_tokens = load_extra_tokens(extra_tokens)
-    kind, root, files = resolve_source(source)
+    kind, root, files, skipped = resolve_source(source)
+    if skipped and verbose:
+        print(f"prepare: {skipped} files of {source} are links to others of it: each text is prepared once", flush=True)
     fmt = detect_format(kind, files, text_field, format)
     chat = fmt == "chat"
     base = get_tokenizer(tokenizer, vocab_size)

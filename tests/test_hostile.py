@@ -296,6 +296,21 @@ def tempered_weights_stay_finite(b, tmp):
                         np.isfinite(mixture.temper([1.0, 1.0], 0.001)).all())
 
 
+def linked_files_prepared_once(b, tmp):
+    """A glob whose files include links to others of it (Debian's common-licenses: GPL -> GPL-3)."""
+    def call():
+        src = os.path.join(tmp, "out", "src")  # (tmp/out: where a case may write)
+        os.makedirs(src)
+        for i in range(8):
+            with open(os.path.join(src, f"doc{i}.txt"), "w") as f:
+                f.write(f"text number {i} " * 50)
+            os.symlink(f"doc{i}.txt", os.path.join(src, f"link{i}.txt"))
+        meta = prepare.prepare(os.path.join(src, "*.txt"), os.path.join(tmp, "out", "d"), "cl100k_base", 512,
+                               val_fraction=0.5, verbose=False)
+        return meta["train_docs"] + meta["val_docs"] == 8
+    return call
+
+
 def stale_prepare_dir_is_cleaned(b, tmp):
     def call():
         stale = os.path.join(tmp, "d.tmp999999999")  # no such pid
@@ -614,6 +629,7 @@ CASES = [
                                         "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}}))),
     (50, "tokenizer.json: continuing_subword_prefix on a byte-level file", "raises", naming(
         "continuing_subword_prefix", exported_tokenizer(lambda tj: tj["model"].update(continuing_subword_prefix="##")))),
+    (50, "a glob holding links to its own files: each text prepared once", "holds", linked_files_prepared_once),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
     (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
