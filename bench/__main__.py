@@ -21,7 +21,7 @@ import prepare
 
 from bench import (build, checkpoint, dp, gpu, head, long, lora, memory, memory2d, mfu, moe, pp, profile, race,
                    reading, real, sample, single, tokenize, tp)
-from bench.base import ROOT, RUN_KEYS, SMOKE, SMOKE_KEYS
+from bench.base import ROOT, RUN_KEYS, SMOKE, SMOKE_KEYS, TRAIN
 
 TABLES = {"single": single.table_single, "dp": dp.table_dp, "pp": pp.table_pp_both, "tp": tp.table_tp,
           "long": long.table_long, "memory": memory.table_memory, "memory2d": memory2d.table_memory2d,
@@ -50,14 +50,21 @@ def describe():
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--row":
+    if len(sys.argv) > 1 and sys.argv[1] == "--row":  # one row in a process of its own (base.py runs it so)
+        if len(sys.argv) != 4 or sys.argv[2] not in ROWS or not sys.argv[3].startswith("{"):
+            sys.exit(f"error: --row takes a row ({', '.join(ROWS)}) and its arguments as a JSON object")
         print(json.dumps(ROWS[sys.argv[2]](**json.loads(sys.argv[3]))))
         sys.exit(0)
     if {"-h", "--help"} & set(sys.argv[1:]):
         sys.exit(print(describe()))
-    unknown = sorted({a for a in sys.argv[1:] if a.startswith("-") and "=" not in a} - {"--smoke", "--functions"})
-    if unknown:  # a typo such as --smok must not start the full-size tables
+    # a typo (--smok, --smoke=1) must not start the full-size tables, minutes of them
+    unknown = sorted({a for a in sys.argv[1:] if a.startswith("-")} - {"--smoke", "--functions"})
+    if unknown:
         sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, --functions (reading) and --help")
+    for a in (a for a in sys.argv[1:] if "=" in a):  # key=value: the --smoke runs' train.py keys
+        if not SMOKE or a.split("=")[0] not in TRAIN:
+            sys.exit(f"error: {a}: key=value goes with --smoke, to its train.py runs, and names a train.py key "
+                     f"(a table is named alone: python bench.py {a.split('=')[0]})")
     names = [a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a] or list(TABLES)
     for name in names:
         if name not in TABLES:

@@ -33,6 +33,11 @@ def test_options_it_does_not_know_start_nothing(tmp_path):
     started the full-size tables, minutes of them)."""
     p = run_train(["--help"], cwd=tmp_path, script="bench.py", timeout=120)
     assert "python bench.py --smoke" in p.stdout and "## " not in p.stdout and p.stderr == ""
-    p = run_train(["--smok"], cwd=tmp_path, script="bench.py", check=False, timeout=120)
-    assert p.returncode == 1 and p.stdout == "" and p.stderr.strip().splitlines() == [
-        "error: unknown option --smok: the options are --smoke, --functions (reading) and --help"]
+    for args, error in ((["--smok"], "unknown option --smok: the options are"),
+                        (["--smoke=1"], "unknown option --smoke=1: the options are"),  # (any option with '=')
+                        (["reading=1"], "reading=1: key=value goes with --smoke"),  # (not a table's name)
+                        (["--row"], "--row takes a row"), (["--row", "nope", "{}"], "--row takes a row")):
+        p = run_train(args, cwd=tmp_path, script="bench.py", check=False, timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 1 and p.stdout == "" and len(lines) == 1 and lines[0].startswith(f"error: {error}"), \
+            (args, p.stdout[-1000:], p.stderr[-2000:])
