@@ -6,13 +6,19 @@ read with limits (loads_json, read_json, json_field), files written whole or not
 Every other file may import this one; it imports none of them.
 """
 
+import ast
+import atexit
+import contextlib
 import hashlib
 import io
 import json
 import math
 import os
+import signal
 import stat
 import sys
+import tempfile
+import tokenize
 import traceback
 
 # ---------------------------------------------------------------------------------------
@@ -31,13 +37,85 @@ def excepthook(kind, err, tb):
     out = sys.__stderr__
     if isinstance(err, UserError):
         print(f"error: {err}", file=out, flush=True)
-    elif isinstance(err, KeyboardInterrupt):  # Ctrl-C before the run catches it: every file is written whole or not
-        print("interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the command again",
-              file=out, flush=True)
+    elif isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM before the run catches them: 128 + N
+        stopped(getattr(err, "signum", signal.SIGINT))
     elif isinstance(err, BrokenPipeError):  # `... --help | head` closed the pipe: the reader has what it wanted;
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second complaint at exit
-    else:
+    elif not (isinstance(err, OSError) and flush_stdout()):
         traceback.print_exception(kind, err, tb, file=out)
+
+
+def flush_stdout(probe=True):
+    """Standard output flushed; where it cannot be (`> /dev/full`), one line that says so
+    instead of a traceback, and True (at exit: exit 1). probe: also where nothing is pending."""
+    try:
+        sys.stdout.flush()
+        if probe:  # (a failed print dropped its bytes; a full device refuses even none)
+            os.write(sys.stdout.fileno(), b"")
+        return False
+    except io.UnsupportedOperation:  # (no file descriptor: a test's capture)
+        return False
+    except OSError as e:
+        print(f"error: standard output cannot be written ({e.strerror or e}): send it elsewhere", file=sys.__stderr__,
+              flush=True)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (what it held goes nowhere)
+        return True
+
+
+def stopped(signum):
+    """Ends the process stopped by signal `signum` before it finished: one line, and the exit
+    a shell reports for a command that the signal killed, 128 + N (Ctrl-C: 130, SIGTERM: 143)."""
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    with contextlib.suppress(OSError, ValueError):  # what was printed before it
+        sys.stdout.flush()
+    print(f"{what}: stopped before finishing; what was written is whole, run the command again",
+          file=sys.__stderr__, flush=True)
+    os._exit(128 + signum)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM (signum) before a run catches them itself: unwinds as Ctrl-C does."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def start_command(argv=(), script=None):
+    """Before torch imports (seconds): _on_signal, flush_stdout, excepthook; script's --help."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    atexit.register(lambda: flush_stdout(probe=False) and os._exit(1))
+    sys.excepthook = excepthook
+    if "-h" in argv or "--help" in argv:
+        raise SystemExit(print(script_help(script), flush=True))
+
+
+def _on_signal(signum, frame):
+    # A command's Ctrl-C (SIGINT) and SIGTERM until the run installs its own handling. While a
+    # module imports (torch: seconds, a minute on a busy machine; and an import may swallow a
+    # KeyboardInterrupt) nothing is written yet: one line and exit 128 + N at once. Later an
+    # Interrupted unwinds (a half-prepared dataset is removed) to excepthook: the same line and exit.
+    while frame and not frame.f_code.co_filename.startswith("<frozen importlib"):
+        frame = frame.f_back
+    if frame:
+        stopped(signum)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """The block runs whole: a SIGINT or SIGTERM meanwhile is delivered after it (a dataset
+    swapped in by two renames is never left half-way)."""
+    got = []
+    old = {sig: signal.signal(sig, lambda n, frame: got.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in got[:1]:
+            signal.raise_signal(sig)
 
 
 def check(ok, problem):
@@ -57,6 +135,52 @@ def describe_error(e):
 MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "n_embd": 2 ** 17,
              "ffn_dim": 2 ** 20, "block_size": 2 ** 24, "rope_original_len": 2 ** 24, "n_experts": 2 ** 14,
              "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20, "moe_shared_ffn_dim": 2 ** 20}
+
+
+# ---- a script's --help, from its own text
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node) is not Ellipsis
+    except ValueError:
+        return False
+
+
+def script_help(script, defaults=None):
+    """--help: every key of `defaults` with its default and the comment beside it in `script`
+    (this project's train.py or sample.py: its top-level or main()'s assignments), its section
+    comments as headings: the file that owns the keys is the one source. No defaults: the keys
+    are the script's first run of `key = literal` lines."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    with open(path) as f:
+        source = f.read()
+    comments = {t.start[0]: (t.start[1], t.string.lstrip("# ")) for t in
+                tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    lines, tree = source.splitlines(), ast.parse(source, path)
+    main = [n.body for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    if defaults is None:  # the first run of `key = literal` lines
+        defaults = []
+        for n in tree.body + sum(main, []):
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and _literal(n.value):
+                defaults.append(n.targets[0].id)
+            elif defaults:
+                break
+    assigns = {}  # key: its first assignment, the default
+    for n in tree.body + sum(main, []):
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in defaults:
+            assigns.setdefault(n.targets[0].id, n)
+    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys and their defaults:"]
+    for prev, node in zip([None, *assigns.values()], assigns.values()):
+        heading = [comments[ln][1] for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
+                   if comments.get(ln, (1,))[0] == 0]  # a section's heading: comments at the margin
+        out += [f"\n{' '.join(heading)}"] if heading else []
+        text, ln = [comments.get(node.end_lineno, (0, ""))[1]], node.end_lineno + 1
+        while ln in comments and comments[ln][0] > 0 and not lines[ln - 1][:comments[ln][0]].strip():
+            text, ln = text + [comments[ln][1]], ln + 1  # the comment goes on under the line
+        key = f"{node.targets[0].id} = {ast.get_source_segment(source, node.value)}"
+        out.append(f"  {key:<34} {' '.join(text)}".rstrip())
+    return "\n".join(out)
 
 
 # ---- files from outside: JSON read with limits -----------------------------------------
@@ -145,6 +269,64 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
     return v
+
+
+# ---------------------------------------------------------------------------------------
+# where a command will write, checked before it starts rather than after it has trained
+
+RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")  # what a run directory holds of its own
+
+
+def check_writable(key, path):
+    """key=path can be made: its nearest existing part is a directory we can create a file in."""
+    near = os.path.abspath(path)
+    while not os.path.lexists(near):
+        near = os.path.dirname(near)
+    check(os.path.isdir(near), f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
+                               f"directory (or a symlink loop): pick another {key}")
+    try:  # (tried: root may not write /sys or a read-only mount either, whatever os.access says)
+        os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=near))
+    except OSError as e:
+        raise UserError(f"{key}={path} is not writable ({near}: {e.strerror}): fix its permissions or pick another "
+                        f"{key}") from None
+
+
+def check_exports(exports, runs=(), files=()):
+    """Each key=path of `exports` (a directory to make; for a key in `files`, one file) can be
+    written (check_writable); what is there may be replaced: nothing, an empty directory, or
+    for a file a regular file (an earlier export), never a device or a link; it is not a run
+    directory itself (`runs`, or what holds ckpt/ or metrics.jsonl) nor one of its own files
+    (RUN_FILES) or checkpoints (a directory with manifest.json); and no two overlap."""
+    runs, real = [os.path.realpath(r) for r in runs], {}
+    for key, path in exports.items():
+        if not path:
+            continue
+        if key in files:
+            check(os.path.isdir(os.path.dirname(os.path.abspath(path))), f"{key}={path}: the directory "
+                  f"{os.path.dirname(os.path.abspath(path))} does not exist: create it or export elsewhere")
+            check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, e.g. "
+                                           f"{key}={os.path.join(path, 'model.pt')}")
+        check_writable(key, path)
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else None
+        check(mode is None or (stat.S_ISREG(mode) if key in files else stat.S_ISDIR(mode) and not os.listdir(path)),
+              f"{key}={path} exists and is not a regular file (a device or a link): name a new file, or an earlier "
+              f"export" if key in files else f"{key}={path} already exists and is not an empty directory: remove it "
+              f"or export elsewhere (checked now rather than after the run has trained)")
+        p = real[key] = os.path.realpath(path)
+        check(not any(r == p or r.startswith(p + os.sep) for r in runs), f"{key}={path} is or holds the run "
+              f"directory {runs[0] if runs else ''}: export elsewhere, e.g. {os.path.join(path, 'export')}")
+        a = p
+        while a != os.path.dirname(a):
+            inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
+            check(not os.path.isfile(os.path.join(a, "manifest.json")), f"{key}={path} is inside the checkpoint {a}: "
+                  f"an export may not change a checkpoint; export elsewhere")
+            run = a in runs or os.path.isdir(os.path.join(a, "ckpt")) or os.path.isfile(os.path.join(a, "metrics.jsonl"))
+            check(not run or inside not in RUN_FILES, f"{key}={path} would write into the run directory {a}'s own "
+                  f"{inside}: export elsewhere, e.g. {os.path.join(a, 'export')}")
+    for (k1, p1), (k2, p2) in ((x, y) for x in real.items() for y in real.items() if x[0] < y[0]):
+        check(not (p1 == p2 or p1.startswith(p2 + os.sep) or p2.startswith(p1 + os.sep)),
+              f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the other: each export "
+              f"needs a place of its own")
 
 
 # ---------------------------------------------------------------------------------------

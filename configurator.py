@@ -17,15 +17,15 @@ default is a list (a list key, such as `phases`, is a Python literal on the comm
 
 import ast
 import difflib
-import io
 import math
 import os
-import tokenize
+import stat
 import traceback
 
 import torch
 
-from common import UserError, check
+import common
+from common import UserError, check, script_help
 from model import ModelConfig
 
 
@@ -77,11 +77,13 @@ def configure(defaults, argv, script="train.py"):
 def _config_file(path, defaults, overrides, script):
     """The keys a config file assigns: it runs in a namespace that sees the defaults (and the
     overrides before it), and what it changed is kept, type-checked like the command line."""
-    try:
-        with open(path) as f:
+    try:  # (opened without blocking: a FIFO or /dev/zero is refused, not read forever)
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), encoding="utf-8") as f:
+            check(stat.S_ISREG(os.fstat(f.fileno()).st_mode), f"config file '{path}' is not a regular file: pass "
+                                                              f"a file such as config/tiny.py, or key=value")
             source = f.read()
-    except OSError as e:
-        raise UserError(f"cannot read config file '{path}' ({e.strerror}): pass an existing "
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file '{path}' ({getattr(e, 'strerror', None) or e}): pass an existing "
                         f"file such as config/tiny.py, or key=value") from None
     scope = {k: overrides.get(k, v) for k, v in defaults.items()}
     before = dict(scope)
@@ -116,34 +118,6 @@ def script_defaults(path):
             except ValueError:
                 pass  # computed, not a default
     return out
-
-
-def script_help(script, defaults):
-    """--help: every key of `defaults` with its default and the comment beside it in `script`
-    (this project's train.py or sample.py: its top-level or main()'s assignments), its section
-    comments as headings: the file that owns the keys is the one source."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
-    with open(path) as f:
-        source = f.read()
-    comments = {t.start[0]: (t.start[1], t.string.lstrip("# ")) for t in
-                tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
-    lines, tree = source.splitlines(), ast.parse(source, path)
-    main = [n.body for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
-    assigns = {}  # key: its first assignment, the default
-    for n in tree.body + sum(main, []):
-        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in defaults:
-            assigns.setdefault(n.targets[0].id, n)
-    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys and their defaults:"]
-    for prev, node in zip([None, *assigns.values()], assigns.values()):
-        heading = [comments[ln][1] for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
-                   if comments.get(ln, (1,))[0] == 0]  # a section's heading: comments at the margin
-        out += [f"\n{' '.join(heading)}"] if heading else []
-        text, ln = [comments.get(node.end_lineno, (0, ""))[1]], node.end_lineno + 1
-        while ln in comments and comments[ln][0] > 0 and not lines[ln - 1][:comments[ln][0]].strip():
-            text, ln = text + [comments[ln][1]], ln + 1  # the comment goes on under the line
-        key = f"{node.targets[0].id} = {ast.get_source_segment(source, node.value)}"
-        out.append(f"  {key:<34} {' '.join(text)}".rstrip())
-    return "\n".join(out)
 
 
 # ---- the one validation pass ----------------------------------------------------------
@@ -490,9 +464,8 @@ def check_files(c):
         writable = os.path.dirname(writable)
     check(os.access(writable, os.W_OK | os.X_OK), f"out_dir={out_dir} is not writable ({writable} is read-only to "
                                                   f"this user): fix its permissions or pick another out_dir")
-    check(not export_hf or not os.path.exists(export_hf) or (os.path.isdir(export_hf) and not os.listdir(export_hf)),
-          f"export_hf={export_hf} already exists and is not an empty directory: remove it or export elsewhere "
-          f"(checked now rather than after the run has trained)")
+    if export_hf or c["export_lora"]:  # checked now, not after the run has trained
+        common.check_exports({"export_hf": export_hf, "export_lora": c["export_lora"]}, runs=[out_dir])
 
 
 def refusals_markdown():

@@ -8,16 +8,19 @@ and `it`, and each data-parallel rank takes its slice of it. mixture.py draws fr
     python data.py stdlib        # prepare a dataset: prepare.py's command line
 """
 
+# `python data.py SOURCE ...` is prepare.py's command line, run as a script rather than imported
+# (the module data stays beneath prepare.py), and before this file imports torch: preparing needs none
+if __name__ == "__main__":
+    import runpy
+    runpy.run_module("prepare", run_name="__main__")
+    raise SystemExit
+
 import os
 
 import numpy as np
 import torch
 
 from common import UserError, json_field, read_json
-
-
-def token_dtype(vocab_size):
-    return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
 def check_made_as_asked(data_dir, asked, given):
@@ -163,10 +166,3 @@ def doc_ids(x, eot_token):
     the next document starts right after it. Any shape; rows run along the last dim."""
     is_eot = (x == eot_token).long()
     return is_eot.cumsum(-1) - is_eot
-
-
-# `python data.py SOURCE ...` is prepare.py's command line, run as a script rather than imported:
-# the module data stays beneath prepare.py, which imports it.
-if __name__ == "__main__":
-    import runpy
-    runpy.run_module("prepare", run_name="__main__")

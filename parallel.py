@@ -171,6 +171,8 @@ def excepthook(kind, err, tb):
     with a live process group we leave at once: the interpreter's shutdown with gloo's
     threads still holding work can hang or abort, which would stall torchrun's restart."""
     out = sys.__stderr__
+    if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
+        sys.modules["rundir"].remove_refused()
     if not reports(err, tb):
         pass  # another rank tells it: one line per run, ours the last before torchrun's report
     elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
@@ -178,12 +180,10 @@ def excepthook(kind, err, tb):
               f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
               f"only slow (e.g. a long save)", file=out, flush=True)
     else:
-        common.excepthook(kind, err, tb)
-    if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
-        sys.modules["rundir"].remove_refused()
-    if isinstance(err, KeyboardInterrupt):  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+        common.excepthook(kind, err, tb)  # (Ctrl-C or SIGTERM: its line, and exit 128 + N)
+    if isinstance(err, KeyboardInterrupt):  # 128 + N, as a shell reports a command the signal stopped
         out.flush()
-        os._exit(130)
+        os._exit(128 + getattr(err, "signum", 2))
     if dist.is_initialized():
         out.flush()
         sys.stdout.flush()

@@ -26,11 +26,14 @@ import sysconfig
 import time
 import zlib
 
+import common
+
+if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (common.start_command)
+    common.start_command()
 import numpy as np
 
 import chat_template
 from common import UserError, excepthook, loads_json
-from data import token_dtype
 from tokenizer import (
     CHAT_TOKENS,
     ROLES,
@@ -213,11 +216,14 @@ def move_to_val(work, chat, dtype, doc):
 
 def clean_stale(final):
     """Removes NAME.tmpPID / NAME.oldPID beside dataset `final` whose process is gone: a
-    preparation that was killed half-way (like checkpoint.py's .tmp_iter_* directories)."""
+    preparation that was killed half-way (like checkpoint.py's .tmp_iter_* directories); an
+    .oldPID without NAME (killed inside the swap) is the dataset, put back."""
     parent, base = os.path.split(final)
     for n in os.listdir(parent or ".") if os.path.isdir(parent or ".") else []:
-        m = re.fullmatch(re.escape(base) + r"\.(?:tmp|old)(\d+)", n)
-        if m and not _alive(int(m[1])):
+        m = re.fullmatch(re.escape(base) + r"\.(tmp|old)(\d+)", n)
+        if m and not _alive(int(m[2])) and m[1] == "old" and not os.path.exists(final):
+            os.replace(os.path.join(parent, n), final)  # killed between the swap's two renames: the old one back
+        elif m and not _alive(int(m[2])):
             shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
 
 
@@ -270,7 +276,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if own:  # the template writes the BOS it wants
         bos, eot = [], chat_template.separator(enc, enc.chat_template)
     vocab = enc.n_vocab
-    dtype = token_dtype(vocab)
+    dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
     if type(workers) is not int or workers < 0:
         raise UserError(f"workers={workers} must be a whole number >= 0 (0: one thread per core)")
     workers = workers or os.cpu_count() or 1
@@ -386,16 +392,17 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
     with open(os.path.join(work, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
-        for name in os.listdir(final):
-            if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
-                os.replace(os.path.join(final, name), os.path.join(work, name))
-        old = f"{final}.old{os.getpid()}"
-        os.replace(final, old)
-        os.replace(work, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(work, final)
+    with common.uninterrupted():  # a Ctrl-C or SIGTERM now waits: the old dataset or the new one, whole
+        if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
+            for name in os.listdir(final):
+                if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
+                    os.replace(os.path.join(final, name), os.path.join(work, name))
+            old = f"{final}.old{os.getpid()}"
+            os.replace(final, old)
+            os.replace(work, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(work, final)
     if verbose:
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
@@ -434,9 +441,14 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
 
 # ---------------------------------------------------------------------------------------
 
+class _Arguments(argparse.ArgumentParser):
+    def error(self, message):  # one line, as train.py and sample.py say it (not a usage block and exit 2)
+        raise UserError(f"{message}: `python data.py --help` lists the arguments")
+
+
 def main():
     sys.excepthook = excepthook
-    ap = argparse.ArgumentParser(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
+    ap = _Arguments(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help: the defaults too
     ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
                     "(of text, or of chat conversations for SFT)")

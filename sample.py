@@ -17,11 +17,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
+import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+
+if __name__ == "__main__":
+    common.start_command(sys.argv[1:], "sample.py")
 import numpy as np
 import torch
 
 import checkpoint
-import common
 import configurator
 import data
 import hf
@@ -152,11 +155,8 @@ def main(argv):
         check(0 <= cfg[key] <= 10 ** 6, f"{key}={cfg[key]} must be in [0, 10**6]")
     check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
     check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
-    export_dir = os.path.dirname(os.path.abspath(cfg["export"])) if cfg["export"] else "."
-    check(os.path.isdir(export_dir), f"export={cfg['export']}: the directory {export_dir} does not exist: create it "
-                                     f"or export elsewhere")
-    check(not os.path.isdir(cfg["export"]), f"export={cfg['export']} is a directory: name the file to write, e.g. "
-                                            f"export={os.path.join(cfg['export'], 'model.pt')}")
+    # checked before the checkpoint is read: never into a run's own files or a checkpoint, nor over a device
+    common.check_exports({"export": cfg["export"], "export_hf": cfg["export_hf"]}, files=("export",))
     check(0 <= cfg["block_size"] <= 2 ** 20 and 1 <= cfg["batch_size"] <= 2 ** 16,
           f"block_size={cfg['block_size']} and batch_size={cfg['batch_size']} must be in [0, 2**20] and [1, 2**16]")
     if cfg["eval"]:

@@ -17,10 +17,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
+import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+
+common.start_command(sys.argv[1:], "train.py")
 import torch
 
 import checkpoint
-import common
 import configurator
 import data
 import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)

@@ -287,6 +287,45 @@ def sample_args(*args):
     return make
 
 
+def sample_export_into(key, rel):
+    """sample.py {key}= a path of the run it reads (a copy under tmp/out): the run must stay whole."""
+    def make(b, tmp):
+        run = copy(b["run"], os.path.join(tmp, "out", "run"))
+
+        def call():
+            before = snapshot(run, None)
+            try:
+                sample.main([f"out_dir={run}", f"{key}={os.path.join(run, rel)}"])
+            finally:
+                assert snapshot(run, None) == before, "the run was changed"
+        return call
+    return make
+
+
+def sample_export_over(kind):
+    """sample.py export= a FIFO or a link (as /dev/full, which root would replace): never replaced."""
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "out"))
+        path = os.path.join(tmp, "out", "w.pt")
+        os.mkfifo(path) if kind == "fifo" else os.symlink(os.path.join(tmp, "outside.txt"), path)
+        return lambda: sample.main([f"out_dir={b['run']}", f"export={path}"])
+    return make
+
+
+def loop_export(key, below=""):
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "out"))
+        os.symlink("loop", os.path.join(tmp, "out", "loop"))
+        return validated(**{key: os.path.join(tmp, "out", "loop", below)})(b, tmp)
+    return make
+
+
+def in_tmp(**paths):
+    """validated() with each value a path under tmp ('FILE': the harness's outside.txt)."""
+    return lambda b, tmp: validated(**{k: os.path.join(tmp, v.replace("FILE", "outside.txt"))
+                                       for k, v in paths.items()})(b, tmp)
+
+
 def prepare_workers(b, tmp):
     return lambda: prepare.prepare("stdlib", os.path.join(tmp, "d"), "cl100k_base", 512, workers=-3, verbose=False)
 
@@ -630,6 +669,31 @@ CASES = [
     (50, "tokenizer.json: continuing_subword_prefix on a byte-level file", "raises", naming(
         "continuing_subword_prefix", exported_tokenizer(lambda tj: tj["model"].update(continuing_subword_prefix="##")))),
     (50, "a glob holding links to its own files: each text prepared once", "holds", linked_files_prepared_once),
+    (50, "sample.py export= the run's ckpt/latest", "raises", sample_export_into("export", "ckpt/latest")),
+    (50, "sample.py export= the run's config.json", "raises", sample_export_into("export", "config.json")),
+    (50, "sample.py export= the run's metrics.jsonl", "raises", sample_export_into("export", "metrics.jsonl")),
+    (50, "sample.py export= a checkpoint's manifest.json", "raises", sample_export_into(
+        "export", "ckpt/iter_0000004/manifest.json")),
+    (50, "sample.py export= into the newest checkpoint", "raises", sample_export_into(
+        "export", "ckpt/iter_0000004/model.pt")),
+    (50, "sample.py export_hf= into the newest checkpoint", "raises", sample_export_into(
+        "export_hf", "ckpt/iter_0000004/hf")),
+    (50, "sample.py export= a FIFO (as /dev/full)", "raises", sample_export_over("fifo")),
+    (50, "sample.py export= a symlink", "raises", sample_export_over("link")),
+    (50, "sample.py export=/sys/x.pt", "raises", sample_args("export=/sys/x.pt")),
+    (50, "export_hf=/sys/x", "raises", validated(export_hf="/sys/x")),
+    (50, "export_lora=/sys/x", "raises", validated(export_lora="/sys/x")),
+    (50, "export_lora=FILE/x", "raises", in_tmp(export_lora="FILE/x")),
+    (50, "export_hf= a symlink loop", "raises", loop_export("export_hf")),
+    (50, "export_lora= below a symlink loop", "raises", loop_export("export_lora", "x")),
+    (50, "export_lora= export_hf= the same directory", "raises", in_tmp(export_hf="out/x", export_lora="out/x")),
+    (50, "export_hf= the out_dir it trains into", "raises", in_tmp(out_dir="out/run", export_hf="out/run")),
+    (50, "export_hf= inside out_dir/ckpt", "raises", in_tmp(out_dir="out/run", export_hf="out/run/ckpt/hf")),
+    (50, "train.py /dev/zero (a config file that is a device)", "raises", lambda b, tmp: lambda: configurator.configure(
+        b["defaults"], ["/dev/zero"])),
+    (50, "data.py with no source", "run", lambda b, tmp: ("data.py", [], os.path.join(tmp, "none"), None)),
+    (50, "data.py --vocab_size abc", "run", lambda b, tmp: ("data.py", ["stdlib", "--vocab_size", "abc"],
+                                                            os.path.join(tmp, "none"), None)),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
     (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
@@ -712,3 +776,98 @@ def test_hostile_input(case, base, tmp_path):
     if before is not None:
         after = snapshot(tmp, out)
         assert after == before, sorted(set(after.items()) ^ set(before.items()))[:3]
+
+
+# ---- issue 50: signals at start-up and while preparing data; --help without torch ----------
+# A wrapper runs the script (runpy, as `python script` does) with a signal sent to itself at a
+# chosen moment: while `module` is first imported, or at the first batch a preparation encodes,
+# or inside the swap that puts a re-prepared dataset in place (the first os.replace of `final`).
+SIGNAL_AT = """
+import os, runpy, sys
+sig, at, script = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+sys.path.insert(0, os.path.dirname(script))
+def send():
+    os.kill(os.getpid(), sig)
+if at == "encode" or at == "swap":
+    import tokenizer
+    real_encode, real_replace = tokenizer.encode_batch, os.replace
+    def encode_batch(*a, **k):
+        send() if at == "encode" else None
+        return real_encode(*a, **k)
+    def replace(src, dst):
+        if at == "swap" and ".old" in str(dst):
+            send()
+        return real_replace(src, dst)
+    tokenizer.encode_batch, os.replace = encode_batch, replace
+else:
+    class Finder:
+        def find_spec(self, name, path=None, target=None):
+            if name == at:
+                sys.meta_path.remove(self)
+                send()
+    sys.meta_path.insert(0, Finder())
+sys.argv = sys.argv[3:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def signalled(sig, at, script, *args, cwd):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", SIGNAL_AT, str(sig), at, os.path.join(ROOT, script), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def one_line(p, code, line):
+    assert p.returncode == code and "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].startswith(
+        line), (p.returncode, p.stderr[-2000:])
+
+
+def test_signals_at_startup_and_while_preparing_are_one_line_and_128_plus_n(tmp_path):
+    """Ctrl-C (SIGINT) or SIGTERM while torch imports: the line and 130 / 143 (the hooks come
+    before torch); SIGTERM or Ctrl-C while data.py re-prepares a dataset: the line and 143 / 130,
+    the old dataset unchanged and nothing left beside it; inside the swap: the new one, whole."""
+    tmp = str(tmp_path)
+    for sig, line in ((2, "interrupted (Ctrl-C)"), (15, "stopped by SIGTERM")):
+        one_line(signalled(sig, "torch", "train.py", "max_iters=1", f"out_dir={tmp}/out", cwd=tmp), 128 + sig, line)
+    one_line(signalled(2, "torch", "sample.py", f"out_dir={tmp}/out", cwd=tmp), 130, "interrupted (Ctrl-C)")
+    src = os.path.join(tmp, "src")
+    os.makedirs(src)
+    for i in range(12):
+        with open(os.path.join(src, f"{i}.txt"), "w") as f:
+            f.write(f"document {i} " * 20)
+    final = os.path.join(tmp, "d")
+    old = prepare.prepare(os.path.join(src, "*.txt"), final, "cl100k_base", 512, val_fraction=0.3, verbose=False)
+    before = snapshot(final, None)
+    for sig, at in ((15, "encode"), (2, "encode"), (2, "swap")):
+        p = signalled(sig, at, "data.py", os.path.join(src, "[0-5].txt"), "--out", final, "--val_fraction", "0.5",
+                      "--vocab_size", "512", cwd=tmp)
+        one_line(p, 128 + sig, "interrupted (Ctrl-C)" if sig == 2 else "stopped by SIGTERM")
+        assert sorted(os.listdir(tmp)) == ["d", "src"], os.listdir(tmp)
+        if at == "encode":
+            assert snapshot(final, None) == before
+    new = data.load_meta(final)  # the re-prepared dataset, whole: its files as its meta.json counts them
+    assert new["train_docs"] + new["val_docs"] == 6 != old["train_docs"] + old["val_docs"]
+    assert os.path.getsize(os.path.join(final, "train.bin")) == 2 * new["train_tokens"]
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "data.py"])
+def test_help_needs_no_torch(script, tmp_path):
+    """--help answers before torch imports (30-50 s on a busy machine)."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, script), "--help"], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage:" in p.stdout, p.stderr[-2000:]
+    assert not [line for line in p.stderr.splitlines() if line.rstrip().endswith("| torch")], "torch was imported"
+
+
+def test_stdout_on_a_full_device_is_one_line(tmp_path):
+    """`python train.py --help > /dev/full` (or any output there): one error line, exit 1."""
+    import subprocess
+    import sys
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], cwd=str(tmp_path),
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        "error: standard output cannot be written (No space left on device): send it elsewhere"], p.stderr[-2000:]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
+import common
 from common import UserError
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
@@ -287,6 +288,7 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
     args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in args.split()]
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py installs its own
+    monkeypatch.setattr(common, "start_command", lambda *a: None)  # (and its signal handlers: not in pytest's process)
     before = snapshot(saved_run)
     with pytest.raises(UserError) as e:
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
