@@ -32,7 +32,7 @@ import hf_tokenizer
 import origin
 import parallel
 import tokenizer
-from lora import load_whole, merge_lora
+from lora import load_whole, merge_lora, save_peft_lora
 from model import ModelConfig, Transformer, grow_vocab
 
 
@@ -55,6 +55,29 @@ def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_
         out = model.generate(idx, max_new_tokens, temperature, top_k or None)
     ids = out[0].tolist() if prompt else out[0, 1:].tolist()
     return enc.decode([i for i in ids if i < enc.n_vocab])  # a padded embedding's rows past the ids: no text
+
+
+def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb, sample_tokens, autocast, device):
+    """train.py's end on rank 0: the trained model (`model`, or None where this rank held only a
+    part of it: read back whole from the checkpoint just written) exported as PEFT adapters
+    (export_lora) and as a Hugging Face LLaMA (export_hf), merged when LoRA, then a sample."""
+    if model is None:
+        load = load_whole if lora else checkpoint.load_whole  # LoRA: the adapters onto their base
+        model = load(checkpoint.find(out_dir, None))[0].to(device)
+    model.eval()
+    if export_lora and lora:
+        named = save_peft_lora(export_lora, model, lora)
+        print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base " + (named or "(unnamed: "
+              "the base run made no export_hf; start LoRA from its export for AutoPeftModelForCausalLM)"), flush=True)
+    if lora:  # W + (alpha / r) B A, which export_hf writes and sampling runs
+        merge_lora(model)
+    if export_hf:
+        hf.save_hf_llama(export_hf, {k: v.cpu() for k, v in model.state_dict().items()}, cfg,
+                         tokenizer.tokenizer_from_meta(meta), shard_mb)
+        print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
+    if sample_tokens > 0:
+        text = sample_text(model, tokenizer.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
+        print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
 
 
 def load_from(init_from):

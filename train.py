@@ -25,7 +25,7 @@ import torch
 import checkpoint
 import configurator
 import data
-import loss_scale  # fp16: loss_scale.py (dtype=float16 only; a plain run calls none of it)
+import loss_scale  # fp16: loss_scale.py
 import origin
 import parallel
 import rundir
@@ -34,167 +34,178 @@ import workarounds
 from model import ModelConfig, Transformer, grow_vocab
 from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 
-# ---- defaults: every one can be overridden by a config file or key=value (--help lists them) ----
-# I/O
-out_dir = "out"                 # checkpoints, metrics.jsonl and config.json go here
-init_from = "auto"              # 'auto': resume out_dir's checkpoint, else fresh; 'resume' (must), 'scratch' (must not);
-                                # or a path to start from its weights: a Hugging Face LLaMA directory, a run's out_dir
-export_hf = ""                  # at the end, also write the model as a Hugging Face LLaMA directory here
-export_shard_mb = 5000.0        # export_hf: shards of this many MB + an index (5000: huggingface_hub's; 0: one file)
-eval_interval = 100             # evaluate val loss every this many iterations (and at the end)
+# ---- defaults: a config file or key=value overrides any of them (--help lists them) ----
+# I/O: out_dir holds the checkpoints, metrics.jsonl and config.json
+out_dir = "out"
+init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or a path to start from
+                                # its weights: a Hugging Face LLaMA directory, a run's out_dir
+export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
+export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
+eval_interval = 100
 eval_iters = 10                 # global batches of val data per evaluation
-log_interval = 10               # print and append to metrics.jsonl every this many iterations
-ckpt_interval = 250             # save a checkpoint every this many iterations (and at the end)
-keep_ckpts = 2                  # keep the newest this many checkpoints (0: keep all)
-ckpt_async = False              # write checkpoints in the background: the loop pauses only to copy the state to CPU
-wandb_log = False               # also log to Weights & Biases (WANDB_MODE=offline works)
+log_interval = 10
+ckpt_interval = 250
+keep_ckpts = 2                  # the newest this many (0: all)
+ckpt_async = False              # write checkpoints in the background
+wandb_log = False
 wandb_project = "trainer"
-wandb_run_name = ""             # '' : the base name of out_dir
-# data
-dataset = "stdlib"              # a name under data/, or a directory holding train.bin/val.bin/meta.json
-datasets = ""                   # a mixture instead of `dataset`: 'stdlib:0.7,notes:0.3' (names or directories)
-mix_temperature = 1.0           # mixture weights become weights ** (1 / T), normalized (T > 1: flatter)
-phases = []                     # curriculum: [(start_iter, {source: weight}), (start_iter, weights, lr_scale), ...]
-data_source = ""                # prepare a missing dataset from: 'stdlib', a directory or glob of .txt, or a .jsonl
+wandb_run_name = ""             # '': out_dir's base name
+# data: a name under data/ or a directory, prepared from data_source if missing
+dataset = "stdlib"
+datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
+mix_temperature = 1.0
+phases = []                     # [(start_iter, {source: weight}), (start_iter, weights, lr_scale), ...]
+data_source = ""                # 'stdlib', a directory or glob of .txt, or a .jsonl
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
-vocab_size = 8192               # truncate the BPE to this many ids (0: the whole tokenizer)
-extra_tokens = ""               # a file of domain strings (one per line) to add to the tokenizer when preparing data
-val_fraction = 0.01             # share of documents that go to val when preparing data
+vocab_size = 8192               # the BPE cut to this many ids (0: whole)
+extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
+val_fraction = 0.01
+# batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
-block_size = 64                 # tokens per sequence
+block_size = 64
 # model
 n_layer = 4
 n_head = 4
 n_kv_head = 2                   # < n_head: grouped-query attention
 n_embd = 128
-ffn_dim = 0                     # SwiGLU hidden width (0: 8/3 * n_embd, rounded up to a multiple of 32)
+ffn_dim = 0                     # SwiGLU width (0: 8/3 n_embd, rounded up to a multiple of 32)
 dropout = 0.0
-tie_embeddings = False          # share the token embedding with the output head
-grad_ckpt = False               # activation checkpointing: recompute each block in backward
-loss_chunk = 0                  # the head and the loss in chunks of this many rows, never all logits (0: all at once)
-doc_mask = False                # attention stays inside each document (<|endoftext|>-separated) of a packed sequence
-neftune_alpha = 0.0             # NEFTune: uniform noise of scale alpha/sqrt(T*n_embd) on the input embeddings, training only
-# mixture of experts (moe.py): every moe_every-th layer's feed-forward becomes n_experts SwiGLU experts
-n_experts = 0                   # 0: dense
-moe_top_k = 2                   # experts per token
-moe_every = 1                   # layer i is MoE when (i + 1) % moe_every == 0
-moe_ffn_dim = 0                 # each expert's hidden width (0: ffn_dim)
-moe_score = "softmax"           # router scores: 'softmax' (Mixtral, Qwen2-MoE) or 'sigmoid' (DeepSeek-V3)
+tie_embeddings = False
+grad_ckpt = False               # recompute each block in backward
+loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
+doc_mask = False                # attention stays inside each document of a packed sequence
+neftune_alpha = 0.0             # noise of scale alpha/sqrt(T*n_embd) on the input embeddings
+# mixture of experts (moe.py): every moe_every-th feed-forward becomes n_experts (0: dense) experts
+n_experts = 0
+moe_top_k = 2
+moe_every = 1
+moe_ffn_dim = 0
+moe_score = "softmax"
 moe_norm_topk = True            # renormalise the top_k weights to sum 1
-moe_shared_ffn_dim = 0          # > 0: a shared expert of this width with a sigmoid gate (Qwen2-MoE)
-moe_aux_weight = 0.01           # Switch/GShard load-balancing loss, per micro-batch
-moe_z_weight = 0.0              # router z-loss
-moe_bias_rate = 0.0             # DeepSeek-V3 aux-loss-free balancing: the bias's step per optimizer step
-ep = 1                          # expert parallel: each MoE layer's experts split over ep ranks taken from dp
-# LoRA: train low-rank adapters on a frozen base (init_from= the base); the checkpoints hold the adapters only
-lora_rank = 0                   # rank r of the adapters (0: no LoRA, full fine-tuning)
-lora_alpha = 16.0               # the adapters' update B A is scaled by lora_alpha / lora_rank
-lora_dropout = 0.0              # dropout on the adapters' input (the base path has none)
-lora_targets = "wq,wk,wv,wo"    # the linears that get adapters: any of wq,wk,wv,wo,w1,w2,w3,output
-lora_from = ""                  # start from these adapters (a PEFT adapter directory) instead of fresh ones
-export_lora = ""                # at the end, also write the adapters here in PEFT's format (adapter_config.json ...)
-# optimizer: weight decay on 2-D weights only
-optim = "muon"                  # 'adamw', or 'muon': Muon for the layers' matrices, AdamW for embeddings, head, gains
-learning_rate = 4e-3            # peak learning rate (Muon's updates are scaled to AdamW's size: one rate for both)
-embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this (a row learns only when its token appears)
-muon_momentum = 0.95            # Muon's Nesterov momentum
+moe_shared_ffn_dim = 0          # > 0: a shared expert this wide (Qwen2-MoE)
+moe_aux_weight = 0.01
+moe_z_weight = 0.0
+moe_bias_rate = 0.0
+ep = 1                          # expert parallel: the experts split over ep ranks of dp
+# LoRA: adapters of rank lora_rank (0: none) on a frozen base; the checkpoints hold the adapters
+lora_rank = 0
+lora_alpha = 16.0
+lora_dropout = 0.0
+lora_targets = "wq,wk,wv,wo"    # any of wq,wk,wv,wo,w1,w2,w3,output
+lora_from = ""                  # start from these adapters (a PEFT directory)
+export_lora = ""                # at the end, also write the adapters here (PEFT's format)
+# optimizer: Muon for the layers' matrices, AdamW for the rest (or AdamW alone), one learning rate
+optim = "muon"
+learning_rate = 4e-3
+embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this
+muon_momentum = 0.95
 max_iters = 350
 weight_decay = 0.1
 beta1 = 0.9
-beta2 = 0.99                    # AdamW's (under Muon: embedding, head, gains); 0.99 pays at small batches
-grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping; the norm is logged anyway)
-# learning rate schedule: linear warmup, then 'cosine' decay to min_lr, or 'wsd' (warmup-stable-decay):
-# flat at learning_rate, then a linear decay to min_lr over the last cooldown_frac of lr_decay_iters
+beta2 = 0.99
+grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping)
+# learning rate: warmup, then 'cosine' to min_lr, or 'wsd': flat, then linear over cooldown_frac
 lr_schedule = "cosine"
 warmup_iters = 20
-lr_decay_iters = 0              # 0: = max_iters
-cooldown_frac = 0.2             # wsd: the share of lr_decay_iters spent decaying
+lr_decay_iters = 0              # 0: max_iters
+cooldown_frac = 0.2
 min_lr = 4e-4
-# the NaN guard
-nan_max_consecutive = 3         # a non-finite loss or grad norm skips the step; after this many in a row ...
-nan_action = "rollback"         # ... 'rollback' to the latest checkpoint and step over the bad batches, or 'stop'
-# system
+# the NaN guard: a non-finite loss or grad norm skips the step; after nan_max_consecutive in a row,
+nan_max_consecutive = 3
+nan_action = "rollback"         # roll back to the latest checkpoint, or 'stop'
+# system; float16 scales the loss (the loss_scale keys: torch's GradScaler's defaults)
 device = "auto"                 # 'auto': cuda if available, else cpu
-dtype = "auto"                  # autocast's (weights: float32); auto: bf16 on CUDA (or fp16), AVX512-BF16 CPUs; else fp32
-loss_scale_init = 65536.0       # float16: the first loss scale (these four: torch's GradScaler's defaults)
-loss_scale_growth = 2.0         # float16: the scale x this after loss_scale_interval steps in a row without an overflow
-loss_scale_backoff = 0.5        # float16: the scale x this after an overflow (an inf/NaN gradient: the step is skipped)
-loss_scale_interval = 2000      # float16: clean steps in a row before the scale grows
-compile = False                 # torch.compile the model
+dtype = "auto"                  # autocast's: bf16 where native (CUDA: else fp16), else float32
+loss_scale_init = 65536.0
+loss_scale_growth = 2.0
+loss_scale_backoff = 0.5
+loss_scale_interval = 2000
+compile = False
 seed = 1337                     # weights, data order and dropout all derive from it
-peak_flops = 0.0                # FLOP/s that MFU is measured against (0: measure this device's matmul rate)
-dist_timeout_s = 300            # a collective waiting longer than this (dead peer) ends the run with an error
+peak_flops = 0.0                # what MFU is measured against (0: a measured matmul)
+dist_timeout_s = 300            # a collective waiting longer (a dead peer) ends the run
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
-pp = 1                          # pipeline stages; the data-parallel degree is dp = world_size // (pp * cp * tp)
-tp = 1                          # tensor-parallel ranks per stage (consecutive ranks); dp = world_size // (pp * cp * tp)
-sp = False                      # tp > 1: sequence parallel, the activations outside the matmuls split along T over tp
-cp = 1                          # context parallel: ranks that each hold a part of every sequence (ring attention)
-pp_schedule = "1f1b"            # '1f1b', 'gpipe' (all forwards, then all backwards) or 'interleaved' (pp_virtual chunks)
-pp_virtual = 1                  # interleaved: chunks of layers per stage (virtual stages v * pp + stage), at least 2
-pp_layers = ""                  # layers per stage, e.g. '3,1' (per virtual stage with pp_virtual); '': balanced by cost
-pp_trace = False                # print the pipeline schedule as an ASCII timeline (second iteration)
-ddp_impl = "bucketed"           # data parallel: 'bucketed' (overlapped), 'naive' (per parameter) or 'torch' (DDP)
-ddp_bucket_mb = 4.0             # bucket size of the bucketed all-reduce
-fsdp = False                    # shard parameters, gradients and optimizer state over the dp ranks (FSDP2)
-reshard_after_forward = True    # fsdp: free each block's gathered weights after its forward (gather again for backward)
-zero = 0                        # ZeRO over dp: 1 shards the optimizer state, 2 also the gradients (3 is fsdp=True)
-offload = False                 # zero/fsdp on CUDA: optimizer state (fsdp: and parameters) in CPU memory, stepped there
-sample_tokens = 120             # tokens to generate at the end of the run (0: none)
-# ---------------------------------------------------------------------------------------
+# layout: dp = world_size / (pp x cp x tp)
+pp = 1
+tp = 1
+sp = False                      # tp: sequence parallel
+cp = 1                          # context parallel: each rank holds a part of every sequence
+pp_schedule = "1f1b"            # '1f1b', 'gpipe' or 'interleaved' (pp_virtual chunks per stage)
+pp_virtual = 1
+pp_layers = ""                  # layers per stage, e.g. '3,1' ('': balanced by cost)
+pp_trace = False                # print the schedule as an ASCII timeline
+ddp_impl = "bucketed"           # 'bucketed' (overlapped), 'naive' (per parameter) or 'torch'
+ddp_bucket_mb = 4.0
+fsdp = False                    # shard weights, gradients and optimizer state over dp (FSDP2)
+reshard_after_forward = True    # fsdp: free a block's gathered weights after its forward
+zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
+offload = False                 # zero, fsdp on CUDA: optimizer state in CPU memory
+sample_tokens = 120             # tokens to generate at the end (0: none)
+# -----------------------------------------------------------------------------------------
 
-sys.excepthook = parallel.excepthook  # a UserError (and a dead peer) prints one line, not a traceback
+# a UserError (or a dead peer) prints one line, not a traceback
+sys.excepthook = parallel.excepthook
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
-world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group comes later
-derived = configurator.validate(config, overrides, world)  # everything, before anything touches disk or peers
-config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]  # the default, raised if the layout needs it
-started = time.time()  # metrics' elapsed_s: wall seconds since launch (data preparation and compiling included)
+world = int(os.environ.get("WORLD_SIZE", 1))
+# every check, before anything touches the disk or a peer
+derived = configurator.validate(config, overrides, world)
+config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]
+started = time.time()
 
-# ---- setup ----------------------------------------------------------------------------
+# ---- setup -----------------------------------------------------------------------------------
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
-if dtype == "auto":  # bf16 where the matmuls run it natively: CUDA (T4, V100 only emulate it: fp16), AVX512-BF16 CPUs
-    native = torch.cuda.is_bf16_supported(False) if mesh.device.type == "cuda" else torch.cpu._is_avx512_bf16_supported()
-    dtype = "bfloat16" if native else "float16" if mesh.device.type == "cuda" else "float32"
+if dtype == "auto":
+    # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16 CPUs
+    cuda = mesh.device.type == "cuda"
+    native = torch.cuda.is_bf16_supported(False) if cuda else torch.cpu._is_avx512_bf16_supported()
+    dtype = "bfloat16" if native else "float16" if cuda else "float32"
 autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
-scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py (bf16: none)
-torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"  # TF32 on GPUs
+scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"
 if mesh.device.type == "cpu":
-    workarounds.keep_freed_memory()  # no page faults for each step's large tensors (~7% of a CPU step)
-if mesh.master and os.path.isdir(out_dir):  # a run may be writing there: lock it before reading its checkpoints
+    # keep freed memory: each step's large tensors would page-fault in again (~7% of a CPU step)
+    workarounds.keep_freed_memory()
+# where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
+# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its checkpoints.
+if mesh.master and os.path.isdir(out_dir):
     rundir.lock_out_dir(out_dir)
-src = origin.weights_source(out_dir, init_from, mesh)  # where the weights come from (see below): read-only
-shape = {k: src.saved[k] for k in origin.SHAPE_KEYS if k in (src.saved or {})}  # a base's or checkpoint's: printed
+src = origin.weights_source(out_dir, init_from, mesh)
+shape = {k: src.saved[k] for k in origin.SHAPE_KEYS if k in (src.saved or {})}
 mesh.print0("config: " + " ".join(f"{k}={shape.get(k, config[k])!r}" for k in config_keys))
-if max_iters < warmup_iters:  # the run ends inside the warmup: say what the schedule does
+if max_iters < warmup_iters:
     mesh.print0(schedule_note(config))
 if src.kind in ("hf", "run") and learning_rate >= 1e-3 and not lora_rank:  # a from-scratch rate
     mesh.print0(pretrained_rate_note(config))
 if src.kind == "resume":
     origin.check_same_run(src, config, overrides, out_dir)
-if src.kind == "resume" and origin.finished(src, config, out_dir, mesh):
-    parallel.teardown(mesh)  # a finished run: nothing to do, nothing rewritten
-    workarounds.exit_now()
-spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)  # that model's tokenizer: the data's
+    if origin.finished(src, config, out_dir, mesh):
+        parallel.teardown(mesh)  # nothing to do, nothing rewritten
+        workarounds.exit_now()
+# a model we start from brings its tokenizer: the data must be tokenized with it
+spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)
 
-# ---- data: one dataset, or a mixture --------------------------------------------------
-sources = derived["sources"]  # {dataset: weight}: one, or a mixture's (datasets=)
+# ---- data: one dataset, or a mixture ---------------------------------------------------------
+sources = derived["sources"]
 mixing = len(sources) > 1 or bool(phases)
 
 
-def prepared(source, prep):  # its directory (a name under data/, or a directory), prepared first if it is missing
+def prepared(source, prep):
+    """The directory of `source` (a name under data/, or a directory), prepared first if missing."""
     data_dir = source if os.sep in source else os.path.join("data", source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
         prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    if "val_fraction" in overrides or "data_source" in overrides:  # the data must be what the command asks for
+    if "val_fraction" in overrides or "data_source" in overrides:
         data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, overrides)
     return data_dir
 
 
-def loader(data_dir, split):  # this dp rank's micro-batches of every global batch
+def loader(data_dir, split):
+    """This dp rank's micro-batches of every global batch."""
     return data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
 
 
@@ -205,87 +216,93 @@ if not mixing:
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     import mixture
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
-        sources, phases, mix_temperature, lambda source: prepared(source, data_source if not datasets else ""), loader)
-for d in data_dir.split(","):  # the data's ids mean what they mean to the model
+        sources, phases, mix_temperature, lambda s: prepared(s, data_source if not datasets else ""), loader)
+for d in data_dir.split(","):
     m = data.load_meta(d)
-    tokenizer_py.check_model_tokenizer(m, d, spec, src.where) if spec else tokenizer_py.check_tokenizer(m, d, tokenizer, vocab_size)
-tokens_per_iter = batch_size * grad_accum_steps * block_size  # global: all ranks together
+    if spec:
+        tokenizer_py.check_model_tokenizer(m, d, spec, src.where)
+    else:
+        tokenizer_py.check_tokenizer(m, d, tokenizer, vocab_size)
+tokens_per_iter = batch_size * grad_accum_steps * block_size
 
-# ---- the model: where its weights come from -------------------------------------------
-# First match wins (src): (1) resume this run's checkpoint; (2) init_from= a run of ours or (3) a HF directory; (4) fresh.
+# ---- the model -------------------------------------------------------------------------------
+moe_keys = {k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")}
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
-                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout, tie_embeddings=tie_embeddings,
-                        grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha, loss_chunk=loss_chunk,
-                        **{k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")})
-if src.saved is not None:  # the shape comes from there (an explicit key that disagrees is a mistake)
+                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
+                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
+                        loss_chunk=loss_chunk, **moe_keys)
+if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
-lora = None  # LoRA's settings (kept in checkpoints); None: full fine-tuning
+lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, derived["lora_targets"], src)
 common.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
-# Built whole by one process (and by every rank when LoRA or vocabulary growth need whole tensors); else on the
-# meta device: cut, sliced and sharded as shapes, then given this rank's weights only (build.py).
-whole_first = world == 1 or lora is not None or model_cfg.vocab_size < meta["vocab_size"]
-torch.manual_seed(seed)  # each weight is drawn from (seed, its name): the same bits on every layout
+# Built whole where every rank holds the whole model (plain data parallel, ZeRO, cp), as one
+# process builds it. Pipeline stages, tp slices, FSDP shards and expert shares are built on the
+# meta device: cut as shapes, then given only this rank's weights (build.py).
+use_fsdp = fsdp and mesh.dp > 1
+grows = model_cfg.vocab_size < meta["vocab_size"]
+whole_first = lora is not None or grows or not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
+# each weight is drawn from (seed, its name): the same bits on every layout
+torch.manual_seed(seed)
 with nullcontext() if whole_first else torch.device("meta"):
     raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
-if whole_first and src.kind in ("hf", "run"):  # (2), (3): read the whole model
+if whole_first and src.kind in ("hf", "run"):
     origin.load_whole_into(raw_model, src)
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
-if model_cfg.vocab_size < meta["vocab_size"]:  # the data has tokens the model has never seen (extra, chat tokens)
+if grows:
     mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
-flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()  # of the whole model
+flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; {mesh.world} ranks: "
             f"dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
-# ---- parallelism, applied from outside, and the optimizer -----------------------------
-# In this order: cut the pipeline stage, split the matmuls (tensor parallel swaps parameters: before anything
-# holds them), shard (FSDP), give a meta model its weights, compile, wrap for data parallel (its hooks: last).
-if pp > 1:  # pipeline: pipeline.py (this stage's layers only, split by estimated cost or pp_layers)
+# ---- parallelism, applied from outside, and the optimizer ------------------------------------
+# In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),
+# shard, give a meta model its weights, compile, and wrap for data parallel last (its hooks).
+if pp > 1:  # pipeline: pipeline.py
     import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, derived["layer_counts"], pp_virtual)
 if whole_first:
     raw_model.to(mesh.device)
-if ep > 1:  # expert parallel: expert_parallel.py (each rank of an ep group keeps its share of the experts)
+if ep > 1:  # expert parallel: expert_parallel.py
     import expert_parallel
     import moe
     expert_parallel.expert_parallel(raw_model, mesh, ep, moe.moe_layers)
-if tp > 1:  # tensor parallel: tensor_parallel.py (each block's matmuls, the embedding and head become slices)
+if tp > 1:  # tensor parallel: tensor_parallel.py (sp too)
     import tensor_parallel
-    tensor_parallel.tensor_parallel(raw_model, mesh, sp)  # sequence parallel: tensor_parallel.py
-if cp > 1:  # context parallel: context_parallel.py (each rank keeps a part of every sequence after the embedding)
+    tensor_parallel.tensor_parallel(raw_model, mesh, sp)
+if cp > 1:  # context parallel: context_parallel.py
     import context_parallel
     context_parallel.context_parallel(raw_model, mesh)
-use_fsdp = fsdp and mesh.dp > 1  # with one dp rank there is nothing to shard over
-if use_fsdp:  # FSDP: fsdp.py (raw_model's parameters become DTensor shards, in place)
+if use_fsdp:  # FSDP: fsdp.py
     import fsdp as fsdp_py
     fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, offload=offload)
-if not whole_first:  # the meta-device build: build.py (storage for what this rank holds, then its weights)
+if not whole_first:  # the meta-device build: build.py
     import build
     build.fill(raw_model, src, seed, mesh, torch.device("cpu") if use_fsdp and offload else mesh.device)
-if model_cfg.n_experts:  # mixture of experts: moe.py (its balancing losses join the loss's gradient)
+if model_cfg.n_experts:  # mixture of experts: moe.py
     import moe
     moe.attach(raw_model, model_cfg)
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
-if use_zero:  # ZeRO: zero.py (data parallel whose ranks each own a slice of every bucket and its optimizer state)
+if use_zero:  # ZeRO: zero.py
     import zero as zero_py
     model = zero_py.ZeroDataParallel(model, mesh, ddp_bucket_mb, zero)
 elif mesh.dp > 1 and not use_fsdp:  # data parallel: data_parallel.py
     import data_parallel
     model = data_parallel.wrap(model, mesh, ddp_impl, ddp_bucket_mb)
 optimizer, grad_params = build_optimizer(raw_model, model, mesh, config, zero_py.ZeroOptimizer if use_zero else None)
-if src.kind == "resume":  # (1) weights and optimizer state, into whatever layout this run has
+if src.kind == "resume":
     checkpoint.load(src.path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
 
 def micro_batches(x, y, mask):
-    """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device]: the unit that the plain
-    loop and the pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None."""
+    """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device]: what the plain loop and the
+    pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None."""
     doc = data.doc_ids(x, meta["eot_token"]) if doc_mask else None
     return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc)) for k in range(x.size(0))]
 
@@ -293,9 +310,10 @@ def micro_batches(x, y, mask):
 def token_weights(y, mask, scale=1.0):
     """Micro-batch k's weight in the mean over ALL target tokens of the global batch: n_k * dp / N
     (n_k: its target tokens, the loss-mask ones; N: those of every micro-batch of every dp rank).
-    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes. x scale: fp16's."""
+    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes.
+    scale: fp16's loss scale."""
     if mask is None:
-        return [scale / y.size(0)] * y.size(0)  # every n_k equal: 1 / micro_steps, the classic recipe
+        return [scale / y.size(0)] * y.size(0)
     n = mask.sum(dim=(1, 2)).double()
     total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
     return (n * mesh.dp * scale / max(total, 1.0)).tolist()
@@ -318,24 +336,27 @@ def evaluate(val_loader):
                 _, loss = raw_model(xk, yk, mk, dk)
             loss_sum += loss * w
     raw_model.train()
-    if use_fsdp:  # fsdp with reshard_after_forward=False: free the weights eval gathered
+    if use_fsdp:  # fsdp: free the weights eval gathered (reshard_after_forward=False keeps them)
         fsdp_py.reshard(raw_model)
-    # the global mean, as in training (pp: only last stages hold losses; tp, cp: a group's ranks hold the same one)
+    # the global mean, as in training: only last stages hold losses, a tp or cp group's ranks the same one
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
-# ---- run state, logging, checkpoints --------------------------------------------------
+# ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
-torch.manual_seed(seed + mesh.rank // mesh.tp)  # dropout masks differ across ranks, not within a tp group
-start_iter, run_id, skip_iters = 0, None, set()  # skip_iters: batches that gave non-finite values (see rollback)
-if src.kind == "resume":  # (1) the iteration, the random streams, the wandb run and the known bad batches
-    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)  # (fp16: and the loss scale)
-if mesh.master:  # one run per out_dir (a new one is made only now: a refused run leaves none behind)
+# dropout masks differ across ranks, but not within a tp group (its ranks hold the same activations)
+torch.manual_seed(seed + mesh.rank // mesh.tp)
+start_iter, run_id, skip_iters = 0, None, set()
+if src.kind == "resume":
+    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)
+if mesh.master:
+    # out_dir is made only now: a refused run leaves none behind
     rundir.lock_out_dir(out_dir)
-    if os.path.exists(metrics_path):  # an earlier run's: its history up to start_iter (later lines are redone)
+    if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
-    rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))  # never through a link
-wandb_run = None  # Weights & Biases, rank 0 (its id is kept in checkpoints: a resumed run logs to the same one)
+    rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
+# Weights & Biases on rank 0: checkpoints keep its id, so a resumed run logs to the same one
+wandb_run = None
 if mesh.master and wandb_log:
     wandb_run = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
     run_id = wandb_run.id
@@ -349,30 +370,32 @@ def log(record):
 
 
 saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
-                     resumed_from=src.path if src.kind == "resume" else None)  # never pruned
+                     resumed_from=src.path if src.kind == "resume" else None)
 
 
-def save(it):  # tokenizer_spec: the model's whole tokenizer travels with it; loss_scale: fp16's scaler
+def save(it):
     saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
                     "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
-                    "tokenizer_spec": tokenizer_py.spec_of(meta), "loss_scale": scaler.state_dict() if scaler else None})
+                    "tokenizer_spec": tokenizer_py.spec_of(meta),
+                    "loss_scale": scaler.state_dict() if scaler else None})
 
 
-signals = rundir.catch_signals(mesh)  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 128 + N
+# SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
+signals = rundir.catch_signals(mesh)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
-
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: what MFU is measured against
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
 
-# ---- the loop -------------------------------------------------------------------------
+# ---- the loop --------------------------------------------------------------------------------
 it = start_iter
-evaluated_at = start_iter if src.kind == "resume" else None  # its val loss is already in metrics.jsonl
-saved_at = start_iter  # the checkpoint of this iteration exists (or it is iteration 0)
+# a resumed run's first val loss and checkpoint exist already
+evaluated_at = start_iter if src.kind == "resume" else None
+saved_at = start_iter
 dt_avg = None
-stop = False       # a signal asked this run to stop (agreed by all ranks)
-bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback (if any)
+stop = False
+bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}
@@ -387,141 +410,134 @@ while True:
         saved_at = it
     if it >= max_iters or stop:
         break
-    if it in skip_iters:  # its batch gave non-finite values before a rollback: step over it
-        mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
-        log({"iter": it, "loss": None, "grad_norm": None, "skipped": "known bad batch"})
-        it += 1
-        continue
     lr = get_lr(it, config) * (train_loader.lr_scale(it) if mixing else 1.0)  # mixture: a phase's lr_scale
-    trace = [] if pp_trace and pp > 1 and it == start_iter + 1 else None  # pipeline: pipeline.py
+    # why this iteration leaves the weights alone, if it does
+    skipped = "known bad batch" if it in skip_iters else None
+    if not skipped:
+        trace = [] if pp_trace and pp > 1 and it == start_iter + 1 else None  # pipeline: pipeline.py
 
-    # ================================ TRAINING SECTION BEGIN ================================
-    t0 = time.perf_counter()
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-    optimizer.zero_grad(set_to_none=True)
-    x, y, mask, *src_ids = train_loader.batch(it)  # this rank's micro-batches (mixture: and their sources)
-    micro = micro_batches(x, y, mask)  # [(x, y, loss_mask, doc_ids) of micro-batch k]
-    # the mean cross-entropy over every target token of the global batch: token_weights (no loss mask: 1 / micro_steps)
-    weights = token_weights(y, mask, scaler.scale if scaler else 1.0)  # fp16: backward from loss x scale
-    if pp == 1:  # one micro-step after the other, each a whole forward and backward
-        loss_sum = torch.zeros((), device=mesh.device)
-        for k, (xk, yk, mk, dk) in enumerate(micro):
-            # data parallel: sync only in the last micro-step's backward (hooks launch the all-reduce during it)
-            if mesh.dp > 1:
-                parallel.set_grad_sync(model, k == len(micro) - 1)
-            with autocast:
-                _, loss = model(xk, yk, mk, dk)
-            (loss * weights[k]).backward()
-            loss_sum += loss.detach() * weights[k]
-    else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
-        loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace, weights,
-                                             pp_virtual)
-    if mesh.dp > 1:  # data parallel: the last buckets' all-reduces may still be in flight
-        parallel.wait_grad_sync(model)
-    if cp > 1:  # context parallel: context_parallel.py (the mean over the cp ranks)
-        context_parallel.average_gradients(grad_params, mesh)
-    if ep > 1:  # expert parallel: expert_parallel.py (the experts' gradients, over the ranks holding the same ones)
-        expert_parallel.sync_grads(raw_model, mesh)
-    if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py (the embedding's and the tied head's gradients add up)
-        pipeline.all_reduce_tied(raw_model, grad_params)
-    loss_sum = scaler.unscale_(grad_params, loss_sum) if scaler else loss_sum  # fp16: the true gradients and loss
-    # one all-reduce for every number the ranks agree on: the loss (the weighted sums of all ranks
-    # / dp; tp and cp ranks hold the same loss tp x cp times), the stop flag, the ranks whose async save is written
-    totals = parallel.all_reduce_named({"loss": loss_sum, "stop": len(signals) > 0,
-                                        "saved": saves.written(),
-                                        **({"sources": per_source.sums(src_ids[0])} if per_source else {})}, mesh)
-    loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp), totals["stop"].item() > 0
-    # clip by the norm of the whole model's gradient, across pipeline stages, FSDP shards, ZeRO
-    # slices and tp slices (computed even when not clipping, for the log): the same on every rank
-    grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
-    finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)  # the same verdict on every rank
-    if finite:  # the NaN guard: no update from a non-finite batch
-        optimizer.step()
-    moe_stats = moe.after_step(raw_model, mesh, finite) if model_cfg.n_experts else {}  # moe.py: the bias, the load
-    # fp16: loss_scale.py. One inf/NaN in any rank's gradients makes the global norm inf/NaN on every rank: an
-    # overflow, the scale backs off (unless the loss itself is not finite: that is the NaN guard's); else it may grow
-    overflow = scaler is not None and scaler.update(not math.isfinite(grad_norm)) and math.isfinite(loss_mean)
-    dt = time.perf_counter() - t0  # .item() above waited for the device
-    # ================================ TRAINING SECTION END ==================================
-    # everything that follows now is diagnostics, logging, the NaN guard's decision and an async save's end
-    if totals["saved"].item() == mesh.world:  # every rank has written the save in flight: make it the latest
-        saves.finish(it + 1)
-    dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-    if trace is not None:  # pipeline: pipeline.py
-        pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
-    if it == start_iter:  # what this rank holds, once gradients and optimizer state exist
-        mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0, use_fsdp, offload))
-    if overflow:  # fp16: loss_scale.py (the scale's fault, now smaller: no NaN incident; lr and data go on)
+        # ================================ TRAINING SECTION BEGIN ================================
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        optimizer.zero_grad(set_to_none=True)
+        x, y, mask, *src_ids = train_loader.batch(it)
+        micro = micro_batches(x, y, mask)
+        # the loss is the mean cross-entropy over every target token of the global batch: each
+        # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
+        weights = token_weights(y, mask, scaler.scale if scaler else 1.0)
+        if pp == 1:
+            loss_sum = torch.zeros((), device=mesh.device)
+            for k, (xk, yk, mk, dk) in enumerate(micro):
+                # data parallel: sync only in the last micro-step's backward, where hooks launch the all-reduce
+                if mesh.dp > 1:
+                    parallel.set_grad_sync(model, k == len(micro) - 1)
+                with autocast:
+                    _, loss = model(xk, yk, mk, dk)
+                (loss * weights[k]).backward()
+                loss_sum += loss.detach() * weights[k]
+        else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
+            loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace,
+                                                 weights, pp_virtual)
+        if mesh.dp > 1:
+            # data parallel: the last buckets' all-reduces may still be in flight
+            parallel.wait_grad_sync(model)
+        if cp > 1:  # context parallel: context_parallel.py
+            context_parallel.average_gradients(grad_params, mesh)
+        if ep > 1:  # expert parallel: expert_parallel.py
+            expert_parallel.sync_grads(raw_model, mesh)
+        if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py
+            pipeline.all_reduce_tied(raw_model, grad_params)
+        if scaler:  # fp16: loss_scale.py
+            loss_sum = scaler.unscale_(grad_params, loss_sum)
+        # One all-reduce for every number the ranks agree on: the loss (dp ranks' weighted sums; tp
+        # and cp ranks hold the same one), the stop flag, the ranks whose async save is written.
+        agree = {"loss": loss_sum, "stop": len(signals) > 0, "saved": saves.written()}
+        if per_source:  # mixture: mixture.py
+            agree["sources"] = per_source.sums(src_ids[0])
+        totals = parallel.all_reduce_named(agree, mesh)
+        loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp), totals["stop"].item() > 0
+        # clip by the norm of the whole model's gradient, over every stage, shard and slice
+        grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
+        # the NaN guard: no update from a non-finite batch (the verdict is the same on every rank)
+        finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        moe_stats = moe.after_step(raw_model, mesh, finite) if model_cfg.n_experts else {}  # moe.py
+        # fp16: an inf/NaN in any rank's gradients makes the global norm non-finite everywhere: an
+        # overflow, and the scale backs off (a non-finite loss is the NaN guard's, not the scale's)
+        overflow = scaler is not None and scaler.update(not math.isfinite(grad_norm)) and math.isfinite(loss_mean)
+        dt = time.perf_counter() - t0
+        # ================================ TRAINING SECTION END ==================================
+
+        # everything that follows now is diagnostics, logging and the NaN guard's decision
+        if totals["saved"].item() == mesh.world:
+            saves.finish(it + 1)
+        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if trace is not None:  # pipeline: pipeline.py
+            pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
+        if it == start_iter:
+            mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0, use_fsdp, offload))
+        if overflow:  # fp16: loss_scale.py (the scale's fault: no NaN incident, lr and data go on)
+            skipped = "fp16 overflow"
+        elif not finite:
+            skipped = "non-finite loss or grad norm"
+    next_it = it + 1
+    if skipped is None:
+        bad_streak, recovered = 0, True
+        if it % log_interval == 0 or it == max_iters - 1:
+            if not peak:
+                peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
+                mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
+            tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
+            by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture.py
+            extra = (mixture.compact(by_source) if by_source else "") + (moe.compact(moe_stats) if moe_stats else "")
+            mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+                        f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
+                        f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + extra)
+            log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
+                 "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source, **moe_stats,
+                 **({"loss_scale": scaler.scale} if scaler else {})})
+    elif skipped == "known bad batch":
+        mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
+        log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
+    elif skipped == "fp16 overflow":
         mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
-        log({"iter": it, "loss": loss_mean, "skipped": "fp16 overflow", "loss_scale": scaler.scale})
-        it += 1
-        continue
-    if not finite:
+        log({"iter": it, "loss": loss_mean, "skipped": skipped, "loss_scale": scaler.scale})
+    else:
         bad_streak += 1
         skip_iters.add(it)
         mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
                     f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
-        log({"iter": it, "loss": None, "grad_norm": None, "skipped": "non-finite loss or grad norm"})
-        if bad_streak >= nan_max_consecutive:  # stop, or roll back and go on from the checkpoint
-            saves.finish(it)  # an async save in flight is the latest checkpoint once finished
-            it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
-                                                            bad_streak, it, nan_action, scaler, again=not recovered)
+        log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
+        if bad_streak >= nan_max_consecutive:
+            # stop, or go on from the latest checkpoint (an async save in flight is finished first)
+            saves.finish(it)
+            next_it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
+                                                                 bad_streak, it, nan_action, scaler,
+                                                                 again=not recovered)
             bad_streak, recovered = 0, False
-            continue
-        it += 1
-        continue
-    bad_streak, recovered = 0, True
-    if it % log_interval == 0 or it == max_iters - 1:
-        if not peak:  # peak_flops=0: this device's matmul rate, measured once, at the first log line
-            peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
-            mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
-        tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
-        by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture: mixture.py
-        mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
-                    f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
-                    f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + (mixture.compact(by_source) if by_source else "")
-                    + (moe.compact(moe_stats) if moe_stats else ""))  # moe.py
-        log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-             "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source, **moe_stats,
-             **({"loss_scale": scaler.scale} if scaler else {})})  # fp16: the scale the next iteration starts from
-    it += 1
+    it = next_it
 
-# ---- the end --------------------------------------------------------------------------
-saves.finish(it)  # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
+# ---- the end ---------------------------------------------------------------------------------
+# load-bearing: the last checkpoint is complete, and `latest` names it, only after this
+saves.finish(it)
 if stop:
     mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
-whole = pp == 1 and tp == 1 and cp == 1 and ep == 1 and not use_fsdp  # rank 0 holds the whole model (else: a stage,
-                                                            # shards, slices, or attention that needs its cp group)
-parallel.teardown(mesh)  # the other ranks are done: rank 0's export and sample below take as long as they need
+# rank 0 holds the whole model unless it holds a stage, shards, slices, experts, or cp's attention
+whole = pp == 1 and tp == 1 and cp == 1 and ep == 1 and not use_fsdp
+parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
-    if whole:
-        final = raw_model
-    elif lora:  # LoRA: lora.py (the adapters of the checkpoint just written, onto their base)
-        final = lora_py.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
-    else:  # read back whole from the checkpoint just written
-        final = checkpoint.load_whole(checkpoint.find(out_dir, None))[0].to(mesh.device)
-    final.eval()
-    if export_lora and lora:  # LoRA: lora.py
-        named = lora_py.save_peft_lora(export_lora, final, lora)
-        print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base " + (named or "(unnamed: "
-              "the base run made no export_hf; start LoRA from its export for AutoPeftModelForCausalLM)"), flush=True)
-    if lora:  # LoRA: W + (alpha / r) B A, which export_hf writes and sampling runs
-        lora_py.merge_lora(final)
-    if export_hf:
-        import hf
-        hf.save_hf_llama(export_hf, {k: v.cpu() for k, v in final.state_dict().items()}, model_cfg,
-                         tokenizer_py.tokenizer_from_meta(meta), export_shard_mb)
-        print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
-    if sample_tokens > 0:
-        import sample
-        text = sample.sample_text(final, tokenizer_py.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
-        print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
-if stop:  # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
+    import sample
+    sample.end_of_run(raw_model if whole else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
+                      export_shard_mb, sample_tokens, autocast, mesh.device)
+if stop:
+    # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
     workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
-    workarounds.exit_now()  # all is written and the process group is gone: not through the interpreter's
-                            # shutdown, where gloo's worker threads can abort a finished run (SIGABRT)
+    # all is written and the process group is gone: leave without the interpreter's shutdown,
+    # where gloo's threads can abort a finished run (SIGABRT)
+    workarounds.exit_now()
