@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp import keeping_marks
 from model import init_tensor
 
 # ---- meta-device build: no rank ever holds the whole model ------------------------------
@@ -31,13 +32,9 @@ def materialize(model, device):
     per module, which unties a tied head from the embedding and drops the attributes that
     tensor_parallel sets (_tp_dim, _tp_group)."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        marks = [(m, k, {a: getattr(p, a) for a in ("_tp_dim", "_tp_group", "_ep") if hasattr(p, a)})
-                 for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_tp_dim")]
-        model.to_empty(device=device)
+        keeping_marks(model, lambda: model.to_empty(device=device))  # fsdp x tp (and x ep)
         for b in model.buffers():  # (as below: zero; a derived one is computed again, init_rope)
             b.zero_()
-        for m, k, attrs in marks:  # fsdp x tp (and x ep): the new parameters keep their marks
-            m._parameters[k].__dict__.update(attrs)
         return model
     new = {}  # meta Parameter -> its replacement (a tied weight is one Parameter under two names)
     for m in model.modules():

@@ -351,7 +351,7 @@ def check_refusals(c, overrides):
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
-    """The dp x pp x tp grid over `world` ranks for a model of this shape (`where`: whose
+    """The dp x pp x cp x tp grid over `world` ranks for a model of this shape (`where`: whose
     shape, when it comes from a checkpoint; None: not known yet, only the rest is checked). Returns
     (dp, pp_layers as a list or None)."""
     pp, tp, n_experts = c["pp"], c["tp"], c["n_experts"] if n_experts is None else n_experts

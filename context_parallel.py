@@ -1,7 +1,8 @@
 """
 Context parallel, by hand: each of the cp ranks holds a part of every sequence, and the
-attention's keys and values pass between them (ring attention). context_parallel() applies it
-to a built model from outside; model.py knows none of it.
+attention's keys and values pass between them (ring attention: Liu et al. 2023,
+arXiv:2310.01889; the load-balanced split as in Megatron-LM's context parallelism and Llama 3's
+training). context_parallel() applies it to a built model from outside; model.py knows none of it.
 """
 
 from functools import partial
@@ -13,10 +14,6 @@ from torch.distributed.tensor import DTensor
 
 from model import apply_rope
 
-# ---------------------------------------------------------------------------------------
-# context parallel (Liu et al. 2023, ring attention, arXiv:2310.01889; the load-balanced
-# split as in Megatron-LM's context parallelism and Llama 3's training)
-#
 # Everything in a block but the attention is per token, so a rank that holds a part of the
 # sequence runs the norms, matmuls, residuals and the MLP on its part alone, with the whole
 # weights (replicated across the cp ranks, as data parallelism replicates them). Only
@@ -145,7 +142,7 @@ def average_gradients(params, mesh):
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=mesh.cp_group)
-    flat /= mesh.cp  # all_reduce summed; we want the mean (gloo has no AVG)
+    flat /= mesh.cp  # all_reduce summed; we want the mean
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 

@@ -15,13 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import tied_copy
 
-# ---------------------------------------------------------------------------------------
-# data parallel, by hand
-#
-# Every dp rank holds the whole model and runs its own micro-batches; before the optimizer
-# step the gradients are averaged over the ranks, so every rank takes the same step and the
-# weights stay identical. Two ways to average, side by side, with one interface
-# (forward, no_sync() or the require_backward_grad_sync flag, wait()):
+# Every rank then takes the same step, so the weights stay identical. Two ways to average, side
+# by side, with one interface (forward, no_sync() or the require_backward_grad_sync flag, wait()):
 #   NaiveDataParallel: after backward, one all-reduce per parameter, in wait(). Simple,
 #             and the test oracle.
 #   DataParallel (bucketed): parameters are grouped into buckets of ~bucket_mb, in reverse
@@ -159,7 +154,7 @@ class DataParallel(DataParallelBase):
             work.wait()
         used = dict(zip(self.params, self._used_anywhere()))
         for bucket, _ in self.pending:
-            bucket.flat /= self.mesh.dp  # all_reduce summed; we want the mean (gloo has no AVG)
+            bucket.flat /= self.mesh.dp  # all_reduce summed; we want the mean
             offset = 0
             for p in bucket.params:
                 n = p.numel()

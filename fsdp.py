@@ -3,7 +3,6 @@ FSDP2 (ZeRO-3) with torch's fully_shard, applied to a built model (or pipeline s
 outside: each transformer block is one unit, then the root (embedding, final norm, head).
 """
 
-
 import torch
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -15,9 +14,6 @@ from torch.distributed.fsdp import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-# ---------------------------------------------------------------------------------------
-# FSDP2: fully sharded data parallel (ZeRO-3) with torch's fully_shard
-#
 # Each dp rank keeps 1/dp of every parameter, of its gradient and of its optimizer state.
 # A block's full weights exist only while it runs: all-gathered before its forward (and
 # again before its backward, if resharded after forward), and its gradients are
@@ -44,17 +40,27 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
     kw = dict(mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
               offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu" else OffloadPolicy())
     kw["shard_placement_fn"] = lambda p: Shard(p._tp_dim) if hasattr(p, "_tp_dim") else Shard(0)
+
+    def shard():
+        # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the ranks that hold
+        # the same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum / dp it needs
+        for experts in [m for m in model.modules() if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
+            group = next(iter(experts.parameters()))._ep
+            fully_shard(experts, **{**kw, "mesh": DeviceMesh.from_group(group, mesh.device.type)})
+        for block in model.layers.values():
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    return keeping_marks(model, shard)
+
+
+def keeping_marks(model, change):
+    """Runs change(), which gives `model` new parameters (fully_shard's DTensors, to_empty's
+    storage), and marks each new one as its predecessor was: a tensor-parallel slice (_tp_dim,
+    _tp_group), and expert parallel's experts (_ep)."""
     marks = [(m, k, {a: getattr(p, a) for a in ("_tp_dim", "_tp_group", "_ep") if hasattr(p, a)})
              for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_tp_dim")]
-    # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the ranks that hold the
-    # same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum / dp it needs
-    for experts in [m for m in model.modules() if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
-        group = next(iter(experts.parameters()))._ep
-        fully_shard(experts, **{**kw, "mesh": DeviceMesh.from_group(group, mesh.device.type)})
-    for block in model.layers.values():
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    for m, k, attrs in marks:  # fully_shard made new (DTensor) parameters: mark them again
+    change()
+    for m, k, attrs in marks:
         m._parameters[k].__dict__.update(attrs)
     return model
 

@@ -21,7 +21,6 @@ from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_ex
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
 
-# ---------------------------------------------------------------------------------------
 # LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen weight W plus a trainable low-rank update,
 #   y = x W^T + (alpha / r) * dropout(x) A^T B^T,   A: (r, in), B: (out, r)
 # B starts at zero, so at step 0 the model is exactly the base model; only A and B train.

@@ -13,9 +13,6 @@ import data
 from common import UserError
 from configurator import parse_phases, source_name
 
-# ---------------------------------------------------------------------------------------
-# mixtures of datasets, and curriculum phases
-
 
 def temper(weights, temperature):
     """weights ** (1 / temperature), normalized: T > 1 flattens the mixture toward uniform,

@@ -272,7 +272,7 @@ class Transformer(nn.Module):
         # swaps in one that works on a vocabulary slice (tensor_parallel.vocab_parallel_losses)
         self.loss_fn = cross_entropy_losses
         self.init_rope()
-        if not self.norm.weight.is_meta:  # on the meta device there is nothing to fill (train.py fills the shards)
+        if not self.norm.weight.is_meta:  # on the meta device there is nothing to fill (build.py fills the shards)
             self.init_weights()
 
     def init_rope(self, device=None):

@@ -1,14 +1,14 @@
 """
 Everything that knows about processes and that every layout shares, in the order train.py
-uses it: the dp x pp x tp rank grid (one explicit Mesh object, passed to whoever needs it:
+uses it: the dp x pp x cp x tp rank grid (one explicit Mesh object, passed to whoever needs it:
 no hidden global), process setup and teardown from the torchrun environment, the error hook
 that turns a dead peer into one line, small collectives, the gradient-sync toggle that
 accumulation uses, global-norm gradient clipping across every kind of shard, and memory
 accounting.
 
 Each technique lives in a file of its own and is applied to a built model from outside:
-data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, pipeline.py (build.py gives a
-model built on the meta device its storage and weights). A single process
+data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, context_parallel.py, pipeline.py,
+expert_parallel.py (build.py gives a model built on the meta device its storage and weights). A single process
 (`python train.py`) gets a Mesh of one and never starts a process group.
 """
 
@@ -361,7 +361,7 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
     shard by its own norm would be a different, layout-dependent update.)"""
     params = [p for p in params if p.grad is not None]
     if mesh.world > 1:  # the parts of the gradient other ranks hold
-        sq = sum_over_shards(params, mesh, sharded)
+        sq = whole_squared_norm(params, mesh, sharded)
     else:
         sq = sum((squared_norm(p.grad) for p in params), torch.zeros((), device=mesh.device))
     norm = sq.sqrt()
@@ -378,7 +378,7 @@ def squared_norm(g):
     return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 
-def sum_over_shards(params, mesh, sharded=False):
+def whole_squared_norm(params, mesh, sharded=False):
     """The squared norm of the whole model's gradient, from this rank's `params`. Pipeline
     stages hold different parameters, so their squared norms are summed over the pipeline, and
     so are FSDP's gradient shards over the dp ranks and tensor-parallel slices over the tp

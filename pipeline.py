@@ -93,13 +93,10 @@ def make_stage(model, stage, pp, counts=None, virtual=1):
     return model
 
 
-@torch.no_grad()
-
-
 # ---------------------------------------------------------------------------------------
 # pipeline parallel, by hand
 #
-# Stage s owns a contiguous range of layers (model.make_stage): stage 0 also the embedding,
+# Stage s owns a contiguous range of layers (make_stage, above): stage 0 also the embedding,
 # the last stage the final norm, the head and the loss. A micro-batch's forward flows
 # stage 0 -> 1 -> ... -> pp-1 (activations sent forward); its backward flows back (the
 # gradients of those activations sent backward). A micro-batch is one tuple
@@ -120,6 +117,7 @@ def make_stage(model, stage, pp, counts=None, virtual=1):
 # add up, so weights 1/m give the gradient of the mean loss (as the plain loop's loss / m).
 
 
+@torch.no_grad()
 def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None, ring=False):
     """One round of point-to-point traffic with the neighbouring stages of this pipeline.
     send_*: a tensor to send; recv_*: a buffer to fill (shapes are known up front, so none

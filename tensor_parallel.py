@@ -1,8 +1,8 @@
 """
-Tensor parallel, by hand (Megatron-LM): tensor_parallel() swaps each block's matmuls for
-column / row slices in place, and the embedding, head and loss for vocabulary-parallel ones;
-with sp=True also sequence parallelism (the activations between them split along the
-sequence). model.py knows none of it.
+Tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053):
+tensor_parallel() swaps each block's matmuls for column / row slices in place, and the
+embedding, head and loss for vocabulary-parallel ones; with sp=True also sequence parallelism
+(the activations between them split along the sequence). model.py knows none of it.
 """
 
 from functools import partial
@@ -16,9 +16,6 @@ import torch.nn.functional as F
 from common import UserError
 from model import RMSNorm, chunked_losses
 
-# ---------------------------------------------------------------------------------------
-# tensor parallel, by hand (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053)
-#
 # The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per
 # block, two pairs:
 #   attention:    x -> f -> [wq, wk, wv column-parallel: this rank's heads] -> attention of
@@ -276,11 +273,12 @@ def tensor_parallel(model, mesh, sp=False):
     if mesh.tp == 1:
         return model
     cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
-    for key, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head), ("ffn_dim", cfg.ffn_dim),
-                   ("vocab_size", cfg.vocab_size)):
-        if n % tp:
-            raise UserError(f"tp={tp} does not divide {key}={n}: every tp rank needs an equal share (whole heads, "
-                            f"an equal slice of the SwiGLU width and of the vocabulary); use a tp that divides it")
+    # (configurator.check_layout refuses the heads and widths tp does not divide; the vocabulary is
+    # known only once the data and the model are)
+    assert cfg.n_head % tp == cfg.n_kv_head % tp == cfg.ffn_dim % tp == 0, f"tp={tp} does not divide the heads or width"
+    if cfg.vocab_size % tp:
+        raise UserError(f"tp={tp} does not divide vocab_size={cfg.vocab_size}: every tp rank needs an equal slice of "
+                        f"the vocabulary; use a tp that divides it")
     fn, gn = (GatherFromSP, ScatterToSP) if sp else (CopyToTP, ReduceFromTP)
     f = lambda module, args: (fn.apply(args[0], group), *args[1:])  # noqa: E731
     g = lambda module, args, out: gn.apply(out, group)  # noqa: E731

@@ -15,9 +15,6 @@ from data_parallel import Bucket, DataParallel
 from optim import AdamW, MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
 from parallel import tp_gather, tp_slice
 
-# ---------------------------------------------------------------------------------------
-# ZeRO stages 1 and 2, by hand, on the data-parallel buckets
-#
 # Where the memory of training goes: plain data parallel keeps on every rank the whole
 # model's parameters (4 bytes each in fp32), their gradients (4) and AdamW's two moments
 # (8): 16 bytes a parameter, and only the parameters are needed by forward and backward.
@@ -30,7 +27,7 @@ from parallel import tp_gather, tp_slice
 #            freed once they are in flight. 4 + 4/dp + 8/dp bytes. The traffic is plain
 #            data parallel's (a reduce-scatter plus an all-gather move what one all-reduce
 #            does); stage 1 sends the all-gather on top of its all-reduce.
-#   stage 3 shards the parameters too: that is fsdp=True (FSDP2, above).
+#   stage 3 shards the parameters too: that is fsdp=True (FSDP2, fsdp.py).
 # The slices follow the buckets: each bucket's flat gradient is padded to a multiple of dp
 # and rank r owns its r-th contiguous chunk (with one bucket: a contiguous 1/dp of the
 # flat parameters). A chunk cuts across parameters, so this rank's piece of a parameter is
