@@ -1,8 +1,10 @@
 """
 What every file of the trainer uses, and nothing of the project beneath it: the error a user's
-mistake raises (UserError, check) and the hook that prints it as one line, JSON from outside
-read with limits (loads_json, read_json, json_field), files written whole or not at all
-(write_atomic), file hashes (sha256_file), an exception in a few words (describe_error).
+mistake raises (UserError, check) and the hook that prints it as one line, what a command
+sets before torch imports (start_command: Ctrl-C and SIGTERM, a full stdout, --help from the
+script's text), where an export may write (check_exports), JSON from outside read with limits
+(loads_json, read_json, json_field), files written whole or not at all (write_atomic,
+uninterrupted), file hashes (sha256_file), an exception in a few words (describe_error).
 Every other file may import this one; it imports none of them.
 """
 

@@ -18,7 +18,6 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
-
 if __name__ == "__main__":
     common.start_command(sys.argv[1:], "sample.py")
 import numpy as np

@@ -18,7 +18,6 @@ from contextlib import nullcontext
 from dataclasses import asdict
 
 import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
-
 common.start_command(sys.argv[1:], "train.py")
 import torch
 
