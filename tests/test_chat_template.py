@@ -124,3 +124,42 @@ def test_a_bad_template_is_one_error_line(case, tmp_path):
         prepare.prepare(str(src), str(tmp_path / "data"), str(base / "tokenizer.json"), verbose=False)
     assert expected in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "data")
+
+
+def test_the_template_travels_through_cpt_sft_lora_and_their_exports(tmp_path):
+    """A tiny random LLaMA on the real base's tokenizer and template: CPT with a new word, SFT
+    from that run's checkpoint, LoRA from the SFT run. The chat data is in the base's format (no
+    chat token, the word keeps CPT's id), and every export's apply_chat_template gives the ids
+    the model was trained on."""
+    import numpy as np
+    from conftest import RUN, run_train, write_corpus
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    base = tmp_path / "base"
+    os.makedirs(base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(smollm2_dir(), name), base / name)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(base)
+    (tmp_path / "words.txt").write_text("kernelbuddy\n")
+    chats = [[{"role": "user", "content": f"What is {w}?"}, {"role": "assistant", "content": f"{w} is a kernelbuddy."}]
+             for w in WORDS * 3]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    keys = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2", "val_fraction=0.2"]
+    run_train([*keys, f"init_from={base}", "dataset=text", f"data_source={write_corpus(str(tmp_path / 'c'), 8)}",
+               f"extra_tokens={tmp_path / 'words.txt'}", f"out_dir={tmp_path / 'cpt'}",
+               f"export_hf={tmp_path / 'cpt_hf'}"], cwd=tmp_path)
+    run_train([*keys, f"init_from={tmp_path / 'cpt'}", "dataset=chat", f"data_source={tmp_path / 'chat.jsonl'}",
+               "doc_mask=True", f"out_dir={tmp_path / 'sft'}", f"export_hf={tmp_path / 'sft_hf'}"], cwd=tmp_path)
+    run_train([*keys, f"init_from={tmp_path / 'sft'}", "dataset=chat", "lora_rank=2", f"out_dir={tmp_path / 'lora'}",
+               f"export_hf={tmp_path / 'lora_hf'}"], cwd=tmp_path)
+    meta = json.load(open(tmp_path / "data" / "chat" / "meta.json"))
+    assert meta["extra_tokens"] == ["kernelbuddy"] and meta["chat_tokens"] == [] and meta["eot_token"] == 0
+    ids = np.fromfile(tmp_path / "data" / "chat" / "train.bin", dtype=np.uint16).tolist()
+    first = ids[:ids.index(0)]
+    assert 49152 in first  # the word, at the id CPT gave it
+    template = (base / "chat_template.jinja").read_text()
+    for export in ("cpt_hf", "sft_hf", "lora_hf"):
+        tok = AutoTokenizer.from_pretrained(tmp_path / export)
+        assert tok.chat_template == template
+        assert any(first == tok.apply_chat_template(m, tokenize=True, return_dict=False) for m in chats), export
