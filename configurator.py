@@ -19,6 +19,7 @@ import ast
 import difflib
 import math
 import os
+import re
 import stat
 import traceback
 
@@ -159,6 +160,9 @@ RULES = [
     (lambda c: not 0 <= c["seed"] < 2 ** 32, "seed={seed} is out of range: use an integer in [0, 2**32)"),
     (lambda c: c["lora_rank"] > c["n_embd"], "lora_rank={lora_rank} is above the width n_embd={n_embd}: an "
                                              "adapter's rank is at most its layer's width; lower lora_rank"),
+    (lambda c: c["profile_iters"] and not _window(c["profile_iters"], c["max_iters"]),
+     "profile_iters='{profile_iters}' is not 'a:b' with 0 <= a < b <= max_iters={max_iters}: e.g. '5:8' "
+     "profiles iterations 5, 6 and 7"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
     (lambda c: c["n_experts"] and c["moe_top_k"] > c["n_experts"],
@@ -173,6 +177,11 @@ RULES = [
     (lambda c: c["n_embd"] // c["n_head"] % 2, "head_dim = n_embd / n_head = {n_embd} / {n_head} is odd: rotary "
                                                "positions rotate pairs of features; change n_embd or n_head"),
 ]
+
+def _window(spec, max_iters):
+    m = re.fullmatch(r"(\d+):(\d+)", spec)
+    return m is not None and int(m[1]) < int(m[2]) <= max_iters
+
 
 # The combinations of options that are refused: (name, refused when (c: the config, o: the
 # keys given), the message: what is wrong and the fix; {key} is the config's value).

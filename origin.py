@@ -146,3 +146,14 @@ def load_whole_into(model, src):
         model.load_state_dict(weights)
     else:
         checkpoint.load(src.path, model, no_dist=True)
+
+
+def config_line(c, src, spec):
+    """The config: line of a run whose weights come from a model or a checkpoint (src.saved):
+    its shape keys and its tokenizer (spec: its file or encoding, and its size) are the
+    model's, whatever the config says, and marked so."""
+    model = {k: src.saved[k] for k in SHAPE_KEYS if k in src.saved}
+    if spec:
+        model.update(tokenizer=spec["tokenizer"], vocab_size=spec["vocab_size"])
+    keys = " ".join(f"{k}={model.get(k, v)!r}" + "*" * (k in model) for k, v in c.items())
+    return f"config: {keys} (*: the model's, from {src.where})"

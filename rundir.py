@@ -9,14 +9,17 @@ saves and the signals that stop it.
 import errno
 import fcntl
 import functools
+import io
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import sys
+import time
 import zlib
 
 import torch
@@ -318,3 +321,34 @@ def _on_signal(received, rank, signum, frame):
     received.append(signum)
     print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
           f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+
+
+def summary(out_dir, c, started, world, exports, stopped):
+    """The block that ends a run (rank 0): the last losses (per source), tokens, wall time, mean
+    speed, the newest checkpoint, the exports, and the command that continues the run."""
+    rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    train = [r for r in rows if r.get("loss") is not None and "tok_per_s" in r]
+    val = [r for r in rows if "val_loss" in r]
+    losses = [f"train loss {r['loss']:.4f} (iteration {r['iter']})" for r in train[-1:]]
+    losses += [f"val loss {r['val_loss']:.4f} (after {r['iter']})" for r in val[-1:]]
+    losses += [f"{k} {v:.4f}" for r in train[-1:] + val[-1:] for k, v in r.items() if "/" in k and v is not None]
+    mean = {k: sum(r[k] for r in train) / max(len(train), 1) for k in ("tok_per_s", "mfu")}
+    latest = os.path.join(out_dir, "ckpt", "latest")
+    with open(latest) if os.path.exists(latest) else io.StringIO("(none)") as f:
+        latest = os.path.join(out_dir, "ckpt", f.read().strip())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"] \
+        if local == world else ["torchrun", "...(as launched, on each node)"]
+    # a finished run goes on twice as long, its decay held where it ended; a stopped one as it was
+    again = [a for a in sys.argv[1:] if stopped or not a.lstrip("-").startswith(("max_iters=", "lr_decay_iters="))]
+    if not stopped:
+        again += [f"max_iters={2 * c['max_iters']}", f"lr_decay_iters={c['lr_decay_iters'] or c['max_iters']}"]
+    return "\n".join([
+        "-" * 30 + " run summary " + "-" * 30,
+        ", ".join(losses),
+        f"{(train[-1]['tokens'] if train else 0):,} tokens trained, {time.time() - started:.0f} s wall time "
+        f"(this launch), {mean['tok_per_s']:,.0f} tok/s and mfu {mean['mfu']:.1%} (the logged iterations' mean)",
+        f"checkpoint {latest}" + "".join(f"; {kind} {path}" for kind, path in exports if path),
+        f"continue{'' if stopped else ' (twice as long, the decay kept where it ended)'}: "
+        + shlex.join([*launch, "train.py", *again]),
+        "-" * 73])

@@ -12,6 +12,7 @@ into one whole model here. train.py's end-of-run sample and export use the funct
 
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -75,8 +76,22 @@ def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb
                          tokenizer.tokenizer_from_meta(meta), shard_mb)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
     if sample_tokens > 0:
-        text = sample_text(model, tokenizer.tokenizer_from_meta(meta), "", sample_tokens, 0.8, 50, autocast)
-        print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
+        final_sample(model, tokenizer.tokenizer_from_meta(meta), sample_tokens, autocast, out_dir)
+
+
+def final_sample(model, enc, max_new_tokens, autocast, out_dir):
+    """The end-of-run sample, once the run is over and saved: a line first (a big model samples for
+    minutes on a CPU), and Ctrl-C ends it at once (not the loop's "finish the step, then save")."""
+    print(f"sampling {max_new_tokens} tokens from the final model (Ctrl-C skips it: the run is saved) ...",
+          flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        text = sample_text(model, enc, "", max_new_tokens, 0.8, 50, autocast)
+    except KeyboardInterrupt:
+        print(f"sample skipped (Ctrl-C): the run is finished and saved; `python sample.py "
+              f"out_dir={out_dir}` samples it", flush=True)
+        return
+    print("-" * 30 + " sample " + "-" * 30 + "\n" + text + "\n" + "-" * 68, flush=True)
 
 
 def load_from(init_from):

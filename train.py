@@ -141,6 +141,8 @@ reshard_after_forward = True    # fsdp: free a block's gathered weights after it
 zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
 offload = False                 # zero, fsdp on CUDA: optimizer state in CPU memory
 sample_tokens = 120             # tokens to generate at the end (0: none)
+profile_iters = ""              # 'a:b': profile iterations a..b-1, a trace per rank in out_dir/trace/
+profile_memory = False          # profile_iters on CUDA: also a snapshot of the allocator's history
 # -----------------------------------------------------------------------------------------
 
 # a UserError (or a dead peer) prints one line, not a traceback
@@ -173,8 +175,11 @@ if mesh.device.type == "cpu":
 if mesh.master and os.path.isdir(out_dir):
     rundir.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
-shape = {k: src.saved[k] for k in origin.SHAPE_KEYS if k in (src.saved or {})}
-mesh.print0("config: " + " ".join(f"{k}={shape.get(k, config[k])!r}" for k in config_keys))
+# a model we start from brings its tokenizer: the data must be tokenized with it
+spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)
+# the config as this run uses it: a model's shape and tokenizer are its own (marked *)
+mesh.print0(origin.config_line(config, src, spec) if src.saved else
+            "config: " + " ".join(f"{k}={v!r}" for k, v in config.items()))
 if max_iters < warmup_iters:
     mesh.print0(schedule_note(config))
 if src.kind in ("hf", "run") and learning_rate >= 1e-3 and not lora_rank:  # a from-scratch rate
@@ -184,8 +189,6 @@ if src.kind == "resume":
     if origin.finished(src, config, out_dir, mesh):
         parallel.teardown(mesh)  # nothing to do, nothing rewritten
         workarounds.exit_now()
-# a model we start from brings its tokenizer: the data must be tokenized with it
-spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)
 
 # ---- data: one dataset, or a mixture ---------------------------------------------------------
 sources = derived["sources"]
@@ -387,6 +390,10 @@ flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: wh
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
 
+if profile_iters:  # profiler: profiling.py (labels the loop's calls from outside)
+    import profiling
+    profiling.attach(profile_iters, start_iter, out_dir, mesh, raw_model, optimizer, profile_memory)
+
 # ---- the loop --------------------------------------------------------------------------------
 it = start_iter
 # a resumed run's first val loss and checkpoint exist already
@@ -397,6 +404,9 @@ stop = False
 bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
+        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so before it starts
+        if it == start_iter and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11):
+            mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
@@ -495,7 +505,8 @@ while True:
                         f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                         f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + extra)
             log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-                 "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, **by_source, **moe_stats,
+                 "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, "elapsed_s": time.time() - started,
+                 **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
     elif skipped == "known bad batch":
         mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
@@ -533,6 +544,9 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
     sample.end_of_run(raw_model if whole else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
                       export_shard_mb, sample_tokens, autocast, mesh.device)
+if mesh.master:  # the last losses, tokens, time, speed, checkpoint, exports and how to continue
+    exports = [] if stop else [("Hugging Face export", export_hf), ("PEFT adapters", export_lora if lora else "")]
+    print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
     # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
     workarounds.exit_now(rundir.exit_code(signals))

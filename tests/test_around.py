@@ -186,3 +186,89 @@ def test_the_evaluation_command_on_a_run_and_its_export_against_transformers(two
     want = F.cross_entropy(logits.flatten(0, 1).double(), y.flatten()).item()
     assert run[1] == exported[1] == y.numel()
     assert abs(run[0] - want) < 1e-5 * want and abs(exported[0] - want) < 1e-5 * want, (run, exported, want)
+
+
+@pytest.fixture(scope="module")
+def profiled(dataset, tmp_path_factory):
+    """REFERENCE on 2 ranks with the profiler over iterations 3-5: (out_dir, the run's stdout)."""
+    from conftest import torchrun
+    out = str(tmp_path_factory.mktemp("profiled") / "run")
+    p = torchrun(2, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "profile_iters=3:6"], cwd=os.path.dirname(out))
+    return out, p.stdout
+
+
+def test_the_profiler_writes_a_labelled_trace_per_rank_and_changes_nothing(profiled, reference_run):
+    out, stdout = profiled
+    assert_same_curve(reference_run, read_metrics(out))
+    assert sorted(os.listdir(os.path.join(out, "trace"))) == ["rank0.json", "rank1.json"]
+    for rank in range(2):
+        with open(os.path.join(out, "trace", f"rank{rank}.json")) as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        assert {"forward", "backward", "grad sync", "clip grad norm", "optimizer step"} <= names, rank
+        assert "ProfilerStep#4" in names and "ProfilerStep#2" not in names  # the window: 3, 4, 5 (2 warms up)
+    assert "profiler: iterations 3-5 traced" in stdout and "Self CPU" in stdout  # the top operators' table
+
+
+def summary_shape():
+    """docs/checkpoints.md's summary block as regular expressions, one per line: a word with a
+    digit or a / in it (a number, a path) stands for any such, and the command after the
+    colon for any that runs train.py."""
+    import re
+    head = "```text\n" + "-" * 30 + " run summary "
+    block = head[8:] + open(os.path.join(ROOT, "docs", "checkpoints.md")).read().split(head, 1)[1].split("```")[0]
+    shapes = []
+    for line in block.strip().splitlines():
+        line, command = line.split(": ", 1) if " train.py " in line else (line, None)
+        words = [r"\S+" if re.search(r"[\d/]", w) else re.escape(w) for w in line.split(" ")]
+        shapes.append(" ".join(words) + (r": .*\btrain\.py .*" if command else ""))
+    return shapes
+
+
+def test_the_summary_reads_as_the_docs_show_it(profiled):
+    """The block that ends a run (2 ranks), line by line as docs/checkpoints.md shows it, with
+    this run's numbers: its last losses, tokens, checkpoint and the torchrun that continues it."""
+    import re
+    out, stdout = profiled
+    lines = stdout[stdout.index("-" * 30 + " run summary "):].strip().splitlines()
+    shape = summary_shape()
+    assert len(lines) == len(shape) and all(re.fullmatch(s, line) for s, line in zip(shape, lines)), (shape, lines)
+    rows = read_metrics(out)
+    last, val = [r for r in rows if "loss" in r][-1], [r for r in rows if "val_loss" in r][-1]
+    assert lines[1] == f"train loss {last['loss']:.4f} (iteration 7), val loss {val['val_loss']:.4f} (after 8)"
+    assert lines[2].startswith(f"{8 * 4 * 4 * 32:,} tokens trained, ")
+    assert lines[3] == f"checkpoint {out}/ckpt/iter_0000008"
+    assert lines[4].startswith("continue (twice as long, the decay kept where it ended): torchrun --standalone "
+                               "--nproc_per_node=2 train.py ") and lines[4].endswith(" max_iters=16 lr_decay_iters=8")
+
+
+def test_quiet_phases_say_what_they_do_and_ctrl_c_skips_the_sample(dataset, tmp_path):
+    """At a low peak_flops the first evaluation would take minutes: a line says so before it.
+    The end-of-run sample says it samples; Ctrl-C there ends it at once, with a line that fits."""
+    out = str(tmp_path / "run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *REFERENCE, "max_iters=2",
+                          f"dataset={dataset}", f"out_dir={out}", "peak_flops=1e3", "sample_tokens=1000000"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if line.startswith("sampling 1000000 tokens"):
+                break
+        time.sleep(1)  # inside generate
+        p.send_signal(signal.SIGINT)
+        t0 = time.time()
+        rest, err = p.communicate(timeout=60)
+        waited = time.time() - t0
+    finally:
+        p.kill()
+        p.wait()
+    text = "".join(seen) + rest
+    first_eval = text.index("iter 0: evaluating the 0.0")  # REFERENCE's model: 0.0x M parameters
+    assert text[first_eval:].split("\n", 1)[0].endswith("M-parameter model ...")
+    assert first_eval < text.index("iter 0: val loss")
+    # at once: the million tokens would take an hour; 30 s is the interpreter's exit on a loaded machine
+    # (measured: 10 s on the 2-core machine at a load average of 25)
+    assert p.returncode == 0 and waited < 30, (p.returncode, waited, err)
+    assert "sample skipped (Ctrl-C): the run is finished and saved" in rest and "finishing this step" not in err
+    assert "-" * 30 + " run summary " in rest

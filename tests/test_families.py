@@ -13,6 +13,7 @@ from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchr
 
 import checkpoint
 import hf
+import hf_tokenizer
 from common import UserError
 import lora
 from model import ModelConfig, Transformer
@@ -187,7 +188,11 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
         assert f"growing the vocabulary from {rows} to {ids + 2}" in p.stdout
     else:  # Qwen2's padded embedding has rows for them already (its ids stay below the rows)
         assert "growing the vocabulary" not in p.stdout and rows > ids
-    assert " n_layer=2 n_head=4 n_kv_head=2 n_embd=32 ffn_dim=64 " in p.stdout  # the base's, not train.py's defaults
+    # the config line shows what the run uses: the base's shape and tokenizer (its file and size), marked
+    line = next(line for line in p.stdout.splitlines() if line.startswith("config: "))
+    assert " n_layer=2* n_head=4* n_kv_head=2* n_embd=32* ffn_dim=64* " in line, line
+    assert f" tokenizer='{os.path.abspath(hf_tokenizer.find(path))}'* vocab_size={ids}* " in line, line
+    assert line.endswith(f"(*: the model's, from the Hugging Face model in {path})") and " dropout=0.0 " in line
     chats = tmp_path / "chat.jsonl"
     chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
                              for i in range(40)))

@@ -12,7 +12,7 @@ from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, tor
 import common
 from common import UserError
 
-TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu"}
+TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu", "elapsed_s"}
 
 
 def test_the_curve_comparison_can_fail():
@@ -237,6 +237,8 @@ MISTAKES = {
     "block_size=0": "block_size=0 must be at least 1",
     "batch_size=-2": "batch_size=-2 must be at least 1",
     "eval_interval=0": "eval_interval=0 must be at least 1",
+    "profile_iters=5-8": "profile_iters='5-8' is not 'a:b' with 0 <= a < b <= max_iters=",
+    "profile_iters=8:8": "profile_iters='8:8' is not 'a:b' with 0 <= a < b",
     "log_interval=0": "log_interval=0 must be at least 1",
     "eval_iters=0": "eval_iters=0 must be at least 1",
     "dropout=1.0": "dropout=1.0 must be in [0, 1)",
