@@ -66,7 +66,9 @@ def train_state(model, optimizer):
     (LoRA's base) are left out: they never change, and the run's meta.json says where they
     come from. Tensor-parallel slices are gathered into full tensors (see below)."""
     weights = trainable_state(model)  # first: FSDP's state_dict() hook puts gathered weights back to shards
-    return _tp_gathered({"model": weights, "optim": optimizer.full_state(param_names(model))}, model)
+    names = param_names(model)
+    state = {"model": weights, "optim": optimizer.full_state(names)}
+    return _tp_gathered(state, model) if any(hasattr(p, "_tp_dim") for p in names) else state
 
 
 # ---- tensor parallel (tp): checkpoints hold full tensors ------------------------------
@@ -226,10 +228,14 @@ def _prune(root, keep, protect):
     directories are neither counted nor deleted: find() reports them, the user decides.
     Complete = every file of the manifest there with its size (no hashing: this runs at
     every save)."""
-    if keep <= 0:
-        return
+    names = [n for _, n in sorted(_checkpoints(root).items())]
+    if 0 < keep < len(names):  # (no more directories than `keep`: none can go, none is read)
+        _delete_old(root, names, keep, protect)
+
+
+def _delete_old(root, names, keep, protect):
     complete = []
-    for it, n in sorted(_checkpoints(root).items()):
+    for n in names:
         files, problem = read_manifest(os.path.join(root, n))
         if problem is None and not any(_check_file(os.path.join(root, n), f, w, checksum=False)
                                        for f, w in files.items()):
@@ -308,27 +314,37 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
     if not _agree(pending.error is None, mesh):
         return pending  # nothing started on any rank; finish_save reports it
     if not all_finite(model, bool(mesh.backend)):  # never a checkpoint that a rollback or a resume could not use
-        if mesh.master:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
-                        f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
-                        f"from the last checkpoint")
+        _refuse_not_finite(tmp, name, it, mesh)
     state, writer, no_dist = train_state(model, optimizer), FileSystemWriter(tmp), not mesh.backend
     if asynchronous:
-        try:
-            written = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-        except (Exception, CheckpointException) as e:  # staging failed (out of CPU memory): report it at the finish
-            pending.work = Future()
-            pending.work.set_exception(e)
-            return pending
-        # the hashing waits for the write in a thread of its own, so the loop waits for neither
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt_hash")
-        pending.work = pool.submit(_write_and_hash, written.result, tmp, mesh.rank)
-        pool.shutdown(wait=False)  # the thread ends when its one job is done
+        pending.work = _start_async(state, writer, group, no_dist, tmp, mesh.rank)
     else:
         pending.work = _done(lambda: _write_and_hash(lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist),
                                                      tmp, mesh.rank))
     return pending
+
+
+def _refuse_not_finite(tmp, name, it, mesh):
+    if mesh.master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
+                    f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
+                    f"from the last checkpoint")
+
+
+def _start_async(state, writer, group, no_dist, tmp, rank):
+    """The async save's Future: DCP copies the state to CPU memory now and writes it in the
+    background; a thread of its own waits for that write and hashes the files."""
+    try:
+        written = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # staging failed (out of CPU memory): report it at the finish
+        failed = Future()
+        failed.set_exception(e)
+        return failed
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt_hash")
+    work = pool.submit(_write_and_hash, written.result, tmp, rank)
+    pool.shutdown(wait=False)  # the thread ends when its one job is done
+    return work
 
 
 def written(pending):
@@ -372,15 +388,19 @@ def finish_save(pending, keep, resumed_from=None):
         except OSError as e:
             error = e
     if not _agree(error is None, mesh):
-        if mesh.master:
-            shutil.rmtree(tmp, ignore_errors=True)
-        why = describe_error(error) if error else "on another rank"
-        out_dir = os.path.dirname(root)
-        raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
-                        f"free disk space or fix the permissions of {out_dir}, then restart (init_from=auto resumes)")
+        _refuse_failed(error, tmp, root, name, mesh)
     if mesh.master:
         _prune(root, keep, {name, os.path.basename(os.path.normpath(resumed_from)) if resumed_from else name})
     return final
+
+
+def _refuse_failed(error, tmp, root, name, mesh):
+    if mesh.master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    why = describe_error(error) if error else "on another rank"
+    raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
+                    f"free disk space or fix the permissions of {os.path.dirname(root)}, then restart "
+                    f"(init_from=auto resumes)")
 
 
 def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
