@@ -152,30 +152,50 @@ PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_la
                 "sp": False, "cp": 1}
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
+# A feature's own rules are checked with it, below (FEATURE_CHECKS); the model's shape by ModelConfig.
 RULES = [
     (lambda c: c["zero"] not in (0, 1, 2),
      "zero={zero} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True"),
     (lambda c: c["min_lr"] > c["learning_rate"],
      "min_lr={min_lr} is above learning_rate={learning_rate}: the decay would raise the rate; lower min_lr"),
     (lambda c: not 0 <= c["seed"] < 2 ** 32, "seed={seed} is out of range: use an integer in [0, 2**32)"),
-    (lambda c: c["lora_rank"] > c["n_embd"], "lora_rank={lora_rank} is above the width n_embd={n_embd}: an "
-                                             "adapter's rank is at most its layer's width; lower lora_rank"),
-    (lambda c: c["profile_iters"] and not _window(c["profile_iters"], c["max_iters"]),
-     "profile_iters='{profile_iters}' is not 'a:b' with 0 <= a < b <= max_iters={max_iters}: e.g. '5:8' "
-     "profiles iterations 5, 6 and 7"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
-    (lambda c: c["n_experts"] and c["moe_top_k"] > c["n_experts"],
-     "moe_top_k={moe_top_k} is more than n_experts={n_experts}: a token picks top_k of the experts; lower moe_top_k"),
-    (lambda c: c["n_experts"] and c["moe_every"] > c["n_layer"],
-     "moe_every={moe_every} is more than n_layer={n_layer}: no layer would be a mixture of experts; lower moe_every"),
-    # the model's shape (a checkpoint or a model directory may bring its own: checked again there)
-    (lambda c: c["n_embd"] % c["n_head"],
-     "n_embd={n_embd} is not divisible by n_head={n_head}: make n_embd a multiple of n_head"),
-    (lambda c: c["n_head"] % c["n_kv_head"], "n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each "
-     "key/value head serves a whole group of query heads; use a divisor of n_head"),
-    (lambda c: c["n_embd"] // c["n_head"] % 2, "head_dim = n_embd / n_head = {n_embd} / {n_head} is odd: rotary "
-                                               "positions rotate pairs of features; change n_embd or n_head"),
+]
+
+
+def _check_lora(c, overrides):
+    check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width n_embd={c['n_embd']}: an "
+                                         f"adapter's rank is at most its layer's width; lower lora_rank")
+    lora_targets(c)
+
+
+def lora_targets(c):
+    """The linears c's lora_targets names, sorted (lora.py's `targets`)."""
+    targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
+    check(targets and not set(targets) - set(LORA_TARGETS),
+          f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
+    return targets
+
+
+def _check_profiler(c, overrides):
+    check(_window(c["profile_iters"], c["max_iters"]),
+          f"profile_iters='{c['profile_iters']}' is not 'a:b' with 0 <= a < b <= max_iters={c['max_iters']}: e.g. "
+          f"'5:8' profiles iterations 5, 6 and 7")
+
+
+def _check_moe(c, overrides):
+    check(c["moe_top_k"] <= c["n_experts"], f"moe_top_k={c['moe_top_k']} is more than n_experts={c['n_experts']}: "
+                                            f"a token picks top_k of the experts; lower moe_top_k")
+    check(c["moe_every"] <= c["n_layer"], f"moe_every={c['moe_every']} is more than n_layer={c['n_layer']}: no layer "
+                                          f"would be a mixture of experts; lower moe_every")
+
+
+# (entered when: the config turns the feature on, or names one of its keys; then its checks)
+FEATURE_CHECKS = [
+    (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
+    (lambda c, o: c["profile_iters"], _check_profiler),
+    (lambda c, o: c["n_experts"], _check_moe),
 ]
 
 def _window(spec, max_iters):
@@ -298,7 +318,7 @@ def parse_phases(phases, names, max_iters=None):
 def validate(c, overrides, world):
     """Checks the whole config `c` (`overrides`: the keys the user gave) for `world` processes,
     changing nothing; returns what it derives: {"dp", "layer_counts": pp_layers' list or None,
-    "lora_targets", "sources": {dataset: weight}, "grad_accum_steps": the one this layout runs}."""
+    "sources": {dataset: weight}, "grad_accum_steps": the one this layout runs}."""
     for key, choices in CHOICES.items():
         check(c[key] in choices, f"{key}={c[key]!r} is not one of {', '.join(choices)}")
     for key in AT_LEAST_1:
@@ -313,25 +333,32 @@ def validate(c, overrides, world):
         check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not finite: give a finite one")
     for refused, message in RULES:
         check(not refused(c), message.format(**c))
+    for wanted, check_feature in FEATURE_CHECKS:
+        if wanted(c, overrides):
+            check_feature(c, overrides)
     check_refusals(c, overrides)
-    sources = {c["dataset"]: 1.0}
-    if c["datasets"] or c["phases"]:  # a mixture (mixture.py): its spec parsed, nothing read yet
-        sources = parse_mixture(c["datasets"], c["phases"]) if c["datasets"] else sources
-        parse_phases(c["phases"], [source_name(s) for s in sources], c["max_iters"])
-    lora_targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
-    check(lora_targets and not set(lora_targets) - set(LORA_TARGETS),
-          f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
-    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # 0: n_embd's
+    sources = mixture_sources(c) if c["datasets"] or c["phases"] else {c["dataset"]: 1.0}
+    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # (its rules)
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}
-        # a model directory's shape is not read yet: rundir.saved_shape checks the layout against it
-        shape = [None] * 4 if os.path.isdir(c["init_from"]) else [c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim]
-        dp, layer_counts = check_layout(c, world, *shape)
+        dp, layer_counts = _check_given_layout(c, world, ffn_dim)
     check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
     check_files(c)
-    return {"dp": dp, "layer_counts": layer_counts, "lora_targets": lora_targets, "sources": sources,
-            "grad_accum_steps": c["grad_accum_steps"]}
+    return {"dp": dp, "layer_counts": layer_counts, "sources": sources, "grad_accum_steps": c["grad_accum_steps"]}
+
+
+def mixture_sources(c):
+    """A mixture's {source: weight} (mixture.py), its phases checked against them: nothing read yet."""
+    sources = parse_mixture(c["datasets"], c["phases"]) if c["datasets"] else {c["dataset"]: 1.0}
+    parse_phases(c["phases"], [source_name(s) for s in sources], c["max_iters"])
+    return sources
+
+
+def _check_given_layout(c, world, ffn_dim):
+    # a model directory's shape is not read yet: origin.saved_shape checks the layout against it
+    shape = [None] * 4 if os.path.isdir(c["init_from"]) else [c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim]
+    return check_layout(c, world, *shape)
 
 
 def batch_for_layout(c, overrides, world):

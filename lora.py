@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import checkpoint
 from common import UserError, read_json, sha256_file
-from configurator import LORA_TARGETS
+from configurator import LORA_TARGETS, lora_targets
 from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_export_dir
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
@@ -296,11 +296,11 @@ def load_lora_adapter(model, adapter, path):
 # optimizer (over what trains only).
 
 
-def settings(c, overrides, targets, src):
+def settings(c, overrides, src):
     """This run's LoRA settings {"rank", "alpha", "dropout", "targets", "base"} (kept in its
     checkpoints) and lora_from's tensors (or None): from the LoRA run being resumed, from an
     adapter directory, or from the keys. An explicit key that disagrees is a mistake."""
-    adapter = None
+    adapter, targets = None, lora_targets(c)
     if src.kind == "resume" and src.lora:  # resuming a LoRA run: the settings and the base come from its checkpoint
         lora, where = dict(src.lora), src.where
     elif src.kind == "resume":

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from common import check
 from moe import MoE
 
 ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
@@ -62,10 +63,15 @@ class ModelConfig:
     moe_z_weight: float = 0.0  # router z-loss weight
     moe_bias_rate: float = 0.0  # DeepSeek-V3's aux-loss-free bias: its step per optimizer step
 
-    def __post_init__(self):  # (configurator.py's RULES say the same, with the fix, for the config)
-        if self.n_embd % self.n_head or self.n_head % self.n_kv_head or self.n_embd // self.n_head % 2:
-            raise ValueError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: n_embd "
-                             f"must be divisible by n_head, n_head divisible by n_kv_head, head_dim even (rotary)")
+    def __post_init__(self):  # the shape's rules, said once: the config's check builds one too
+        check(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                                              f"make n_embd a multiple of n_head")
+        check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by n_kv_head="
+                                                 f"{self.n_kv_head}: each key/value head serves a whole group of "
+                                                 f"query heads; use a divisor of n_head")
+        check(self.n_embd // self.n_head % 2 == 0, f"head_dim = n_embd / n_head = {self.n_embd} / {self.n_head} is "
+                                                   f"odd: rotary positions rotate pairs of features; change n_embd "
+                                                   f"or n_head")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 

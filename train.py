@@ -238,7 +238,7 @@ if src.saved is not None:
 lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
-    lora, adapter = lora_py.settings(config, overrides, derived["lora_targets"], src)
+    lora, adapter = lora_py.settings(config, overrides, src)
 common.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
 # Built whole where every rank holds the whole model (plain data parallel, ZeRO, cp), as one
 # process builds it. Pipeline stages, tp slices, FSDP shards and expert shares are built on the
