@@ -113,11 +113,7 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
     die_with_parent()
     assert world % (pp * cp * tp) == 0, f"pp={pp} x cp={cp} x tp={tp} does not divide the world of {world}"
     if dev.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
-                            f"start at most that many processes per node (--nproc_per_node)")
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
+        dev = _local_gpu(local_rank)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     store = None
@@ -141,6 +137,16 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
                 cp_group=grid.get_group("cp"))
 
 
+def _local_gpu(local_rank):
+    """This rank's GPU: one per local rank."""
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
+                        f"start at most that many processes per node (--nproc_per_node)")
+    dev = torch.device("cuda", local_rank)
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def die_with_parent():
     """A rank ends when its launcher does (torchrun killed with SIGKILL cannot stop its
     workers, which would train on and hold out_dir's lock): Linux's parent-death signal,
@@ -153,7 +159,11 @@ def die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before the prctl
             os._exit(1)
-        return
+    else:
+        _watch_parent(parent)
+
+
+def _watch_parent(parent):
     import threading
 
     def watch():
@@ -322,13 +332,18 @@ def memory_bytes(model, optimizer):
 def memory_line(model, optimizer, mesh, zero, fsdp, offload):
     """'memory per rank: params .. MB, grads .. MB, optimizer .. MB' and what is sharded."""
     mem = memory_bytes(model, optimizer)
+    split = _what_is_split(mesh, zero, fsdp, offload) if zero or fsdp or mesh.tp > 1 else ""
+    return "memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split
+
+
+def _what_is_split(mesh, zero, fsdp, offload):
     split = (f" (fsdp: 1/{mesh.dp} of each)" if fsdp else
              f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if zero else "")
     if mesh.tp > 1:
         split += f" (tp: the matrices' 1/{mesh.tp} slices{', sharded over dp' if zero or fsdp else ''})"
     if offload and (zero or fsdp) and mesh.device.type == "cuda":
         split += " (optimizer in CPU memory)"
-    return "memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split
+    return split
 
 
 def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
@@ -360,8 +375,11 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
     (0: only measure it); returns that norm, the same on every rank. (Clipping each stage or
     shard by its own norm would be a different, layout-dependent update.)"""
     params = [p for p in params if p.grad is not None]
-    if mesh.world > 1:  # the parts of the gradient other ranks hold
-        sq = whole_squared_norm(params, mesh, sharded)
+    # plain data-parallel (and cp) replicas hold the same, whole gradient: their own norm is the model's
+    spread = sharded or mesh.pp > 1 or mesh.tp > 1 or any(isinstance(p.grad, DTensor) or hasattr(p, "_ep")
+                                                          for p in params)
+    if spread:  # the parts of the gradient other ranks hold
+        sq = global_grad_squared_norm(params, mesh, sharded)
     else:
         sq = sum((squared_norm(p.grad) for p in params), torch.zeros((), device=mesh.device))
     norm = sq.sqrt()
@@ -373,12 +391,12 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
 
 
 def squared_norm(g):
-    """|g|^2 in float32, in one pass over g (g.pow(2).sum() writes a g-sized temporary first:
+    """|g|^2 of one tensor, in float32, in one pass over g (g.pow(2).sum() writes a g-sized temporary first:
     at 135M parameters on a CPU, ~8x slower)."""
     return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 
-def whole_squared_norm(params, mesh, sharded=False):
+def global_grad_squared_norm(params, mesh, sharded=False):
     """The squared norm of the whole model's gradient, from this rank's `params`. Pipeline
     stages hold different parameters, so their squared norms are summed over the pipeline, and
     so are FSDP's gradient shards over the dp ranks and tensor-parallel slices over the tp
@@ -391,12 +409,13 @@ def whole_squared_norm(params, mesh, sharded=False):
     experts = torch.zeros((), device=mesh.device)  # expert_parallel.py: each rank of an ep group its own experts
     for p in params:
         s = squared_norm(_local(p.grad))
-        if getattr(getattr(p, "_whole", p), "_tied_copy", False):  # tied across stages: the embedding's gradient again
+        whole = getattr(p, "_whole", p)  # a ZeRO piece: its marks are its parameter's, as for Muon's whole_shape
+        if getattr(whole, "_tied_copy", False):  # tied across stages: the embedding's gradient again
             continue
-        if hasattr(p, "_ep") and not isinstance(p.grad, DTensor):  # (the same on the ranks holding the same experts:
-            # counted once, after dp's sum; under fsdp a shard like the others)
+        if hasattr(whole, "_ep") and not isinstance(p.grad, DTensor):  # (the same on the ranks holding the same
+            # experts: counted once, after dp's sum; under fsdp a shard like the others)
             experts += s
-        elif hasattr(p, "_tp_dim"):
+        elif hasattr(whole, "_tp_dim"):
             sq_tp += s
         else:
             sq += s
@@ -405,7 +424,7 @@ def whole_squared_norm(params, mesh, sharded=False):
     sq += sq_tp
     if sharded or any(isinstance(p.grad, DTensor) for p in params):  # FSDP, ZeRO: each dp rank holds a different part
         dist.all_reduce(sq, group=mesh.dp_group)
-    ep_group = next((p._tp_group for p in params if hasattr(p, "_ep")), None)
+    ep_group = next((w._tp_group for w in (getattr(p, "_whole", p) for p in params) if hasattr(w, "_ep")), None)
     if ep_group is not None:
         dist.all_reduce(experts, group=ep_group)
         sq += experts

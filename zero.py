@@ -77,9 +77,7 @@ class ZeroDataParallel(DataParallel):
                 if a < b:
                     assert p.is_contiguous(), "a shard is a view of the flat parameter: parameters must be contiguous"
                     piece = nn.Parameter(p.detach().view(-1)[a - offset:b - offset])
-                    piece._whole = p  # Muon's scale and clipping ask what the piece is part of
-                    if hasattr(p, "_tp_dim"):  # a tensor-parallel slice's piece: clipping sums it over tp too
-                        piece._tp_dim, piece._tp_group = p._tp_dim, p._tp_group
+                    piece._whole = p  # Muon's scale and clipping ask what the piece is part of (its tp marks)
                     self.shards.append(Shard(p, a - offset, b - a, bucket, a - lo, piece))
                 offset += p.numel()
 
