@@ -1,21 +1,19 @@
 """
-The run directory, out_dir: one run owns it (a lock), it holds the run's metrics.jsonl,
-config.json and checkpoints (checkpoint.py; origin.py reads them to decide where the weights
-come from). Also each rank's random streams, which checkpoints carry so that a resumed run
-draws the same dropout masks as the uninterrupted one; the NaN guard's rollback; this run's
-saves and the signals that stop it.
+The run directory, out_dir, and the run's logs: one run owns it (a lock), it holds the run's
+config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
+writes them, saves.py decides when, origin.py reads them to decide where the weights come
+from). Also each rank's random streams, which checkpoints carry so that a resumed run draws
+the same dropout masks as the uninterrupted one, and the block that ends a run.
 """
 
 import errno
 import fcntl
-import functools
 import io
 import json
 import math
 import os
 import shlex
 import shutil
-import signal
 import socket
 import stat
 import sys
@@ -24,7 +22,6 @@ import zlib
 
 import torch
 
-import checkpoint
 from common import UserError, check, describe_error, loads_json, write_atomic
 from parallel import gather_to_master
 
@@ -228,99 +225,6 @@ def start_wandb(config, out_dir, project, name, run_id):
     import wandb
     return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)),
                       id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
-
-
-def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None, again=False):
-    """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
-    checkpoint back into the model, the optimizer, the random streams (and fp16's loss
-    scaler), metrics.jsonl cut
-    back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
-    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
-    and `again` (no finite step since the last rollback): the fault is not in a few batches."""
-    check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or gradient norm right "
-                     f"after rolling back: the fault outlives a rollback, so it is not a few bad batches; lower "
-                     f"learning_rate, check the data from there on, or resume from an earlier checkpoint")
-    path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
-    if nan_action == "stop" or path is None:
-        raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
-                        f"{'' if path else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
-                        f"check the data around these iterations, or raise nan_max_consecutive")
-    meta, state = checkpoint.read_meta(path)
-    checkpoint.load(path, model, optimizer)
-    set_rng_states(state, mesh, meta)
-    if scaler is not None and meta.get("loss_scale"):
-        scaler.load_state_dict(meta["loss_scale"])
-    skip_iters.update(meta.get("skip_iters", []))
-    if mesh.master:
-        truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), meta["iter"])
-    mesh.print0(f"rolled back to {path}: continuing from iteration {meta['iter']}, stepping over "
-                f"{sorted(i for i in skip_iters if i >= meta['iter'])}")
-    return meta["iter"]
-
-
-# ---- this run's saves, and its stop requests -------------------------------------------
-
-
-class Saves:
-    """This run's checkpoints. save(it, meta) starts one on every rank (with ckpt_async it is
-    written in the background: the loop pauses only to copy the state to CPU); finish(now),
-    once every rank has written it, makes it the latest. One save is in flight at most."""
-
-    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, resumed_from):
-        self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
-        self.keep, self.asynchronous, self.resumed_from = keep, asynchronous, resumed_from
-        self.group = checkpoint.save_group(mesh) if asynchronous else None  # its own process group (checkpoint.py)
-        self.pending = None  # the save in flight: started, not finished yet
-
-    def save(self, it, meta):
-        """Every rank writes its part (weights and optimizer state under global names: the whole
-        model once, whatever the layout, so any layout resumes it); rank 0 adds every rank's RNG
-        states and `meta`, the run's metadata (meta.json)."""
-        self.finish(it)  # the previous save first
-        self.pending = checkpoint.start_save(self.out_dir, it, self.model, self.optimizer, rng_states(self.mesh),
-                                             meta, self.mesh, self.asynchronous, self.group)
-        if not self.asynchronous:
-            self.finish(it)
-
-    def written(self):
-        """This rank has written its part of the save in flight (the loop's all-reduce adds the answers)."""
-        return self.pending is not None and checkpoint.written(self.pending)
-
-    def finish(self, now):
-        """Makes the save in flight the latest checkpoint. Every rank calls it at the same point
-        (`now`: the iteration then); a failed write raises here."""
-        if self.pending is not None:
-            done, self.pending = self.pending, None
-            path = checkpoint.finish_save(done, self.keep, self.resumed_from)
-            self.mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})"
-                                                           if self.asynchronous else ""))
-
-
-def catch_signals(mesh):
-    """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
-    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
-    received = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))
-    return received
-
-
-def signal_name(received):
-    return signal.Signals(received[0]).name if received else "a signal (on another rank)"
-
-
-def exit_code(received):
-    """A run stopped by a signal exits as a shell reports a command it killed: 128 + N (a rank
-    that stopped because another got it: SIGTERM's), so `train.py && sample.py` stops there."""
-    return 128 + (received[0] if received else signal.SIGTERM)
-
-
-def _on_signal(received, rank, signum, frame):
-    if signum == signal.SIGINT and received:  # a second Ctrl-C: quit at once
-        os._exit(130)
-    received.append(signum)
-    print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
 
 
 def summary(out_dir, c, started, world, exports, stopped):

@@ -25,9 +25,11 @@ import checkpoint
 import configurator
 import data
 import loss_scale  # fp16: loss_scale.py
+import nan_guard
 import origin
 import parallel
 import rundir
+import saves as saves_py
 import tokenizer as tokenizer_py
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
@@ -371,7 +373,7 @@ def log(record):
             wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-saves = rundir.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
+saves = saves_py.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
                      resumed_from=src.path if src.kind == "resume" else None)
 
 
@@ -384,7 +386,7 @@ def save(it):
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
-signals = rundir.catch_signals(mesh)
+signals = saves_py.catch_signals(mesh)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: what MFU is measured against
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
@@ -400,6 +402,8 @@ it = start_iter
 evaluated_at = start_iter if src.kind == "resume" else None
 saved_at = start_iter
 dt_avg = None
+# (a known bad batch is skipped before the step: it has no loss or grad norm to report)
+loss_mean = grad_norm = None
 stop = False
 bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback
 while True:
@@ -508,24 +512,16 @@ while True:
                  "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, "elapsed_s": time.time() - started,
                  **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
-    elif skipped == "known bad batch":
-        mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
-        log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
-    elif skipped == "fp16 overflow":
-        mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
-        log({"iter": it, "loss": loss_mean, "skipped": skipped, "loss_scale": scaler.scale})
     else:
-        bad_streak += 1
-        skip_iters.add(it)
-        mesh.print0(f"iter {it}: non-finite loss {loss_mean} / grad norm {grad_norm}: step skipped "
-                    f"({bad_streak} in a row, nan_max_consecutive={nan_max_consecutive})")
-        log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
+        # the NaN guard (nan_guard.py): report the skip; roll back after nan_max_consecutive in a row
+        bad_streak = nan_guard.report(skipped, it, loss_mean, grad_norm, bad_streak, skip_iters,
+                                      nan_max_consecutive, scaler, mesh, log)
         if bad_streak >= nan_max_consecutive:
             # stop, or go on from the latest checkpoint (an async save in flight is finished first)
             saves.finish(it)
-            next_it = evaluated_at = saved_at = rundir.roll_back(out_dir, raw_model, optimizer, mesh, skip_iters,
-                                                                 bad_streak, it, nan_action, scaler,
-                                                                 again=not recovered)
+            next_it = evaluated_at = saved_at = nan_guard.roll_back(
+                out_dir, raw_model, optimizer, mesh, skip_iters, bad_streak, it, nan_action, scaler,
+                again=not recovered)
             bad_streak, recovered = 0, False
     it = next_it
 
@@ -533,7 +529,7 @@ while True:
 # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 saves.finish(it)
 if stop:
-    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
+    mesh.print0(f"stopped by {saves_py.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
@@ -549,7 +545,7 @@ if mesh.master:  # the last losses, tokens, time, speed, checkpoint, exports and
     print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
     # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
-    workarounds.exit_now(rundir.exit_code(signals))
+    workarounds.exit_now(saves_py.exit_code(signals))
 if mesh.backend:
     # all is written and the process group is gone: leave without the interpreter's shutdown,
     # where gloo's threads can abort a finished run (SIGABRT)
