@@ -395,41 +395,60 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
                            f"processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
-    if c["cp"] > 1:  # context parallel: context_parallel.py (2 cp equal chunks of every sequence)
-        cp = c["cp"]
-        check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: start a multiple "
-                                           f"of cp * tp processes, or change cp")
-        check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} equal chunks, but "
-                                               f"block_size={c['block_size']} does not divide by {2 * cp}: change "
-                                               f"block_size or cp")
+    if c["cp"] > 1:  # context parallel: context_parallel.py
+        _check_cp(c, world)
     dp = world // (pp * tp * c["cp"])
     check(c["grad_accum_steps"] % dp == 0,
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
           f"fewer ranks")
-    # (a model from a checkpoint or a directory brings its own n_experts: checked again with it, rundir.saved_shape)
+    # (a model from a checkpoint or a directory brings its own n_experts: checked again with it, origin.saved_shape)
     if c["ep"] > 1 and (n_experts or where or c["init_from"] == "scratch"):  # expert parallel: expert_parallel.py
-        check(n_experts, f"ep={c['ep']} splits the experts over ranks, but the model{where} is dense (n_experts=0): "
-                         f"set n_experts= or drop ep")
-        check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
-              f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
-              f"n_experts={n_experts}{where} (each holds as many experts): change ep")
-    if tp > 1 and n_head is not None:  # tensor parallel: each rank holds whole heads, an equal slice of SwiGLU
-        for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
-            check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
-                               f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
-    if c["sp"]:  # sequence parallel: tensor_parallel.py (each tp rank holds an equal slice of the sequence)
-        check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
-                      "or drop sp")
-        check(pp == 1 and not c["neftune_alpha"],
-              f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does not yet pass "
-              f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence length, which a "
-              f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
-        check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
-                                         f"block_size={c['block_size']} does not divide by {tp}: change block_size")
+        _check_ep(c, dp, n_experts, where)
+    if tp > 1 and n_head is not None:  # tensor parallel: tensor_parallel.py
+        _check_tp(tp, n_head, n_kv_head, ffn_dim, where)
+    if c["sp"]:  # sequence parallel: tensor_parallel.py
+        _check_sp(c, pp, tp)
     if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():
         return dp, _check_pipeline(c, dp, n_layer, where)
     return dp, None
+
+
+def _check_cp(c, world):
+    """2 cp equal chunks of every sequence, on cp x tp x pp ranks that divide the world."""
+    cp, pp, tp = c["cp"], c["pp"], c["tp"]
+    check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: start a multiple "
+                                       f"of cp * tp processes, or change cp")
+    check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} equal chunks, but "
+                                           f"block_size={c['block_size']} does not divide by {2 * cp}: change "
+                                           f"block_size or cp")
+
+
+def _check_ep(c, dp, n_experts, where):
+    check(n_experts, f"ep={c['ep']} splits the experts over ranks, but the model{where} is dense (n_experts=0): "
+                     f"set n_experts= or drop ep")
+    check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
+          f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
+          f"n_experts={n_experts}{where} (each holds as many experts): change ep")
+
+
+def _check_tp(tp, n_head, n_kv_head, ffn_dim, where):
+    """Each tp rank holds whole heads and an equal slice of SwiGLU."""
+    for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
+        check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
+                           f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+
+
+def _check_sp(c, pp, tp):
+    """Each tp rank holds an equal slice of the sequence."""
+    check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
+                  "or drop sp")
+    check(pp == 1 and not c["neftune_alpha"],
+          f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does not yet pass "
+          f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence length, which a "
+          f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
+    check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
+                                     f"block_size={c['block_size']} does not divide by {tp}: change block_size")
 
 
 def _check_pipeline(c, dp, n_layer, where):

@@ -98,7 +98,7 @@ class DataParallel(DataParallelBase):
         # buckets in reverse registration order, which is roughly the order backward finishes them
         cap = bucket_mb * 2 ** 20
         self.buckets, current = [], []
-        tied = tied_copy(getattr(module, "_orig_mod", module))
+        tied = tied_copy(getattr(module, "_orig_mod", module)) if mesh.pp > 1 else None  # pipeline.py
         for p in reversed(self.params):
             if p is tied:  # a bucket of its own: ZeRO then slices it alike on the first and the last stage
                 self.buckets += [Bucket(current), Bucket([p])] if current else [Bucket([p])]
