@@ -388,7 +388,7 @@ def save(it):
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
 signals = saves_py.catch_signals(mesh)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
-flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops  # peak: what MFU is measured against
+flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
 
@@ -540,7 +540,7 @@ if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
     sample.end_of_run(raw_model if whole else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
                       export_shard_mb, sample_tokens, autocast, mesh.device)
-if mesh.master:  # the last losses, tokens, time, speed, checkpoint, exports and how to continue
+if mesh.master:
     exports = [] if stop else [("Hugging Face export", export_hf), ("PEFT adapters", export_lora if lora else "")]
     print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
