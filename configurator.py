@@ -369,14 +369,16 @@ def batch_for_layout(c, overrides, world):
     if "grad_accum_steps" in overrides or world % (pp * tp):
         return c["grad_accum_steps"]
     unit = world // (pp * tp) * (pp if c["pp_schedule"] == "interleaved" else 1)
-    if c["grad_accum_steps"] % unit:
-        raised = -(-c["grad_accum_steps"] // unit) * unit
-        if os.environ.get("RANK", "0") == "0":
-            print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, a multiple of the "
-                  f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
-                  f"set grad_accum_steps= to choose", flush=True)
-        return raised
-    return c["grad_accum_steps"]
+    return _raised(c, unit) if c["grad_accum_steps"] % unit else c["grad_accum_steps"]
+
+
+def _raised(c, unit):
+    raised = -(-c["grad_accum_steps"] // unit) * unit
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, a multiple of the "
+              f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
+              f"set grad_accum_steps= to choose", flush=True)
+    return raised
 
 
 def check_refusals(c, overrides):
