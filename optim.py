@@ -69,15 +69,16 @@ class NamedState:
         written before any step succeeded must still hold what a load asks for."""
         for group in self.param_groups:  # only what trains (LoRA's frozen base is in no group)
             for p in group["params"]:
-                if self.state.get(p):
-                    continue
-                if group.get("muon"):
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-                    continue
-                step_device = p.device if self.defaults.get("fused") else "cpu"
-                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                if not self.state.get(p):
+                    self.state[p] = self._first_state(group, p)
         return {f"{names[p]}.{k}": v for p, st in self.state.items() for k, v in st.items()}
+
+    def _first_state(self, group, p):
+        if group.get("muon"):
+            return {"momentum_buffer": torch.zeros_like(p)}
+        step_device = p.device if self.defaults.get("fused") else "cpu"
+        return {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def load_full_state(self, state, names):
         """Takes a whole state of full_state's keys, as a checkpoint load left it (a tensor-parallel
