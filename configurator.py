@@ -122,11 +122,13 @@ def script_defaults(path):
 
 
 # ---- the one validation pass ----------------------------------------------------------
-# Every constraint on the config is stated here once, checked before anything touches the
-# disk or a process group. Per key: its choices and ranges. Between keys: the layout, and the
-# table of refused combinations (data: docs/configuration.md renders it, a test keeps the two
-# in sync). What can only be known from a checkpoint or a model directory (its shape, its
-# LoRA settings) is checked where that is read, with check_layout below for the layout part.
+# Every constraint on the config is stated once (here; the model's shape in ModelConfig),
+# checked before anything touches the disk or a process group. Per key: its choices and
+# ranges. Between keys: the layout, and the table of refused combinations (data:
+# docs/configuration.md renders it, a test keeps the two in sync); each feature's own rules
+# in a function entered only when it is on. What can only be known from a checkpoint or a
+# model directory (its shape, its LoRA settings) is checked where that is read, with
+# check_layout below for the layout part.
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
            "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -338,7 +340,8 @@ def validate(c, overrides, world):
             check_feature(c, overrides)
     check_refusals(c, overrides)
     sources = mixture_sources(c) if c["datasets"] or c["phases"] else {c["dataset"]: 1.0}
-    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim  # (its rules)
+    # ModelConfig checks the shape's rules, and makes ffn_dim (0: n_embd's)
+    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}
