@@ -149,8 +149,8 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
 # the keys that mean something only for a mixture of experts (n_experts > 0)
-MOE_KEYS = ("moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim",
-            "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
+MOE_KEYS = ("moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
+            "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
 PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
                 "sp": False, "cp": 1}
 
@@ -212,16 +212,19 @@ REFUSALS = [
      "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
     # (n_experts: the model's; None while it is not known, from a checkpoint or a model directory)
     ("ep on a dense model", lambda c, o: c["ep"] > 1 and c["n_experts"] == 0,
-     "ep={ep} splits the experts of a mixture of experts over ranks, but the model is dense (n_experts=0): drop "
-     "ep, or give a new model n_experts= (e.g. 8)"),
-    ("a mixture-of-experts key on a dense model", lambda c, o: c["n_experts"] == 0 and any(k in o for k in MOE_KEYS),
-     "{moe_given}: keys of a mixture of experts, but the model is dense (n_experts=0), where they do nothing: drop "
-     "them, or give a new model n_experts= (e.g. 8)"),
+     "ep={ep} splits the experts of a mixture of experts over ranks, but the model is dense "
+     "(n_experts=0): drop ep, or give a new model n_experts= (e.g. 8)"),
+    ("a mixture-of-experts key on a dense model",
+     lambda c, o: c["n_experts"] == 0 and any(k in o for k in MOE_KEYS),
+     "{moe_given}: keys of a mixture of experts, but the model is dense (n_experts=0), where they "
+     "do nothing: drop them, or give a new model n_experts= (e.g. 8)"),
     ("export_hf of a sigmoid router or a routing bias",
-     lambda c, o: c["export_hf"] and c["n_experts"] and (c["moe_score"] != "softmax" or c["moe_bias_rate"]),
-     "export_hf={export_hf} with moe_score={moe_score}, moe_bias_rate={moe_bias_rate}: transformers' Mixtral and "
-     "Qwen2-MoE route by a softmax and have no routing bias, so the export could not compute this model; train "
-     "with moe_score=softmax moe_bias_rate=0, or drop export_hf (sample.py reads the checkpoints)"),
+     lambda c, o: c["export_hf"] and c["n_experts"]
+     and (c["moe_score"] != "softmax" or c["moe_bias_rate"]),
+     "export_hf={export_hf} with moe_score={moe_score}, moe_bias_rate={moe_bias_rate}: "
+     "transformers' Mixtral and Qwen2-MoE route by a softmax and have no routing bias, so the "
+     "export could not compute this model; train with moe_score=softmax moe_bias_rate=0, or drop "
+     "export_hf (sample.py reads the checkpoints)"),
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
      "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
      "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
@@ -328,9 +331,10 @@ def validate(c, overrides, world):
         check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not finite: give a finite one")
     for refused, message in RULES:
         check(not refused(c), message.format(**c))
-    # a model from a checkpoint or a directory brings its own n_experts: checked again with it (origin.saved_shape)
+    # a model from a checkpoint or a directory brings its own n_experts (origin.saved_shape)
     moe_asked = c["ep"] > 1 or any(k in overrides for k in MOE_KEYS)
-    check_refusals({**c, "n_experts": None if moe_asked and not builds_own_model(c) else c["n_experts"]}, overrides)
+    own = not moe_asked or builds_own_model(c)
+    check_refusals({**c, "n_experts": c["n_experts"] if own else None}, overrides)
     sources = {c["dataset"]: 1.0}
     if c["datasets"] or c["phases"]:  # a mixture (mixture.py): its spec parsed, nothing read yet
         sources = parse_mixture(c["datasets"], c["phases"]) if c["datasets"] else sources
@@ -383,9 +387,10 @@ def builds_own_model(c):
     if c["init_from"] not in ("auto", "scratch"):
         return False
     try:
-        return not any(n.startswith("iter_") for n in os.listdir(os.path.join(c["out_dir"], "ckpt")))
+        names = os.listdir(os.path.join(c["out_dir"], "ckpt"))
     except OSError:  # no ckpt directory: nothing to resume
         return True
+    return not any(n.startswith("iter_") for n in names)
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
@@ -409,7 +414,7 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
           f"fewer ranks")
-    # (a dense model with ep is a refusal; one from a checkpoint brings its own n_experts: origin.saved_shape)
+    # (ep on a dense model is refused; a checkpoint's n_experts comes with it: origin.saved_shape)
     if c["ep"] > 1 and n_experts:  # expert parallel: expert_parallel.py
         check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
               f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "

@@ -246,27 +246,30 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
 
 
 def keep_state(rank):
-    """before= of torchrun: writes what this rank holds to $MOE_STATE/save_{iteration}_{rank}.pt at
-    each save and to load_{rank}.pt after a resume's load: its weights and buffers (an ep rank: its own experts), its
-    optimizer state by parameter name. With $MOE_STATE_FROM, the load is then replaced, in place,
-    by the state in that file: a continuation from the ranks' memory that bypasses the checkpoint."""
+    """before= of torchrun: writes what this rank holds to $MOE_STATE/save_{iteration}_{rank}.pt
+    at each save and to load_{rank}.pt after a resume's load: its weights and buffers (an ep
+    rank: its own experts), its optimizer state by parameter name. With $MOE_STATE_FROM, the
+    load is then replaced, in place, by the state in that file: a continuation from the ranks'
+    memory that bypasses the checkpoint."""
     import checkpoint
     save, load = checkpoint.start_save, checkpoint.load
+    where = os.environ["MOE_STATE"]
 
     def held(model, optimizer):
         names = checkpoint.param_names(model)
         return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optim": {f"{names[p]}.{k}": v.clone() for p, st in optimizer.state.items() for k, v in st.items()}}
+                "optim": {f"{names[p]}.{k}": v.clone() for p, st in optimizer.state.items()
+                          for k, v in st.items()}}
 
     def start_save(out_dir, it, model, optimizer, *args, **kw):
-        torch.save(held(model, optimizer), os.path.join(os.environ["MOE_STATE"], f"save_{it}_{rank}.pt"))
+        torch.save(held(model, optimizer), os.path.join(where, f"save_{it}_{rank}.pt"))
         return save(out_dir, it, model, optimizer, *args, **kw)
 
     def load_then_keep(path, model, optimizer=None, no_dist=False):
         load(path, model, optimizer, no_dist)
         if optimizer is None:
             return
-        torch.save(held(model, optimizer), os.path.join(os.environ["MOE_STATE"], f"load_{rank}.pt"))
+        torch.save(held(model, optimizer), os.path.join(where, f"load_{rank}.pt"))
         if os.environ.get("MOE_STATE_FROM"):
             state, names = torch.load(os.environ["MOE_STATE_FROM"]), checkpoint.param_names(model)
             with torch.no_grad():
@@ -287,8 +290,8 @@ def _global_state(files):
         for k, v in ranks[0][part].items():
             if ".experts." in k:
                 out[part][k] = torch.cat([r[part][k] for r in ranks])
-            else:
-                assert all(torch.equal(r[part][k], v) for r in ranks), k  # (replicated: the same on every rank)
+            else:  # (replicated: the same on every rank)
+                assert all(torch.equal(r[part][k], v) for r in ranks), k
                 out[part][k] = v
     return out
 
@@ -300,50 +303,59 @@ def _assert_equal_states(got, want, what):
             assert got[part][k].dtype == v.dtype and torch.equal(got[part][k], v), (what, part, k)
 
 
+def _from(rows, first, last=None):
+    return [r for r in rows if first <= r["iter"] <= (last if last is not None else r["iter"])]
+
+
 def test_resume_from_ep2_into_one_process_is_exact(dataset, tmp_path):
-    """An ep=2 run's checkpoint (iteration 3) resumed by one process holds, bit for bit, the global
-    state the two ranks held at the save: every weight, each expert by its global index, Muon's
-    momentum and AdamW's moments and steps, the routing bias, the iteration. The iterations that
-    follow equal, exactly, one process continuing from the ranks' own state (put in place of the
-    load, no checkpoint in between). The same checkpoint resumed on dp=2 without ep gives both
-    ranks that state too, and goes on along the one-process curve."""
-    base = [*MOE_REF, f"dataset={dataset}"]
-    ep2, state = str(tmp_path / "ep2"), {}
+    """An ep=2 run's checkpoint (iteration 3) resumed by one process holds, bit for bit, the
+    global state the two ranks held at the save: every weight, each expert by its global index,
+    Muon's momentum and AdamW's moments and steps, the routing bias. The iterations that follow
+    equal, exactly, one process continuing from the ranks' own state (put in place of the load,
+    no checkpoint in between). The same checkpoint resumed on dp=2 without ep gives both ranks
+    that state too, and goes on along the one-process curve."""
+    base, cwd = [*MOE_REF, f"dataset={dataset}"], str(tmp_path)
+    ep2, kept = str(tmp_path / "ep2"), {}
     for name in ("ep2", "oracle", "dp2"):
-        state[name] = str(tmp_path / f"state_{name}")
-        os.makedirs(state[name])
+        kept[name] = str(tmp_path / f"kept_{name}")
+        os.makedirs(kept[name])
     # (iteration 3: the sign-driven bias, back at zero after two steps here, has moved)
-    torchrun(2, [*base, "ep=2", "max_iters=3", f"out_dir={ep2}"], cwd=str(tmp_path), before=keep_state,
-             env={"MOE_STATE": state["ep2"]})
-    held = _global_state([os.path.join(state["ep2"], f"save_3_{r}.pt") for r in range(2)])
+    torchrun(2, [*base, "ep=2", "max_iters=3", f"out_dir={ep2}"], cwd=cwd, before=keep_state,
+             env={"MOE_STATE": kept["ep2"]})
+    held = _global_state([os.path.join(kept["ep2"], f"save_3_{r}.pt") for r in range(2)])
     assert held["model"]["layers.0.feed_forward.experts.w1"].shape[0] == 4
     assert held["model"]["layers.0.feed_forward.expert_bias"].abs().sum() > 0
-    torch.save(held, os.path.join(state["ep2"], "global.pt"))
-    oracle, dp2 = shutil.copytree(ep2, str(tmp_path / "oracle")), shutil.copytree(ep2, str(tmp_path / "dp2"))
-    run_train([*base, "max_iters=5", f"out_dir={ep2}"], cwd=str(tmp_path))  # resumed by one process, as a user does
-    torchrun(1, [*base, "max_iters=5", f"out_dir={oracle}"], cwd=str(tmp_path), before=keep_state,
-             env={"MOE_STATE": state["oracle"], "MOE_STATE_FROM": os.path.join(state["ep2"], "global.pt")})
-    _assert_equal_states(torch.load(os.path.join(state["oracle"], "load_0.pt")), held, "one process")
+    torch.save(held, os.path.join(kept["ep2"], "global.pt"))
+    oracle, dp2 = (shutil.copytree(ep2, str(tmp_path / name)) for name in ("oracle", "dp2"))
+    # resumed by one process, as a user does; and one process from the ranks' own state
+    run_train([*base, "max_iters=5", f"out_dir={ep2}"], cwd=cwd)
+    torchrun(1, [*base, "max_iters=5", f"out_dir={oracle}"], cwd=cwd, before=keep_state,
+             env={"MOE_STATE": kept["oracle"],
+                  "MOE_STATE_FROM": os.path.join(kept["ep2"], "global.pt")})
+    loaded = torch.load(os.path.join(kept["oracle"], "load_0.pt"))
+    _assert_equal_states(loaded, held, "one process")
     resumed, continued = read_metrics(ep2), read_metrics(oracle)
     assert [r["iter"] for r in resumed if "loss" in r] == [0, 1, 2, 3, 4]
-    assert_same_curve([r for r in continued if r["iter"] >= 3], [r for r in resumed if r["iter"] >= 3], exact=True)
+    assert_same_curve(_from(continued, 3), _from(resumed, 3), exact=True)
     import checkpoint
-    (a, _), (b, _) = (checkpoint.load_whole(os.path.join(d, "ckpt", "iter_0000005")) for d in (ep2, oracle))
+    a, b = (checkpoint.load_whole(f"{d}/ckpt/iter_0000005")[0] for d in (ep2, oracle))
     assert all(torch.equal(t, b.state_dict()[k]) for k, t in a.state_dict().items())
     # ep=1 x dp=2: each rank holds every expert, as loaded
-    torchrun(2, [*base, "max_iters=4", f"out_dir={dp2}"], cwd=str(tmp_path), before=keep_state,
-             env={"MOE_STATE": state["dp2"]})
+    torchrun(2, [*base, "max_iters=4", f"out_dir={dp2}"], cwd=cwd, before=keep_state,
+             env={"MOE_STATE": kept["dp2"]})
     for r in range(2):
-        _assert_equal_states(torch.load(os.path.join(state["dp2"], f"load_{r}.pt")), held, f"dp rank {r}")
-    assert_same_curve([r for r in continued if r["iter"] == 3], [r for r in read_metrics(dp2) if r["iter"] == 3])
+        loaded = torch.load(os.path.join(kept["dp2"], f"load_{r}.pt"))
+        _assert_equal_states(loaded, held, f"dp rank {r}")
+    assert_same_curve(_from(continued, 3, 3), _from(read_metrics(dp2), 3, 3))
 
 
 def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     """ep=2 with dtype=float16 and grad_ckpt (the experts' gradients unscaled and checked for
     overflow with the rest; the recomputed forwards repeat the exchanges) gives the single fp16
     process's loss scales and skipped iterations exactly and its curve to one fp16 rounding,
-    2**-11 (test_fp16.py derives it; at its learning rate, 5e-4). LoRA on attention from that run's
-    checkpoint (the experts frozen: no expert gradient to sync) gives one process's curve on ep=2."""
+    2**-11 (test_fp16.py derives it; at its learning rate, 5e-4). LoRA on attention from that
+    run's checkpoint (the experts frozen: no expert gradient to sync) gives one process's curve
+    on ep=2."""
     from test_fp16 import RTOL_FP16, fp16_rows, worst
     fp16 = [*MOE_REF, f"dataset={dataset}", "dtype=float16", "learning_rate=5e-4", "min_lr=5e-5",
             "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6"]
@@ -351,9 +363,11 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path))
     torchrun(2, [*fp16, "ep=2", "grad_ckpt=True", f"out_dir={ep2}"], cwd=str(tmp_path))
     (want, scales, skipped), (got, got_scales, got_skipped) = fp16_rows(single), fp16_rows(ep2)
-    assert (got_scales, got_skipped) == (scales, skipped)
+    # (the scales 2**40 and 2**29 overflow, 2**18 does not: 8x below this model's threshold)
+    assert skipped == [0, 1] and (got_scales, got_skipped) == (scales, skipped)
     print(f"\nfp16 ep=2 vs one process: worst relative difference {worst(want, got):.1e}")
-    assert_same_curve([r for r in want if "skipped" not in r], [r for r in got if "skipped" not in r], rtol=RTOL_FP16)
+    trained = [[r for r in rows if "skipped" not in r] for rows in (want, got)]
+    assert_same_curve(*trained, rtol=RTOL_FP16)
     lora = [*MOE_REF, f"dataset={dataset}", f"init_from={single}", "lora_rank=4", "max_iters=3"]
     one, ep2 = str(tmp_path / "lora"), str(tmp_path / "lora_ep2")
     run_train([*lora, f"out_dir={one}"], cwd=str(tmp_path))
