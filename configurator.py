@@ -150,6 +150,9 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1)}
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
+# the keys that mean something only for a mixture of experts (n_experts > 0)
+MOE_KEYS = ("moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
+            "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
 PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
                 "sp": False, "cp": 1}
 
@@ -229,6 +232,21 @@ REFUSALS = [
     ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
      "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, which cp splits "
      "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
+    # (n_experts: the model's; None while it is not known, from a checkpoint or a model directory)
+    ("ep on a dense model", lambda c, o: c["ep"] > 1 and c["n_experts"] == 0,
+     "ep={ep} splits the experts of a mixture of experts over ranks, but the model is dense "
+     "(n_experts=0): drop ep, or give a new model n_experts= (e.g. 8)"),
+    ("a mixture-of-experts key on a dense model",
+     lambda c, o: c["n_experts"] == 0 and any(k in o for k in MOE_KEYS),
+     "{moe_given}: keys of a mixture of experts, but the model is dense (n_experts=0), where they "
+     "do nothing: drop them, or give a new model n_experts= (e.g. 8)"),
+    ("export_hf of a sigmoid router or a routing bias",
+     lambda c, o: c["export_hf"] and c["n_experts"]
+     and (c["moe_score"] != "softmax" or c["moe_bias_rate"]),
+     "export_hf={export_hf} with moe_score={moe_score}, moe_bias_rate={moe_bias_rate}: "
+     "transformers' Mixtral and Qwen2-MoE route by a softmax and have no routing bias, so the "
+     "export could not compute this model; train with moe_score=softmax moe_bias_rate=0, or drop "
+     "export_hf (sample.py reads the checkpoints)"),
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
      "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
      "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
@@ -338,7 +356,10 @@ def validate(c, overrides, world):
     for wanted, check_feature in FEATURE_CHECKS:
         if wanted(c, overrides):
             check_feature(c, overrides)
-    check_refusals(c, overrides)
+    # a model from a checkpoint or a directory brings its own n_experts (origin.saved_shape)
+    moe_asked = c["ep"] > 1 or any(k in overrides for k in MOE_KEYS)
+    own = not moe_asked or builds_own_model(c)
+    check_refusals({**c, "n_experts": c["n_experts"] if own else None}, overrides)
     sources = mixture_sources(c) if c["datasets"] or c["phases"] else {c["dataset"]: 1.0}
     # ModelConfig checks the shape's rules, and makes ffn_dim (0: n_embd's)
     ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim
@@ -385,10 +406,23 @@ def _raised(c, unit):
 
 
 def check_refusals(c, overrides):
-    """The REFUSALS, for config `c` (again with a model's own tie_embeddings, once it comes from
-    a checkpoint or a model directory)."""
+    """The REFUSALS, for config `c` (again with a model's own tie_embeddings, n_experts and
+    moe_score, once it comes from a checkpoint or a model directory)."""
+    given = " ".join(f"{k}={overrides[k]!r}" for k in MOE_KEYS if k in overrides)
     for name, refused, message in REFUSALS:
-        check(not refused(c, overrides), message.format(**c))
+        check(not refused(c, overrides), message.format(**c, moe_given=given))
+
+
+def builds_own_model(c):
+    """True when the model is the config's shape: init_from auto or scratch, and no checkpoint in
+    out_dir to resume (origin.weights_source decides alike once the process group is up)."""
+    if c["init_from"] not in ("auto", "scratch"):
+        return False
+    try:
+        names = os.listdir(os.path.join(c["out_dir"], "ckpt"))
+    except OSError:  # no ckpt directory: nothing to resume
+        return True
+    return not any(n.startswith("iter_") for n in names)
 
 
 def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_experts=None):
@@ -407,8 +441,8 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
           f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
           f"fewer ranks")
-    # (a model from a checkpoint or a directory brings its own n_experts: checked again with it, origin.saved_shape)
-    if c["ep"] > 1 and (n_experts or where or c["init_from"] == "scratch"):  # expert parallel: expert_parallel.py
+    # (ep on a dense model is refused; a checkpoint's n_experts comes with it: origin.saved_shape)
+    if c["ep"] > 1 and n_experts:  # expert parallel: expert_parallel.py
         _check_ep(c, dp, n_experts, where)
     if tp > 1 and n_head is not None:  # tensor parallel: tensor_parallel.py
         _check_tp(tp, n_head, n_kv_head, ffn_dim, where)
@@ -430,8 +464,6 @@ def _check_cp(c, world):
 
 
 def _check_ep(c, dp, n_experts, where):
-    check(n_experts, f"ep={c['ep']} splits the experts over ranks, but the model{where} is dense (n_experts=0): "
-                     f"set n_experts= or drop ep")
     check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
           f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
           f"n_experts={n_experts}{where} (each holds as many experts): change ep")

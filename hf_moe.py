@@ -72,8 +72,10 @@ def family(cfg):
 def config_out(cfg):
     """config.json's MoE fields for an export (router_aux_loss_coef: this run's aux weight)."""
     if cfg.moe_score != "softmax":
-        raise UserError("export_hf: moe_score=sigmoid routes by sigmoid scores, which Mixtral and Qwen2-MoE do not: "
-                        "export is for softmax routers")
+        raise UserError("export_hf: moe_score=sigmoid, but transformers' Mixtral and Qwen2-MoE "
+                        "take a softmax of the router's logits (they have no sigmoid scores), so "
+                        "the export would route otherwise: train with moe_score=softmax to "
+                        "export; sample.py reads this model's checkpoints")
     common = dict(num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_weight,
                   output_router_logits=False)
     if family(cfg) == "mixtral":
@@ -104,8 +106,12 @@ def tensors_out(state_dict, cfg):
         i, rest = m[1], m[2]
         if rest == "expert_bias":
             if t.abs().max() > 0:
-                raise UserError("export_hf: this model trained an aux-loss-free routing bias (moe_bias_rate), which "
-                                f"{MOE_FAMILIES[family(cfg)]} has no place for; export a run with moe_bias_rate=0")
+                raise UserError("export_hf: this model trained an aux-loss-free routing bias "
+                                "(moe_bias_rate), but transformers' Mixtral and Qwen2-MoE "
+                                "choose experts by the scores alone (they have no routing "
+                                "bias), so the export would route otherwise: train with "
+                                "moe_bias_rate=0 to export; sample.py reads this model's "
+                                "checkpoints")
             continue
         if rest.startswith("experts."):
             for e in range(t.shape[0]):

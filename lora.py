@@ -320,6 +320,13 @@ def settings(c, overrides, src):
     if src.kind == "fresh":
         raise UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA directory or a run's "
                         "out_dir (the base, which stays frozen)")
+    ffn = [t for t in lora["targets"] if t in ("w1", "w2", "w3")]
+    # (apply_lora wraps linears; routed experts are 3-D weights)
+    if src.saved.get("n_experts") and ffn:
+        raise UserError(f"lora_targets has {','.join(ffn)}, but {src.where} is a mixture of "
+                        f"experts, whose routed experts get no LoRA: only its dense layers and "
+                        f"shared expert would be adapted; use attention targets "
+                        f"(lora_targets=wq,wk,wv,wo), or fine-tune fully")
     return lora, adapter
 
 

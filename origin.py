@@ -131,8 +131,9 @@ def saved_shape(src, overrides, base_vocab, c, world):
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
                  where=f" for the model in {src.where}")
-    # the model's own: a tied model with pp, a mixture of experts with tp
-    check_refusals({**c, "tie_embeddings": cfg.tie_embeddings, "n_experts": cfg.n_experts}, overrides)
+    # the model's own: a tied model with pp, a mixture of experts with tp, ep on a dense one, ...
+    own = {k: getattr(cfg, k) for k in ("tie_embeddings", "n_experts", "moe_score")}
+    check_refusals({**c, **own}, overrides)
     return cfg
 
 

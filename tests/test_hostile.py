@@ -25,6 +25,7 @@ import hf
 import hf_tokenizer
 import lora
 import mixture
+import origin
 import parallel
 import prepare
 import rundir
@@ -100,6 +101,46 @@ def validated(**changes):
 def validated_at(world, **changes):
     def make(b, tmp):
         return lambda: configurator.validate({**b["defaults"], **changes}, changes, world)
+    return make
+
+
+def validated_fresh(world, **changes):
+    """validate as a new run does: init_from=auto and an out_dir with no checkpoint, so the
+    model is the config's shape."""
+    def make(b, tmp):
+        given = {**changes, "out_dir": os.path.join(tmp, "out")}
+        return lambda: configurator.validate({**b["defaults"], **given}, given, world)
+    return make
+
+
+def from_dense_run(world, **changes):
+    """The shape check of a run that starts from the base run's (dense) checkpoint."""
+    def make(b, tmp):
+        ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
+        meta = checkpoint.read_meta(ckpt)[0]
+        src = origin.Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
+        c = {**b["defaults"], "init_from": b["run"], "dataset": b["data"], **changes}
+        return lambda: origin.saved_shape(src, changes, 512, c, world)
+    return make
+
+
+def lora_on_experts(b, tmp):
+    """LoRA settings for a MoE base with lora_targets naming the feed-forward (w1)."""
+    src = origin.Source("hf", b["hf"], saved={"n_experts": 4}, where=f"the model in {b['hf']}")
+    given = {"lora_rank": 4, "lora_targets": "wq,w1"}
+    c = {**b["defaults"], **given, "init_from": b["hf"]}
+    return lambda: lora.settings(c, given, ["w1", "wq"], src)
+
+
+def moe_export(bias=0.0, **changes):
+    """export_hf of a tiny MoE model (sample.py's export of a checkpoint), its routing bias
+    moved by `bias`."""
+    def make(b, tmp):
+        cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=32, n_experts=4, **changes)
+        model = Transformer(cfg)
+        model.layers["1"].feed_forward.expert_bias[0] = bias
+        return lambda: hf.save_hf_llama(os.path.join(tmp, "export"), model.state_dict(), cfg)
     return make
 
 
@@ -717,9 +758,21 @@ CASES = [
     (48, "moe_every=9 past n_layer=4", "raises", validated(n_experts=4, moe_every=9)),
     (48, "ep=2 on one data-parallel rank", "raises", validated(n_experts=4, ep=2)),
     (48, "ep=3 not dividing n_experts=4 (6 ranks)", "raises", validated_at(6, n_experts=4, ep=3)),
-    (48, "ep=2 on a dense model", "raises", validated_at(2, ep=2, init_from="scratch")),
+    (48, "ep=2 on a dense model", "raises", validated_fresh(2, ep=2, init_from="scratch")),
     (48, "ep=2 with ddp_impl=torch", "raises", validated_at(2, n_experts=4, ep=2, ddp_impl="torch")),
     (48, "n_experts=4 with tp=2", "raises", validated_at(2, n_experts=4, tp=2)),
+    (48, "ep=2 on a new dense run (init_from=auto)", "raises", validated_fresh(2, ep=2)),
+    (48, "ep=2 from a dense run's checkpoint", "raises", from_dense_run(2, ep=2)),
+    (48, "moe_top_k=4 on a new dense run", "raises", validated_fresh(1, moe_top_k=4)),
+    (48, "moe_aux_weight=0.1 from a dense run's checkpoint", "raises",
+     from_dense_run(1, moe_aux_weight=0.1)),
+    (48, "lora_targets=wq,w1 on a mixture of experts", "raises", lora_on_experts),
+    (48, "export_hf= of a sigmoid router, at the start", "raises",
+     validated_fresh(1, n_experts=4, moe_score="sigmoid", export_hf="exported")),
+    (48, "export_hf= of a trained routing bias, at the start", "raises",
+     validated_fresh(1, n_experts=4, moe_bias_rate=0.01, export_hf="exported")),
+    (48, "export of a sigmoid router", "raises", moe_export(moe_score="sigmoid")),
+    (48, "export of a trained routing bias", "raises", moe_export(bias=0.01)),
     (48, "meta.json n_experts=4 on a dense checkpoint's tensors", "raises", moe_meta_on_dense_tensors),
     (48, "meta.json moe_top_k 9 of 4 experts", "fallback", damaged("meta.json", in_place(
         lambda m: {**m, "model": {**m["model"], "n_experts": 4, "moe_top_k": 9}}))),
