@@ -129,7 +129,7 @@ def lora_on_experts(b, tmp):
     src = origin.Source("hf", b["hf"], saved={"n_experts": 4}, where=f"the model in {b['hf']}")
     given = {"lora_rank": 4, "lora_targets": "wq,w1"}
     c = {**b["defaults"], **given, "init_from": b["hf"]}
-    return lambda: lora.settings(c, given, ["w1", "wq"], src)
+    return lambda: lora.settings(c, given, src)
 
 
 def moe_export(bias=0.0, **changes):
