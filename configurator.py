@@ -549,13 +549,7 @@ def check_files(c):
           f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
           f"Hugging Face LLaMA directory)")
     check(out_dir.strip() != "", "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
-    check(not os.path.exists(out_dir) or os.path.isdir(out_dir), f"out_dir={out_dir} is a file, not a directory: "
-                                                                 f"pick another out_dir")
-    writable = os.path.abspath(out_dir)
-    while not os.path.exists(writable):  # the nearest directory that exists is where out_dir will be made
-        writable = os.path.dirname(writable)
-    check(os.access(writable, os.W_OK | os.X_OK), f"out_dir={out_dir} is not writable ({writable} is read-only to "
-                                                  f"this user): fix its permissions or pick another out_dir")
+    common.check_writable("out_dir", out_dir)  # (a directory made and removed: os.access trusts root)
     if export_hf or c["export_lora"]:  # checked now, not after the run has trained
         common.check_exports({"export_hf": export_hf, "export_lora": c["export_lora"]}, runs=[out_dir])
 

@@ -246,6 +246,8 @@ MISTAKES = {
     "max_iters=-1": "max_iters=-1 must not be negative",
     "out_dir=''": "out_dir='' names no directory",
     "out_dir=@file": "is a file, not a directory",
+    # /sys refuses a new directory even to root, whose os.access says yes
+    "out_dir=/sys/trainer_out": "out_dir=/sys/trainer_out is not writable (/sys: ",
     "fsdp=True ddp_impl=torch": "fsdp=True shards with FSDP2, so ddp_impl=torch would be ignored",
     "pp=3": "pp=3 pipeline stages do not divide the 1 ranks",
     "zero=3": "zero=3 is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True",
