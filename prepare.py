@@ -445,6 +445,9 @@ class _Arguments(argparse.ArgumentParser):
     def error(self, message):  # one line, as train.py and sample.py say it (not a usage block and exit 2)
         raise UserError(f"{message}: `python data.py --help` lists the arguments")
 
+    def exit(self, status=0, message=None):  # after --help: output that never arrived is a failure
+        super().exit(1 if status == 0 and common.flush_stdout() else status, message)
+
 
 def main():
     sys.excepthook = excepthook
