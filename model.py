@@ -11,6 +11,7 @@ reads no files (checkpoint.py, hf.py and lora.py do), holds no optimizer (optim.
 
 import math
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -155,21 +156,15 @@ class KVCache:
 
 
 def attend(q, k, v, mask, is_causal, dropout, gqa, recompute):
-    """SDPA over q (B, n_head, T, head_dim), k, v (B, n_kv_head, T, head_dim). Under a CPU's bf16
-    autocast it runs in float32 outside autocast: at small heads torch's flash-cpu backward is
-    ~20x slower in bf16 (head_dim 32, T 64), at SmolLM2's (64, 256) as fast. The float32 q, k, v
-    and output it would keep for backward are twice bf16's, 190 MB at SmolLM2's 4 x 256 tokens
-    (more than transformers keeps), so with recompute it keeps the bf16 q, k, v and runs the
-    attention again in backward."""
+    """SDPA. Under a CPU's bf16 autocast in float32 (flash-cpu's bf16 backward is ~20x slower at
+    small heads), and with recompute keeping only the bf16 q, k, v for backward, where it runs
+    again: float32 ones are twice what transformers keeps (docs/benchmarks.md, bench real)."""
     f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    if not f32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout,
-                                              enable_gqa=gqa)
-    if recompute and torch.is_grad_enabled():
+    if f32 and recompute and torch.is_grad_enabled():
         return checkpoint(attend, q, k, v, mask, is_causal, dropout, gqa, False, use_reentrant=False)
-    with torch.autocast("cpu", enabled=False):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal,
-                                              dropout_p=dropout, enable_gqa=gqa)
+    with torch.autocast("cpu", enabled=False) if f32 else nullcontext():
+        return F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
+                                              is_causal=is_causal, dropout_p=dropout, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
