@@ -155,6 +155,18 @@ class KVCache:
         return k, v, mask, False
 
 
+def attend(q, k, v, mask, is_causal, dropout, gqa, recompute):
+    """SDPA. Under a CPU's bf16 autocast in float32 (flash-cpu's bf16 backward is ~20x slower at
+    small heads), and with recompute keeping only the bf16 q, k, v for backward, where it runs
+    again: float32 ones are twice what transformers keeps (docs/benchmarks.md, bench real)."""
+    f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    if f32 and recompute and torch.is_grad_enabled():
+        return checkpoint(attend, q, k, v, mask, is_causal, dropout, gqa, False, use_reentrant=False)
+    with torch.autocast("cpu", enabled=False) if f32 else nullcontext():
+        return F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
+                                              is_causal=is_causal, dropout_p=dropout, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -164,6 +176,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
+        self.recompute = not cfg.grad_ckpt  # (grad_ckpt recomputes the whole block already)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where attending is allowed
@@ -187,11 +200,7 @@ class Attention(nn.Module):
         if n_kv_head != n_head and not gqa:
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-        f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16  # CPU + bf16:
-        with torch.autocast("cpu", enabled=False) if f32 else nullcontext():  # flash-cpu in float32 (~7x faster)
-            y = F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
-                                               is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
-                                               enable_gqa=gqa)
+        y = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, gqa, self.recompute)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 
@@ -441,6 +450,15 @@ def chunked_losses(h, head, targets, chunk, vocab=None):
         targets.shape)
 
 
+def _matmul_weights(ws, dev):
+    """The head's weights as autocast's matmuls take them, cast once for all the chunks: autocast
+    would cast a float32 weight again at each chunk's matmul (at SmolLM2's 49k x 576 head, in 4
+    chunks, a third of the head's time went to those copies)."""
+    if not torch.is_autocast_enabled(dev):
+        return ws
+    return [w.to(torch.get_autocast_dtype(dev)) for w in ws]
+
+
 def _logits(xs, ws, a, b):
     """Rows a:b of the logits sum_i xs[i] @ ws[i].T, in float32."""
     out = (xs[0][a:b] @ ws[0].T).float()
@@ -466,11 +484,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         local = targets - (vocab[0] if vocab else 0)
         mine = (local >= 0) & (local < ws[0].shape[0])  # is the target's row in this slice?
         local = local.masked_fill(~mine, 0)
+        mm = _matmul_weights(ws, dev)
         lse = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)  # log-sum-exp per row
         picked = torch.empty_like(lse)                                                 # the target's logit
         for a in range(0, targets.shape[0], chunk):
             b = min(a + chunk, targets.shape[0])
-            logits = _logits(xs, ws, a, b)  # (chunk, vocab)
+            logits = _logits(xs, mm, a, b)  # (chunk, vocab)
             picked[a:b] = logits.gather(1, local[a:b, None])[:, 0].masked_fill(~mine[a:b], 0.0)
             if not vocab:
                 lse[a:b] = torch.logsumexp(logits, dim=-1)
@@ -496,15 +515,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         local, mine, lse, valid, *xw = ctx.saved_tensors
         grad = grad * valid.to(grad.dtype)
         xs, ws = xw[0::2], xw[1::2]
+        mm = _matmul_weights(ws, ctx.autocast[0])
         need = ctx.needs_input_grad[3:]
         gx = [torch.zeros_like(x) if need[2 * i] else None for i, x in enumerate(xs)]
         gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None for i, w in enumerate(ws)]
         for a in range(0, local.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, local.shape[0])
-            g = _logits(xs, ws, a, b).sub_(lse[a:b, None]).exp_()  # softmax, minus 1 at the target, times grad
+            g = _logits(xs, mm, a, b).sub_(lse[a:b, None]).exp_()  # softmax, minus 1 at the target, times grad
             g[torch.arange(b - a, device=g.device), local[a:b]] -= mine[a:b].to(g.dtype)
             g.mul_(grad[a:b, None])
-            for i, (x, w) in enumerate(zip(xs, ws)):
+            for i, (x, w) in enumerate(zip(xs, mm)):
                 if gx[i] is not None:
                     gx[i][a:b] = (g.to(w.dtype) @ w).to(x.dtype)
                 if gw[i] is not None and not autocast:

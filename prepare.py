@@ -135,7 +135,7 @@ def detect_format(kind, files, text_field="text", format="auto"):
 CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
 
 
-def chat_messages(record, where):
+def chat_messages(record, where, roles=ROLES):
     """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
     if not _is_chat(record):
         raise UserError(f"{where}: not a chat record (the source's first record is one): write every line as "
@@ -151,8 +151,10 @@ def chat_messages(record, where):
     if not messages:
         raise UserError(f"{where}: empty conversation: give at least a user and an assistant message, or drop the line")
     for i, m in enumerate(messages, 1):
-        if m.get("role") not in ROLES:
-            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use system, user or assistant")
+        if m.get("role") not in roles:
+            tool = "" if "tool" in roles else " (tool: only a model whose own chat template renders it)"
+            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use {', '.join(roles[:-1])} or "
+                            f"{roles[-1]}{tool}")
         if not isinstance(m.get("content"), str):
             raise UserError(f"{where}: message {i}'s content is {type(m.get('content')).__name__}, not a string: "
                             f"write the text as \"content\": \"...\"")
@@ -162,9 +164,9 @@ def chat_messages(record, where):
     return messages
 
 
-def iter_documents(kind, root, files, text_field="text", format="text"):
+def iter_documents(kind, root, files, text_field="text", format="text", roles=ROLES):
     """(doc_id, text, n_replaced) for each document; with format='chat', (doc_id, messages,
-    n_replaced) for each conversation instead."""
+    n_replaced) for each conversation instead, their roles among `roles`."""
     for path in files:
         rel = os.path.relpath(path, root)
         if kind == "text":
@@ -174,7 +176,7 @@ def iter_documents(kind, root, files, text_field="text", format="text"):
             continue
         for lineno, record, bad in _records(path, text_field):
             if format == "chat":
-                yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}"), bad
+                yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}", roles), bad
                 continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 if _is_chat(record):
@@ -337,7 +339,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
     try:
         batch, batch_bytes = [], 0
-        for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt):
+        # a tool's results (function calling) have no token of ours; a model's template renders them
+        roles = ROLES + ("tool",) if own else ROLES
+        for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt, roles):
             if not doc:
                 continue  # an empty document would be a lone <|endoftext|>
             size = sum(len(m["content"]) for m in doc) if chat else len(doc)

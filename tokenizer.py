@@ -259,9 +259,12 @@ def check_model_tokenizer(meta, data_dir, spec, where):
                  and (sha or data_spec["tokenizer"] == spec.get("tokenizer")))  # a tiktoken encoding, by its name
     a, b = data_spec["extra_tokens"], spec["extra_tokens"]
     if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
-        def describe(s):
-            return f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
-        raise UserError(f"{data_dir} was tokenized as {describe(data_spec)}, but {where} uses {describe(spec)}: "
+        def describe(s, sha=False):  # sha: only the file's bytes differ, and the line says so
+            name = f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
+            return name + (f" (sha256 {(s.get('tokenizer_sha256') or 'none')[:12]})" if sha else "")
+        only_bytes = describe(data_spec) == describe(spec)
+        raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, but {where} uses "
+                        f"{describe(spec, only_bytes)}: "
                         f"its ids mean other strings to this model; prepare it for the model (delete {data_dir}, "
                         f"and set data_source=; or `python data.py SOURCE --out {data_dir} --init_from MODEL`)")
 

@@ -62,13 +62,15 @@ def random_weights_dir(path):
 
 
 def ours(path, T, grad_ckpt, device):
-    """train.py's model, optimizer and step: its defaults with optim=adamw, as it imports a model."""
+    """train.py's model, optimizer and step as `python train.py config/cpt.py init_from=...` runs
+    them on a trained model: AdamW at 1e-4 and the head and loss in chunks (loss_chunk)."""
     import configurator
     import hf
     import optim
     import parallel
     from model import ModelConfig, Transformer
-    c = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), "optim": "adamw", "learning_rate": 1e-4}
+    defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
+    c = {**defaults, **configurator.configure(defaults, [os.path.join(ROOT, "config", "cpt.py")])}
     kwargs, weights = hf.load_hf_llama(path)
     model = Transformer(ModelConfig(**{**kwargs, "block_size": T, "grad_ckpt": grad_ckpt,
                                        "loss_chunk": c["loss_chunk"]}))

@@ -12,5 +12,8 @@ warmup_iters = 10
 block_size = 512
 batch_size = 4
 grad_accum_steps = 4
+# the head and loss 256 rows at a time: a micro-batch's logits over a base's 49k-152k vocabulary
+# are 0.4-1.2 GB in float32, kept with their log-softmax (python bench.py real: docs/benchmarks.md)
+loss_chunk = 256
 max_iters = 200
 eval_interval = 50

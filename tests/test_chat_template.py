@@ -100,6 +100,34 @@ def test_chat_data_for_the_real_base_is_in_its_own_format(tmp_path):
     assert any(first == chat_template.encode(enc, m, "")[0] for m in chats)
 
 
+def test_a_tool_turn_in_the_bases_template(tmp_path):
+    """A conversation with a tool's result (function calling) is rendered by the base's template as
+    transformers renders it, the tool's words not learned; without a template of its own there is
+    no token for the role, and the line says so."""
+    path = smollm2_dir()
+    chat = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "get_weather('Oslo')"},
+            {"role": "tool", "content": "-3 C, snow"}, {"role": "assistant", "content": "It is -3 C and snowing."}]
+    src = tmp_path / "chat.jsonl"
+    other = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (chat, other)))
+    prepare.prepare(str(src), str(tmp_path / "data"), os.path.join(path, "tokenizer.json"), val_fraction=0.5,
+                    verbose=False)
+    import numpy as np
+    from transformers import AutoTokenizer
+    ids, mask = ([], [])
+    for split in ("train", "val"):
+        ids += np.fromfile(tmp_path / "data" / f"{split}.bin", dtype=np.uint16).tolist()
+        mask += np.fromfile(tmp_path / "data" / f"{split}.mask.bin", dtype=np.uint8).tolist()
+    want = AutoTokenizer.from_pretrained(path).apply_chat_template(chat, tokenize=True, return_dict=False)
+    start = next(i for i in range(len(ids)) if ids[i:i + len(want)] == want)  # (the separator ends each)
+    enc = hf_tokenizer.load(os.path.join(path, "tokenizer.json"))
+    learned = enc.decode([i for i, m in zip(ids[start:start + len(want)], mask[start:]) if m])
+    assert "get_weather" in learned and "snowing" in learned and "snow," not in learned
+    with pytest.raises(UserError, match="message 3 has role 'tool': use system, user or assistant \\(tool: only a "
+                                        "model whose own chat template renders it\\)"):
+        prepare.prepare(str(src), str(tmp_path / "ours"), "cl100k_base", 512, val_fraction=0.0, verbose=False)
+
+
 TEMPLATES = {
     "not a string": (42, "chat_template is int, not a string"),
     "does not parse": ("{% for m in messages %}", "does not parse"),

@@ -446,3 +446,33 @@ def test_attention_runs_in_float32_under_cpu_bf16_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx)
     assert len(seen) == 2 and all(s == (torch.float32, torch.float32, torch.float32, False) for s in seen), seen
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_float32_attention_keeps_only_bf16_for_backward(doc_mask):
+    """The float32 q, k, v and output of that attention are not kept for backward (twice bf16's:
+    at SmolLM2's shape more than transformers keeps): backward runs it again from the bf16 q, k, v
+    (model.attend), with the gradients of keeping them, bit for bit. recompute=False keeps them:
+    the check on what is kept can fail."""
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16]) if doc_mask else None
+
+    def run(recompute):
+        model = tiny().train()
+        for layer in model.layers.values():
+            layer.attention.recompute = recompute
+        kept = []
+
+        def pack(t):
+            kept.append((t.dtype, t.dim(), tuple(t.shape)))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx.roll(-1, 1), doc_ids=docs)
+        loss.backward()
+        heads = [k for k in kept if k[0] == torch.float32 and k[1] == 4 and k[2][-1] == 8]  # (B, heads, T, head_dim)
+        return heads, [p.grad for p in model.parameters()]
+    heads, grads = run(True)
+    assert heads == []
+    heads_kept, grads_kept = run(False)
+    assert len(heads_kept) >= 2 * 4, heads_kept  # q, k, v and the output of each of the 2 layers
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_kept))
