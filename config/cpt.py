@@ -3,6 +3,8 @@
 #   python train.py config/cpt.py init_from=path/to/hf_model dataset=mine data_source='mine/*.txt'
 # The defaults race a fresh model (Muon at 4e-3, the embedding at 10x): on a trained one they
 # overwrite what it knows. AdamW, as such bases were trained, at a rate 40x lower, every weight alike.
+# Shortened (30 steps of 4 x 256) on Swedish man pages: held-out 4.44 -> 2.94, Python +0.4%;
+# at 3e-4 the domain fell further (2.52) but Python rose 8.9%.
 optim = "adamw"
 learning_rate = 1e-4
 min_lr = 1e-5
