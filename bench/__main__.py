@@ -30,8 +30,8 @@ def check_options(argv):
         return
     unknown = sorted({a for a in argv if a.startswith("-")} - {"--smoke", "--functions"})
     if unknown:
-        sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, --functions (reading) "
-                 "and --help")
+        sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, "
+                 "--functions (reading) and --help")
 
 
 check_options(sys.argv[1:])
