@@ -182,7 +182,7 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     cpt, sft, lora = (str(tmp_path / name) for name in ("cpt", "sft", "lora"))
     run = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2"]  # (the base's vocabulary)
     p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2",
-                   f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path, fork=True)
+                   f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path)
     rows, ids = hf.load_hf_llama(path)[0]["vocab_size"], write_tokenizer(family, str(tmp_path / "tok"))[0]
     if rows < ids + 2:  # the two new tokens get rows of their own
         assert f"growing the vocabulary from {rows} to {ids + 2}" in p.stdout
@@ -197,9 +197,9 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
                              for i in range(40)))
     run_train([*run, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", f"init_from={cpt}",
-               f"out_dir={sft}", f"export_hf={sft}/hf"], cwd=tmp_path, fork=True)
+               f"out_dir={sft}", f"export_hf={sft}/hf"], cwd=tmp_path)
     run_train([*run, "dataset=chat", f"init_from={sft}", "lora_rank=4", "lora_targets=wq,wk,wv,wo,w1",
-               f"out_dir={lora}", f"export_hf={lora}/hf", f"export_lora={lora}/peft"], cwd=tmp_path, fork=True)
+               f"out_dir={lora}", f"export_hf={lora}/hf", f"export_lora={lora}/peft"], cwd=tmp_path)
     x = torch.randint(0, ids + 6, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         mine_sft, mine_lora = ours_from(sft)(x)[0], ours_from(lora)(x)[0]
@@ -229,7 +229,7 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
         "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
         "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=5"]  # (the schedule of the whole run in each leg)
     single, chain = [*common, f"out_dir={tmp_path / 'single'}"], [*common, f"out_dir={tmp_path / 'chain'}"]
-    run_train([*single, "max_iters=5"], cwd=tmp_path, fork=True)
+    run_train([*single, "max_iters=5"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=2", "fsdp=True"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=3", "tp=2"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=4", "pp=2"], cwd=tmp_path)
@@ -241,7 +241,7 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
     for k in a:  # (atol: see test_fsdp.py's test_one_run_moves_through_every_layout)
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
     lora = [*common, "max_iters=3", "lora_rank=4", "lora_targets=wq,wk,wv,w1"]
-    run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path, fork=True)
+    run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path)
     torchrun(2, [*lora, f"out_dir={tmp_path / 'lora_tp'}", "tp=2"], cwd=tmp_path)
     assert_same_curve(read_metrics(tmp_path / "lora_single"), read_metrics(tmp_path / "lora_tp"))
     adapted = ours_from(str(tmp_path / "lora_tp")).state_dict()
