@@ -15,7 +15,28 @@ import shutil
 import sys
 import tempfile
 
-import torch
+ROW_NAMES = ("single", "lora", "head", "real")
+
+
+def check_options(argv):
+    """Refuses a typo before torch and the tables are imported (seconds of a launch): --smok
+    must not start the full-size tables, minutes of them."""
+    if argv[:1] == ["--row"]:  # one row in a process of its own (base.py runs it so)
+        if len(argv) != 3 or argv[1] not in ROW_NAMES or not argv[2].startswith("{"):
+            sys.exit(f"error: --row takes a row ({', '.join(ROW_NAMES)}) and its arguments "
+                     "as a JSON object")
+        return
+    if {"-h", "--help"} & set(argv):
+        return
+    unknown = sorted({a for a in argv if a.startswith("-")} - {"--smoke", "--functions"})
+    if unknown:
+        sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, "
+                 "--functions (reading) and --help")
+
+
+check_options(sys.argv[1:])
+
+import torch  # after the options are checked
 
 import prepare
 
@@ -29,7 +50,7 @@ TABLES = {"single": single.table_single, "dp": dp.table_dp, "pp": pp.table_pp_bo
           "checkpoint": checkpoint.table_checkpoint, "race": race.table_race, "reading": reading.table_reading,
           "head": head.table_head, "gpu": gpu.table_gpu, "mfu": mfu.table_mfu, "profile": profile.table_profile,
           "tokenize": tokenize.table_tokenize, "moe": moe.table_moe, "real": real.table_real}
-ROWS = {"single": single.single_row, "lora": lora.lora_row, "head": head.head_row, "real": real.real_row}
+ROWS = dict(zip(ROW_NAMES, (single.single_row, lora.lora_row, head.head_row, real.real_row)))
 
 # --smoke: a row or two of each kind
 SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), deep_ms=()), "tp": dict(worlds=(2,)),
@@ -50,17 +71,11 @@ def describe():
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--row":  # one row in a process of its own (base.py runs it so)
-        if len(sys.argv) != 4 or sys.argv[2] not in ROWS or not sys.argv[3].startswith("{"):
-            sys.exit(f"error: --row takes a row ({', '.join(ROWS)}) and its arguments as a JSON object")
+    if sys.argv[1:2] == ["--row"]:  # (checked on import, by check_options)
         print(json.dumps(ROWS[sys.argv[2]](**json.loads(sys.argv[3]))))
         sys.exit(0)
     if {"-h", "--help"} & set(sys.argv[1:]):
         sys.exit(print(describe()))
-    # a typo (--smok, --smoke=1) must not start the full-size tables, minutes of them
-    unknown = sorted({a for a in sys.argv[1:] if a.startswith("-")} - {"--smoke", "--functions"})
-    if unknown:
-        sys.exit(f"error: unknown option {unknown[0]}: the options are --smoke, --functions (reading) and --help")
     for a in (a for a in sys.argv[1:] if "=" in a):  # key=value: the --smoke runs' train.py keys
         if not SMOKE or a.split("=")[0] not in TRAIN:
             sys.exit(f"error: {a}: key=value goes with --smoke, to its train.py runs, and names a train.py key "

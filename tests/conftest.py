@@ -85,8 +85,16 @@ def dataset(tmp_path_factory, corpus):
     return out
 
 
-def run_train(args, cwd, check=True, timeout=300, script="train.py", env=None):
-    """Runs train.py (or another script) as its own process, the way a user does."""
+def run_train(args, cwd, check=True, timeout=300, script="train.py", env=None, fork=False):
+    """Runs train.py (or another script) as its own process, the way a user does. fork=True:
+    train.py as one plain process (no RANK) forked from torchrun's forkserver below, which has
+    imported torch and the project once (~2.5 s of CPU a launch), for the many launches of a
+    test that is not about a fresh interpreter (startup, signals, what is imported)."""
+    if fork:
+        # tests/faults.py too: the fork installs the faults its environment asks for, as that
+        # script does
+        assert script in ("train.py", os.path.join("tests", "faults.py")), script
+        return torchrun(1, args, cwd, check=check, timeout=timeout, env=env, plain=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     cmd = script.split() if script.startswith("-m ") else [os.path.join(ROOT, script)]
     p = subprocess.run([sys.executable, *cmd, *args], cwd=cwd, env=env,
@@ -168,7 +176,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "t
 def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     """One rank of torchrun(agent=False), in a fork of the forkserver: what `python train.py
     args` does in a worker of torchrun, with stdout and stderr to files (before: torchrun's),
-    and the faults its environment asks for (tests/faults.py)."""
+    and the faults its environment asks for (tests/faults.py). rank None: a plain process."""
     import runpy
 
     import torch
@@ -176,7 +184,7 @@ def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     import faults
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(env, **({} if rank is None else dict(RANK=str(rank), LOCAL_RANK=str(rank))))
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (torch read the variable when the forkserver imported it)
     os.chdir(cwd)
     faults.install()
@@ -196,7 +204,7 @@ def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     workarounds.exit_now(code)
 
 
-def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None, env=None):
+def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None, env=None, plain=False):
     """train.py on nproc gloo ranks on CPU. Each rank is a fork of a process that has imported
     torch and the project once (PRELOAD) and runs train.py top to bottom given RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as srun or mpirun would (rank 0 hosts
@@ -206,7 +214,8 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
     before (agent=False): a module-level function called as before(rank) in each rank, in cwd,
     before train.py starts: a test that watches a run from inside wraps a function of a module
     train.py imports (what every tp rank holds at a save, say). env: added to every rank's
-    environment (FAULT_*: the faults of tests/faults.py)."""
+    environment (FAULT_*: the faults of tests/faults.py). plain: one process without RANK and
+    the rest (run_train(fork=True))."""
     if agent:
         script = os.path.join(ROOT, "tests", "faults.py") if env else os.path.join(ROOT, "train.py")
         return run_train(["--standalone", f"--nproc_per_node={nproc}", script, *args],
@@ -216,12 +225,13 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
     import time
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-           **(env or {})}
+    dist_env = {} if plain else {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **dist_env, **(env or {})}
     with tempfile.TemporaryDirectory() as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
-        procs = [ctx.Process(target=_rank_main, args=(r, env, args, str(cwd), *files[r], before)) for r in range(nproc)]
+        procs = [ctx.Process(target=_rank_main, args=(None if plain else r, env, args, str(cwd), *files[r], before))
+                 for r in range(nproc)]
         deadline, code, why = time.time() + timeout, 0, ""
         try:
             for p in procs:

@@ -85,7 +85,7 @@ def test_a_killed_node_ends_the_other_with_one_line_and_the_run_resumes(dataset,
     stdout, _ = finish(start_nodes([*args, f"out_dir={out}"], tmp_path, free_port()))[0]
     assert "resumed from" in stdout
     single = str(tmp_path / "single")
-    run_train([*args, f"out_dir={single}"], cwd=tmp_path)
+    run_train([*args, f"out_dir={single}"], cwd=tmp_path, fork=True)
     assert_same_curve(read_metrics(single), read_metrics(out))
 
 

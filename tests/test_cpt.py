@@ -49,7 +49,7 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
     words.write_text("def __init__(self\nreturn None\n")
     out = str(tmp_path / "run")
     p = run_train([*RUN, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2", f"out_dir={out}",
-                   f"init_from={hf_dir}", "max_iters=3"], cwd=tmp_path)
+                   f"init_from={hf_dir}", "max_iters=3"], cwd=tmp_path, fork=True)
     assert "growing the vocabulary from 512 to 514" in p.stdout
     # a from-scratch rate (RUN's 1e-2) on a trained model: one line naming the recipes
     assert p.stdout.count("is a from-scratch rate") == 1 and "config/cpt.py" in p.stdout
@@ -64,7 +64,7 @@ def test_the_readme_workflow_pretrain_with_new_words_then_sft_then_export(hf_dir
                              for i in range(60)))
     sft, hf_out = str(tmp_path / "sft"), str(tmp_path / "sft" / "hf")
     p = run_train([*RUN, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", "neftune_alpha=5",
-                   f"init_from={out}", f"out_dir={sft}", f"export_hf={hf_out}", "max_iters=3"], cwd=tmp_path)
+                   f"init_from={out}", f"out_dir={sft}", f"export_hf={hf_out}", "max_iters=3"], cwd=tmp_path, fork=True)
     # the chat data is tokenized with stage 1's tokenizer: its words keep ids 512, 513, the chat tokens follow
     assert "growing the vocabulary from 514 to 518" in p.stdout and "exported the model" in p.stdout
     chat_meta = json.load(open(tmp_path / "data" / "chat" / "meta.json"))
@@ -97,7 +97,7 @@ def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
     words.write_text("import\nself\nreturn\nreturn None\n<|tool|>\n")
     run = [*(a for a in RUN if not a.startswith("vocab_size=")), "max_iters=2", "val_fraction=0.2"]
     p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", f"init_from={base}",
-                   f"out_dir={tmp_path / 'cpt'}", f"export_hf={export}"], cwd=tmp_path)
+                   f"out_dir={tmp_path / 'cpt'}", f"export_hf={export}"], cwd=tmp_path, fork=True)
     assert "3 of the 5 extra tokens are already tokens of" in p.stdout and f"from {n} to {n + 2}" in p.stdout
     meta = json.load(open(tmp_path / "data" / "domain" / "meta.json"))
     assert meta["extra_tokens"] == ["return None", "<|tool|>"] and meta["vocab_size"] == n + 2
@@ -114,7 +114,7 @@ def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
     assert all(tok.convert_ids_to_tokens(i) is not None for i in range(len(tok)))  # no id decodes to nothing
     # back into this trainer: the same corpus gets the same ids through the export's tokenizer
     p = run_train([*run, "dataset=again", f"data_source={corpus}", f"init_from={export}",
-                   f"out_dir={tmp_path / 'again'}"], cwd=tmp_path)
+                   f"out_dir={tmp_path / 'again'}"], cwd=tmp_path, fork=True)
     assert "growing the vocabulary" not in p.stdout
     for split in ("train", "val"):
         assert (tmp_path / "data" / "again" / f"{split}.bin").read_bytes() == \

@@ -218,7 +218,7 @@ def test_fp16_layouts_equal_the_single_process(dataset, tmp_path):
     ZeRO-2 and dp=2 x pp=2 with FSDP against one process: the same skipped iterations and
     scales, exactly, and the same curve to fp16's rounding."""
     single, f32 = str(tmp_path / "single"), str(tmp_path / "float32")
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={single}"], cwd=tmp_path)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={single}"], cwd=tmp_path, fork=True)
     want, scales, skipped = fp16_rows(single)
     assert scales == SCALES and skipped == [0, 1], (scales, skipped)
     run_train([*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "nan_max_consecutive=3"], cwd=tmp_path,
@@ -243,8 +243,9 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
     would overflow there, one that lost its count would grow later); and from the same
     checkpoint on 2 data-parallel ranks: the same scales, the curve to fp16's rounding."""
     whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={whole}"], cwd=tmp_path)
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}", "max_iters=4"], cwd=tmp_path)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={whole}"], cwd=tmp_path, fork=True)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}", "max_iters=4"], cwd=tmp_path,
+              fork=True)
     moved = str(tmp_path / "moved")
     shutil.copytree(stopped, moved)
     # the state as meta.json holds it, read as hostile: a scale below its floor of 1 or past float32 is refused
@@ -254,7 +255,7 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
     for bad in ({"scale": 0.5, "growth_tracker": 2}, {"scale": 1e39, "growth_tracker": 2},
                 {"scale": "65536", "growth_tracker": 2}, {"scale": 2.0, "growth_tracker": -1}, {"scale": 2.0}):
         assert "loss_scale" in check_meta({**meta, "loss_scale": bad}, ckpt), bad
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}"], cwd=tmp_path)
+    run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}"], cwd=tmp_path, fork=True)
     want, scales, skipped = fp16_rows(whole)
     got, got_scales, got_skipped = fp16_rows(stopped)
     assert (got_scales, got_skipped) == (scales, skipped) and scales == SCALES

@@ -42,7 +42,7 @@ def single(hf_dir, dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     out = str(root / "run")
     p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}",
-                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"], cwd=root, **NAN)
+                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"], cwd=root, **NAN, fork=True)
     return {"root": root, "out": out, "stdout": p.stdout, "metrics": read_metrics(out)}
 
 
@@ -158,8 +158,8 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
     # resume: stop at 3, continue to 6; the same numbers as the uninterrupted run
     out = str(single["root"] / "resumed")
     run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3"], cwd=single["root"],
-              **NAN)
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"], cwd=single["root"], **NAN)
+              **NAN, fork=True)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"], cwd=single["root"], **NAN, fork=True)
     assert "resumed from" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out), exact=True)
     # the base changed under the run: resuming is refused with one line
@@ -167,10 +167,10 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
     shutil.copytree(hf_dir, moved)
     out2 = str(single["root"] / "changed")
     run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}", f"init_from={moved}", "max_iters=3"],
-              cwd=single["root"], **NAN)
+              cwd=single["root"], **NAN, fork=True)
     cfg = json.load(open(os.path.join(moved, "config.json")))
     json.dump({**cfg, "rms_norm_eps": 1e-6}, open(os.path.join(moved, "config.json"), "w"))
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"], check=False, **NAN)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"], check=False, **NAN, fork=True)
     assert p.returncode != 0 and "has changed since this LoRA run started" in p.stderr
 
 
@@ -202,7 +202,8 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
     # lora_from: a new run from the base and that adapter evaluates to the trained run's val loss
     out = str(single["root"] / "from_adapter")
     run_train([*RUN, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}",
-               f"lora_from={single['root'] / 'peft_saved'}", "max_iters=0"], cwd=single["root"])
+               f"lora_from={single['root'] / 'peft_saved'}", "max_iters=0"], cwd=single["root"],
+              fork=True)
     final = [r["val_loss"] for r in single["metrics"] if r.get("iter") == 6 and "val_loss" in r]
     assert abs(read_metrics(out)[0]["val_loss"] - final[0]) < 1e-5
 
@@ -242,5 +243,5 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
 ])
 def test_lora_mistakes_are_one_line(args, message, dataset, tmp_path):
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1", *args],
-                  cwd=tmp_path, check=False)
+                  cwd=tmp_path, check=False, fork=True)
     assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -121,7 +121,7 @@ def mix_args(sources, **extra):
 @pytest.fixture(scope="module")
 def mix_run(sources, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mixrun") / "run")
-    p = run_train(mix_args(sources, out_dir=out), cwd=os.path.dirname(out))
+    p = run_train(mix_args(sources, out_dir=out), cwd=os.path.dirname(out), fork=True)
     return read_metrics(out), p.stdout, out
 
 
@@ -150,8 +150,8 @@ def test_mixture_run_logs_sources_and_resumes_exactly_across_a_phase(mix_run, so
     assert abs(val[-1]["val_loss"] - sum(wi * val[-1][f"val_loss/{n}"] for wi, n in zip(w, ("tiny", "chat", "notes")))) < 1e-9
     # stopped at 4 and resumed (the boundary at 6 lies ahead): the same run, bit for bit
     half = str(tmp_path / "half")
-    run_train(mix_args(sources, out_dir=half, max_iters=4), cwd=tmp_path)
-    run_train(mix_args(sources, out_dir=half, max_iters=8), cwd=tmp_path)
+    run_train(mix_args(sources, out_dir=half, max_iters=4), cwd=tmp_path, fork=True)
+    run_train(mix_args(sources, out_dir=half, max_iters=8), cwd=tmp_path, fork=True)
     b = read_metrics(half)
     keys = lambda rows: [{k: v for k, v in r.items() if "loss" in k or k in ("iter", "lr", "grad_norm")}  # noqa: E731
                          for r in rows if r["iter"] != 4 or "val_loss" not in r]
@@ -205,7 +205,7 @@ LORA_ALL = ["lora_rank=4", "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,ou
 def test_mixture_with_muon_lora_and_tied_embeddings_equals_one_process(case, mix_run, sources, tmp_path):
     def same_on_two_ranks(name, options, layout):
         single, sharded = str(tmp_path / name), str(tmp_path / f"{name}_2")
-        run_train([*mix_args(sources, out_dir=single), *options], cwd=tmp_path)
+        run_train([*mix_args(sources, out_dir=single), *options], cwd=tmp_path, fork=True)
         torchrun(2, [*mix_args(sources, out_dir=sharded), *options, *layout], cwd=tmp_path)
         assert_same_sources(read_metrics(single), read_metrics(sharded))
         return single
@@ -228,7 +228,7 @@ def test_mixture_with_muon_lora_and_tied_embeddings_equals_one_process(case, mix
 ])
 def test_bad_mixtures_give_one_clear_line(sources, tmp_path, args, match):
     p = run_train([*TINY, "max_iters=1", f"out_dir={tmp_path / 'out'}", *(a.format(**sources) for a in args)],
-                  cwd=tmp_path, check=False)
+                  cwd=tmp_path, check=False, fork=True)
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], p.stderr
 
@@ -238,7 +238,7 @@ def test_phases_in_a_config_file_are_a_real_list(sources, tmp_path):
     cfg.write_text(f"datasets = '{sources['tiny']}:1,{sources['notes']}:1'\n"
                    f"phases = [(0, {{'tiny': 1.0}}), (1, {{'notes': 1.0}}, 0.5)]\n")
     out = tmp_path / "out"
-    run_train([*TINY, str(cfg), "max_iters=2", "eval_interval=100", f"out_dir={out}"], cwd=tmp_path)
+    run_train([*TINY, str(cfg), "max_iters=2", "eval_interval=100", f"out_dir={out}"], cwd=tmp_path, fork=True)
     rows = [r for r in read_metrics(str(out)) if "loss" in r]
     assert set(rows[0]) >= {"loss/tiny"} and "loss/notes" not in rows[0]
     assert "loss/notes" in rows[1] and "loss/tiny" not in rows[1]

@@ -135,17 +135,17 @@ def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_pat
     base = [*MOE, f"dataset={dataset}", "max_iters=6", "ckpt_interval=3", "moe_z_weight=1e-3",
             "moe_bias_rate=1e-2"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    log = run_train([*base, f"out_dir={full}"], cwd=str(tmp_path)).stdout
+    log = run_train([*base, f"out_dir={full}"], cwd=str(tmp_path), fork=True).stdout
     assert "moe aux " in log and " load " in log
     rows = [r for r in read_metrics(full) if "loss" in r]
     assert all(0.5 < r["moe_aux"] < 4 and r["moe_z"] > 0 and r["moe_load/0"] >= 1 and r["moe_load/1"] >= 1
                for r in rows)  # (the aux loss is 1 at a perfect balance, at most n_experts)
     no_aux = str(tmp_path / "no_aux")
-    run_train([*base, "max_iters=2", "moe_aux_weight=0", "moe_z_weight=0", f"out_dir={no_aux}"], cwd=str(tmp_path))
+    run_train([*base, "max_iters=2", "moe_aux_weight=0", "moe_z_weight=0", f"out_dir={no_aux}"], cwd=str(tmp_path), fork=True)
     first = [r for r in read_metrics(no_aux) if "loss" in r]
     assert first[0]["loss"] == rows[0]["loss"] and first[1]["loss"] != rows[1]["loss"]
-    run_train([*base, "max_iters=3", f"out_dir={part}"], cwd=str(tmp_path))
-    run_train([*base, f"out_dir={part}"], cwd=str(tmp_path))
+    run_train([*base, "max_iters=3", f"out_dir={part}"], cwd=str(tmp_path), fork=True)
+    run_train([*base, f"out_dir={part}"], cwd=str(tmp_path), fork=True)
     assert_same_curve(read_metrics(full), read_metrics(part), exact=True)
     import checkpoint
     model, _ = checkpoint.load_whole(checkpoint.find(full, None))
@@ -221,7 +221,7 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
     batch, no balancing loss: its unit is the micro-batch) the bias is the same too."""
     base = [*MOE_REF, f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
-    run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path))
+    run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path), fork=True)
     runs = {"ep2dp4": (4, ["ep=2", "grad_ckpt=True"]), "ep2pp2": (4, ["ep=2", "pp=2"]),
             "ep2zero2": (2, ["ep=2", "zero=2"]), "ep2fsdp4": (4, ["ep=2", "fsdp=True"])}
     for name, (n, extra) in runs.items():
@@ -232,7 +232,7 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
     for steps, batch in ((1, 8), (2, 4)):
         out = str(tmp_path / f"accum{steps}")
         run_train([*base, "moe_aux_weight=0", "moe_z_weight=0", "max_iters=3", f"grad_accum_steps={steps}",
-                   f"batch_size={batch}", f"out_dir={out}"], cwd=str(tmp_path))
+                   f"batch_size={batch}", f"out_dir={out}"], cwd=str(tmp_path), fork=True)
         accum[steps] = _bias(out)
     assert accum[1].abs().sum() > 0
     torch.testing.assert_close(accum[1], accum[2], rtol=0, atol=0)
@@ -328,7 +328,7 @@ def test_resume_from_ep2_into_one_process_is_exact(dataset, tmp_path):
     torch.save(held, os.path.join(kept["ep2"], "global.pt"))
     oracle, dp2 = (shutil.copytree(ep2, str(tmp_path / name)) for name in ("oracle", "dp2"))
     # resumed by one process, as a user does; and one process from the ranks' own state
-    run_train([*base, "max_iters=5", f"out_dir={ep2}"], cwd=cwd)
+    run_train([*base, "max_iters=5", f"out_dir={ep2}"], cwd=cwd, fork=True)
     torchrun(1, [*base, "max_iters=5", f"out_dir={oracle}"], cwd=cwd, before=keep_state,
              env={"MOE_STATE": kept["oracle"],
                   "MOE_STATE_FROM": os.path.join(kept["ep2"], "global.pt")})
@@ -360,7 +360,7 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     fp16 = [*MOE_REF, f"dataset={dataset}", "dtype=float16", "learning_rate=5e-4", "min_lr=5e-5",
             "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6"]
     single, ep2 = str(tmp_path / "fp16"), str(tmp_path / "fp16_ep2")
-    run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path))
+    run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*fp16, "ep=2", "grad_ckpt=True", f"out_dir={ep2}"], cwd=str(tmp_path))
     (want, scales, skipped), (got, got_scales, got_skipped) = fp16_rows(single), fp16_rows(ep2)
     # (the scales 2**40 and 2**29 overflow, 2**18 does not: 8x below this model's threshold)
@@ -370,6 +370,6 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     assert_same_curve(*trained, rtol=RTOL_FP16)
     lora = [*MOE_REF, f"dataset={dataset}", f"init_from={single}", "lora_rank=4", "max_iters=3"]
     one, ep2 = str(tmp_path / "lora"), str(tmp_path / "lora_ep2")
-    run_train([*lora, f"out_dir={one}"], cwd=str(tmp_path))
+    run_train([*lora, f"out_dir={one}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*lora, "ep=2", f"out_dir={ep2}"], cwd=str(tmp_path))
     assert_same_curve(read_metrics(one), read_metrics(ep2))

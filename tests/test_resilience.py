@@ -49,9 +49,9 @@ def nan_gradients_at_3(rank):
 def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=8"]
     before, poisoned, grads = str(tmp_path / "before"), str(tmp_path / "poisoned"), str(tmp_path / "grads")
-    run_train([*common, f"out_dir={before}", "max_iters=3"], cwd=tmp_path)
+    run_train([*common, f"out_dir={before}", "max_iters=3"], cwd=tmp_path, fork=True)
     p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4"], cwd=tmp_path, script=FAULTS,
-                  env=faults.nan_at(3))
+                  env=faults.nan_at(3), fork=True)
     assert "iter 3: non-finite" in p.stdout and "step skipped" in p.stdout
     rows = read_metrics(poisoned)
     assert skipped(rows) == [3] and sorted(trained(rows)) == [0, 1, 2, 4, 5, 6, 7]  # and the run went on
@@ -71,15 +71,15 @@ def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_
     nans = dict(script=FAULTS, env=faults.nan_at(5, 3))
     # async saves: the rollback first finishes the save in flight (the checkpoint of iteration 4)
     p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3", "ckpt_async=True"],
-                  cwd=tmp_path, **nans)
+                  cwd=tmp_path, **nans, fork=True)
     assert "rolled back to" in p.stdout and "iter_0000004" in p.stdout
     # the same bad window without a rollback (only skips): a rollback must not change the curve
-    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path, **nans)
+    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path, **nans, fork=True)
     a, b = read_metrics(str(tmp_path / "rollback")), read_metrics(str(tmp_path / "skips"))
     assert skipped(a) == skipped(b) == [5, 6, 7]
     assert trained(a) == trained(b) and sorted(trained(a)) == [i for i in range(14) if i not in (5, 6, 7)]
     p = run_train([*common, f"out_dir={tmp_path / 'stop'}", "nan_max_consecutive=2", "nan_action=stop"],
-                  cwd=tmp_path, check=False, **nans)
+                  cwd=tmp_path, check=False, **nans, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: 2 iterations in a row (up to 6) had a non-finite")
 
@@ -89,7 +89,8 @@ def test_a_fault_that_outlives_its_rollback_stops_the_run(dataset, tmp_path):
     inside the streak, and the NaNs come back at once: the run stops (non-zero, one line)
     instead of skipping its way to max_iters."""
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=10", "ckpt_interval=4"],
-                  cwd=tmp_path, check=False, script=FAULTS, env=faults.nan_at(3, 100))
+                  cwd=tmp_path, check=False, script=FAULTS, env=faults.nan_at(3, 100),
+                  fork=True)
     assert p.returncode == 1 and "rolled back to" in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.strip().splitlines() == [
         "error: 3 more iterations in a row (up to 8) had a non-finite loss or gradient norm right after rolling back: "
@@ -156,7 +157,7 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
     assert max(r["iter"] for r in read_metrics(out) if "loss" in r) == stopped - 1  # stopped right after that step
     # run again: it continues, and the curve is the uninterrupted one
     full = str(tmp_path / "full")
-    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path)
+    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path, fork=True)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.join(ROOT, "train.py"), *LONG, f"dataset={dataset}", f"out_dir={out}"],
                        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
@@ -175,7 +176,7 @@ def test_sigkill_under_torchrun_restarts_resumes_and_completes(dataset, tmp_path
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path)
+    run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path, fork=True)
     rows = read_metrics(out)
     assert max(r["iter"] for r in rows if "loss" in r) == 59
     assert_same_curve(read_metrics(full), rows)
@@ -184,8 +185,8 @@ def test_sigkill_under_torchrun_restarts_resumes_and_completes(dataset, tmp_path
 def test_partial_and_corrupt_checkpoints_are_skipped(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=4", "keep_ckpts=3"]
     full, out = str(tmp_path / "full"), str(tmp_path / "run")
-    run_train([*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path)
-    run_train([*common, f"out_dir={out}", "max_iters=8"], cwd=tmp_path)
+    run_train([*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path, fork=True)
+    run_train([*common, f"out_dir={out}", "max_iters=8"], cwd=tmp_path, fork=True)
     ckpt = os.path.join(out, "ckpt")
     # a save killed half-way: its temporary directory, and a directory without a manifest
     shutil.copytree(os.path.join(ckpt, "iter_0000008"), os.path.join(ckpt, ".tmp_iter_0000012"))
@@ -196,7 +197,7 @@ def test_partial_and_corrupt_checkpoints_are_skipped(dataset, tmp_path):
     blob = bytearray(open(shard, "rb").read())
     blob[len(blob) // 2] ^= 0xFF
     open(shard, "wb").write(bytes(blob))
-    p = run_train([*common, f"out_dir={out}", "max_iters=12"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={out}", "max_iters=12"], cwd=tmp_path, fork=True)
     assert "iter_0000008 is corrupt (__0_0.distcp does not match its checksum" in p.stdout
     assert "iter_0000011 is corrupt (manifest.json is missing" in p.stdout
     assert f"resumed from {ckpt}/iter_0000004" in p.stdout
@@ -206,16 +207,17 @@ def test_partial_and_corrupt_checkpoints_are_skipped(dataset, tmp_path):
 def test_a_failed_save_is_reported_and_keeps_the_earlier_checkpoints(dataset, tmp_path):
     out = str(tmp_path / "run")
     common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=8", "ckpt_interval=4"]
-    run_train([*common, "max_iters=4"], cwd=tmp_path)
+    run_train([*common, "max_iters=4"], cwd=tmp_path, fork=True)
     # the temporary directory of the next save cannot be created (a file is in the way; as
     # root, permissions would not stop us, so this stands in for a full or read-only disk)
     open(os.path.join(out, "ckpt", ".tmp_iter_0000008"), "w").close()
-    p = run_train([*common, "max_iters=8"], cwd=tmp_path, check=False)
+    p = run_train([*common, "max_iters=8"], cwd=tmp_path, check=False, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: saving checkpoint iter_0000008 failed")
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == [".tmp_iter_0000008", "iter_0000004", "latest"]
     os.remove(os.path.join(out, "ckpt", ".tmp_iter_0000008"))
-    p = run_train([*common, "max_iters=8"], cwd=tmp_path)  # the earlier checkpoint still resumes
+    # the earlier checkpoint still resumes
+    p = run_train([*common, "max_iters=8"], cwd=tmp_path, fork=True)
     assert f"resumed from {out}/ckpt/iter_0000004" in p.stdout
 
 

@@ -19,15 +19,15 @@ def snapshot(out):
 def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     out = str(tmp_path / "out")
     # max_iters below warmup_iters: the schedule says what it will do
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path)
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path, fork=True)
     assert "note: max_iters=1 < warmup_iters=4: the learning rate only warms up, to 2.50e-03" in p.stdout
     # the same command again: a finished run, said in one line, exit 0, nothing rewritten
     before = snapshot(out)
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path)
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path, fork=True)
     assert f"{out} holds a finished run (iteration 1, max_iters=1): nothing to do" in p.stdout
     assert "val loss" not in p.stdout and snapshot(out) == before
     # another dataset on the same out_dir: not continued, refused in one line
-    p = run_train([*TINY, f"dataset={chat_dataset}", f"out_dir={out}", "max_iters=3"], cwd=tmp_path, check=False)
+    p = run_train([*TINY, f"dataset={chat_dataset}", f"out_dir={out}", "max_iters=3"], cwd=tmp_path, check=False, fork=True)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={chat_dataset}: "
             f"pick a new out_dir, or init_from={out} to start from its weights") in p.stderr
@@ -36,7 +36,7 @@ def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     # run too, refused before the data is read, not taken for the finished one (max_iters=1)
     for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512), ("optim", "muon", "adamw")):
         p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4",
-                       f"{key}={value}"], cwd=tmp_path, check=False)
+                       f"{key}={value}"], cwd=tmp_path, check=False, fork=True)
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
         assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={dataset} with "
                 f"{key}={value} (the run has {had}): pick a new out_dir") in p.stderr, p.stderr
@@ -48,12 +48,12 @@ def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
                                                           f"sample.py out_dir={out} export_hf={tmp_path / 'hf'}`"),
                         (f"export_lora={tmp_path / 'ad'}", "and export_lora= is written when a run ends")):
         p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4", extra],
-                      cwd=tmp_path, check=False)
+                      cwd=tmp_path, check=False, fork=True)
         assert p.returncode == 1 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
     assert snapshot(out) == before and not os.path.exists(tmp_path / "hf")
     # init_from=resume with nothing there: refused, and no directory left behind
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"], cwd=tmp_path,
-                  check=False)
+                  check=False, fork=True)
     assert p.returncode == 1 and "init_from=resume but" in p.stderr and not os.path.exists(tmp_path / "nothing")
 
 

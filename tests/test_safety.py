@@ -67,7 +67,7 @@ def last_line(p):
 def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=4", "keep_ckpts=0"]
     a = str(tmp_path / "a")
-    run_train([*common, f"out_dir={a}", "max_iters=8"], cwd=tmp_path)
+    run_train([*common, f"out_dir={a}", "max_iters=8"], cwd=tmp_path, fork=True)
     ckpt = os.path.join(a, "ckpt")
     marker = str(tmp_path / "PWNED")
     plant(os.path.join(ckpt, "iter_0000008"), ".metadata", marker)
@@ -84,10 +84,10 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     p = run_train([f"out_dir={a}", f"export={tmp_path}/w.pt"], cwd=tmp_path, script="sample.py")
     assert f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout and "iter_0000004" in p.stdout
     # init_from= that run: the same
-    p = run_train([*common, f"out_dir={tmp_path / 'c'}", "max_iters=1", f"init_from={a}"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={tmp_path / 'c'}", "max_iters=1", f"init_from={a}"], cwd=tmp_path, fork=True)
     assert f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout
     # auto-resume: falls back to iteration 4
-    p = run_train([*common, f"out_dir={a}", "max_iters=10"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={a}", "max_iters=10"], cwd=tmp_path, fork=True)
     assert f"resumed from {ckpt}/iter_0000004" in p.stdout
     assert not os.path.exists(marker)
     # a state.pt that weights_only refuses: reported by name, skipped on resume
@@ -96,7 +96,7 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000010 does not verify (state.pt") and \
         "plain data" in last_line(p)
-    p = run_train([*common, f"out_dir={a}", "max_iters=11"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={a}", "max_iters=11"], cwd=tmp_path, fork=True)
     assert f"checkpoint {ckpt}/iter_0000010 is corrupt (state.pt" in p.stdout
     assert f"resumed from {ckpt}/iter_0000008" in p.stdout
     assert not os.path.exists(marker)
@@ -281,7 +281,7 @@ def test_torn_metrics_line_is_dropped(tmp_path):
 def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_path):
     out = str(tmp_path / "run")
     common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=400", "ckpt_interval=4"]
-    run_train([*common, "max_iters=4"], cwd=tmp_path)
+    run_train([*common, "max_iters=4"], cwd=tmp_path, fork=True)
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"iter": 4, "lo')  # a kill in the middle of an append
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -293,7 +293,7 @@ def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_pat
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-2000:]
             time.sleep(0.1)
         t0 = time.time()
-        p = run_train([*common, "max_iters=400"], cwd=tmp_path, check=False)
+        p = run_train([*common, "max_iters=400"], cwd=tmp_path, check=False, fork=True)
         assert p.returncode != 0 and "Traceback" not in p.stderr and time.time() - t0 < 60
         assert last_line(p).startswith(f"error: out_dir {out} is in use by pid {first.pid} on host ")
         first.send_signal(signal.SIGKILL)
@@ -301,7 +301,7 @@ def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_pat
     finally:
         first.kill()
     latest = int(open(os.path.join(out, "ckpt", "latest")).read().strip().rsplit("_", 1)[1])
-    p = run_train([*common, f"max_iters={latest + 2}"], cwd=tmp_path)  # the kernel dropped the dead run's lock
+    p = run_train([*common, f"max_iters={latest + 2}"], cwd=tmp_path, fork=True)  # the kernel dropped the dead run's lock
     resumed = int(re.search(r"resumed from .* at iteration (\d+)", p.stdout)[1])
     assert resumed >= 4 and max(r["iter"] for r in read_metrics(out) if "loss" in r) == resumed + 1  # 2 steps on
 

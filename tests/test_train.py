@@ -57,7 +57,7 @@ def test_torchrun_reports_a_rank_killed_by_a_signal(dataset, tmp_path):
 def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     out = str(tmp_path / "run")
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=30", "ckpt_interval=10",
-                   "keep_ckpts=2", "sample_tokens=20"], cwd=tmp_path)
+                   "keep_ckpts=2", "sample_tokens=20"], cwd=tmp_path, fork=True)
     rows = read_metrics(out)
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
@@ -90,7 +90,7 @@ def test_embed_lr_scale_sets_the_embeddings_rate_alone(dataset, tmp_path):
     for opt in ("muon", "adamw"):
         out = str(tmp_path / opt)
         run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=3", "embed_lr_scale=0", f"optim={opt}"],
-                  cwd=tmp_path)
+                  cwd=tmp_path, fork=True)
         model, _ = checkpoint.load_whole(checkpoint.find(out, None))
         emb, head = model.tok_embeddings.weight, model.output.weight
         assert torch.equal(emb, init_tensor("tok_embeddings.weight", emb.shape, 2, 1337)), opt
@@ -101,12 +101,13 @@ def test_resume_is_bit_exact(dataset, tmp_path):
     # dropout > 0, so the RNG state must be restored too, not only weights and optimizer
     common = [*TINY, f"dataset={dataset}", "dropout=0.1", "lr_decay_iters=20", "ckpt_interval=100"]
     full, half = str(tmp_path / "full"), str(tmp_path / "half")
-    run_train([*common, f"out_dir={full}", "max_iters=20"], cwd=tmp_path)
-    run_train([*common, f"out_dir={half}", "max_iters=10"], cwd=tmp_path)
+    run_train([*common, f"out_dir={full}", "max_iters=20"], cwd=tmp_path, fork=True)
+    run_train([*common, f"out_dir={half}", "max_iters=10"], cwd=tmp_path, fork=True)
     # a crashed run may have logged past its checkpoint: those lines must be replaced, not kept
     with open(os.path.join(half, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iter": 10, "loss": -1.0}) + "\n")
-    p = run_train([*common, f"out_dir={half}", "max_iters=20", "init_from=resume"], cwd=tmp_path)
+    p = run_train([*common, f"out_dir={half}", "max_iters=20", "init_from=resume"], cwd=tmp_path,
+                  fork=True)
     assert "resumed from" in p.stdout
     a, b = read_metrics(full), read_metrics(half)
     strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]  # noqa: E731
@@ -135,19 +136,19 @@ def test_config_file_and_resume_keeps_the_model_shape(dataset, tmp_path):
     cfg = tmp_path / "cfg.py"
     cfg.write_text("n_layer = 1\nn_embd = 16 * 2\nmax_iters = 3\n")
     out = str(tmp_path / "run")
-    run_train([*TINY, str(cfg), f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path)
+    run_train([*TINY, str(cfg), f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path, fork=True)
     meta = json.load(open(os.path.join(out, "ckpt", "iter_0000003", "meta.json")))
     assert meta["model"]["n_layer"] == 1 and meta["config"]["n_layer"] == 1
     # resuming without the config file: the shape comes from the checkpoint
     rest = [a for a in TINY if not a.startswith(("n_layer=", "n_embd="))]
-    run_train([*rest, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=5"], cwd=tmp_path)
+    run_train([*rest, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=5"], cwd=tmp_path, fork=True)
     assert read_metrics(out)[-2]["iter"] == 4
 
 
 @pytest.fixture(scope="module")
 def saved_run(dataset, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("saved") / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=os.path.dirname(out))
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=os.path.dirname(out), fork=True)
     return out
 
 
@@ -189,7 +190,8 @@ def test_bad_input_gives_one_clear_line(case, dataset, saved_run, tmp_path):
     args = [str(tmp_path / "bad.py") if a == "@badcfg" else a for a in args if a != "@saved"]
     args += [f"out_dir={saved_run}"] if "@saved" in BAD[case][0] else []
     before = snapshot(saved_run)
-    p = run_train([*TINY, f"dataset={dataset}", "max_iters=2", *args], cwd=tmp_path, check=False)
+    p = run_train([*TINY, f"dataset={dataset}", "max_iters=2", *args], cwd=tmp_path, check=False,
+                  fork=True)
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, p.stderr
@@ -200,19 +202,21 @@ def test_bad_input_gives_one_clear_line(case, dataset, saved_run, tmp_path):
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text('{"text": "a"}\n' * 5 + '{"text": oops}\n')
-    p = run_train([*TINY, "dataset=chat", f"data_source={src}"], cwd=tmp_path, check=False)
+    p = run_train([*TINY, "dataset=chat", f"data_source={src}"], cwd=tmp_path, check=False,
+                  fork=True)
     assert p.returncode != 0 and "c.jsonl:6: malformed JSON" in p.stderr and "Traceback" not in p.stderr
     assert not os.path.exists(tmp_path / "data" / "chat" / "meta.json")
 
 
 def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
     out = str(tmp_path / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=tmp_path)
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=tmp_path,
+              fork=True)
     shard = os.path.join(out, "ckpt", "iter_0000002", "__0_0.distcp")
     data_ = open(shard, "rb").read()
     open(shard, "wb").write(data_[: len(data_) // 2])
     p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=4"],
-                  cwd=tmp_path, check=False)
+                  cwd=tmp_path, check=False, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "no intact checkpoint" in p.stderr and "iter_0000002: __0_0.distcp has" in p.stderr
 
@@ -220,7 +224,7 @@ def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
 def test_wandb_offline(dataset, tmp_path):
     out = str(tmp_path / "run")
     run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "wandb_log=True"], cwd=tmp_path,
-              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, fork=True)
     runs = [d for d in os.listdir(os.path.join(out, "wandb")) if d.startswith("offline-run-")]
     assert len(runs) == 1
     run_id = runs[0].rsplit("-", 1)[1]
