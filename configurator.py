@@ -123,7 +123,7 @@ def script_defaults(path):
 
 # ---- the one validation pass ----------------------------------------------------------
 # Every constraint on the config is stated once (here; the model's shape in ModelConfig),
-# checked before anything touches the disk or a process group. Per key: its choices and
+# checked before anything is written or a process group starts. Per key: its choices and
 # ranges. Between keys: the layout, and the table of refused combinations (data:
 # docs/configuration.md renders it, a test keeps the two in sync); each feature's own rules
 # in a function entered only when it is on. What can only be known from a checkpoint or a

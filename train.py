@@ -154,7 +154,7 @@ overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.a
 globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
 world = int(os.environ.get("WORLD_SIZE", 1))
-# every check, before anything touches the disk or a peer
+# every check, before anything is written or a peer is met
 derived = configurator.validate(config, overrides, world)
 config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]
 started = time.time()
