@@ -160,6 +160,13 @@ class Loader:
         return it * self.global_batch / self.n_chunks
 
 
+def passes_note(max_iters, passes):
+    """A line for a trained model set to see its training data more than 3 times."""
+    return (f"warning: max_iters={max_iters} passes the training data {passes:.1f} times: a trained model "
+            f"learns data seen that often by heart and its held-out loss rises (docs/benchmarks.md); "
+            f"max_iters={int(max_iters * 3 / passes)} is 3 passes")
+
+
 def doc_ids(x, eot_token):
     """Which document of its row each position is in, counting from 0: the number of
     <|endoftext|> strictly before it. The <|endoftext|> belongs to the document it ends, and

@@ -225,6 +225,15 @@ def guarded(path, source, method=None, *args, **kwargs):
         os.close(null)
 
 
+def _byte_level(tj):
+    """Whether a ByteLevel pre-tokenizer maps text to characters that stand for bytes: there a BPE's
+    byte_fallback is for the few bytes its vocabulary lacks (transformers 5.17 sets it on SmolLM2's
+    GGUF tokenizer, which has no <0xNN> tokens), as transformers reads the same file."""
+    pre = tj.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return any(step.get("type") == "ByteLevel" for step in steps)
+
+
 def load_tokenizer_json(path):
     """The HFTokenizer of a tokenizer.json (and the tokenizer_config.json beside it)."""
     tj = _json(path)
@@ -232,7 +241,7 @@ def load_tokenizer_json(path):
     cfg = _config(path, tokens)
     tj = _as_transformers_reads(tj, cfg)
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in tj["model"]["vocab"]]
-    if tj["model"].get("byte_fallback") and missing:
+    if tj["model"].get("byte_fallback") and missing and not _byte_level(tj):
         raise _bad(path, f"its BPE has byte_fallback but lacks {len(missing)} of the 256 byte tokens (e.g. "
                          f"{missing[0]}): every character outside its vocabulary would be dropped")
     tok = _tokenizer(tj, path)

@@ -527,6 +527,16 @@ def exported_tokenizer(change, text=None):
     return make
 
 
+def byte_fallback_on_byte_level(b, tmp):
+    """transformers 5.17's GGUF tokenizer of SmolLM2: byte_fallback set on a byte-level BPE without
+    <0xNN> tokens (every byte is a vocabulary character there, so it never fires): it encodes as
+    the file without the flag does."""
+    text = "naïve café, 日本語 🙂 \x00\t"
+    loads = [exported_tokenizer(change, text)(b, os.path.join(tmp, name)) for name, change in (
+        ("plain", lambda tj: None), ("flag", lambda tj: tj["model"].update(byte_fallback=True, fuse_unk=True)))]
+    return lambda: loads[0]() == loads[1]() != []
+
+
 def split_regex(regex):
     return lambda tj: tj["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=regex)
 
@@ -695,6 +705,8 @@ CASES = [
     (50, "tokenizer.json: byte_fallback without the <0xNN> tokens", "raises", bad_tokenizer_config_for(
         {**TINY_BPE, "model": {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4},
                                "byte_fallback": True}})),
+    (46, "tokenizer.json: byte_fallback on a byte-level BPE (no <0xNN> needed)", "holds",
+     byte_fallback_on_byte_level),
     (50, "tokenizer.json: a Split regex that backtracks", "raises", naming("pre_tokenizer", exported_tokenizer(
         split_regex("(a+)+b"), "a" * 50))),
     (50, "tokenizer.json: a Replace regex that backtracks on the text", "raises", naming("normalizer",
