@@ -391,7 +391,7 @@ per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
-if src.kind in ("hf", "run") and train_loader.epoch(max_iters) > 3:  # a trained model learns it by heart
+if src.kind in ("hf", "run") and train_loader.epoch(max_iters) > 3:
     mesh.print0(data.passes_note(max_iters, train_loader.epoch(max_iters)))
 
 if profile_iters:  # profiler: profiling.py (labels the loop's calls from outside)
