@@ -108,6 +108,7 @@ class Loader:
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
         self.mask = chat_mask(path, len(self.tokens)) if meta.get("format") == "chat" else None
+        self.eot_token = meta["eot_token"]
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         if self.n_chunks < 1:
@@ -158,6 +159,10 @@ class Loader:
 
     def epoch(self, it):
         return it * self.global_batch / self.n_chunks
+
+    def eot_of(self, *source):
+        """The id that ends a document in this data's rows (doc_ids)."""
+        return self.eot_token
 
 
 def passes_note(max_iters, passes):

@@ -29,11 +29,13 @@ def check_tokenizers(metas):
     """The meta of the vocabulary that covers every source, or a UserError when two sources
     were encoded with different tokenizers. Sources may differ only in extra tokens where one
     list extends the other (a text dataset and a chat dataset of the same base: the chat
-    tokens come after every base id, so a text token means the same in both)."""
+    tokens come after every base id, so a text token means the same in both), and in the id
+    that ends their documents (a base's chat template may end conversations with another one:
+    each row's documents are cut at its own source's, MixtureLoader.eot_of)."""
     widest_name, widest = next(iter(metas.items()))
     for name, meta in metas.items():
-        ours = (meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]), meta["eot_token"])
-        theirs = (widest["tokenizer"], widest.get("base_vocab_size", widest["vocab_size"]), widest["eot_token"])
+        ours = (meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]))
+        theirs = (widest["tokenizer"], widest.get("base_vocab_size", widest["vocab_size"]))
         a, b = list(meta.get("extra_tokens", [])), list(widest.get("extra_tokens", []))
         if ours != theirs or (a[:len(b)] != b and b[:len(a)] != a):
             raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different tokenizers "
@@ -150,6 +152,11 @@ class MixtureLoader:
             sel = src == s
             sample[sel] = before[s] + np.arange(sel.sum())
         return src, sample
+
+    def eot_of(self, source):
+        """The id that ends a document in each row, by its source (batch's last element): the
+        shape (micro_steps, batch_size, 1), as doc_ids compares it with the rows' tokens."""
+        return torch.tensor([loader.eot_token for loader in self.loaders])[source].unsqueeze(-1)
 
     def batch(self, it):
         """This rank's (x, y, loss_mask, source) for iteration it: as Loader.batch, plus the

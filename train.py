@@ -304,10 +304,11 @@ if src.kind == "resume":
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
 
 
-def micro_batches(x, y, mask):
+def micro_batches(x, y, mask, eot):
     """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device]: what the plain loop and the
-    pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None."""
-    doc = data.doc_ids(x, meta["eot_token"]) if doc_mask else None
+    pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None. eot: the id
+    that ends a document (a mixture's: one per row, its source's)."""
+    doc = data.doc_ids(x, eot) if doc_mask else None
     return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc)) for k in range(x.size(0))]
 
 
@@ -330,7 +331,7 @@ def evaluate(val_loader):
     raw_model.eval()
     batches = [val_loader.batch(i) for i in range(eval_iters)]
     x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches]) for j in range(3))
-    micro, weights = micro_batches(x, y, mask), token_weights(y, mask)
+    micro, weights = micro_batches(x, y, mask, val_loader.eot_of()), token_weights(y, mask)
     if pp > 1:  # pipeline: pipeline.py
         loss_sum = pipeline.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights, pp_virtual)
     else:
@@ -437,7 +438,7 @@ while True:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
         x, y, mask, *src_ids = train_loader.batch(it)
-        micro = micro_batches(x, y, mask)
+        micro = micro_batches(x, y, mask, train_loader.eot_of(*src_ids))
         # the loss is the mean cross-entropy over every target token of the global batch: each
         # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
         weights = token_weights(y, mask, scaler.scale if scaler else 1.0)

@@ -7,6 +7,7 @@ import random
 import shutil
 
 import pytest
+import torch
 from real_model import smollm2_dir
 
 import chat_template
@@ -191,3 +192,58 @@ def test_the_template_travels_through_cpt_sft_lora_and_their_exports(tmp_path):
         tok = AutoTokenizer.from_pretrained(tmp_path / export)
         assert tok.chat_template == template
         assert any(first == tok.apply_chat_template(m, tokenize=True, return_dict=False) for m in chats), export
+
+
+def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
+    """A tiny random LLaMA on the real base's tokenizer and ChatML template: its text data ends
+    documents with <|im_end|> (the eos, id 2), its chat data conversations with <|endoftext|>
+    (id 0; <|im_end|> ends every turn inside them). Mixed with doc_mask, each row's documents
+    are cut at its own source's id, and the run trains."""
+    from conftest import RUN, read_metrics, run_train, write_corpus
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import data
+    import hf
+    import mixture
+    from model import ModelConfig, Transformer
+    base = tmp_path / "base"
+    os.makedirs(base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(smollm2_dir(), name), base / name)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(base)
+    chats = [[{"role": "user", "content": f"What is {w}?"}, {"role": "assistant", "content": f"It is {w}."}]
+             for w in WORDS * 3]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    keys = [a for a in RUN if not a.startswith("vocab_size=")] + ["val_fraction=0.2", f"init_from={base}"]
+    for name, source in (("text", write_corpus(str(tmp_path / "c"), 40, 80)), ("chat", tmp_path / "chat.jsonl")):
+        run_train([*keys, "max_iters=0", f"dataset={name}", f"data_source={source}", f"out_dir={tmp_path / name}"],
+                  cwd=tmp_path)
+    dirs = {name: str(tmp_path / "data" / name) for name in ("text", "chat")}
+    assert [data.load_meta(d)["eot_token"] for d in dirs.values()] == [2, 0]
+    train = mixture.setup({"text": 0.5, "chat": 0.5}, [], 1.0, lambda s: dirs[s],
+                          lambda d, split: data.Loader(d, split, 32, 8, 2, 1337))[2]
+    x, _, _, source = train.batch(0)
+    doc = data.doc_ids(x, train.eot_of(source))
+    rows = list(zip(x.flatten(0, 1), source.flatten().tolist(), doc.flatten(0, 1)))
+    for row, src, got in rows:
+        assert torch.equal(got, data.doc_ids(row, (2, 0)[src]))
+    # rows of both sources where the other's id would cut them otherwise (a text document's end
+    # or a chat turn's <|im_end|>): one id for every row fails the check above
+    for s in (0, 1):
+        assert any(not torch.equal(got, data.doc_ids(row, (0, 2)[s])) for row, src, got in rows if src == s), s
+    # the run: its first loss is the base's on its first batch, each row cut at its own source's id
+    run_train([*keys, "max_iters=2", "datasets=text:0.5,chat:0.5", "doc_mask=True", f"out_dir={tmp_path / 'mix'}"],
+              cwd=tmp_path)
+    first = next(r for r in read_metrics(str(tmp_path / "mix")) if "loss" in r)
+    kwargs, weights = hf.load_hf_llama(str(base))
+    model = Transformer(ModelConfig(**{**kwargs, "block_size": 32}))
+    model.load_state_dict({**weights, "output.weight": weights["tok_embeddings.weight"]})
+    run = mixture.setup({"text": 0.5, "chat": 0.5}, [], 1.0, lambda s: dirs[s],
+                        lambda d, split: data.Loader(d, split, 32, 4, 2, 1337))[2]  # RUN's batch and seed
+    x, y, mask, source = run.batch(0)
+    doc = data.doc_ids(x, run.eot_of(source))
+    with torch.no_grad():
+        sums = [(model(x[k], y[k], mask[k], doc[k])[1] * mask[k].sum(), mask[k].sum()) for k in range(len(x))]
+    assert abs(first["loss"] - (sum(a for a, _ in sums) / sum(n for _, n in sums)).item()) < 1e-4
