@@ -9,6 +9,7 @@ out_dir changes. One tiny base run is shared; most cases run in this process."""
 import json
 import math
 import os
+import re
 import shutil
 import socket
 from dataclasses import asdict
@@ -156,6 +157,23 @@ def hf_config(**changes):
         edit_json(os.path.join(d, "config.json"), lambda c: {**c, **changes})
         return lambda: hf.hf_llama_index(d)
     return make
+
+
+def hf_shape_error_in_its_names(b, tmp):
+    """A config.json whose heads do not divide its width: the line names config.json's keys."""
+    d = copy(b["hf"], os.path.join(tmp, "hf"))
+    edit_json(os.path.join(d, "config.json"), lambda c: {**{k: v for k, v in c.items() if k != "head_dim"},
+                                                         "num_attention_heads": 7})
+
+    def load():
+        return hf.hf_llama_index(d)
+
+    def names():
+        with pytest.raises(UserError) as e:
+            load()
+        return "num_attention_heads=7" in str(e.value) and "hidden_size=" in str(e.value) and \
+            not re.search(r"\bn_(embd|head)\b", str(e.value))
+    return names
 
 
 def hf_config_raw(text):
@@ -705,6 +723,8 @@ CASES = [
     (50, "tokenizer.json: byte_fallback without the <0xNN> tokens", "raises", bad_tokenizer_config_for(
         {**TINY_BPE, "model": {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4},
                                "byte_fallback": True}})),
+    (46, "config.json: heads that do not divide the width, in config.json's names", "holds",
+     hf_shape_error_in_its_names),
     (46, "tokenizer.json: byte_fallback on a byte-level BPE (no <0xNN> needed)", "holds",
      byte_fallback_on_byte_level),
     (50, "tokenizer.json: a Split regex that backtracks", "raises", naming("pre_tokenizer", exported_tokenizer(
