@@ -166,15 +166,17 @@ class Loader:
 
 
 def passes_note(max_iters, passes):
-    """A line for a trained model set to see its training data more than 3 times."""
-    return (f"warning: max_iters={max_iters} passes the training data {passes:.1f} times: a trained model "
-            f"learns data seen that often by heart and its held-out loss rises (docs/benchmarks.md); "
-            f"max_iters={int(max_iters * 3 / passes)} is 3 passes")
+    """A line for a trained model set to see its training data (a mixture: its most repeated
+    source) more than 3 times."""
+    return (f"warning: max_iters={max_iters} passes the training data {passes:.1f} times: a "
+            f"trained model learns data seen that often by heart and its held-out loss rises "
+            f"(docs/benchmarks.md); max_iters={max(1, int(max_iters * 3 / passes))} is about 3 passes")
 
 
 def doc_ids(x, eot_token):
-    """Which document of its row each position is in, counting from 0: the number of
-    <|endoftext|> strictly before it. The <|endoftext|> belongs to the document it ends, and
-    the next document starts right after it. Any shape; rows run along the last dim."""
+    """Which document of its row each position is in, counting from 0: the number of end ids
+    (eot_token: the data's <|endoftext|> or eos; a mixture's, one per row, shaped to broadcast)
+    strictly before it. The end id belongs to the document it ends, and the next document starts
+    right after it. Any shape; rows run along the last dim."""
     is_eot = (x == eot_token).long()
     return is_eot.cumsum(-1) - is_eot

@@ -340,9 +340,10 @@ def hf_llama_index(path):
     try:
         cfg = ModelConfig(**kwargs)
     except ValueError as e:  # the shape's rules name our keys: say the file's
-        names = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads"}
-        raise UserError(f"{path}/config.json: " + re.sub(r"\b(n_embd|n_head|n_kv_head)\b",
-                                                         lambda m: names[m[1]], str(e))) from None
+        names = {"n_embd": "hidden_size", "n_head": "num_attention_heads",
+                 "n_kv_head": "num_key_value_heads"}
+        said = re.sub(r"\b(n_embd|n_head|n_kv_head)\b", lambda m: names[m[1]], str(e))
+        raise UserError(f"{path}/config.json: {said}") from None
     expected = expected_shapes(cfg)
     sd = index_experts(hf_tensors, expected, path) if cfg.n_experts else {}  # the 3-D expert weights: hf_moe.py
     for name, t in hf_tensors.items():

@@ -226,9 +226,11 @@ def guarded(path, source, method=None, *args, **kwargs):
 
 
 def _byte_level(tj):
-    """Whether a ByteLevel pre-tokenizer maps text to characters that stand for bytes: there a BPE's
-    byte_fallback is for the few bytes its vocabulary lacks (transformers 5.17 sets it on SmolLM2's
-    GGUF tokenizer, which has no <0xNN> tokens), as transformers reads the same file."""
+    """Whether a ByteLevel pre-tokenizer maps text to characters that stand for bytes. There the
+    BPE's byte_fallback, without <0xNN> tokens, changes only the bytes whose character the
+    vocabulary lacks (SmolLM2: 21, control bytes and ones UTF-8 never uses), as the same file
+    without the flag does, and as transformers reads it (transformers 5.17 sets the flag on
+    SmolLM2's GGUF tokenizer)."""
     pre = tj.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     return any(step.get("type") == "ByteLevel" for step in steps)

@@ -63,7 +63,8 @@ def random_weights_dir(path):
 
 def ours(path, T, grad_ckpt, device):
     """train.py's model, optimizer and step as `python train.py config/cpt.py init_from=...` runs
-    them on a trained model: AdamW at 1e-4 and the head and loss in chunks (loss_chunk)."""
+    them on a trained model: AdamW (at the recipe's rate; the speed does not depend on it) and
+    the head and loss in chunks (loss_chunk)."""
     import configurator
     import hf
     import optim

@@ -1,9 +1,10 @@
 # Fine-tuning on conversations (JSONL of {"messages": [...]}), from a trained model: the loss on the
 # assistant's words only. Measured on SmolLM2-135M-Instruct: docs/benchmarks.md.
 #   python train.py config/sft.py init_from=path/to/model dataset=chat data_source=chat.jsonl
-# AdamW at a rate 40x below the from-scratch defaults', every weight alike (config/cpt.py goes 3x
-# lower: its longer runs forget more; LoRA, lora_rank=8: adapters start at zero and take ~10x this
-# rate). Shortened to 30 steps of 4 x 256 on man-page Q&A in SmolLM2's ChatML: held-out replies
+# AdamW at a rate 40x below the from-scratch defaults', every weight alike (LoRA, lora_rank=8:
+# adapters start at zero and take ~10x this rate). config/cpt.py went 3x lower when 200 steps of
+# new text at 1e-4 made the base forget Python; 200 steps of SFT at 1e-4 on a set big enough for
+# them were not measured (on a small one, they overfit: below). Shortened to 30 steps of 4 x 256 on man-page Q&A in SmolLM2's ChatML: held-out replies
 # 3.478 -> 2.996, Python -1% (an H100's full-length runs: docs/benchmarks.md).
 optim = "adamw"
 learning_rate = 1e-4

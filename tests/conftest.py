@@ -250,7 +250,9 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
                 p.join()
         code = code or next((p.exitcode for p in procs if p.exitcode), 0)
         why = why or (f"exit code {code}" if code else "")
-        texts = [tuple(open(f, errors="replace").read() for f in pair) for pair in files]
+        # a rank killed before it opened its files (the others' failure came first) wrote nothing
+        texts = [tuple(open(f, errors="replace").read() if os.path.exists(f) else "" for f in pair)
+                 for pair in files]
     result = subprocess.CompletedProcess(["train.py", *args], code, "".join(o for o, _ in texts),
                                          "".join(e for _, e in texts))
     if check and code != 0:
