@@ -92,6 +92,7 @@ class MixtureLoader:
         self.seed, self.batch_size, self.global_batch = first.seed, first.batch_size, first.global_batch
         self.micro_steps, self.first_micro = first.micro_steps, first.first_micro
         self.chat = any(loader.mask is not None for loader in loaders)
+        self.eot_tokens = torch.tensor([loader.eot_token for loader in loaders])  # each source's
         # phase table: starts, and per phase the cumulative tempered weights (over self.names) and LR scale
         table = [(0, dict(zip(names, base_weights)), 1.0)] + [p for p in phases if p[0] > 0]
         if phases and phases[0][0] == 0:
@@ -156,7 +157,7 @@ class MixtureLoader:
     def eot_of(self, source):
         """The id that ends a document in each row, by its source (batch's last element): the
         shape (micro_steps, batch_size, 1), as doc_ids compares it with the rows' tokens."""
-        return torch.tensor([loader.eot_token for loader in self.loaders])[source].unsqueeze(-1)
+        return self.eot_tokens[source].unsqueeze(-1)
 
     def batch(self, it):
         """This rank's (x, y, loss_mask, source) for iteration it: as Loader.batch, plus the

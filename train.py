@@ -390,10 +390,11 @@ def save(it):
 signals = saves_py.catch_signals(mesh)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
+passes = train_loader.epoch(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
-            f"{train_loader.epoch(max_iters):.2f} epochs by max_iters)")
-if src.kind in ("hf", "run") and train_loader.epoch(max_iters) > 3:
-    mesh.print0(data.passes_note(max_iters, train_loader.epoch(max_iters)))
+            f"{passes:.2f} epochs by max_iters)")
+if src.kind in ("hf", "run") and passes > 3:
+    mesh.print0(data.passes_note(max_iters, passes))
 
 if profile_iters:  # profiler: profiling.py (labels the loop's calls from outside)
     import profiling

@@ -155,6 +155,18 @@ def test_a_bad_template_is_one_error_line(case, tmp_path):
     assert not os.path.exists(tmp_path / "data")
 
 
+def tiny_base_on_smollm2s_tokenizer(base):
+    """A tiny random LLaMA in directory `base` with the real base's tokenizer and ChatML template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    os.makedirs(base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(smollm2_dir(), name), base / name)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(base)
+    return base
+
+
 def test_the_template_travels_through_cpt_sft_lora_and_their_exports(tmp_path):
     """A tiny random LLaMA on the real base's tokenizer and template: CPT with a new word, SFT
     from that run's checkpoint, LoRA from the SFT run. The chat data is in the base's format (no
@@ -162,14 +174,8 @@ def test_the_template_travels_through_cpt_sft_lora_and_their_exports(tmp_path):
     the model was trained on."""
     import numpy as np
     from conftest import RUN, run_train, write_corpus
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    base = tmp_path / "base"
-    os.makedirs(base)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(smollm2_dir(), name), base / name)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=True)).save_pretrained(base)
+    from transformers import AutoTokenizer
+    base = tiny_base_on_smollm2s_tokenizer(tmp_path / "base")
     (tmp_path / "words.txt").write_text("kernelbuddy\n")
     chats = [[{"role": "user", "content": f"What is {w}?"}, {"role": "assistant", "content": f"{w} is a kernelbuddy."}]
              for w in WORDS * 3]
@@ -200,19 +206,12 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
     (id 0; <|im_end|> ends every turn inside them). Mixed with doc_mask, each row's documents
     are cut at its own source's id, and the run trains."""
     from conftest import RUN, read_metrics, run_train, write_corpus
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import data
     import hf
     import mixture
     from model import ModelConfig, Transformer
-    base = tmp_path / "base"
-    os.makedirs(base)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(smollm2_dir(), name), base / name)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=True)).save_pretrained(base)
+    base = tiny_base_on_smollm2s_tokenizer(tmp_path / "base")
     chats = [[{"role": "user", "content": f"What is {w}?"}, {"role": "assistant", "content": f"It is {w}."}]
              for w in WORDS * 3]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
