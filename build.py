@@ -30,7 +30,7 @@ def materialize(model, device):
     `model`, in place. FSDP2 re-points its shards at the new storage in its own to_empty.
     Otherwise we swap each Parameter by hand: nn.Module.to_empty would make new Parameters
     per module, which unties a tied head from the embedding and drops the attributes that
-    tensor_parallel sets (_tp_dim, _tp_group)."""
+    tensor_parallel sets (_split_dim, _split_group)."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         keeping_marks(model, lambda: model.to_empty(device=device))  # fsdp x tp (and x ep)
         for b in model.buffers():  # (as below: zero; a derived one is computed again, init_rope)
@@ -54,24 +54,24 @@ def local_parts(model):
     """(name, local, full_shape, dim, start, stop) for each parameter of `model` (a tied one
     once, under the embedding's name): `local` is the tensor this rank holds, the slice [start,
     stop) along `dim` of the full tensor of shape full_shape; dim None: the whole tensor. A
-    tensor-parallel slice is one chunk along its _tp_dim; an FSDP shard is a chunk along the
+    tensor-parallel slice is one chunk along its _split_dim; an FSDP shard is a chunk along the
     dimension of its Shard (torch.chunk's split, as DTensor cuts): rows, or under fsdp x tp a
-    chunk of the tp slice along the same _tp_dim (fsdp.py shards it so), which is again one
+    chunk of the tp slice along the same _split_dim (fsdp.py shards it so), which is again one
     range of the full tensor."""
     for name, p in model.named_parameters():
         if name == "output.weight" and model.cfg.tie_embeddings:  # a pipeline's last stage: its tied head
             name = "tok_embeddings.weight"                           # is the embedding (drawn, imported as it)
-        n_tp, r_tp = (dist.get_world_size(p._tp_group), dist.get_rank(p._tp_group)) if hasattr(p, "_tp_dim") else (1, 0)
+        n_tp, r_tp = (dist.get_world_size(p._split_group), dist.get_rank(p._split_group)) if hasattr(p, "_split_dim") else (1, 0)
         if isinstance(p, DTensor):
             assert len(p.placements) == 1 and p.placements[0].is_shard(), f"{name}: {p.placements}, not FSDP's Shard"
             dim = p.placements[0].dim
-            assert n_tp == 1 or dim == p._tp_dim, f"{name}: FSDP's Shard({dim}) across the tp cut {p._tp_dim}"
+            assert n_tp == 1 or dim == p._split_dim, f"{name}: FSDP's Shard({dim}) across the tp cut {p._split_dim}"
             local, n, r = p.to_local(), p.device_mesh.size(), p.device_mesh.get_local_rank()
             size = -(-p.shape[dim] // n)  # torch.chunk's chunk size
             lo = min(r * size, p.shape[dim])
             start, stop = r_tp * p.shape[dim] + lo, r_tp * p.shape[dim] + min(lo + size, p.shape[dim])
         elif n_tp > 1:
-            local, dim = p, p._tp_dim
+            local, dim = p, p._split_dim
             start, stop = r_tp * p.shape[dim], (r_tp + 1) * p.shape[dim]
         else:
             yield name, p, tuple(p.shape), None, 0, 0

@@ -28,7 +28,7 @@ import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common import UserError
+from guard_errors import UserError
 
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' markers around a control token quoted in a message (private-use characters)

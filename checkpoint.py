@@ -5,7 +5,8 @@ load any other; atomic (a temp directory renamed into place), a manifest of size
 sha256 sums, `latest`, pruning, and a reader that never runs code from the files. A save is
 start_save + finish_save; with ckpt_async the write runs in the background between the two.
 
-The foreign formats are hf.py (safetensors, Hugging Face LLaMA) and lora.py (PEFT adapters).
+The foreign formats are hf.py (Hugging Face model directories: safetensors, the LLaMA family),
+hf_moe.py (their experts), hf_tokenizer.py (their tokenizers) and lora.py (PEFT adapters).
 
 A LoRA run's checkpoints hold only what trains (the adapters and their AdamW state); the
 frozen base is referenced (meta.json's "lora" -> "base": its path and a sha256), not copied,
@@ -26,16 +27,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from ckpt_files import CKPT_NAME, dcp_metadata, read_manifest, read_small
-from common import UserError, describe_error, sha256_file, write_atomic
+from guard_ckpt import (
+    CKPT_NAME,
+    check_file,
+    _SafeReader,
+    all_finite,
+    read_dcp_metadata,
+    read_manifest,
+    read_meta,
+    verify,
+)
+from common import write_atomic
+from guard_errors import UserError, describe_error
+from guard_files import sha256_file
 from model import ModelConfig, Transformer
 from parallel import (
-    all_gather_object,
-    all_reduce_sum,
     broadcast_object,
+    all_reduce_sum,
     gather_to_master,
     tp_gather,
     tp_slice,
@@ -68,11 +78,11 @@ def train_state(model, optimizer):
     weights = trainable_state(model)  # first: FSDP's state_dict() hook puts gathered weights back to shards
     names = param_names(model)
     state = {"model": weights, "optim": optimizer.full_state(names)}
-    return _tp_gathered(state, model) if any(hasattr(p, "_tp_dim") for p in names) else state
+    return _tp_gathered(state, model) if any(hasattr(p, "_split_dim") for p in names) else state
 
 
 # ---- tensor parallel (tp): checkpoints hold full tensors ------------------------------
-# A tp-sharded parameter (tensor_parallel.py marks it with _tp_dim) is saved whole:
+# A tp-sharded parameter (tensor_parallel.py marks it with _split_dim) is saved whole:
 # its slices are gathered over the tp group, so every tp rank offers DCP the same full
 # tensor under its global name (DCP writes a replicated tensor once), and any layout reads
 # it. Loading reads the full tensor and keeps this rank's slice. The price: a save or load
@@ -91,8 +101,8 @@ def param_names(model):
 
 def _tp_params(model):
     """{name: parameter} of the tp-sharded parameters (a tied head under both names)."""
-    tp = {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_tp_dim")}
-    return {**tp, **{n: p for p, n in param_names(model).items() if hasattr(p, "_tp_dim")}}
+    tp = {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_split_dim")}
+    return {**tp, **{n: p for p, n in param_names(model).items() if hasattr(p, "_split_dim")}}
 
 
 TP_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizer state shaped like its parameter
@@ -162,60 +172,6 @@ def _write_manifest(path, known=None):
     write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
-def _check_file(path, name, want, checksum=True):
-    p = os.path.join(path, name)
-    if os.path.basename(name) != name or name in ("", ".", "..") or not os.path.isfile(p):
-        return f"{name[:80]} is missing"
-    if os.path.islink(p):
-        return f"{name} is a symbolic link, not a file of the checkpoint"
-    if os.path.getsize(p) != want["bytes"]:
-        return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
-    if checksum and sha256_file(p) != want.get("sha256"):
-        return f"{name} does not match its checksum (corrupted)"
-    return None
-
-
-def _check_contents(path):
-    """None if meta.json, state.pt and .metadata load safely, else what is wrong. A manifest
-    proves only that the files are those that were written; a crafted checkpoint comes with
-    a matching one."""
-    problem = read_small(path)[2]
-    return problem or dcp_metadata(path)[1]
-
-
-def verify(path, mesh=None):
-    """None if every file the manifest lists is there with its size and checksum and the
-    small files load safely, else what is wrong, in a few words. With a mesh of several
-    ranks every rank hashes its share of the files (a large checkpoint is too much for one
-    rank while the others wait in a collective); all ranks get the same answer."""
-    world, rank = (mesh.world, mesh.rank) if mesh is not None and mesh.backend else (1, 0)
-    files, problem = read_manifest(path) if rank == 0 else (None, None)
-    if world > 1:
-        files, problem = broadcast_object((files, problem), mesh)
-    if problem:
-        return problem
-    names = sorted(files)
-    problems = [_check_file(path, n, files[n]) for n in names[rank::world]]
-    if rank == 0 and not any(problems):
-        problems.append(_check_contents(path))
-    problems = [p for p in problems if p]
-    if world > 1:
-        problems = [p for ps in all_gather_object(problems, mesh) for p in ps]
-    return problems[0] if problems else None
-
-
-def all_finite(model, collective=False):
-    """True on every rank iff every weight of the model, on every rank (collective: all
-    ranks of the default group call it), is finite. A NaN guard that rolls back must find
-    finite weights there: saves and loads check."""
-    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                                 for p in model.parameters())))
-    if collective:
-        bad = bad.cuda() if dist.get_backend() == "nccl" else bad
-        dist.all_reduce(bad)
-    return bad.item() == 0
-
-
 def _agree(ok, mesh):
     """True on every rank iff ok is True on every rank."""
     flag = all_reduce_sum(torch.tensor(0.0 if ok else 1.0), mesh)
@@ -237,7 +193,7 @@ def _delete_old(root, names, keep, protect):
     complete = []
     for n in names:
         files, problem = read_manifest(os.path.join(root, n))
-        if problem is None and not any(_check_file(os.path.join(root, n), f, w, checksum=False)
+        if problem is None and not any(check_file(os.path.join(root, n), f, w, checksum=False)
                                        for f, w in files.items()):
             complete.append(n)
     for old in complete[:-keep]:
@@ -445,40 +401,6 @@ def find(out_dir, mesh, warn=print):
     return None
 
 
-def read_meta(path):
-    """meta.json and state.pt of a checkpoint (see read_small); a UserError naming the file
-    if either is unreadable or not plain data."""
-    meta, state, problem = read_small(path)
-    if problem:
-        raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an intact "
-                        f"checkpoint, or use init_from=scratch")
-    return meta, state
-
-
-def read_dcp_metadata(path):
-    """DCP's Metadata of a checkpoint, read without running code; a UserError naming the file
-    if it holds anything but what DCP writes for our tensors."""
-    md, problem = dcp_metadata(path)
-    if problem:
-        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
-                        f"init_from=scratch")
-    return md
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, given the Metadata read_dcp_metadata read (instead of pickle.load)."""
-
-    def __init__(self, path, metadata):
-        super().__init__(path)
-        self.metadata = metadata
-
-    def read_metadata(self, *args, **kwargs):
-        if getattr(self.metadata, "storage_meta", None) is None:
-            self.metadata.storage_meta = StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
-        return self.metadata
-
-
 def load(path, model, optimizer=None, no_dist=False):
     """Reads a checkpoint's weights (and optimizer state) into `model` in place, whatever
     layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
@@ -521,9 +443,9 @@ def load(path, model, optimizer=None, no_dist=False):
 
 def load_whole(path):
     """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
-    run's checkpoint holds only the adapters: lora.load_whole reads it onto its base."""
+    run's checkpoint holds only the adapters: lora.load_lora_whole reads it onto its base."""
     meta, _ = read_meta(path)
-    assert not meta.get("lora"), f"{path} is a LoRA run's checkpoint: lora.load_whole reads it onto its base"
+    assert not meta.get("lora"), f"{path} is a LoRA run's checkpoint: lora.load_lora_whole reads it onto its base"
     model = Transformer(ModelConfig(**meta["model"]))
     load(path, model, no_dist=True)
     return model, meta

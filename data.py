@@ -5,85 +5,25 @@ A dataset is data/NAME/{train.bin, val.bin, meta.json} (and {train,val}.mask.bin
 data). Loader reads one: the global batch of iteration `it` is a pure function of the seed
 and `it`, and each data-parallel rank takes its slice of it. mixture.py draws from several.
 
-    python data.py stdlib        # prepare a dataset: prepare.py's command line
+    python prepare.py stdlib     # prepare a dataset (prepare.py)
 """
-
-# `python data.py SOURCE ...` is prepare.py's command line, run as a script rather than imported
-# (the module data stays beneath prepare.py), and before this file imports torch: preparing needs none
-if __name__ == "__main__":
-    import runpy
-    runpy.run_module("prepare", run_name="__main__")
-    raise SystemExit
 
 import os
 
 import numpy as np
 import torch
 
-from common import UserError, json_field, read_json
+import guard_data
+from guard_errors import UserError
 
 
-def check_made_as_asked(data_dir, asked, given):
-    """An existing dataset was made with the val_fraction and data_source the command gives
-    (meta.json records them): else one line naming the setting that differs, not the old split."""
-    made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again")
-    for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
-        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:  # (older data: no record)
-            raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command asks for {key}="
-                            f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or drop {key}= to use "
-                            f"it as it is (or pick another dataset= name)")
-
-
-TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}  # what prepare writes: dtype -> ids it can hold
-
-
-def load_meta(data_dir):
-    """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built from it."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
-                        f"`python data.py SOURCE --out {data_dir}` or set data_source= to prepare it")
-    fix = "it was not written by prepare; prepare the dataset again"
-    meta = read_json(path, fix)
-    json_field(meta, "tokenizer", str, path, fix)
-    json_field(meta, "dtype", str, path, fix)
-    if meta["dtype"] not in TOKEN_DTYPES:
-        raise UserError(f"{path}: dtype={meta['dtype'][:40]!r} is not one of {', '.join(TOKEN_DTYPES)}: {fix}")
-    vocab = json_field(meta, "vocab_size", int, path, fix, 1, TOKEN_DTYPES[meta["dtype"]])
-    json_field(meta, "eot_token", int, path, fix, 0, vocab - 1)
-    json_field(meta, "base_vocab_size", int, path, fix, 1, vocab, required=False)
-    if not all(isinstance(t, str) for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
-        raise UserError(f"{path}: extra_tokens is not a list of strings: {fix}")
-    if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat"):
-        raise UserError(f"{path}: format={meta['format'][:40]!r} is not text or chat: {fix}")
-    return meta
+def dataset_dir(source):
+    """Where dataset `source` lies: a name under data/, or a directory given with its path."""
+    return source if os.sep in source else os.path.join("data", source)
 
 
 # ---------------------------------------------------------------------------------------
 # the loader
-
-
-def map_tokens(path, dtype, vocab_size):
-    """The token file `path` memory-mapped, once it is checked whole and every id is below vocab_size."""
-    redo = f"prepare the dataset again (`python data.py SOURCE --out {os.path.dirname(path)}`)"
-    size = os.path.getsize(path) if os.path.isfile(path) else None
-    if not size or size % dtype.itemsize:  # (numpy cannot map an empty file, and it holds no sequence)
-        raise UserError(f"{path} is missing: {redo}" if size is None else f"{path} has {size} bytes, not a multiple "
-                        f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is truncated or damaged; {redo}")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    # an id past the vocabulary indexes past the embedding (a crash, or garbage on GPU): one pass, a second per GB
-    if int(tokens.max()) >= vocab_size:
-        raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says vocab_size {vocab_size}: "
-                        f"the file is damaged or from another dataset; {redo}")
-    return tokens
-
-
-def chat_mask(path, n_tokens):
-    """A chat dataset's loss mask beside its token file: one byte per token, 1 where the loss counts."""
-    mask_path = path[:-len(".bin")] + ".mask.bin"
-    if not os.path.exists(mask_path) or os.path.getsize(mask_path) != n_tokens:
-        raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the dataset again")
-    return np.memmap(mask_path, dtype=np.uint8, mode="r")
 
 
 class Loader:
@@ -104,10 +44,10 @@ class Loader:
     assistant's."""
 
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1):
-        meta = load_meta(data_dir)
+        meta = guard_data.read_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
-        self.tokens = map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
-        self.mask = chat_mask(path, len(self.tokens)) if meta.get("format") == "chat" else None
+        self.tokens = guard_data.map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
+        self.mask = guard_data.chat_mask(path, len(self.tokens)) if meta.get("format") == "chat" else None
         self.eot_token = meta["eot_token"]
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
@@ -159,11 +99,6 @@ class Loader:
 
     def epoch(self, it):
         return it * self.global_batch / self.n_chunks
-
-    def eot_of(self, *source):
-        """The id that ends a document in this data's rows (doc_ids)."""
-        return self.eot_token
-
 
 def passes_note(max_iters, passes):
     """A line for a trained model set to see its training data (a mixture: its most repeated

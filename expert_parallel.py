@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 # replicas: that would leave them ep times too large (tests/test_moe.py checks against one
 # process). The experts are kept out of the data-parallel wrapper (marked _ep).
 #
-# The experts' slices carry the marks of a tensor-parallel slice (_tp_dim=0, _tp_group = the ep
+# The experts' slices carry the marks of a tensor-parallel slice (_split_dim=0, _split_group = the ep
 # group): a range of the full tensor along one dimension. So checkpoints gather them whole
 # (experts by their global index: a run resumes into any ep, dp, or one process), the
 # meta-device build draws or reads only this rank's experts, clipping sums their squares over
@@ -111,7 +111,7 @@ def expert_parallel(model, mesh, ep, moe_layers):
             full = getattr(experts, name)
             p = nn.Parameter(full.detach()[r * n:(r + 1) * n].clone(), requires_grad=full.requires_grad)
             p.__dict__.update(full.__dict__)
-            p._tp_dim, p._tp_group, p._ep = 0, group, replicas
+            p._split_dim, p._split_group, p._ep = 0, group, replicas
             setattr(experts, name, p)
         layer.run_experts = partial(run_exchanged, group=group, ep=ep)
     return model
@@ -124,7 +124,7 @@ def sync_grads(model, mesh):
     experts = [p for p in model.parameters() if hasattr(p, "_ep") and p.requires_grad]  # (LoRA: frozen)
     if experts and isinstance(experts[0], DTensor):  # fsdp (fsdp.py): its reduce-scatter over the replicas took
         for p in experts:  # their mean, the sum / (dp / ep): / ep more (gloo has no pre-scaled sum to ask it for)
-            p.grad.to_local().div_(dist.get_world_size(p._tp_group))
+            p.grad.to_local().div_(dist.get_world_size(p._split_group))
         return
     if not experts:  # (a pipeline stage without MoE layers)
         return

@@ -34,12 +34,12 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
     copied to the GPU for each block's use (CPUOffloadPolicy); on a CPU device there is
     nothing to move and it is not set.
     fsdp x tp (2D): the model holds tensor-parallel slices, and FSDP shards each slice over
-    the dp ranks along the tp cut (Shard(_tp_dim)), so that a rank's part is one range of
+    the dp ranks along the tp cut (Shard(_split_dim)), so that a rank's part is one range of
     the full matrix (build.local_parts); the slices keep their tp marks."""
     mp = MixedPrecisionPolicy()  # fp32 throughout: bf16 is autocast's business (see above)
     kw = dict(mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
               offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu" else OffloadPolicy())
-    kw["shard_placement_fn"] = lambda p: Shard(p._tp_dim) if hasattr(p, "_tp_dim") else Shard(0)
+    kw["shard_placement_fn"] = lambda p: Shard(p._split_dim) if hasattr(p, "_split_dim") else Shard(0)
 
     def shard():
         # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the ranks that hold
@@ -55,10 +55,10 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
 
 def keeping_marks(model, change):
     """Runs change(), which gives `model` new parameters (fully_shard's DTensors, to_empty's
-    storage), and marks each new one as its predecessor was: a tensor-parallel slice (_tp_dim,
-    _tp_group), and expert parallel's experts (_ep)."""
-    marks = [(m, k, {a: getattr(p, a) for a in ("_tp_dim", "_tp_group", "_ep") if hasattr(p, a)})
-             for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_tp_dim")]
+    storage), and marks each new one as its predecessor was: a tensor-parallel slice (_split_dim,
+    _split_group), and expert parallel's experts (_ep)."""
+    marks = [(m, k, {a: getattr(p, a) for a in ("_split_dim", "_split_group", "_ep") if hasattr(p, a)})
+             for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_split_dim")]
     change()
     for m, k, attrs in marks:
         m._parameters[k].__dict__.update(attrs)

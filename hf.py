@@ -1,146 +1,92 @@
 """
-The foreign formats, read and written by hand: safetensors (bounds-checked, never runs
-code), Hugging Face LLaMA directories (config.json + model.safetensors or a sharded index:
-the name table, the config mapping, import of only a rank's part, export), and the
-tokenizer.json that goes with an export. Our own checkpoints are checkpoint.py.
+Hugging Face model directories of the LLaMA family (Llama, Mistral, Qwen2, and the MoE ones
+through hf_moe.py): config.json + model.safetensors or a sharded index (the safetensors
+library reads and writes them), the name table, the config mapping, import of only a rank's
+part, export, and the tokenizer.json that goes with an export. Our own checkpoints are
+checkpoint.py.
 """
 
+import contextlib
 import json
-import math
 import os
 import re
 import shutil
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from common import MAX_SIZES, UserError, loads_json, read_json
+from guard_errors import UserError
+from guard_files import MAX_SIZES, read_json
 import hf_moe
 from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
 from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
-# safetensors, by hand: 8 bytes little-endian header length N, N bytes of JSON
-# {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then the
-# raw little-endian bytes, offsets relative to the start of that data. No pickle: loading a
-# file cannot run code.
+# safetensors through its own library, which is made for the format, hardened and fuzzed: it
+# refuses a header whose offsets overlap, leave gaps or pass the file, and loading never runs
+# code. Its refusals become one line naming the file; get_slice reads only a rank's rows.
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # a header is kilobytes; more is a corrupt length, not a file to parse
 
 
 def _corrupt(path, problem):
     return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: copy or download it again")
 
 
+@contextlib.contextmanager
+def open_safetensors(path):
+    """safe_open(path), its refusals (and a file that shrank while read) one UserError line."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise _corrupt(path, str(e).strip().splitlines()[0][:200]) from None
+
+
 def read_safetensors_header(path):
-    """(data_start, {name: (begin, end, dtype, shape)}) of a .safetensors file: where each
-    tensor's bytes are, relative to data_start, after checking the header (sizes, dtypes,
-    shapes, and that the tensors tile the data exactly). A malformed file is a UserError
-    naming the file and the problem. Reads the header only."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < 8:
-            raise _corrupt(path, f"only {size} bytes, too short for the 8-byte header length")
-        n = int.from_bytes(f.read(8), "little")
-        if n > size - 8:
-            raise _corrupt(path, f"header length {n} is larger than the file ({size} bytes)")
-        if n > MAX_HEADER_BYTES:
-            raise _corrupt(path, f"header length {n} is above the 100 MB limit")
-        header = loads_json(f.read(n), f"{path}: the header", "the file is damaged or not safetensors: copy or "
-                                                             "download it again")
-    if not isinstance(header, dict):
-        raise _corrupt(path, f"header is a JSON {type(header).__name__}, not an object")
-    header.pop("__metadata__", None)
-    data_size = size - 8 - n
-    entries = []  # (begin, end, name, dtype, shape)
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise _corrupt(path, f"tensor '{name}' has no dtype/shape/data_offsets entry")
-        dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
-        if dtype is None:
-            raise UserError(f"{path}: tensor '{name}' has dtype {info.get('dtype')!r}, which this reader "
-                            f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise _corrupt(path, f"tensor '{name}' has shape {shape!r}, not a list of non-negative ints")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_size):
-            raise _corrupt(path, f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] within the "
-                                 f"{data_size} data bytes")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if offsets[1] - offsets[0] != nbytes:
-            raise _corrupt(path, f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
-                                 f"{shape} needs {nbytes}")
-        entries.append((offsets[0], offsets[1], name, dtype, shape))
-    # like the reference implementation: sorted by offset, the tensors tile the data
-    # exactly, from byte 0 to the end of the file (no two share bytes, none is hidden)
-    entries.sort(key=lambda e: e[:2])
-    end = 0
-    for begin, stop, name, _, _ in entries:
-        if begin != end:
-            raise _corrupt(path, f"tensor '{name}' starts at data byte {begin}, but the previous tensor ends at {end} "
-                                 f"({'overlapping' if begin < end else 'a gap between'} data_offsets)")
-        end = stop
-    if end != data_size:
-        raise _corrupt(path, f"the tensors end at data byte {end}, but the file has {data_size} data bytes")
-    return 8 + n, {name: (begin, stop, dtype, shape) for begin, stop, name, dtype, shape in entries}
+    """(None, {name: (None, None, dtype, shape)}) of a .safetensors file, its header checked by
+    the library; a dtype outside SAFETENSORS_DTYPES is refused. Reads the header only."""
+    entries = {}
+    with open_safetensors(path) as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
+            if dtype is None:
+                raise UserError(f"{path}: tensor '{name}' has dtype {part.get_dtype()!r}, which this reader "
+                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
+            entries[name] = (None, None, dtype, list(part.get_shape()))
+    return None, entries
 
 
 def read_safetensors_part(f, path, data_start, name, entry, dim=None, start=0, stop=0):
-    """Tensor `name` of the open safetensors file f (its header entry from
-    read_safetensors_header), or only rows [start, stop) of it along dim: along dim 0 those
-    are one contiguous byte range, and only it is read; along another dim the tensor is read
-    whole and sliced (a transient of one tensor)."""
-    begin, end, dtype, shape = entry
-    if dim == 0:
-        row = math.prod(shape[1:]) * dtype.itemsize
-        begin, end, shape = begin + start * row, begin + stop * row, [stop - start, *shape[1:]]
-    buf = torch.empty(end - begin, dtype=torch.uint8)
-    f.seek(data_start + begin)
-    if f.readinto(buf.numpy()) != end - begin:  # the file shrank since its header was read
-        raise _corrupt(path, f"tensor '{name}' ends early")
-    t = buf.view(dtype).reshape(shape)
-    return t if dim in (None, 0) else t.narrow(dim, start, stop - start)
+    """Tensor `name` of the open safetensors file f (open_safetensors), or only rows
+    [start, stop) of it along dim: only those bytes are read."""
+    try:
+        if dim is None:
+            return f.get_tensor(name)
+        return f.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+    except SafetensorError as e:
+        raise _corrupt(path, f"tensor '{name}': {str(e).strip().splitlines()[0][:200]}") from None
 
 
 def read_safetensors(path):
-    """{name: tensor} of a .safetensors file, on CPU. A malformed file is a UserError naming
-    the file and the problem; nothing is read beyond what the header describes. Assumes a
-    little-endian machine, like every GPU host."""
-    data_start, entries = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        return {name: read_safetensors_part(f, path, data_start, name, entry) for name, entry in entries.items()}
+    """{name: tensor} of a .safetensors file, on CPU; a malformed file is one UserError line."""
+    read_safetensors_header(path)  # (the dtypes this reader supports)
+    with open_safetensors(path) as f:
+        return {name: read_safetensors_part(f, path, None, name, None) for name in f.keys()}
 
 
 def write_safetensors(path, tensors, metadata=None):
-    """Writes {name: tensor} as a .safetensors file that the reference implementation (and
-    read_safetensors) loads: names sorted, data contiguous, the header padded with spaces to a
-    multiple of 8 so the data starts aligned. Atomic: a temp file renamed into place, so a
-    crash never leaves half a file under `path`."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
-    data, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        if t.dtype not in names:
-            raise ValueError(f"write_safetensors: tensor '{name}' has dtype {t.dtype}, which safetensors "
-                             f"here does not support")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        data.append(t.reshape(-1).view(torch.uint8))  # its raw bytes, no copy
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
+    """Writes {name: tensor} as a .safetensors file (the library's save_file). Atomic: a temp
+    file renamed into place, so a crash never leaves half a file under `path`."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for b in data:
-                f.write(b.numpy())
-            f.flush()
+        save_file(tensors, tmp, {str(k): str(v) for k, v in metadata.items()} if metadata else None)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
@@ -153,7 +99,7 @@ def write_safetensors(path, tensors, metadata=None):
 # Hugging Face name -> ours; {i} is the layer index. Our RoPE uses HF's rotate-half layout
 # (see rope_tables), so q_proj/k_proj load as they are: no permutation of their rows (that
 # permutation is what converting Meta's original interleaved checkpoints to HF needs).
-HF_LLAMA_NAMES = {
+HF_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
     "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wq.weight",
@@ -173,7 +119,7 @@ HF_LLAMA_NAMES = {
 
 
 def rename(name, table):
-    """`name` through a table like HF_LLAMA_NAMES (or its inverse); None if it has no entry."""
+    """`name` through a table like HF_NAMES (or its inverse); None if it has no entry."""
     m = re.fullmatch(r"(.*layers\.)(\d+)(\..*)", name)
     key = f"{m[1]}{{i}}{m[3]}" if m else name
     return table[key].format(i=m[2] if m else None) if key in table else None
@@ -302,12 +248,12 @@ def expected_shapes(cfg):
     return shapes
 
 
-def hf_llama_index(path):
+def hf_index(path):
     """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging Face
     LLaMA model that save_pretrained wrote into directory `path`: config.json and
     model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
     Reads config.json and the safetensors headers only, and checks that the tensors are
-    exactly the model's, of the right shapes; load_hf_llama or load_hf_parts read the data."""
+    exactly the model's, of the right shapes; load_hf or load_hf_parts read the data."""
     def read(file):
         return read_json(os.path.join(path, file), "copy or download it again")
 
@@ -347,7 +293,7 @@ def hf_llama_index(path):
     expected = expected_shapes(cfg)
     sd = index_experts(hf_tensors, expected, path) if cfg.n_experts else {}  # the 3-D expert weights: hf_moe.py
     for name, t in hf_tensors.items():
-        ours = rename(name, HF_LLAMA_NAMES) or (rename(name, HF_MOE_NAMES) if cfg.n_experts else None)
+        ours = rename(name, HF_NAMES) or (rename(name, HF_MOE_NAMES) if cfg.n_experts else None)
         if ours == "output.weight" and cfg.tie_embeddings:
             continue  # a tied head that was saved anyway: it is the embedding
         if ours not in expected:
@@ -361,7 +307,7 @@ def hf_llama_index(path):
             raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are floating point: "
                             f"the header is damaged or the file is not these weights; copy or download it again")
         sd[ours] = (name, file, data_start, entry)
-    missing = [rename(n, {v: k for k, v in HF_LLAMA_NAMES.items()}) or n for n in expected if n not in sd]
+    missing = [rename(n, {v: k for k, v in HF_NAMES.items()}) or n for n in expected if n not in sd]
     if missing:
         raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
                         f"the checkpoint is incomplete (a shard missing from weight_map?): copy or download it again")
@@ -371,16 +317,16 @@ def hf_llama_index(path):
 @torch.no_grad()
 def load_hf_parts(index, parts):
     """Reads into each (name, local, full_shape, dim, start, stop) of `parts` (see
-    parallel.local_parts) its slice of the tensor that `index` (hf_llama_index) maps that name
+    parallel.local_parts) its slice of the tensor that `index` (hf_index) maps that name
     to, converted to local's dtype: a rank reads only the bytes of what it holds (whole rows
     of an FSDP shard: one byte range per tensor)."""
-    files = {}
+    files, opened = {}, contextlib.ExitStack()
 
     def read(t, dim, start, stop):  # (a slice of) one tensor of the files
         hf_name, file, data_start, entry = t
-        f = files.get(file) or files.setdefault(file, open(file, "rb"))
+        f = files.get(file) or files.setdefault(file, opened.enter_context(open_safetensors(file)))
         return read_safetensors_part(f, file, data_start, hf_name, entry, dim, start, stop)
-    try:
+    with opened:
         for name, local, _, dim, start, stop in parts:
             if name.endswith("expert_bias"):  # no routing bias in Mixtral, Qwen2-MoE
                 local.zero_()
@@ -388,16 +334,13 @@ def load_hf_parts(index, parts):
                 local.copy_(read_experts(index[name][1], read, dim, start, stop))
             else:
                 local.copy_(read(index[name], dim, start, stop))
-    finally:
-        for f in files.values():
-            f.close()
 
 
-def load_hf_llama(path):
+def load_hf(path):
     """(ModelConfig kwargs, state dict in our names) of the Hugging Face LLaMA model in
-    directory `path` (see hf_llama_index), read whole. Tensors keep the dtype of the file;
+    directory `path` (see hf_index), read whole. Tensors keep the dtype of the file;
     load_state_dict converts them to the model's."""
-    kwargs, index = hf_llama_index(path)
+    kwargs, index = hf_index(path)
     sd = {}
     for ours, shape in expected_shapes(ModelConfig(**kwargs)).items():
         first = index[ours] if index[ours][0] != "experts" else next(iter(index[ours][1].values()))
@@ -409,7 +352,7 @@ def load_hf_llama(path):
     return kwargs, sd
 
 
-def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
+def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
     LLaMA directory (or Mistral, Qwen2: cfg.hf_model_type) that AutoModelForCausalLM loads: config.json and
     model.safetensors (float32; no lm_head when the embeddings are tied), or, past shard_mb
@@ -421,10 +364,10 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     of the user's is ever overwritten."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
-    expected, to_hf = expected_shapes(cfg), {v: k for k, v in HF_LLAMA_NAMES.items()}
+    expected, to_hf = expected_shapes(cfg), {v: k for k, v in HF_NAMES.items()}
     missing = sorted(set(expected) - set(state_dict))
     if missing:
-        raise ValueError(f"save_hf_llama: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
+        raise ValueError(f"save_hf: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
     tensors = {rename(name, to_hf): state_dict[name] for name in expected if rename(name, to_hf)}
     tensors.update(tensors_out(state_dict, cfg) if cfg.n_experts else {})  # the MoE layers: hf_moe.py
     tensors = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}
@@ -441,7 +384,7 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     more = {}
     if enc is not None:
         if enc.n_vocab > cfg.vocab_size:  # every id a row (a padded embedding has rows past the ids)
-            raise ValueError(f"save_hf_llama: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
+            raise ValueError(f"save_hf: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
                              f"vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.max_position or cfg.block_size)
         more["tokenizer_config.json"] = tok_config

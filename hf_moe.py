@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from common import UserError
+from guard_errors import UserError
 
 # model_type -> architecture
 MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}

@@ -28,7 +28,8 @@ import os
 
 import tiktoken
 
-from common import MAX_SIZES, UserError, read_json, sha256_file
+from guard_errors import UserError
+from guard_files import MAX_SIZES, read_json, sha256_file
 
 # Meta's Llama 3 tokenizer.py: its split and its 256 special tokens after the 128,000 ranks
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

@@ -15,9 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from common import UserError, read_json, sha256_file
-from configurator import LORA_TARGETS, lora_targets
-from hf import HF_LLAMA_NAMES, load_hf_llama, read_safetensors, rename, write_export_dir
+import guard_ckpt
+from guard_errors import UserError
+from guard_files import read_json, sha256_file
+from guard_config import LORA_TARGETS, lora_targets
+from hf import HF_NAMES, load_hf, read_safetensors, rename, write_export_dir
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
 
@@ -161,7 +163,7 @@ def load_base(model, ref, mesh=None):
                         f"was {ref['sha256'][:12]}): the adapters were trained on the old weights; restore them, or "
                         f"start a new out_dir")
     if ref["kind"] == "hf":
-        _, sd = load_hf_llama(path)
+        _, sd = load_hf(path)
         if model.cfg.tie_embeddings:
             sd.setdefault("output.weight", sd["tok_embeddings.weight"])
         model.load_state_dict(sd)
@@ -170,11 +172,11 @@ def load_base(model, ref, mesh=None):
     return model
 
 
-def load_whole(path):
+def load_lora_whole(path):
     """(whole model on CPU, meta) from any checkpoint of ours (checkpoint.load_whole); a LoRA
     run's is its base, read again from where it is, with the adapters on (not merged: see
     merge_lora)."""
-    meta, _ = checkpoint.read_meta(path)
+    meta, _ = guard_ckpt.read_meta(path)
     lora = meta.get("lora")
     if not lora:
         return checkpoint.load_whole(path)
@@ -205,13 +207,13 @@ def save_peft_lora(path, model, lora):
     """Writes the adapters of `model` (whole, adapters not merged) as a PEFT LoRA directory:
     adapter_config.json + adapter_model.safetensors, which
     peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), path) loads.
-    `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf_llama.
+    `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf.
     Returns the base it names (base_model_name_or_path, what AutoPeftModelForCausalLM loads):
     the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or None."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
     assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), "save_peft_lora: unmerge first"
-    to_hf = {v: k for k, v in HF_LLAMA_NAMES.items()}
+    to_hf = {v: k for k, v in HF_NAMES.items()}
     tensors = {_peft_name(n, to_hf): t.detach().to("cpu", torch.float32)
                for n, t in model.state_dict().items() if ".lora_A." in n or ".lora_B." in n}
     base = lora.get("base") or {}
@@ -263,7 +265,7 @@ def load_peft_lora(path):
     sd = {}
     for name, t in read_safetensors(file).items():
         m = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.*)\.(lora_[AB])\.weight", name)
-        module = m and rename(m[1] + ".weight", HF_LLAMA_NAMES)
+        module = m and rename(m[1] + ".weight", HF_NAMES)
         if not module or module.split(".")[-2] not in targets:
             raise bad(f"unexpected tensor '{name}' (base weights saved beside the adapter, e.g. PEFT's "
                       f"save_embedding_layers, or a module outside target_modules)",

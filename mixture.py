@@ -9,8 +9,8 @@ one dataset never enters this file.
 import numpy as np
 import torch
 
-import data
-from common import UserError
+import guard_data
+from guard_errors import UserError
 from configurator import parse_phases, source_name
 
 
@@ -191,7 +191,7 @@ def setup(sources, phases, temperature, prepared, loader):
     record; the meta of the vocabulary that covers every source; the train MixtureLoader; the
     val loaders by source name; the weights that average the sources' val losses)."""
     dirs = [prepared(s) for s in sources]
-    meta = check_tokenizers({s: data.load_meta(d) for s, d in zip(sources, dirs)})
+    meta = check_tokenizers({s: guard_data.read_meta(d) for s, d in zip(sources, dirs)})
     names = [source_name(s) for s in sources]
     train = MixtureLoader([loader(d, "train") for d in dirs], names, list(sources.values()),
                           parse_phases(phases, names), temperature)

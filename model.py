@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common import check
+from guard_errors import check
 from moe import MoE
 
 ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
@@ -106,7 +106,7 @@ def scaled_frequencies(inv_freq, cfg):
     rope_original_len / rope_high_freq are kept; in between a linear blend of the two."""
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
-    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and ckpt_files.py check)
+    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and guard_ckpt.py check)
     wavelen = 2 * math.pi / inv_freq
     smooth = (cfg.rope_original_len / wavelen - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
     blend = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq

@@ -10,26 +10,51 @@ here, never counted.
 import os
 
 import checkpoint
-from common import UserError, check
-from rundir import set_rng_states, truncate_metrics
+import guard_ckpt
+from guard_errors import UserError, check
+from rundir import restore_streams, truncate_metrics
 
 
-def report(skipped, it, loss, grad_norm, streak, skip_iters, nan_max_consecutive, scaler, mesh, log):
-    """Prints and logs the skipped iteration `it` (`skipped`: why); returns the number of
-    non-finite ones in a row. A non-finite one joins skip_iters, which checkpoints keep."""
-    if skipped == "known bad batch":
-        mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
+class NanGuard:
+    """What the guard keeps: skip_iters (the known bad iterations, which checkpoints keep and a
+    rollback steps over), and the run of skipped iterations in a row (`streak` of them not
+    finite, the run begun at `run_start`; fp16 overflows and known bad batches neither count
+    nor break it)."""
+
+    def __init__(self, nan_max_consecutive, nan_action, skip_iters):
+        self.limit, self.action, self.skip_iters = nan_max_consecutive, nan_action, skip_iters
+        self.streak, self.last, self.run_start, self.rolled_back_to = 0, None, None, None
+
+    def report(self, skipped, it, loss, grad_norm, scaler, mesh, log):
+        """Prints and logs the skipped iteration `it` (`skipped`: why); True when it makes
+        nan_max_consecutive non-finite ones in a row: time to roll back. A non-finite one joins
+        skip_iters."""
+        if self.last is None or it != self.last + 1:  # a finite step since the last skip
+            self.streak, self.run_start = 0, it
+        self.last = it
+        if skipped == "known bad batch":
+            mesh.print0(f"iter {it}: skipped (non-finite before the rollback)")
+            log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
+            return False
+        if skipped == "fp16 overflow":
+            mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
+            log({"iter": it, "loss": loss, "skipped": skipped, "loss_scale": scaler.scale})
+            return False
+        self.skip_iters.add(it)
+        self.streak += 1
+        mesh.print0(f"iter {it}: non-finite loss {loss} / grad norm {grad_norm}: step skipped "
+                    f"({self.streak} in a row, nan_max_consecutive={self.limit})")
         log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
-        return streak
-    if skipped == "fp16 overflow":
-        mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
-        log({"iter": it, "loss": loss, "skipped": skipped, "loss_scale": scaler.scale})
-        return streak
-    skip_iters.add(it)
-    mesh.print0(f"iter {it}: non-finite loss {loss} / grad norm {grad_norm}: step skipped "
-                f"({streak + 1} in a row, nan_max_consecutive={nan_max_consecutive})")
-    log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
-    return streak + 1
+        return self.streak >= self.limit
+
+    def roll_back(self, out_dir, model, optimizer, mesh, it, scaler=None):
+        """roll_back below; again (no finite step since the last rollback) when this run of
+        skips began where the last rollback went. Returns the iteration to go on from."""
+        again = self.rolled_back_to is not None and self.run_start == self.rolled_back_to
+        back = roll_back(out_dir, model, optimizer, mesh, self.skip_iters, self.streak, it, self.action, scaler, again)
+        # the iterations from `back` on continue this run of skips until a finite step
+        self.streak, self.last, self.run_start, self.rolled_back_to = 0, back - 1, back, back
+        return back
 
 
 def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None, again=False):
@@ -47,11 +72,9 @@ def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_actio
         raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
                         f"{'' if path else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
                         f"check the data around these iterations, or raise nan_max_consecutive")
-    meta, state = checkpoint.read_meta(path)
+    meta, state = guard_ckpt.read_meta(path)
     checkpoint.load(path, model, optimizer)
-    set_rng_states(state, mesh, meta)
-    if scaler is not None and meta.get("loss_scale"):
-        scaler.load_state_dict(meta["loss_scale"])
+    restore_streams(state, meta, mesh, scaler)
     skip_iters.update(meta.get("skip_iters", []))
     if mesh.master:
         truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), meta["iter"])

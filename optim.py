@@ -134,17 +134,14 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                if not state:  # a first step starts from the zero state (full_state's, too)
+                    state.update(self._first_state(group, p))
                 p.mul_(1 - lr * wd)  # decoupled weight decay, as AdamW
                 if group["muon"]:
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
                     buf, mu = state["momentum_buffer"], group["momentum"]
                     buf.lerp_(p.grad, 1 - mu)                           # B = mu B + (1 - mu) G
                     muon.append((p, p.grad.lerp(buf, mu), lr))          # Nesterov: (1 - mu) G + mu B
                 else:
-                    if not state:
-                        state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                                     exp_avg_sq=torch.zeros_like(p))
                     (beta1, beta2), step = group["betas"], state["step"].add_(1).item()
                     state["exp_avg"].lerp_(p.grad, 1 - beta1)
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
@@ -157,12 +154,12 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
 
 def whole_shape(p):
     """The shape of the whole matrix of which p is this rank's part: a ZeRO piece names its
-    parameter (_whole), a tensor-parallel slice is cut along _tp_dim (an FSDP DTensor's shape
+    parameter (_whole), a tensor-parallel slice is cut along _split_dim (an FSDP DTensor's shape
     is already its global one: the whole matrix, or the tp slice under fsdp x tp)."""
     p = getattr(p, "_whole", p)
     shape = list(p.shape)
-    if hasattr(p, "_tp_dim"):
-        shape[p._tp_dim] *= dist.get_world_size(p._tp_group)
+    if hasattr(p, "_split_dim"):
+        shape[p._split_dim] *= dist.get_world_size(p._split_group)
     return shape
 
 
@@ -218,11 +215,11 @@ def sharded_orthogonalize(mesh, dtype):
     def orthogonalize(params, gs):
         def whole(i):
             g = gs[i].full_tensor() if isinstance(gs[i], DTensor) else gs[i]
-            return tp_gather(g, params[i]) if hasattr(params[i], "_tp_dim") else g
+            return tp_gather(g, params[i]) if hasattr(params[i], "_split_dim") else g
 
         def part(i, update):
             p = params[i]
-            update = tp_slice(update, p) if hasattr(p, "_tp_dim") else update
+            update = tp_slice(update, p) if hasattr(p, "_split_dim") else update
             return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None) \
                 if isinstance(p, DTensor) else update
         return orthogonalize_shared([whole_shape(p) for p in params], whole, part, sharing_ranks(mesh), dtype,

@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 
 import checkpoint
-from common import UserError, check
-from configurator import check_layout, check_memory, check_refusals
+import guard_ckpt
+import guard_config
+from guard_config import SHAPE_KEYS
+from guard_errors import check
 from model import ModelConfig
 from parallel import broadcast_object
 
@@ -27,7 +29,7 @@ class Source:
     state: dict = None
     saved: dict = None      # the model's shape there (ModelConfig fields), None when fresh
     where: str = ""         # for messages
-    hf_index: object = None  # hf: the weight files' index (hf.hf_llama_index)
+    hf_index: object = None  # hf: the weight files' index (hf.hf_index)
     lora: dict = None       # resume of a LoRA run: its settings (meta.json's "lora")
 
 
@@ -49,7 +51,7 @@ def _found_source(out_dir, init_from, mesh, saved):
                                                  f"run: continue it with init_from=auto, or pick a new out_dir (or "
                                                  f"delete {out_dir}/ckpt)")
     if ckpt:                                                                # (1)
-        meta, state = checkpoint.read_meta(ckpt)
+        meta, state = guard_ckpt.read_meta(ckpt)
         return Source("resume", ckpt, meta, state, meta["model"], f"the checkpoint in {out_dir}", lora=meta.get("lora"))
     if init_from in ("auto", "scratch", "resume"):                          # (4)
         return Source("fresh")
@@ -62,35 +64,13 @@ def start_from(init_from, mesh):
         ckpt = checkpoint.find(init_from, mesh, warn=mesh.print0)
         check(ckpt is not None, f"init_from={init_from} is a run directory with no checkpoint in ckpt/: train it "
                                 f"first, or point at another run or a Hugging Face model")
-        meta = checkpoint.read_meta(ckpt)[0]
+        meta = guard_ckpt.read_meta(ckpt)[0]
         check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged model (export_hf= of "
                                     f"train.py or sample.py), or its base with lora_from= its export_lora")
         return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
     import hf                                                               # (3)
-    saved, index = hf.hf_llama_index(init_from)
+    saved, index = hf.hf_index(init_from)
     return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
-
-
-def check_same_run(src, c, overrides, out_dir):
-    """A run that found a checkpoint in its own out_dir continues it only when it is this
-    command's run: a UserError when the data, model shape, tokenizer, optimizer or starting
-    model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
-    had, it = src.meta.get("config") or {}, src.meta["iter"]
-    differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim") if c[k] != had.get(k, c[k])]
-    if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
-        differ.append("init_from")  # (auto continues a run that started from a model too)
-    differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
-    if differ:
-        what = "datasets" if c["datasets"] else "dataset"
-        also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
-                         if k not in ("dataset", "datasets"))
-        itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)  # (its advice would be this command)
-        raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at iteration {it}; "
-                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: " + (
-                            "init_from= names out_dir itself: drop init_from= to continue the run there, or write "
-                            "the new run to another out_dir" if itself else
-                            f"pick a new out_dir, or init_from={out_dir} to start from its weights"))
 
 
 def finished(src, c, out_dir, mesh):
@@ -110,30 +90,13 @@ def finished(src, c, out_dir, mesh):
     return False
 
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
-              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim")
-
-
 def saved_shape(src, overrides, base_vocab, c, world):
     """The ModelConfig of a model that comes from a checkpoint or a model directory: its shape
-    from there, the run's own keys (block_size, dropout, ...) from the config `c`. An explicit
-    shape key that disagrees is a mistake; the layout is checked against this shape."""
-    for key in SHAPE_KEYS:
-        # (vocab_size= names the tokenizer's base size, already checked against the data: a model
-        # grown by chat or extra tokens, here or in an earlier stage, has more rows)
-        check(key not in overrides or key not in src.saved or overrides[key] == src.saved[key] or
-              (key == "vocab_size" and overrides[key] == base_vocab),
-              f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
-              f"use a new out_dir")
+    from there, the run's own keys (block_size, dropout, ...) from the config `c`."""
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
                                   "moe_z_weight", "moe_bias_rate")}
     cfg = ModelConfig(**{**src.saved, **run_keys})
-    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
-    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
-                 where=f" for the model in {src.where}")
-    # the model's own: a tied model with pp, a mixture of experts with tp, ep on a dense one, ...
-    own = {k: getattr(cfg, k) for k in ("tie_embeddings", "n_experts", "moe_score")}
-    check_refusals({**c, **own}, overrides)
+    guard_config.check_saved_shape(cfg, src, overrides, base_vocab, c, world)
     return cfg
 
 
@@ -141,7 +104,7 @@ def load_whole_into(model, src):
     """(2) or (3) into a model built whole: every rank reads all of it."""
     if src.kind == "hf":
         import hf
-        weights = hf.load_hf_llama(src.path)[1]
+        weights = hf.load_hf(src.path)[1]
         if model.cfg.tie_embeddings:  # one tensor under two names
             weights.setdefault("output.weight", weights["tok_embeddings.weight"])
         model.load_state_dict(weights)

@@ -24,8 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-import common
-from common import UserError
+from guard_errors import UserError
 
 # ---------------------------------------------------------------------------------------
 # process setup and the rank grid
@@ -173,54 +172,6 @@ def _watch_parent(parent):
     threading.Thread(target=watch, daemon=True, name="parent_watch").start()
 
 
-def excepthook(kind, err, tb):
-    """train.py's sys.excepthook: common's (a UserError is one line, a bug keeps its
-    traceback) plus the two cases only a process group has. A collective that failed
-    because a peer died or hung (gloo and NCCL raise a plain RuntimeError that names them)
-    is one line too, with the backend's own first line, whole: it names the cause. And
-    with a live process group we leave at once: the interpreter's shutdown with gloo's
-    threads still holding work can hang or abort, which would stall torchrun's restart."""
-    out = sys.__stderr__
-    if "rundir" in sys.modules:  # a refused run leaves no out_dir or .lock behind
-        sys.modules["rundir"].remove_refused()
-    if not reports(err, tb):
-        pass  # another rank tells it: one line per run, ours the last before torchrun's report
-    elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
-        print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process died or waited "
-              f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
-              f"only slow (e.g. a long save)", file=out, flush=True)
-    else:
-        common.excepthook(kind, err, tb)  # (Ctrl-C or SIGTERM: its line, and exit 128 + N)
-    if isinstance(err, KeyboardInterrupt):  # 128 + N, as a shell reports a command the signal stopped
-        out.flush()
-        os._exit(128 + getattr(err, "signum", 2))
-    if dist.is_initialized():
-        out.flush()
-        sys.stdout.flush()
-        os._exit(1)
-
-
-def reports(err, tb):
-    """Whether this rank prints the error that ends it. Under torchrun one line per run:
-    before the process group (the config is validated) every rank meets the same error, so
-    rank 0 tells it (but a rank's own device problem is its own: start_process_group); after that, the first
-    rank to count itself in the rendezvous store
-    (which outlives the workers: torchrun's agent holds it) tells it, and a peer that then
-    fails in a collective because that rank left says nothing more."""
-    if "RANK" not in os.environ:
-        return True
-    if not dist.is_initialized():
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        return os.environ["RANK"] == "0" or tb.tb_frame.f_code.co_filename == __file__
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=5))
-        return store.add("errors_reported", 1) == 1
-    except Exception:  # no store to ask (it went down): better a line twice than none
-        return True
-
-
 def teardown(mesh):
     if mesh.backend:
         # every rank gets here before any destroys its groups: a rank that tears down while a
@@ -269,21 +220,21 @@ def all_reduce_sum(t, mesh, group=None):
     return t
 
 
-# A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_tp_dim` (the dimension
-# it is cut along) and `_tp_group`, and from those marks alone its whole tensor is gathered, or a
+# A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_split_dim` (the dimension
+# it is cut along) and `_split_group`, and from those marks alone its whole tensor is gathered, or a
 # whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
 
 
 def tp_gather(t, p):
     """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over p's tp group)."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._tp_group))]
-    dist.all_gather(parts, t.contiguous(), group=p._tp_group)
-    return torch.cat(parts, dim=p._tp_dim)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._split_group))]
+    dist.all_gather(parts, t.contiguous(), group=p._split_group)
+    return torch.cat(parts, dim=p._split_dim)
 
 
 def tp_slice(full, p):
     """This rank's slice of the full tensor `full`, cut like parameter `p`."""
-    return full.chunk(dist.get_world_size(p._tp_group), p._tp_dim)[dist.get_rank(p._tp_group)]
+    return full.chunk(dist.get_world_size(p._split_group), p._split_dim)[dist.get_rank(p._split_group)]
 
 
 def set_grad_sync(model, sync):
@@ -415,7 +366,7 @@ def global_grad_squared_norm(params, mesh, sharded=False):
         if hasattr(whole, "_ep") and not isinstance(p.grad, DTensor):  # (the same on the ranks holding the same
             # experts: counted once, after dp's sum; under fsdp a shard like the others)
             experts += s
-        elif hasattr(whole, "_tp_dim"):
+        elif hasattr(whole, "_split_dim"):
             sq_tp += s
         else:
             sq += s
@@ -424,7 +375,7 @@ def global_grad_squared_norm(params, mesh, sharded=False):
     sq += sq_tp
     if sharded or any(isinstance(p.grad, DTensor) for p in params):  # FSDP, ZeRO: each dp rank holds a different part
         dist.all_reduce(sq, group=mesh.dp_group)
-    ep_group = next((w._tp_group for w in (getattr(p, "_whole", p) for p in params) if hasattr(w, "_ep")), None)
+    ep_group = next((w._split_group for w in (getattr(p, "_whole", p) for p in params) if hasattr(w, "_ep")), None)
     if ep_group is not None:
         dist.all_reduce(experts, group=ep_group)
         sq += experts

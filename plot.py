@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-from common import UserError, check, excepthook, loads_json
+from guard_errors import UserError, check, excepthook
+from guard_files import loads_json
 
 PANEL_INCHES, DPI = (5.5, 4.0), 100  # each panel 550 x 400 pixels, side by side
 

@@ -1,10 +1,10 @@
 """
 Dataset preparation: a corpus -> data/NAME/{train.bin, val.bin, meta.json}.
 
-    python data.py stdlib                       # the embedded default corpus -> data/stdlib
-    python data.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
-    python data.py docs.jsonl --name docs --text_field text
-    python data.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
+    python prepare.py stdlib                       # the embedded default corpus -> data/stdlib
+    python prepare.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
+    python prepare.py docs.jsonl --name docs --text_field text
+    python prepare.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
 
 (`python prepare.py ...` is the same command.) Every document's tokens followed by
 <|endoftext|>, packed end to end, stored as uint16 when the vocabulary fits and uint32
@@ -27,13 +27,15 @@ import time
 import zlib
 
 import common
+import guard_errors
 
-if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (common.start_command)
-    common.start_command()
+if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (guard_errors.start_command)
+    guard_errors.start_command()
 import numpy as np
 
 import chat_template
-from common import UserError, excepthook, loads_json
+from guard_errors import UserError
+from guard_files import loads_json
 from tokenizer import (
     CHAT_TOKENS,
     ROLES,
@@ -216,9 +218,10 @@ def move_to_val(work, chat, dtype, doc):
 # prepare
 
 
-def clean_stale(final):
+def remove_half_prepared(final):
     """Removes NAME.tmpPID / NAME.oldPID beside dataset `final` whose process is gone: a
-    preparation that was killed half-way (like checkpoint.py's .tmp_iter_* directories); an
+    preparation that was killed half-way (like the .tmp_iter_* directories of
+    guard_files.clean_stale); an
     .oldPID without NAME (killed inside the swap) is the dataset, put back."""
     parent, base = os.path.split(final)
     for n in os.listdir(parent or ".") if os.path.isdir(parent or ".") else []:
@@ -286,7 +289,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     # leaves an existing dataset as it was
     final = os.path.normpath(out_dir)
     work = f"{final}.tmp{os.getpid()}"
-    clean_stale(final)
+    remove_half_prepared(final)
     shutil.rmtree(work, ignore_errors=True)
     try:
         os.makedirs(work)
@@ -430,7 +433,7 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
     prep = prep or ("stdlib" if source == "stdlib" else "")
     if not prep:
         raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
-                        f"a directory, glob or .jsonl file to prepare it from (or run `python data.py SOURCE "
+                        f"a directory, glob or .jsonl file to prepare it from (or run `python prepare.py SOURCE "
                         f"--out {data_dir}`)")
     if mesh.master:
         mesh.print0(f"preparing {data_dir} from {prep} (once)")
@@ -447,14 +450,13 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
 
 class _Arguments(argparse.ArgumentParser):
     def error(self, message):  # one line, as train.py and sample.py say it (not a usage block and exit 2)
-        raise UserError(f"{message}: `python data.py --help` lists the arguments")
+        raise UserError(f"{message}: `python prepare.py --help` lists the arguments")
 
     def exit(self, status=0, message=None):  # after --help: output that never arrived is a failure
-        super().exit(1 if status == 0 and common.flush_stdout() else status, message)
+        super().exit(1 if status == 0 and guard_errors.flush_stdout() else status, message)
 
 
 def main():
-    sys.excepthook = excepthook
     ap = _Arguments(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help: the defaults too
     ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "

@@ -1,134 +1,26 @@
 """
-The run directory, out_dir, and the run's logs: one run owns it (a lock), it holds the run's
+The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the run's
 config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
 writes them, saves.py decides when, origin.py reads them to decide where the weights come
 from). Also each rank's random streams, which checkpoints carry so that a resumed run draws
 the same dropout masks as the uninterrupted one, and the block that ends a run.
 """
 
-import errno
-import fcntl
 import io
 import json
 import math
 import os
 import shlex
-import shutil
-import socket
-import stat
 import sys
 import time
 import zlib
 
 import torch
 
-from common import UserError, check, describe_error, loads_json, write_atomic
+from common import write_atomic
+from guard_errors import UserError
+from guard_files import loads_json
 from parallel import gather_to_master
-
-
-def clean_stale(out_dir):
-    """Removes ckpt/.tmp_iter_* directories: saves killed half-way. Only for the run that holds
-    out_dir's lock (lock_out_dir): a running save's directory looks the same."""
-    root = os.path.join(out_dir, "ckpt")
-    for n in os.listdir(root) if os.path.isdir(root) else []:
-        if n.startswith(".tmp_") and os.path.isdir(os.path.join(root, n)):
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
-
-
-_held_locks = {}  # the lock files' descriptors: open until the process exits
-
-
-_made = []  # what lock_out_dir created (out_dir, its .lock): removed again if the run is refused
-
-
-def _regular_or_absent(path, fix):
-    """A file the run writes in out_dir must be a plain file (or not there yet): never a
-    link, a directory or a FIFO someone put there, which the run would write through."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
-            "not a regular file"
-        raise UserError(f"{path} is {kind}, not a file this trainer wrote: {fix}")
-
-
-def lock_out_dir(out_dir):
-    """Makes this process (rank 0) the only run writing to out_dir: an exclusive flock on out_dir/.lock until it
-    exits (the kernel releases it however it dies), the file naming the holder. Returns the descriptor."""
-    path = os.path.join(out_dir, ".lock")
-    if path in _held_locks:  # this process holds it already
-        return _held_locks[path]
-    existed = os.path.isdir(out_dir)
-    _check_existing(out_dir) if existed else _make(out_dir)
-    made = not os.path.lexists(path)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot open {path} ({e.strerror or e}): remove it (or pick another out_dir)") from None
-    _made.extend([path] if made else [])
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        _refuse_busy(fd, path, out_dir, e)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
-    except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
-    _held_locks[path] = fd
-    if existed:
-        clean_stale(out_dir)
-    return fd
-
-
-def _make(out_dir):
-    try:
-        os.makedirs(out_dir)
-    except OSError as e:
-        raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
-    _made.append(out_dir)
-
-
-def _check_existing(out_dir):
-    """A directory that was there before this run: the lock file, config.json, metrics.jsonl
-    and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
-    fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
-    if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
-        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, not a directory this "
-                        f"trainer made: {fix}")
-    for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
-        _regular_or_absent(os.path.join(out_dir, name), fix)
-
-
-def _refuse_busy(fd, path, out_dir, e):
-    """The lock is taken (or locks do not work there): one line naming the holder (host, pid)."""
-    holder = os.read(fd, 4096).decode(errors="replace")
-    os.close(fd)
-    if e.errno not in (errno.EAGAIN, errno.EACCES):
-        raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem with "
-                        f"file locks") from None
-    _made.clear()  # the other run's
-    try:
-        who = json.loads(holder)
-        pid, host = int(who["pid"]), str(who["host"])[:100]
-    except (ValueError, KeyError, TypeError):
-        pid, host = "?", "?"
-    raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
-                    f"or use another out_dir") from None
-
-
-def remove_refused():
-    """A run that ends in an error leaves nothing it made behind: the .lock it created, and
-    out_dir if it created it and nothing else is in it (a run that saved keeps all). The
-    excepthook calls this."""
-    for path in reversed(_made):
-        try:
-            os.rmdir(path) if os.path.isdir(path) else os.remove(path)
-        except OSError:
-            pass
-    _made.clear()
 
 
 def write_file(path, text):
@@ -207,13 +99,19 @@ def set_rng_states(state, mesh, meta):
         torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
 
 
+def restore_streams(state, meta, mesh, scaler=None):
+    """A checkpoint's random streams (set_rng_states), and fp16's loss scale: what a resume and
+    a rollback (nan_guard.py) take back beside the weights."""
+    set_rng_states(state, mesh, meta)
+    if scaler is not None and meta.get("loss_scale"):  # (a checkpoint of a run that was not fp16: none)
+        scaler.load_state_dict(meta["loss_scale"])
+
+
 def resume_state(src, mesh, scaler=None):
     """(1) Where the run in out_dir stopped: (its iteration, its wandb run id, its known bad
     iterations), and this rank's random streams restored from src's checkpoint (fp16: and the
     loss scaler's state, loss_scale.py)."""
-    set_rng_states(src.state, mesh, src.meta)
-    if scaler is not None and src.meta.get("loss_scale"):  # (a checkpoint of a run that was not fp16: none)
-        scaler.load_state_dict(src.meta["loss_scale"])
+    restore_streams(src.state, src.meta, mesh, scaler)
     mesh.print0(f"resumed from {src.path} at iteration {src.meta['iter']}")
     return src.meta["iter"], src.meta.get("wandb_id"), set(src.meta.get("skip_iters", []))
 

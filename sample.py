@@ -18,21 +18,24 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+import guard_errors  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
 if __name__ == "__main__":
-    common.start_command(sys.argv[1:], "sample.py")
+    guard_errors.start_command(sys.argv[1:], "sample.py")
 import numpy as np
 import torch
 
 import checkpoint
+import guard_ckpt
 import configurator
+import guard_files
 import data
+import guard_data
 import hf
 import hf_tokenizer
 import origin
 import parallel
 import tokenizer
-from lora import load_whole, merge_lora, save_peft_lora
+from lora import load_lora_whole, merge_lora, save_peft_lora
 from model import ModelConfig, Transformer, grow_vocab
 
 
@@ -40,7 +43,7 @@ def load_model(path):
     """(whole model on CPU, checkpoint meta) of the checkpoint directory `path`, whatever
     layout wrote it, read by this process alone. A LoRA run's adapters are merged into its
     base (re-read from where it is): W + (alpha / r) B A."""
-    model, meta = load_whole(path)
+    model, meta = load_lora_whole(path)
     merge_lora(model)  # nothing to do without LoRA
     return model, meta
 
@@ -62,7 +65,7 @@ def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb
     part of it: read back whole from the checkpoint just written) exported as PEFT adapters
     (export_lora) and as a Hugging Face LLaMA (export_hf), merged when LoRA, then a sample."""
     if model is None:
-        load = load_whole if lora else checkpoint.load_whole  # LoRA: the adapters onto their base
+        load = load_lora_whole if lora else checkpoint.load_whole  # LoRA: the adapters onto their base
         model = load(checkpoint.find(out_dir, None))[0].to(device)
     model.eval()
     if export_lora and lora:
@@ -72,7 +75,7 @@ def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb
     if lora:  # W + (alpha / r) B A, which export_hf writes and sampling runs
         merge_lora(model)
     if export_hf:
-        hf.save_hf_llama(export_hf, {k: v.cpu() for k, v in model.state_dict().items()}, cfg,
+        hf.save_hf(export_hf, {k: v.cpu() for k, v in model.state_dict().items()}, cfg,
                          tokenizer.tokenizer_from_meta(meta), shard_mb)
         print(f"exported the model as a Hugging Face LLaMA to {export_hf}", flush=True)
     if sample_tokens > 0:
@@ -99,11 +102,11 @@ def load_from(init_from):
     Face LLaMA directory (a base, an export) or a run's out_dir (its newest intact checkpoint)."""
     if os.path.isdir(os.path.join(init_from, "ckpt")):
         path = checkpoint.find(init_from, None)
-        common.check(path is not None, f"init_from={init_from} has no checkpoint in ckpt/: train it first")
+        guard_errors.check(path is not None, f"init_from={init_from} has no checkpoint in ckpt/: train it first")
         model, meta = load_model(path)
         return model, tokenizer.checkpoint_spec(meta), meta.get("config") or {}
-    saved, index = hf.hf_llama_index(init_from)
-    common.check(hf_tokenizer.find(init_from) is not None, f"{init_from} has no tokenizer.json (or tokenizer.model): "
+    saved, index = hf.hf_index(init_from)
+    guard_errors.check(hf_tokenizer.find(init_from) is not None, f"{init_from} has no tokenizer.json (or tokenizer.model): "
                                                         f"put the model's beside its config.json, so its ids are known")
     src = origin.Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
     spec = tokenizer.model_spec(src, "cl100k_base", 0)
@@ -119,7 +122,7 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
     tokens as training's loss and its evaluation are: each target token counts once, the loss
     masks (chat: the assistant's tokens) deciding which count."""
     loader = data.Loader(data_dir, "val", block_size, batch_size, 1, seed=0)
-    eot, device = data.load_meta(data_dir)["eot_token"], next(model.parameters()).device
+    eot, device = guard_data.read_meta(data_dir)["eot_token"], next(model.parameters()).device
     loss_sum, count = torch.zeros((), dtype=torch.float64), 0
     for start in range(0, loader.n_chunks, batch_size):
         x, y, mask = loader.rows(np.arange(start, min(start + batch_size, loader.n_chunks)))
@@ -131,15 +134,15 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
     return loss_sum.item() / max(count, 1), count
 
 
-def evaluate(c):
+def evaluate_checkpoint(c):
     """eval=True: one line with the val loss of the model on each dataset of c["dataset"]."""
-    common.check(c["dataset"], "eval=True needs dataset= (a prepared dataset, or several: dataset=a,b)")
+    guard_errors.check(c["dataset"], "eval=True needs dataset= (a prepared dataset, or several: dataset=a,b)")
     what = c["init_from"] or c["ckpt"] or c["out_dir"]
     if c["init_from"]:
         model, spec, run = load_from(c["init_from"])
     else:
         path = c["ckpt"] or checkpoint.find(c["out_dir"], None)
-        common.check(path is not None, f"no checkpoint in {c['out_dir']}/ckpt: train first, or pass init_from=")
+        guard_errors.check(path is not None, f"no checkpoint in {c['out_dir']}/ckpt: train first, or pass init_from=")
         model, meta = load_model(path)
         spec, run = tokenizer.checkpoint_spec(meta), meta.get("config") or {}
     block = c["block_size"] or run.get("block_size") or min(model.cfg.max_position or 1024, 1024)
@@ -147,8 +150,8 @@ def evaluate(c):
     model.init_rope()
     results, t0 = [], time.time()
     for name in c["dataset"].split(","):
-        data_dir = name if os.sep in name else os.path.join("data", name)
-        meta = data.load_meta(data_dir)
+        data_dir = data.dataset_dir(name)
+        meta = guard_data.read_meta(data_dir)
         tokenizer.check_model_tokenizer(meta, data_dir, spec, what)
         if model.cfg.vocab_size < meta["vocab_size"]:  # tokens the model has never seen: as training's first eval
             print(f"note: {data_dir} has {meta['vocab_size'] - model.cfg.vocab_size} tokens {what} lacks: their rows "
@@ -185,7 +188,7 @@ def main(argv):
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 
-    check = common.check
+    check = guard_errors.check
     check(math.isfinite(cfg["temperature"]) and cfg["temperature"] >= 0,
           f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
     for key in ("max_new_tokens", "num_samples", "top_k"):
@@ -193,23 +196,23 @@ def main(argv):
     check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
     check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
     # checked before the checkpoint is read: never into a run's own files or a checkpoint, nor over a device
-    common.check_exports({"export": cfg["export"], "export_hf": cfg["export_hf"]}, files=("export",))
+    guard_files.check_exports({"export": cfg["export"], "export_hf": cfg["export_hf"]}, files=("export",))
     check(0 <= cfg["block_size"] <= 2 ** 20 and 1 <= cfg["batch_size"] <= 2 ** 16,
           f"block_size={cfg['block_size']} and batch_size={cfg['batch_size']} must be in [0, 2**20] and [1, 2**16]")
     if cfg["eval"]:
-        return evaluate(cfg)
+        return evaluate_checkpoint(cfg)
     check(not cfg["init_from"], "init_from= names the model for eval=True; to sample or export a run, use out_dir=")
     path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
     check(not cfg["ckpt"] or os.path.isdir(path), f"ckpt={path} is not a directory: give a checkpoint's directory, "
           f"e.g. {cfg['out_dir']}/ckpt/iter_0000350, or drop ckpt= for out_dir's latest")
-    problem = checkpoint.verify(path) if cfg["ckpt"] else None
+    problem = guard_ckpt.verify(path) if cfg["ckpt"] else None
     check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or drop ckpt= to "
                            f"use the newest intact one of out_dir")
     if path is None:
-        raise common.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
+        raise guard_errors.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
                                f"ckpt=path/to/iter_XXXXXXX")
     if cfg["export_shard_mb"] < 0:
-        raise common.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
+        raise guard_errors.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
     model, meta = load_model(path)
     enc = tokenizer.tokenizer_from_meta(tokenizer.checkpoint_spec(meta))
     if cfg["export"]:
@@ -222,7 +225,7 @@ def main(argv):
         os.replace(tmp, cfg["export"])
         print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
     if cfg["export_hf"]:
-        hf.save_hf_llama(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
+        hf.save_hf(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
         print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its tokenizer) to "
               f"{cfg['export_hf']}")
     if cfg["export"] or cfg["export_hf"]:
@@ -236,5 +239,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.excepthook = common.excepthook
     main(sys.argv[1:])

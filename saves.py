@@ -53,7 +53,7 @@ def catch_signals(mesh):
     which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, functools.partial(_on_signal, received, mesh.rank))
+        signal.signal(sig, functools.partial(_stop_on_signal, received, mesh.rank))
     return received
 
 
@@ -67,7 +67,7 @@ def exit_code(received):
     return 128 + (received[0] if received else signal.SIGTERM)
 
 
-def _on_signal(received, rank, signum, frame):
+def _stop_on_signal(received, rank, signum, frame):
     if signum == signal.SIGINT and received:  # a second Ctrl-C: quit at once
         os._exit(130)
     received.append(signum)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import UserError
+from guard_errors import UserError
 from model import RMSNorm, chunked_losses
 
 # The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per
@@ -41,7 +41,7 @@ from model import RMSNorm, chunked_losses
 # the logit slices without gathering them (vocab_parallel_losses).
 # model.py knows none of this: tensor_parallel() swaps each weight for its slice in place,
 # and the attention reads its local head counts from the shapes it holds. Every sharded
-# parameter carries `_tp_dim` (the dimension it is cut along) and `_tp_group`, which
+# parameter carries `_split_dim` (the dimension it is cut along) and `_split_group`, which
 # clipping and checkpoints (parallel.tp_gather to the full tensor, tp_slice on load) read.
 #
 # Sequence parallelism (sp=True; Korthikanti et al. 2022, arXiv:2205.05198): outside f and
@@ -206,7 +206,7 @@ def _shard(module, dim, mesh, key="weight"):
     """module.weight (or .bias) -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
     full = getattr(module, key)
     part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(), requires_grad=full.requires_grad)
-    part._tp_dim, part._tp_group = dim, mesh.tp_group
+    part._split_dim, part._split_group = dim, mesh.tp_group
     setattr(module, key, part)
     return part
 

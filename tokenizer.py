@@ -9,7 +9,7 @@ import os
 
 import tiktoken
 
-from common import UserError
+from guard_errors import UserError
 
 EOT = "<|endoftext|>"
 # the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
@@ -266,13 +266,4 @@ def check_model_tokenizer(meta, data_dir, spec, where):
         raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, but {where} uses "
                         f"{describe(spec, only_bytes)}: "
                         f"its ids mean other strings to this model; prepare it for the model (delete {data_dir}, "
-                        f"and set data_source=; or `python data.py SOURCE --out {data_dir} --init_from MODEL`)")
-
-
-def check_tokenizer(meta, where, tokenizer, vocab_size):
-    """The data was tokenized as this run says (tokenizer=, vocab_size=)."""
-    base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
-    if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
-        raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this "
-                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another "
-                        f"dataset")
+                        f"and set data_source=; or `python prepare.py SOURCE --out {data_dir} --init_from MODEL`)")

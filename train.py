@@ -1,12 +1,10 @@
-"""Train a LLaMA-style model. The whole run, top to bottom:
+"""Train a LLaMA-style model: the whole run, top to bottom (docs/configuration.md: every key).
 
-    python train.py                                  # the default job: Python's stdlib, CPU-sized
-    torchrun --standalone --nproc_per_node=2 train.py    # the same on 2 data-parallel ranks
-    python train.py config/tiny.py max_iters=50      # a config file, then key=value overrides
-    python train.py                                  # run again: continues from out_dir's latest checkpoint
+    python train.py                                    # the default job; run again: it continues
+    torchrun --standalone --nproc_per_node=2 train.py  # the same on 2 data-parallel ranks
+    python train.py config/tiny.py max_iters=50        # a config file, then key=value overrides
 
-Every key below can be overridden (docs/configuration.md). Optional techniques enter through
-lines marked with the file that implements them, e.g. `# tensor parallel: tensor_parallel.py`.
+Techniques enter on lines marked with their file, e.g. `# tensor parallel: tensor_parallel.py`.
 """
 
 import json
@@ -17,13 +15,17 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
-import common  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
-common.start_command(sys.argv[1:], "train.py")
+import guard_errors  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+guard_errors.start_command(sys.argv[1:], "train.py")
 import torch
 
 import checkpoint
 import configurator
 import data
+import guard_config
+import guard_data
+import guard_dist
+import guard_files
 import loss_scale  # fp16: loss_scale.py
 import nan_guard
 import origin
@@ -148,15 +150,15 @@ profile_memory = False          # profile_iters on CUDA: also a snapshot of the 
 # -----------------------------------------------------------------------------------------
 
 # a UserError (or a dead peer) prints one line, not a traceback
-sys.excepthook = parallel.excepthook
+sys.excepthook = guard_dist.run_excepthook
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
-config = {k: globals()[k] for k in config_keys}
 world = int(os.environ.get("WORLD_SIZE", 1))
-# every check, before anything is written or a peer is met
-derived = configurator.validate(config, overrides, world)
-config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]
+if world > 1:  # a layout may need more micro-batches than the default gives (a note says so)
+    grad_accum_steps = configurator.batch_for_layout(globals(), overrides, world)
+config = {k: globals()[k] for k in config_keys}
+guard_config.validate(config, overrides, world)  # every check, before anything is written or a peer is met
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ if mesh.device.type == "cpu":
 # where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
 # Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its checkpoints.
 if mesh.master and os.path.isdir(out_dir):
-    rundir.lock_out_dir(out_dir)
+    guard_files.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
 # a model we start from brings its tokenizer: the data must be tokenized with it
 spec = None if src.kind == "fresh" else tokenizer_py.model_spec(src, tokenizer, vocab_size)
@@ -187,24 +189,22 @@ if max_iters < warmup_iters:
 if src.kind in ("hf", "run") and learning_rate >= 1e-3 and not lora_rank:  # a from-scratch rate
     mesh.print0(pretrained_rate_note(config))
 if src.kind == "resume":
-    origin.check_same_run(src, config, overrides, out_dir)
+    guard_config.check_same_run(src, config, overrides, out_dir)
     if origin.finished(src, config, out_dir, mesh):
         parallel.teardown(mesh)  # nothing to do, nothing rewritten
         workarounds.exit_now()
 
 # ---- data: one dataset, or a mixture ---------------------------------------------------------
-sources = derived["sources"]
-mixing = len(sources) > 1 or bool(phases)
+mixing = bool(datasets or phases)
 
 
 def prepared(source, prep):
     """The directory of `source` (a name under data/, or a directory), prepared first if missing."""
-    data_dir = source if os.sep in source else os.path.join("data", source)
+    data_dir = data.dataset_dir(source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
         prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    if "val_fraction" in overrides or "data_source" in overrides:
-        data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, overrides)
+    guard_data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, overrides)
     return data_dir
 
 
@@ -215,18 +215,18 @@ def loader(data_dir, split):
 
 if not mixing:
     data_dir = prepared(dataset, data_source)
-    meta = data.load_meta(data_dir)  # the tokenizer and vocabulary the data was prepared with
+    meta = guard_data.read_meta(data_dir)  # the tokenizer and vocabulary the data was prepared with
     train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     import mixture
+    sources = configurator.mixture_sources(config)
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
         sources, phases, mix_temperature, lambda s: prepared(s, data_source if not datasets else ""), loader)
-for d in data_dir.split(","):
-    m = data.load_meta(d)
+for d in data_dir.split(","):  # each dataset was tokenized as the model (or this run) says
     if spec:
-        tokenizer_py.check_model_tokenizer(m, d, spec, src.where)
+        tokenizer_py.check_model_tokenizer(guard_data.read_meta(d), d, spec, src.where)
     else:
-        tokenizer_py.check_tokenizer(m, d, tokenizer, vocab_size)
+        guard_data.check_tokenizer(guard_data.read_meta(d), d, tokenizer, vocab_size)
 tokens_per_iter = batch_size * grad_accum_steps * block_size
 
 # ---- the model -------------------------------------------------------------------------------
@@ -241,13 +241,15 @@ lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, src)
-common.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
-# Built whole where every rank holds the whole model (plain data parallel, ZeRO, cp), as one
-# process builds it. Pipeline stages, tp slices, FSDP shards and expert shares are built on the
-# meta device: cut as shapes, then given only this rank's weights (build.py).
+guard_errors.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
+# Does each rank hold the whole model (plain data parallel, ZeRO, cp), or a part of it: a pipeline
+# stage, tp slices, FSDP shards or an ep rank's experts? A whole model is built as one process
+# builds it, and so is a model that changes once built (LoRA adapters, a grown vocabulary). The
+# others are built on the meta device: cut as shapes, then given only this rank's weights (build.py).
 use_fsdp = fsdp and mesh.dp > 1
 grows = model_cfg.vocab_size < meta["vocab_size"]
-whole_first = lora is not None or grows or not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
+whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
+whole_first = whole or lora is not None or grows
 # each weight is drawn from (seed, its name): the same bits on every layout
 torch.manual_seed(seed)
 with nullcontext() if whole_first else torch.device("meta"):
@@ -268,7 +270,7 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
 # shard, give a meta model its weights, compile, and wrap for data parallel last (its hooks).
 if pp > 1:  # pipeline: pipeline.py
     import pipeline
-    raw_model = pipeline.cut_stage(raw_model, mesh, derived["layer_counts"], pp_virtual)
+    raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers), pp_virtual)
 if whole_first:
     raw_model.to(mesh.device)
 if ep > 1:  # expert parallel: expert_parallel.py
@@ -331,7 +333,7 @@ def evaluate(val_loader):
     raw_model.eval()
     batches = [val_loader.batch(i) for i in range(eval_iters)]
     x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches]) for j in range(3))
-    micro, weights = micro_batches(x, y, mask, val_loader.eot_of()), token_weights(y, mask)
+    micro, weights = micro_batches(x, y, mask, val_loader.eot_token), token_weights(y, mask)
     if pp > 1:  # pipeline: pipeline.py
         loss_sum = pipeline.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights, pp_virtual)
     else:
@@ -354,9 +356,11 @@ torch.manual_seed(seed + mesh.rank // mesh.tp)
 start_iter, run_id, skip_iters = 0, None, set()
 if src.kind == "resume":
     start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)
+# the NaN guard: what it counts of skipped steps, and the known bad batches it steps over (nan_guard.py)
+nan = nan_guard.NanGuard(nan_max_consecutive, nan_action, skip_iters)
 if mesh.master:
     # out_dir is made only now: a refused run leaves none behind
-    rundir.lock_out_dir(out_dir)
+    guard_files.lock_out_dir(out_dir)
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
@@ -381,14 +385,14 @@ saves = saves_py.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_asy
 def save(it):
     saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-                    "skip_iters": sorted(skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+                    "skip_iters": sorted(nan.skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
                     "tokenizer_spec": tokenizer_py.spec_of(meta),
                     "loss_scale": scaler.state_dict() if scaler else None})
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
 signals = saves_py.catch_signals(mesh)
-per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if len(sources) > 1 else None  # mixture.py
+per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1 else None  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 passes = train_loader.epoch(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
@@ -401,17 +405,12 @@ if profile_iters:  # profiler: profiling.py (labels the loop's calls from outsid
     profiling.attach(profile_iters, start_iter, out_dir, mesh, raw_model, optimizer, profile_memory)
 
 # ---- the loop --------------------------------------------------------------------------------
-it = start_iter
-# a resumed run's first val loss and checkpoint exist already
-evaluated_at = start_iter if src.kind == "resume" else None
-saved_at = start_iter
-dt_avg = None
-# (a known bad batch is skipped before the step: it has no loss or grad norm to report)
-loss_mean = grad_norm = None
-stop = False
-bad_streak, recovered = 0, True  # non-finite iterations in a row; a finite one since the last rollback
+it, stop, dt_avg = start_iter, False, None
+loss_mean = grad_norm = None  # (a known bad batch is skipped before its step: nothing to report)
+# the iteration whose val loss and checkpoint exist already: a resumed run's start, a rollback's
+restored_at = start_iter if src.kind == "resume" else None
 while True:
-    if (it % eval_interval == 0 or it == max_iters) and it != evaluated_at:
+    if (it % eval_interval == 0 or it == max_iters) and it != restored_at:
         # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so before it starts
         if it == start_iter and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11):
             mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")
@@ -422,14 +421,13 @@ while True:
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}" + (mixture.compact(by_source) if by_source else ""))
         log({"iter": it, "val_loss": val_loss, **by_source, "tokens": it * tokens_per_iter,
              "elapsed_s": time.time() - started})
-    if it != saved_at and (it % ckpt_interval == 0 or it == max_iters or stop):
+    if (it % ckpt_interval == 0 or it == max_iters or stop) and it not in (start_iter, restored_at):
         save(it)
-        saved_at = it
     if it >= max_iters or stop:
         break
     lr = get_lr(it, config) * (train_loader.lr_scale(it) if mixing else 1.0)  # mixture: a phase's lr_scale
-    # why this iteration leaves the weights alone, if it does
-    skipped = "known bad batch" if it in skip_iters else None
+    # why this iteration leaves the weights alone, if it does (a known bad batch: before the step)
+    skipped = "known bad batch" if it in nan.skip_iters else None
     if not skipped:
         trace = [] if pp_trace and pp > 1 and it == start_iter + 1 else None  # pipeline: pipeline.py
 
@@ -439,7 +437,7 @@ while True:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
         x, y, mask, *src_ids = train_loader.batch(it)
-        micro = micro_batches(x, y, mask, train_loader.eot_of(*src_ids))
+        micro = micro_batches(x, y, mask, train_loader.eot_of(*src_ids) if mixing else train_loader.eot_token)
         # the loss is the mean cross-entropy over every target token of the global batch: each
         # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
         weights = token_weights(y, mask, scaler.scale if scaler else 1.0)
@@ -487,7 +485,8 @@ while True:
         dt = time.perf_counter() - t0
         # ================================ TRAINING SECTION END ==================================
 
-        # everything that follows now is diagnostics, logging and the NaN guard's decision
+        # what follows is the step's bookkeeping: an async save written by every rank, the
+        # timeline, the memory line, and why the step was skipped, if it was
         if totals["saved"].item() == mesh.world:
             saves.finish(it + 1)
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
@@ -495,13 +494,9 @@ while True:
             pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
         if it == start_iter:
             mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0, use_fsdp, offload))
-        if overflow:  # fp16: loss_scale.py (the scale's fault: no NaN incident, lr and data go on)
-            skipped = "fp16 overflow"
-        elif not finite:
-            skipped = "non-finite loss or grad norm"
-    next_it = it + 1
+        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident, lr and data go on
+        skipped = "fp16 overflow" if overflow else None if finite else "non-finite loss or grad norm"
     if skipped is None:
-        bad_streak, recovered = 0, True
         if it % log_interval == 0 or it == max_iters - 1:
             if not peak:
                 peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
@@ -517,17 +512,13 @@ while True:
                  **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
     else:
-        # the NaN guard (nan_guard.py): report the skip; roll back after nan_max_consecutive in a row
-        bad_streak = nan_guard.report(skipped, it, loss_mean, grad_norm, bad_streak, skip_iters,
-                                      nan_max_consecutive, scaler, mesh, log)
-        if bad_streak >= nan_max_consecutive:
-            # stop, or go on from the latest checkpoint (an async save in flight is finished first)
+        # the NaN guard (nan_guard.py): report the skip; after nan_max_consecutive in a row, stop,
+        # or go on from the latest checkpoint (an async save in flight is finished first)
+        if nan.report(skipped, it, loss_mean, grad_norm, scaler, mesh, log):
             saves.finish(it)
-            next_it = evaluated_at = saved_at = nan_guard.roll_back(
-                out_dir, raw_model, optimizer, mesh, skip_iters, bad_streak, it, nan_action, scaler,
-                again=not recovered)
-            bad_streak, recovered = 0, False
-    it = next_it
+            it = restored_at = nan.roll_back(out_dir, raw_model, optimizer, mesh, it, scaler)
+            continue
+    it += 1
 
 # ---- the end ---------------------------------------------------------------------------------
 # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
@@ -537,12 +528,11 @@ if stop:
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
-# rank 0 holds the whole model unless it holds a stage, shards, slices, experts, or cp's attention
-whole = pp == 1 and tp == 1 and cp == 1 and ep == 1 and not use_fsdp
 parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
-    sample.end_of_run(raw_model if whole else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
+    # rank 0's model, where it is whole and its attention plain (cp's is a ring); else the checkpoint
+    sample.end_of_run(raw_model if whole and cp == 1 else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
                       export_shard_mb, sample_tokens, autocast, mesh.device)
 if mesh.master:
     exports = [] if stop else [("Hugging Face export", export_hf), ("PEFT adapters", export_lora if lora else "")]

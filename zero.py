@@ -191,14 +191,14 @@ class ZeroOptimizer:
                 s, g = mine[p]
                 flat[s.start:s.start + s.n] = g
             dist.all_reduce(flat, group=self.mesh.dp_group)
-            return tp_gather(flat.view(p.shape), p) if tp and hasattr(p, "_tp_dim") else flat.view(p.shape)
+            return tp_gather(flat.view(p.shape), p) if tp and hasattr(p, "_split_dim") else flat.view(p.shape)
 
         def part(i, update):
             p = mats[i]
             if p not in mine:
                 return None
             s, g = mine[p]
-            update = tp_slice(update, p) if tp and hasattr(p, "_tp_dim") else update
+            update = tp_slice(update, p) if tp and hasattr(p, "_split_dim") else update
             return update.reshape(-1)[s.start:s.start + s.n].to(g.device)
         done = orthogonalize_shared([whole_shape(p) for p in mats], whole, part, sharing_ranks(self.mesh),
                                     self.optimizer.ns_dtype, self.mesh.device)

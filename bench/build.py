@@ -37,7 +37,7 @@ def build_worker(layout, hf_dir):
                 with torch.device("meta") if meta else nullcontext():
                     model = Transformer(ModelConfig(**BUILD_MODEL))
                 if source == "import" and not meta:
-                    model.load_state_dict(hf.load_hf_llama(hf_dir)[1])
+                    model.load_state_dict(hf.load_hf(hf_dir)[1])
                 model = make_stage(model, mesh.pp_rank, mesh.pp)
                 if layout == "fsdp" and world > 1:
                     fsdp.fully_shard_model(model, mesh)
@@ -45,7 +45,7 @@ def build_worker(layout, hf_dir):
                     build.materialize(model, "cpu")
                     model.init_rope()
                     if source == "import":
-                        hf.load_hf_parts(hf.hf_llama_index(hf_dir)[1], build.local_parts(model))
+                        hf.load_hf_parts(hf.hf_index(hf_dir)[1], build.local_parts(model))
                     else:
                         build.init_weights(model, 0)
             row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
@@ -71,7 +71,7 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     import hf
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")
-        hf.save_hf_llama(hf_dir, model.state_dict(), cfg)
+        hf.save_hf(hf_dir, model.state_dict(), cfg)
         del model
         for layout, world in layouts:
             r = run_ranks(build_worker, world, layout, hf_dir)

@@ -20,6 +20,7 @@ import torch
 
 import checkpoint
 import data
+import guard_data
 import prepare
 
 from bench.base import RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, default_threads_env, nanogpt_dir
@@ -110,7 +111,7 @@ def nanogpt_race(data_dir):
         return None
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
-    meta = data.load_meta(data_dir)
+    meta = guard_data.read_meta(data_dir)
     if meta["dtype"] != "uint16":
         raise SystemExit(f"nanoGPT reads uint16 tokens; {data_dir} holds {meta['dtype']}")
     work = tempfile.mkdtemp(prefix="nanogpt_race_")  # its cwd: nanoGPT reads configurator.py and data/ from there
@@ -135,7 +136,7 @@ def val_tokens(data_dir, cache={}):
     """The whole val split of a prepared dataset, as numpy tokens (read once)."""
     import numpy as np
     if data_dir not in cache:
-        cache[data_dir] = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=data.load_meta(data_dir)["dtype"])
+        cache[data_dir] = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=guard_data.read_meta(data_dir)["dtype"])
     return cache[data_dir]
 
 

@@ -72,7 +72,7 @@ def ours(path, T, grad_ckpt, device):
     from model import ModelConfig, Transformer
     defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
     c = {**defaults, **configurator.configure(defaults, [os.path.join(ROOT, "config", "cpt.py")])}
-    kwargs, weights = hf.load_hf_llama(path)
+    kwargs, weights = hf.load_hf(path)
     model = Transformer(ModelConfig(**{**kwargs, "block_size": T, "grad_ckpt": grad_ckpt,
                                        "loss_chunk": c["loss_chunk"]}))
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # tied: one tensor, two names

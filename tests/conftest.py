@@ -168,7 +168,7 @@ def spawn(fn, world, *args, pp=1, tp=1):
 # the project): ~4.5 s of CPU per process on this machine, against well under a second of
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint", "common",
-           "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "origin", "parallel",
+           "guard_errors", "guard_files", "guard_config", "guard_data", "guard_dist", "guard_ckpt", "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "origin", "parallel",
            "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds", "zero",
            "moe", "expert_parallel", "hf_moe"]
 
@@ -315,3 +315,13 @@ def chat_dataset(tmp_path_factory):
     out = str(root / "data")
     prepare.prepare(str(src), out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
     return out
+
+
+def validate_as_train(config, given, world):
+    """The config checked as train.py checks it: the layout's batch derived
+    (configurator.batch_for_layout), then guard_config.validate's one pass."""
+    import configurator
+    import guard_config
+    config = {**config, "grad_accum_steps": configurator.batch_for_layout(config, given, world)}
+    guard_config.validate(config, given, world)
+    return config

@@ -176,7 +176,7 @@ def test_the_evaluation_command_on_a_run_and_its_export_against_transformers(two
     export, data_dir = str(tmp_path / "hf"), str(tmp_path / "for_hf")
     run_train([f"out_dir={two_nodes[0]}", f"export_hf={export}"], cwd=tmp_path, script="sample.py")
     run_train([corpus, "--out", data_dir, "--init_from", export, "--val_fraction", "0.2"], cwd=tmp_path,
-              script="data.py")
+              script="prepare.py")
     exported = val_line([f"init_from={export}", f"dataset={data_dir}"])
     tokens = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
     n = (len(tokens) - 1) // 32

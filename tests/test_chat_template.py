@@ -13,7 +13,7 @@ from real_model import smollm2_dir
 import chat_template
 import hf_tokenizer
 import prepare
-from common import UserError
+from guard_errors import UserError
 
 WORDS = ["hello", "Ça va ?", "日本語のテキスト", "Привет", "🙂👩‍👩‍👧", "naïve café", "x² ≤ ∞", "def f(x):\n    return x",
          "  leading", "trailing  ", "\n\nnewlines\n", "tab\tbed", "1234567", "<b>html</b>", "{{ not jinja }}", "'quoted'"]
@@ -208,6 +208,7 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
     from conftest import RUN, read_metrics, run_train, write_corpus
 
     import data
+    import guard_data
     import hf
     import mixture
     from model import ModelConfig, Transformer
@@ -220,7 +221,7 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
         run_train([*keys, "max_iters=0", f"dataset={name}", f"data_source={source}", f"out_dir={tmp_path / name}"],
                   cwd=tmp_path)
     dirs = {name: str(tmp_path / "data" / name) for name in ("text", "chat")}
-    assert [data.load_meta(d)["eot_token"] for d in dirs.values()] == [2, 0]
+    assert [guard_data.read_meta(d)["eot_token"] for d in dirs.values()] == [2, 0]
     train = mixture.setup({"text": 0.5, "chat": 0.5}, [], 1.0, lambda s: dirs[s],
                           lambda d, split: data.Loader(d, split, 32, 8, 2, 1337))[2]
     x, _, _, source = train.batch(0)
@@ -236,7 +237,7 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
     run_train([*keys, "max_iters=2", "datasets=text:0.5,chat:0.5", "doc_mask=True", f"out_dir={tmp_path / 'mix'}"],
               cwd=tmp_path)
     first = next(r for r in read_metrics(str(tmp_path / "mix")) if "loss" in r)
-    kwargs, weights = hf.load_hf_llama(str(base))
+    kwargs, weights = hf.load_hf(str(base))
     model = Transformer(ModelConfig(**{**kwargs, "block_size": 32}))
     model.load_state_dict({**weights, "output.weight": weights["tok_embeddings.weight"]})
     run = mixture.setup({"text": 0.5, "chat": 0.5}, [], 1.0, lambda s: dirs[s],

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from common import UserError
+from guard_errors import UserError
 from configurator import configure
 
 DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False, "out_dir": "out",
@@ -41,10 +41,10 @@ def test_unknown_key_suggests_the_closest():
         configure(DEFAULTS, ["zzz=3"], "sample.py")
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py", "data.py"])
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare.py"])
 def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monkeypatch):
     """-h / --help: each key, its default and the comment beside it, read from the file that
-    owns them (train.py's globals, sample.py's main(); data.py: its argparse options)."""
+    owns them (train.py's globals, sample.py's main(); prepare.py: its argparse options)."""
     import sys
 
     import prepare
@@ -52,14 +52,14 @@ def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monke
     from test_docs import sample_keys, train_keys
     for flag in ("-h", "--help"):
         with pytest.raises(SystemExit) as stop:
-            if script == "data.py":
-                monkeypatch.setattr(sys, "argv", ["data.py", flag])
+            if script == "prepare.py":
+                monkeypatch.setattr(sys, "argv", ["prepare.py", flag])
                 prepare.main()
             else:
                 sample.main([flag]) if script == "sample.py" else configure(train_keys(), ["n_layer=2", flag])
         out = capsys.readouterr().out
         assert stop.value.code in (0, None)  # exit status 0
-        if script == "data.py":
+        if script == "prepare.py":
             assert "--val_fraction VAL_FRACTION" in out and "share of documents that go to val (default: 0.01)" in out
             continue
         keys = train_keys() if script == "train.py" else sample_keys()
@@ -78,7 +78,7 @@ def test_help_into_a_closed_pipe_says_nothing_more():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for script in ("train.py", "sample.py", "data.py"):
+    for script in ("train.py", "sample.py", "prepare.py"):
         r, w = os.pipe()
         os.close(r)
         p = subprocess.run([sys.executable, os.path.join(root, script), "--help"], stdout=w, stderr=subprocess.PIPE,
@@ -128,11 +128,11 @@ def test_the_default_batch_is_raised_for_the_layout_and_a_given_one_is_checked(c
     """grad_accum_steps left at its default (2) on 4 data-parallel ranks: raised to 4 with a
     note; interleaved 1F1B on dp=2 x pp=2: to 4 (each pipeline's micro-batches in groups of pp).
     Given explicitly, the same value is an error, not changed."""
-    from configurator import validate
+    from conftest import validate_as_train as validate
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"))
-    derived = validate(c, {}, 4)
-    assert derived["grad_accum_steps"] == 4 and "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
-    assert c["grad_accum_steps"] == 2  # validate changes nothing: train.py takes the derived value
+    assert validate(c, {}, 4)["grad_accum_steps"] == 4
+    assert "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
+    assert c["grad_accum_steps"] == 2  # the derivation makes a new config: the given one is unchanged
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"), pp=2, n_layer=4, pp_virtual=2,
              pp_schedule="interleaved")
     assert validate(c, {"pp": 2}, 4)["grad_accum_steps"] == 4

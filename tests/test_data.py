@@ -8,7 +8,7 @@ import torch
 import data
 import prepare
 import tokenizer
-from common import UserError
+from guard_errors import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
          "    \t\n\n  trailing spaces   ", "<|endoftext|> is plain text here", "a" * 300 + " zzzqqq 12345678"]

@@ -1,5 +1,5 @@
 """The docs stay true: every config key of train.py and sample.py with its default in
-docs/configuration.md, the compatibility matrix rendered from configurator.REFUSALS, the
+docs/configuration.md, the compatibility matrix rendered from guard_config.REFUSALS, the
 README's file map naming every .py file, the README as a map of at most 200 lines, the
 floors the files stand on (no import circle) as the README gives them; and the count behind
 bench.py reading's reading cost."""
@@ -11,6 +11,7 @@ import re
 import pytest
 
 import configurator
+import guard_config
 from conftest import ROOT
 
 
@@ -68,9 +69,9 @@ def test_every_key_is_documented_with_its_default(which):
 
 def test_the_compatibility_matrix_is_the_refusal_table():
     doc = read("docs/configuration.md")
-    table = configurator.refusals_markdown()
-    assert table in doc, "docs/configuration.md's '## Refused combinations' must hold configurator.refusals_markdown():\n" + table
-    names = [name for name, _, _ in configurator.REFUSALS]
+    table = guard_config.refusals_markdown()
+    assert table in doc, "docs/configuration.md's '## Refused combinations' must hold guard_config.refusals_markdown():\n" + table
+    names = [name for name, _, _ in guard_config.REFUSALS]
     assert len(names) == len(set(names)) and all(f"| {n} |" in doc for n in names)
 
 

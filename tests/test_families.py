@@ -14,7 +14,7 @@ from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchr
 import checkpoint
 import hf
 import hf_tokenizer
-from common import UserError
+from guard_errors import UserError
 import lora
 from model import ModelConfig, Transformer
 
@@ -85,7 +85,7 @@ def hf_logits(path, x, adapter=None):
 
 def ours_from(out_dir):
     """Our model of a run's newest checkpoint (a LoRA run's merged), for inference."""
-    model, _ = lora.load_whole(checkpoint.find(out_dir, None))
+    model, _ = lora.load_lora_whole(checkpoint.find(out_dir, None))
     lora.merge_lora(model)
     return model.eval()
 
@@ -94,7 +94,7 @@ def test_loads_with_transformers_logits(base):
     """Logits equal transformers' over 128 positions: 16 sliding windows, twice the original
     context of Llama 3.2's scaling; with the KV cache, generation equals the plain one."""
     family, path = base
-    kwargs, weights = hf.load_hf_llama(path)
+    kwargs, weights = hf.load_hf(path)
     cfg = ModelConfig(**kwargs, block_size=128)
     assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window) == {
         "llama3.2": ("llama3", True, False, 0), "llama2": ("default", False, False, 0),
@@ -163,7 +163,7 @@ def test_config_forms_and_refusals(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**HF, rope_scaling={"rope_type": "linear", "factor": 4.0})).save_pretrained(tmp_path)
-    kwargs, weights = hf.load_hf_llama(tmp_path)
+    kwargs, weights = hf.load_hf(tmp_path)
     model = Transformer(ModelConfig(**kwargs, block_size=64)).eval()
     model.load_state_dict(weights)
     x = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -183,7 +183,7 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     run = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2"]  # (the base's vocabulary)
     p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2",
                    f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path)
-    rows, ids = hf.load_hf_llama(path)[0]["vocab_size"], write_tokenizer(family, str(tmp_path / "tok"))[0]
+    rows, ids = hf.load_hf(path)[0]["vocab_size"], write_tokenizer(family, str(tmp_path / "tok"))[0]
     if rows < ids + 2:  # the two new tokens get rows of their own
         assert f"growing the vocabulary from {rows} to {ids + 2}" in p.stdout
     else:  # Qwen2's padded embedding has rows for them already (its ids stay below the rows)
@@ -245,5 +245,5 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
     torchrun(2, [*lora, f"out_dir={tmp_path / 'lora_tp'}", "tp=2"], cwd=tmp_path)
     assert_same_curve(read_metrics(tmp_path / "lora_single"), read_metrics(tmp_path / "lora_tp"))
     adapted = ours_from(str(tmp_path / "lora_tp")).state_dict()
-    biases = {n: t for n, t in hf.load_hf_llama(path)[1].items() if n.endswith(".bias")}
+    biases = {n: t for n, t in hf.load_hf(path)[1].items() if n.endswith(".bias")}
     assert len(biases) == 6 and all(torch.equal(adapted[n], t) for n, t in biases.items())  # frozen: as they were

@@ -16,7 +16,7 @@ import fsdp
 import parallel
 import tensor_parallel
 import zero
-from ckpt_files import check_meta
+from guard_ckpt import check_meta
 from loss_scale import LossScaler
 from model import ModelConfig, Transformer
 
@@ -156,7 +156,7 @@ def verdicts_over_tp_and_pp(mesh):
         mine = [p for n, p in model.named_parameters()
                 if n.startswith(("tok_embeddings.", "layers.0.")) == mesh.first_stage]
         if inf:
-            poison_last_rank(mesh, [p.grad for p in mine if hasattr(p, "_tp_dim")])
+            poison_last_rank(mesh, [p.grad for p in mine if hasattr(p, "_split_dim")])
         finite.append(math.isfinite(parallel.clip_grad_norm_(mine, 1.0, mesh)))
     return tuple(finite)
 

@@ -17,11 +17,14 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import validate_as_train, ROOT, TINY, run_train
 
+import guard_files
 import checkpoint
+import guard_ckpt
 import configurator
 import data
+import guard_data
 import hf
 import hf_tokenizer
 import lora
@@ -32,7 +35,7 @@ import prepare
 import rundir
 import sample
 import tokenizer as tokenizer_py
-from common import UserError
+from guard_errors import UserError
 from model import ModelConfig, Transformer
 from optim import AdamW
 
@@ -47,7 +50,7 @@ def base(dataset, tmp_path_factory):
     cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     torch.manual_seed(0)
     model = Transformer(cfg)
-    hf.save_hf_llama(str(root / "hf"), model.state_dict(), cfg)
+    hf.save_hf(str(root / "hf"), model.state_dict(), cfg)
     lora.apply_lora(model, 4, 8.0, 0.0, ["wq", "wv"], seed=0)
     lora.save_peft_lora(str(root / "adapter"), model, {"rank": 4, "alpha": 8.0, "dropout": 0.0,
                                                        "targets": ["wq", "wv"], "base": {}})
@@ -95,13 +98,13 @@ def bad_dataset(field, value, split=None, content=None):
 
 def validated(**changes):
     def make(b, tmp):
-        return lambda: configurator.validate({**b["defaults"], **changes}, changes, 1)
+        return lambda: validate_as_train({**b["defaults"], **changes}, changes, 1)
     return make
 
 
 def validated_at(world, **changes):
     def make(b, tmp):
-        return lambda: configurator.validate({**b["defaults"], **changes}, changes, world)
+        return lambda: validate_as_train({**b["defaults"], **changes}, changes, world)
     return make
 
 
@@ -110,7 +113,7 @@ def validated_fresh(world, **changes):
     model is the config's shape."""
     def make(b, tmp):
         given = {**changes, "out_dir": os.path.join(tmp, "out")}
-        return lambda: configurator.validate({**b["defaults"], **given}, given, world)
+        return lambda: validate_as_train({**b["defaults"], **given}, given, world)
     return make
 
 
@@ -118,7 +121,7 @@ def from_dense_run(world, **changes):
     """The shape check of a run that starts from the base run's (dense) checkpoint."""
     def make(b, tmp):
         ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
-        meta = checkpoint.read_meta(ckpt)[0]
+        meta = guard_ckpt.read_meta(ckpt)[0]
         src = origin.Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
         c = {**b["defaults"], "init_from": b["run"], "dataset": b["data"], **changes}
         return lambda: origin.saved_shape(src, changes, 512, c, world)
@@ -141,7 +144,7 @@ def moe_export(bias=0.0, **changes):
                           n_embd=32, n_experts=4, **changes)
         model = Transformer(cfg)
         model.layers["1"].feed_forward.expert_bias[0] = bias
-        return lambda: hf.save_hf_llama(os.path.join(tmp, "export"), model.state_dict(), cfg)
+        return lambda: hf.save_hf(os.path.join(tmp, "export"), model.state_dict(), cfg)
     return make
 
 
@@ -155,7 +158,7 @@ def hf_config(**changes):
     def make(b, tmp):
         d = copy(b["hf"], os.path.join(tmp, "hf"))
         edit_json(os.path.join(d, "config.json"), lambda c: {**c, **changes})
-        return lambda: hf.hf_llama_index(d)
+        return lambda: hf.hf_index(d)
     return make
 
 
@@ -166,7 +169,7 @@ def hf_shape_error_in_its_names(b, tmp):
                                                          "num_attention_heads": 7})
 
     def load():
-        return hf.hf_llama_index(d)
+        return hf.hf_index(d)
 
     def names():
         with pytest.raises(UserError) as e:
@@ -180,7 +183,7 @@ def hf_config_raw(text):
     def make(b, tmp):
         d = copy(b["hf"], os.path.join(tmp, "hf"))
         edit_json(os.path.join(d, "config.json"), lambda c: text)
-        return lambda: hf.hf_llama_index(d)
+        return lambda: hf.hf_index(d)
     return make
 
 
@@ -190,7 +193,7 @@ def hf_weight_map(target):
         names = list(hf.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {n: target for n in names}}, f)
-        return lambda: hf.hf_llama_index(d)
+        return lambda: hf.hf_index(d)
     return make
 
 
@@ -202,7 +205,7 @@ def hf_relabelled(b, tmp):
         header = f.read(n)
         f.seek(8)
         f.write(header.replace(b'"F32"', b'"I32"', 1))
-    return lambda: hf.hf_llama_index(d)
+    return lambda: hf.hf_index(d)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -276,7 +279,7 @@ def nan_checkpoint(b, tmp):
         for p in model.parameters():
             p.fill_(math.nan)
     import torch.distributed.checkpoint as dcp
-    md = checkpoint.read_dcp_metadata(path)
+    md = guard_ckpt.read_dcp_metadata(path)
     state = {"model": checkpoint.trainable_state(model)}
     opt = {k.removeprefix("optim."): torch.zeros(tuple(v.size)) for k, v in md.state_dict_metadata.items()
            if k.startswith("optim.")}
@@ -300,7 +303,7 @@ def lock_with(kind, name=".lock"):
             os.makedirs(os.path.join(out, name))
         else:
             os.mkfifo(os.path.join(out, name))
-        return lambda: rundir.lock_out_dir(out)
+        return lambda: guard_files.lock_out_dir(out)
     return make
 
 
@@ -413,7 +416,7 @@ def stale_prepare_dir_is_cleaned(b, tmp):
     def call():
         stale = os.path.join(tmp, "d.tmp999999999")  # no such pid
         os.makedirs(stale)
-        prepare.clean_stale(os.path.join(tmp, "d"))
+        prepare.remove_half_prepared(os.path.join(tmp, "d"))
         return not os.path.exists(stale)
     return call
 
@@ -439,8 +442,8 @@ def ranks_die_with_launcher(b, tmp):
 
 def busy_out_dir_under_torchrun(b, tmp):
     out = os.path.join(tmp, "busy")
-    fd = rundir.lock_out_dir(out)  # this process holds it: the run's rank 0 refuses, rank 1 must stay silent
-    rundir._made.clear()
+    fd = guard_files.lock_out_dir(out)  # this process holds it: the run's rank 0 refuses, rank 1 must stay silent
+    guard_files._made.clear()
     return ("torchrun", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=2"], out, fd)
 
 
@@ -587,7 +590,7 @@ def naming(part, make):
 
 
 def bad_extra_tokens(raw):
-    """An extra-tokens file (train.py extra_tokens=, data.py --extra_tokens) of the bytes `raw`."""
+    """An extra-tokens file (train.py extra_tokens=, prepare.py --extra_tokens) of the bytes `raw`."""
     def make(b, tmp):
         path = os.path.join(tmp, "words.txt")
         with open(path, "wb") as f:
@@ -600,7 +603,7 @@ def ckpt_a_file(b, tmp):
     os.makedirs(os.path.join(tmp, "out"))
     with open(os.path.join(tmp, "out", "ckpt"), "w") as f:
         f.write("not a directory")
-    return lambda: rundir.lock_out_dir(os.path.join(tmp, "out"))
+    return lambda: guard_files.lock_out_dir(os.path.join(tmp, "out"))
 
 
 def sample_unverified_ckpt(b, tmp):
@@ -617,7 +620,7 @@ def data_asked(**asked):
     """A run that gives val_fraction= or data_source= other than the prepared data's."""
     def make(b, tmp):
         c = {"val_fraction": 0.2, "data_source": "", **asked}
-        return lambda: data.check_made_as_asked(b["data"], c, asked)  # train.py's prepared() asks this
+        return lambda: guard_data.check_made_as_asked(b["data"], c, asked)  # train.py's prepared() asks this
     return make
 
 
@@ -672,7 +675,7 @@ CASES = [
     (8, "seed=2**64", "raises", validated(seed=2 ** 64)),
     (8, "device=mps on Linux", "raises", validated(device="mps")),
     (8, "pp_layers=²,2", "raises", validated(pp_layers="²,2")),
-    (8, "data.py --workers -3", "raises", prepare_workers),
+    (8, "prepare.py --workers -3", "raises", prepare_workers),
     (8, "sample.py export= into a missing directory", "raises", sample_args("export=/nonexistent/dir/w.pt")),
     (8, ".lock a directory", "raises", lock_with("dir")),
     (8, ".lock a FIFO", "raises", lock_with("fifo")),
@@ -764,8 +767,8 @@ CASES = [
     (50, "export_hf= inside out_dir/ckpt", "raises", in_tmp(out_dir="out/run", export_hf="out/run/ckpt/hf")),
     (50, "train.py /dev/zero (a config file that is a device)", "raises", lambda b, tmp: lambda: configurator.configure(
         b["defaults"], ["/dev/zero"])),
-    (50, "data.py with no source", "run", lambda b, tmp: ("data.py", [], os.path.join(tmp, "none"), None)),
-    (50, "data.py --vocab_size abc", "run", lambda b, tmp: ("data.py", ["stdlib", "--vocab_size", "abc"],
+    (50, "prepare.py with no source", "run", lambda b, tmp: ("prepare.py", [], os.path.join(tmp, "none"), None)),
+    (50, "prepare.py --vocab_size abc", "run", lambda b, tmp: ("prepare.py", ["stdlib", "--vocab_size", "abc"],
                                                             os.path.join(tmp, "none"), None)),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
@@ -780,7 +783,7 @@ CASES = [
     (41, "sample.py max_new_tokens=10**30", "raises", sample_args(f"max_new_tokens={10 ** 30}")),
     (41, "sample.py export= an existing directory", "raises", lambda b, tmp: sample_args(f"export={tmp}")(b, tmp)),
     (41, "sample.py ckpt= a checkpoint that does not verify", "raises", sample_unverified_ckpt),
-    (41, "data.py --out /proc/self/x", "raises", lambda b, tmp: lambda: prepare.prepare(
+    (41, "prepare.py --out /proc/self/x", "raises", lambda b, tmp: lambda: prepare.prepare(
         "stdlib", "/proc/self/x", "cl100k_base", 512, verbose=False)),
     (41, "out_dir/ckpt a regular file", "raises", ckpt_a_file),
     (41, "val_fraction= other than the prepared data's", "raises", data_asked(val_fraction=0.5)),
@@ -910,7 +913,7 @@ def one_line(p, code, line):
 
 def test_signals_at_startup_and_while_preparing_are_one_line_and_128_plus_n(tmp_path):
     """Ctrl-C (SIGINT) or SIGTERM while torch imports: the line and 130 / 143 (the hooks come
-    before torch); SIGTERM or Ctrl-C while data.py re-prepares a dataset: the line and 143 / 130,
+    before torch); SIGTERM or Ctrl-C while prepare.py re-prepares a dataset: the line and 143 / 130,
     the old dataset unchanged and nothing left beside it; inside the swap: the new one, whole."""
     tmp = str(tmp_path)
     for sig, line in ((2, "interrupted (Ctrl-C)"), (15, "stopped by SIGTERM")):
@@ -925,18 +928,18 @@ def test_signals_at_startup_and_while_preparing_are_one_line_and_128_plus_n(tmp_
     old = prepare.prepare(os.path.join(src, "*.txt"), final, "cl100k_base", 512, val_fraction=0.3, verbose=False)
     before = snapshot(final, None)
     for sig, at in ((15, "encode"), (2, "encode"), (2, "swap")):
-        p = signalled(sig, at, "data.py", os.path.join(src, "[0-5].txt"), "--out", final, "--val_fraction", "0.5",
+        p = signalled(sig, at, "prepare.py", os.path.join(src, "[0-5].txt"), "--out", final, "--val_fraction", "0.5",
                       "--vocab_size", "512", cwd=tmp)
         one_line(p, 128 + sig, "interrupted (Ctrl-C)" if sig == 2 else "stopped by SIGTERM")
         assert sorted(os.listdir(tmp)) == ["d", "src"], os.listdir(tmp)
         if at == "encode":
             assert snapshot(final, None) == before
-    new = data.load_meta(final)  # the re-prepared dataset, whole: its files as its meta.json counts them
+    new = guard_data.read_meta(final)  # the re-prepared dataset, whole: its files as its meta.json counts them
     assert new["train_docs"] + new["val_docs"] == 6 != old["train_docs"] + old["val_docs"]
     assert os.path.getsize(os.path.join(final, "train.bin")) == 2 * new["train_tokens"]
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py", "data.py"])
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare.py"])
 def test_help_needs_no_torch(script, tmp_path):
     """--help answers before torch imports (30-50 s on a busy machine)."""
     import subprocess
@@ -951,7 +954,7 @@ def test_stdout_on_a_full_device_is_one_line(tmp_path):
     """`python train.py --help > /dev/full` (or any output there): one error line, exit 1."""
     import subprocess
     import sys
-    for script in ("train.py", "data.py"):  # (data.py's --help is argparse's, which exits 0 by itself)
+    for script in ("train.py", "prepare.py"):  # (prepare.py's --help is argparse's, which exits 0 by itself)
         with open("/dev/full", "w") as full:
             p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=str(tmp_path),
                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)

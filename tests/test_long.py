@@ -32,7 +32,7 @@ def documents():
 
 def full_grads(model):
     """name -> the full gradient (tp slices gathered)."""
-    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad
+    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_split_dim") else p.grad
             for n, p in model.named_parameters()}
 
 
@@ -164,11 +164,11 @@ def test_one_run_moves_between_context_parallel_and_one_process(dataset, referen
 ])
 def test_a_long_sequence_layout_mistake_is_one_line(args, world, message):
     import configurator
-    from common import UserError
-    from conftest import ROOT
+    from guard_errors import UserError
+    from conftest import ROOT, validate_as_train
     config = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), **args}
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
-        configurator.validate(config, args, world)
+        validate_as_train(config, args, world)
 
 
 def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):

@@ -22,7 +22,7 @@ import faults
 import fsdp
 import hf
 import lora
-from common import UserError
+from guard_errors import UserError
 from lora import LoRALinear, apply_lora, merge_lora
 from model import ModelConfig, Transformer
 from pipeline import make_stage
@@ -47,7 +47,7 @@ def single(hf_dir, dataset, tmp_path_factory):
 
 
 def base_model(hf_dir):
-    _, sd = hf.load_hf_llama(hf_dir)
+    _, sd = hf.load_hf(hf_dir)
     model = Transformer(CFG)
     model.load_state_dict(sd)
     return model.eval()
@@ -175,7 +175,7 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
 
 
 def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
-    ours, _ = lora.load_whole(os.path.join(single["out"], "ckpt", "iter_0000006"))
+    ours, _ = lora.load_lora_whole(os.path.join(single["out"], "ckpt", "iter_0000006"))
     ours.eval()
     from peft import PeftModel  # here, not at the top: the spawned ranks of this file would import them too
     from transformers import LlamaForCausalLM
@@ -229,7 +229,7 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
         named = json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
         assert named == os.path.abspath(hf_dir)  # a Hugging Face base names itself
     if "tp=2" in extra:  # the merged model, W + (alpha / r) B A
-        want, got = (hf.load_hf_llama(d)[1] for d in (single["root"] / "merged", tmp_path / "merged"))
+        want, got = (hf.load_hf(d)[1] for d in (single["root"] / "merged", tmp_path / "merged"))
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -30,7 +30,7 @@ def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=Non
         with torch.device("meta") if meta else nullcontext():
             model = Transformer(ModelConfig(**cfg))
         if hf_dir and not meta:
-            model.load_state_dict(hf.load_hf_llama(hf_dir)[1])
+            model.load_state_dict(hf.load_hf(hf_dir)[1])
         model = make_stage(model, stage, pp)
         if tp is not None:
             tensor_parallel.tensor_parallel(model, tp)
@@ -40,7 +40,7 @@ def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=Non
             build.materialize(model, "cpu")
             model.init_rope()
             if hf_dir:
-                hf.load_hf_parts(hf.hf_llama_index(hf_dir)[1], build.local_parts(model))
+                hf.load_hf_parts(hf.hf_index(hf_dir)[1], build.local_parts(model))
             else:
                 build.init_weights(model, 0)
     return model, mem.peak
@@ -51,7 +51,7 @@ def full_tensors(model):
     out = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, parallel.DTensor) else p  # fsdp x tp: the tp slice, then gathered
-        out[name] = (parallel.tp_gather(t, p) if hasattr(p, "_tp_dim") else t).detach().clone()
+        out[name] = (parallel.tp_gather(t, p) if hasattr(p, "_split_dim") else t).detach().clone()
     return out
 
 
@@ -85,8 +85,8 @@ def test_meta_build_is_layout_free_and_holds_a_quarter_per_rank(tmp_path):
     # an imported model: other weights than the fresh ones
     torch.manual_seed(1)
     hf_dir = str(tmp_path / "hf")
-    hf.save_hf_llama(hf_dir, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
-    imported = hf.load_hf_llama(hf_dir)[1]
+    hf.save_hf(hf_dir, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
+    imported = hf.load_hf(hf_dir)[1]
     assert not torch.equal(imported["layers.0.attention.wq.weight"], whole["layers.0.attention.wq.weight"])
 
     ranks, steps = zip(*spawn(layouts, 4, hf_dir))

@@ -11,9 +11,10 @@ from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import configurator
 import data
+import guard_data
 import mixture
 import prepare
-from common import UserError
+from guard_errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +104,9 @@ def test_phases_parse_and_refuse(sources, capsys):
         with pytest.raises(data.UserError, match=match):
             configurator.parse_phases(bad, names)
     with pytest.raises(data.UserError, match="different tokenizers"):
-        mixture.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "wide")})
-    chat_meta = data.load_meta(sources["chat"])  # text + chat of one base: the chat vocabulary covers both
-    assert mixture.check_tokenizers({n: data.load_meta(sources[n]) for n in ("tiny", "chat")}) == chat_meta
+        mixture.check_tokenizers({n: guard_data.read_meta(sources[n]) for n in ("tiny", "wide")})
+    chat_meta = guard_data.read_meta(sources["chat"])  # text + chat of one base: the chat vocabulary covers both
+    assert mixture.check_tokenizers({n: guard_data.read_meta(sources[n]) for n in ("tiny", "chat")}) == chat_meta
 
 
 MIX = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "lr_decay_iters=8", "doc_mask=True",

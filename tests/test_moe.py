@@ -67,7 +67,7 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     with torch.no_grad():
         want = model(x).logits
     for path in (saved, fused):
-        kwargs, weights = hf.load_hf_llama(path)
+        kwargs, weights = hf.load_hf(path)
         cfg = ModelConfig(**kwargs, block_size=64)
         assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_norm_topk, bool(cfg.moe_shared_ffn_dim)) == (
             4, 2, family == "mixtral", family != "mixtral")
@@ -76,13 +76,13 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(ours(x)[0], want, rtol=1e-5, atol=1e-5)
         # an ep rank reads only its experts (build.fill): experts 2, 3 of a layer, from either layout
-        _, index = hf.hf_llama_index(path)
+        _, index = hf.hf_index(path)
         for name in ("layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2"):
             part = torch.empty(2, *weights[name].shape[1:])
             hf.load_hf_parts(index, [(name, part, tuple(weights[name].shape), 0, 2, 4)])
             assert torch.equal(part, weights[name][2:4])
     out = str(tmp_path / "export")
-    hf.save_hf_llama(out, ours.state_dict(), cfg)
+    hf.save_hf(out, ours.state_dict(), cfg)
     torch.testing.assert_close(hf_logits(out, x), want, rtol=1e-5, atol=1e-5)
     from safetensors import safe_open
     shapes = [{k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} for f in

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data_parallel
 import fsdp
+import guard_ckpt
 import parallel
 import tensor_parallel
 import zero
@@ -198,7 +199,7 @@ def clip_over_tp_and_pp(mesh, max_norms):
         mine = {n: p for n, p in model.named_parameters()
                 if n.startswith(("tok_embeddings.", "layers.0.")) == mesh.first_stage}
         norm = parallel.clip_grad_norm_(mine.values(), max_norm, mesh)
-        out.append((norm, {n: (p.grad, getattr(p, "_tp_dim", None)) for n, p in mine.items()}))
+        out.append((norm, {n: (p.grad, getattr(p, "_split_dim", None)) for n, p in mine.items()}))
     return out
 
 
@@ -465,7 +466,7 @@ def test_resuming_into_more_dp_ranks_gives_each_its_own_random_stream(dataset, t
     common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "dropout=0.1", "keep_ckpts=0"]
     torchrun(2, [*common, "max_iters=2", "tp=2"], cwd=tmp_path)
     torchrun(2, [*common, "max_iters=3"], cwd=tmp_path)
-    _, state = checkpoint.read_meta(os.path.join(out, "ckpt", "iter_0000003"))
+    _, state = guard_ckpt.read_meta(os.path.join(out, "ckpt", "iter_0000003"))
     assert len(state["rng_cpu"]) == 2 and not torch.equal(state["rng_cpu"][0], state["rng_cpu"][1])
 
 

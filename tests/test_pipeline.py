@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import guard_ckpt
 from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
 
 import pipeline
@@ -230,7 +231,7 @@ def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_proc
     conftest.run_train([*run, f"out_dir={single}"], cwd=tmp_path)
     torchrun(4, [*run, f"out_dir={multi}", "pp=2", "fsdp=True", "pp_schedule=interleaved", "pp_virtual=2",
                  "pp_layers=1,1,1,1", "max_iters=4"], cwd=tmp_path)
-    keys = checkpoint.read_dcp_metadata(f"{multi}/ckpt/iter_0000004").state_dict_metadata
+    keys = guard_ckpt.read_dcp_metadata(f"{multi}/ckpt/iter_0000004").state_dict_metadata
     assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
     conftest.run_train([*run, f"out_dir={multi}"], cwd=tmp_path)  # resumes at 4 in one process
     assert_same_curve(read_metrics(single), read_metrics(multi), rtol=1e-5)
@@ -239,7 +240,7 @@ def test_tied_embeddings_across_stages_and_interleaved_fsdp_resume_into_one_proc
                          ("zero2", ["zero=2"])):
         out = str(tmp_path / name)
         torchrun(4, [*run, f"out_dir={out}", "pp=2", *layout], cwd=tmp_path)
-        keys = checkpoint.read_dcp_metadata(f"{out}/ckpt/iter_0000008").state_dict_metadata
+        keys = guard_ckpt.read_dcp_metadata(f"{out}/ckpt/iter_0000008").state_dict_metadata
         assert "optim.tok_embeddings.weight.exp_avg" in keys and not any(k.startswith("optim.output.") for k in keys)
         assert_same_curve(read_metrics(single), read_metrics(out), rtol=1e-5)
 

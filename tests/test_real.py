@@ -43,7 +43,7 @@ def real_data(base, tmp_path_factory):
 
 
 def ours_from_hf(path, block_size):
-    kwargs, weights = hf.load_hf_llama(path)
+    kwargs, weights = hf.load_hf(path)
     model = Transformer(ModelConfig(**{**kwargs, "block_size": block_size}))
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # tied: one tensor, two names
     model.load_state_dict(weights)

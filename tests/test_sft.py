@@ -11,7 +11,7 @@ from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torc
 import data
 import prepare
 import tokenizer
-from common import UserError
+from guard_errors import UserError
 from model import ModelConfig, Transformer
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
@@ -305,14 +305,14 @@ def test_doc_ids():
 def test_cli_prepares_chat_with_extra_tokens(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", conversations(30))
     (tmp_path / "t.txt").write_text("<|tool|>\n")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), src, "--out", str(tmp_path / "out"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), src, "--out", str(tmp_path / "out"),
                         "--vocab_size", "512", "--val_fraction", "0.3", "--extra_tokens", str(tmp_path / "t.txt"),
                         "--format", "chat"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     meta = json.load(open(tmp_path / "out" / "meta.json"))
     assert meta["format"] == "chat" and meta["extra_tokens"] == tokenizer.CHAT_TOKENS + ["<|tool|>"]
     assert "assistant replies" in p.stdout
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), src, "--extra_tokens", "nope.txt"],
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), src, "--extra_tokens", "nope.txt"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
         "error: extra tokens file 'nope.txt' not found: give a text file with one token per line"]

@@ -16,7 +16,7 @@ import hf_families
 import hf_tokenizer
 import prepare
 import tokenizer as tokenizer_py
-from common import UserError
+from guard_errors import UserError
 
 SPECIALS = ["<|endoftext|>", "<|begin|>"]
 
@@ -123,7 +123,7 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
 def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
-    """hf.save_hf_llama with a family's tokenizer grown by extra tokens writes the base's
+    """hf.save_hf with a family's tokenizer grown by extra tokens writes the base's
     tokenizer.json as `tokenizers` serializes it (the added tokens at their ids): AutoTokenizer
     gives our ids, one per embedding row, and the base's BOS (none for Qwen2: not its EOS), EOS
     and model_max_length, in tokenizer_config.json, special_tokens_map.json and config.json."""
@@ -134,7 +134,7 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     base = AutoTokenizer.from_pretrained(tmp_path / "base")
     enc = tokenizer_py.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*tokenizer_py.CHAT_TOKENS, "<|tool|>"])
     cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
-    hf.save_hf_llama(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
+    hf.save_hf(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
     tok, config = AutoTokenizer.from_pretrained(tmp_path / "hf"), json.load(open(tmp_path / "hf" / "config.json"))
     assert len(tok) == enc.n_vocab == len(base) + 5 and config["vocab_size"] == enc.n_vocab
     assert (tok.bos_token_id, tok.eos_token_id, tok.model_max_length) == (base.bos_token_id, base.eos_token_id,

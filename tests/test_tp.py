@@ -19,9 +19,10 @@ from conftest import (
     torchrun,
 )
 
+import guard_ckpt
 import parallel
 import tensor_parallel
-from common import UserError
+from guard_errors import UserError
 from model import Block, ModelConfig, Transformer, masked_mean
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
@@ -42,7 +43,7 @@ def head_and_input():
 
 def gathered_grads(model):
     """name -> the full gradient (tp slices gathered), for comparison with the whole model's."""
-    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_tp_dim") else p.grad for n, p in model.named_parameters()}
+    return {n: parallel.tp_gather(p.grad, p) if hasattr(p, "_split_dim") else p.grad for n, p in model.named_parameters()}
 
 
 def tp_checks(mesh):
@@ -239,7 +240,7 @@ def watch_streams(rank):
         return sdpa(*args, dropout_p=dropout_p, **kw)
 
     def train_state(model, optimizer):
-        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_dim")}
+        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_split_dim")}
         n = len([f for f in os.listdir() if f.startswith(f"watch_{rank}_")])
         torch.save({"replicated": replicated, "attention": seen}, f"watch_{rank}_{n}.pt")
         return save(model, optimizer)
@@ -265,7 +266,7 @@ def test_tp_dp_streams_with_dropout_and_their_resume(dataset, tmp_path):
     watch = tmp_path / "watch"
     watch.mkdir()
     torchrun(4, [*common, f"out_dir={full}"], cwd=watch, before=watch_streams)
-    _, state = checkpoint.read_meta(os.path.join(full, "ckpt", "iter_0000003"))
+    _, state = guard_ckpt.read_meta(os.path.join(full, "ckpt", "iter_0000003"))
     rng = state["rng_cpu"]
     assert torch.equal(rng[0], rng[1]) and torch.equal(rng[2], rng[3]) and not torch.equal(rng[0], rng[2])
     for save in (0, 1):  # iterations 3 and 6

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
-import common
-from common import UserError
+import guard_errors
+from guard_errors import UserError
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu", "elapsed_s"}
 
@@ -296,7 +296,7 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
     args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in args.split()]
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py installs its own
-    monkeypatch.setattr(common, "start_command", lambda *a: None)  # (and its signal handlers: not in pytest's process)
+    monkeypatch.setattr(guard_errors, "start_command", lambda *a: None)  # (and its signal handlers: not in pytest's process)
     before = snapshot(saved_run)
     with pytest.raises(UserError) as e:
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
@@ -305,11 +305,11 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
 
 
 def test_a_dead_peer_is_one_line_that_keeps_the_cause(capfd):
-    import parallel
+    import guard_dist
     cause = "Connection reset by peer [127.0.0.1]:45678"
     err = RuntimeError(f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: {cause}"
                        f"{' while waiting for the peer of the all-reduce in process group 0' * 4}\nmore lines")
-    parallel.excepthook(RuntimeError, err, None)
+    guard_dist.run_excepthook(RuntimeError, err, None)
     line = capfd.readouterr().err.strip()
     assert line.startswith("error: a collective failed") and cause in line and "\n" not in line
 

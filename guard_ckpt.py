@@ -4,7 +4,9 @@ file with its size and sha256), meta.json and state.pt (each field checked: type
 the iteration that of the directory), and torch.distributed.checkpoint's .metadata (unpickled
 with only the classes DCP writes for our tensors). Each reader answers (value, None) or
 (None, what is wrong, in a few words): checkpoint.find skips a checkpoint that fails and
-falls back to the previous intact one. Nothing here writes.
+falls back to the previous intact one. Also a checkpoint verified against its manifest
+(verify), its weights checked finite, and DCP's reader given the checked metadata. Nothing here
+writes.
 """
 
 import os
@@ -13,9 +15,14 @@ import re
 import warnings
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from common import MAX_SIZES, UserError, describe_error, json_field, read_json
+from guard_errors import UserError, describe_error
+from guard_files import MAX_SIZES, json_field, read_json, sha256_file
+from parallel import all_gather_object, broadcast_object
 from model import MODEL_TYPES, ROPE_TYPES, ModelConfig
 
 
@@ -186,3 +193,91 @@ def dcp_metadata(path):
         if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
             return None, f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)"
     return md, None
+
+
+def check_file(path, name, want, checksum=True):
+    p = os.path.join(path, name)
+    if os.path.basename(name) != name or name in ("", ".", "..") or not os.path.isfile(p):
+        return f"{name[:80]} is missing"
+    if os.path.islink(p):
+        return f"{name} is a symbolic link, not a file of the checkpoint"
+    if os.path.getsize(p) != want["bytes"]:
+        return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
+    if checksum and sha256_file(p) != want.get("sha256"):
+        return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def _check_contents(path):
+    """None if meta.json, state.pt and .metadata load safely, else what is wrong. A manifest
+    proves only that the files are those that were written; a crafted checkpoint comes with
+    a matching one."""
+    problem = read_small(path)[2]
+    return problem or dcp_metadata(path)[1]
+
+
+def verify(path, mesh=None):
+    """None if every file the manifest lists is there with its size and checksum and the
+    small files load safely, else what is wrong, in a few words. With a mesh of several
+    ranks every rank hashes its share of the files (a large checkpoint is too much for one
+    rank while the others wait in a collective); all ranks get the same answer."""
+    world, rank = (mesh.world, mesh.rank) if mesh is not None and mesh.backend else (1, 0)
+    files, problem = read_manifest(path) if rank == 0 else (None, None)
+    if world > 1:
+        files, problem = broadcast_object((files, problem), mesh)
+    if problem:
+        return problem
+    names = sorted(files)
+    problems = [check_file(path, n, files[n]) for n in names[rank::world]]
+    if rank == 0 and not any(problems):
+        problems.append(_check_contents(path))
+    problems = [p for p in problems if p]
+    if world > 1:
+        problems = [p for ps in all_gather_object(problems, mesh) for p in ps]
+    return problems[0] if problems else None
+
+
+def all_finite(model, collective=False):
+    """True on every rank iff every weight of the model, on every rank (collective: all
+    ranks of the default group call it), is finite. A NaN guard that rolls back must find
+    finite weights there: saves and loads check."""
+    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                                 for p in model.parameters())))
+    if collective:
+        bad = bad.cuda() if dist.get_backend() == "nccl" else bad
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+def read_meta(path):
+    """meta.json and state.pt of a checkpoint (see read_small); a UserError naming the file
+    if either is unreadable or not plain data."""
+    meta, state, problem = read_small(path)
+    if problem:
+        raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an intact "
+                        f"checkpoint, or use init_from=scratch")
+    return meta, state
+
+
+def read_dcp_metadata(path):
+    """DCP's Metadata of a checkpoint, read without running code; a UserError naming the file
+    if it holds anything but what DCP writes for our tensors."""
+    md, problem = dcp_metadata(path)
+    if problem:
+        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
+                        f"init_from=scratch")
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, given the Metadata read_dcp_metadata read (instead of pickle.load)."""
+
+    def __init__(self, path, metadata):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
+        return self.metadata

@@ -1,0 +1,284 @@
+"""
+The guard of files from outside: JSON read with limits (loads_json, read_json, json_field),
+where an export may write (check_exports), file hashes (sha256_file). Each either refuses
+bad input with one line or returns what a plain read would.
+
+The out_dir lock is here too: one run owns its out_dir, and a refused run leaves nothing
+behind (remove_refused).
+"""
+
+import errno
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import stat
+import tempfile
+
+from guard_errors import UserError, check, describe_error
+
+# Sanity bounds of a model's sizes, far past any model trained here, checked before anything
+# is built from a file's numbers; configurator.check_memory is the real bound.
+MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "n_embd": 2 ** 17,
+             "ffn_dim": 2 ** 20, "block_size": 2 ** 24, "rope_original_len": 2 ** 24, "n_experts": 2 ** 14,
+             "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20, "moe_shared_ffn_dim": 2 ** 20}
+# ---- files from outside: JSON read with limits -----------------------------------------
+# Every JSON file the trainer reads (a dataset's meta.json, a checkpoint's manifest.json and
+# meta.json, Hugging Face config.json and index, adapter_config.json, safetensors headers,
+# metrics.jsonl) goes through loads_json: no NaN or Infinity, no integer past 40 digits, no
+# nesting past MAX_JSON_DEPTH, and every failure one UserError naming the file and the fix.
+# The readers then check each field they use (json_field) before anything is allocated.
+MAX_JSON_DEPTH = 64
+MAX_JSON_BYTES = 1 << 30
+
+
+def _json_int(s):
+    if len(s) > 40:  # Hugging Face's tokenizer_config.json says model_max_length 1e30 (31 digits)
+        raise ValueError(f"an integer of {len(s)} digits")
+    return int(s)
+
+
+def _json_float(s):
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {s[:24]} is out of range")
+    return v
+
+
+def _json_constant(s):
+    raise ValueError(f"{s} is not a number")
+
+
+def _depth(obj):
+    """How deeply obj's lists and dicts nest (1 for a flat one), iteratively."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > MAX_JSON_DEPTH:
+                break
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def loads_json(text, where, fix):
+    """The JSON value of `text` (str or bytes) from `where`, within the limits above; a
+    UserError '{where}: {what is wrong}: {fix}' otherwise."""
+    try:
+        obj = json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the number checks
+        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:120]}): {fix}") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}")
+    return obj
+
+
+def read_json(path, fix, kind=dict):
+    """loads_json of the regular file `path` (a directory, FIFO or device is refused without
+    blocking), which must hold a JSON `kind` (dict: an object; None: anything)."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            size, regular = os.fstat(f.fileno()).st_size, stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+            check(regular, f"{path} is not a regular file: {fix}")
+            check(size <= MAX_JSON_BYTES, f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            obj = loads_json(f.read(), path, fix)
+    except OSError as e:
+        raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
+    check(kind is None or isinstance(obj, kind),
+          f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
+    return obj
+
+
+def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
+    """obj[key], checked: of type `kind` (int: not bool; float: int or float, finite), in
+    [lo, hi] when those are given. Absent (or null) and not required: None."""
+    v = obj.get(key)
+    if v is None and not required:
+        return None
+    check(key in obj, f"{where} lacks {key}: {fix}")
+    ok = (type(v) is int if kind is int else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
+          if kind is float else isinstance(v, kind))
+    if not ok:  # (the message is made only here: str() of a large value is slow)
+        what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+                dict: "an object", list: "a list"}.get(kind, getattr(kind, "__name__", str(kind)))
+        raise UserError(f"{where}: {key}={str(v)[:60]!r} is not {what}: {fix}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise UserError(f"{where}: {key}={v!r} is out of range [{lo}, {hi}]: {fix}")
+    return v
+
+
+RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")  # what a run directory holds of its own
+
+
+def check_writable(key, path):
+    """key=path can be made: its nearest existing part is a directory we can create a file in."""
+    near = os.path.abspath(path)
+    while not os.path.lexists(near):
+        near = os.path.dirname(near)
+    check(os.path.isdir(near), f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
+                               f"directory (or a symlink loop): pick another {key}")
+    try:  # (tried: root may not write /sys or a read-only mount either, whatever os.access says)
+        os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=near))
+    except OSError as e:
+        raise UserError(f"{key}={path} is not writable ({near}: {e.strerror}): fix its permissions or pick another "
+                        f"{key}") from None
+
+
+def check_exports(exports, runs=(), files=()):
+    """Each key=path of `exports` (a directory to make; for a key in `files`, one file) can be
+    written (check_writable); what is there may be replaced: nothing, an empty directory, or
+    for a file a regular file (an earlier export), never a device or a link; it is not a run
+    directory itself (`runs`, or what holds ckpt/ or metrics.jsonl) nor one of its own files
+    (RUN_FILES) or checkpoints (a directory with manifest.json); and no two overlap."""
+    runs, real = [os.path.realpath(r) for r in runs], {}
+    for key, path in exports.items():
+        if not path:
+            continue
+        if key in files:
+            check(os.path.isdir(os.path.dirname(os.path.abspath(path))), f"{key}={path}: the directory "
+                  f"{os.path.dirname(os.path.abspath(path))} does not exist: create it or export elsewhere")
+            check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, e.g. "
+                                           f"{key}={os.path.join(path, 'model.pt')}")
+        check_writable(key, path)
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else None
+        check(mode is None or (stat.S_ISREG(mode) if key in files else stat.S_ISDIR(mode) and not os.listdir(path)),
+              f"{key}={path} exists and is not a regular file (a device or a link): name a new file, or an earlier "
+              f"export" if key in files else f"{key}={path} already exists and is not an empty directory: remove it "
+              f"or export elsewhere (checked now rather than after the run has trained)")
+        p = real[key] = os.path.realpath(path)
+        check(not any(r == p or r.startswith(p + os.sep) for r in runs), f"{key}={path} is or holds the run "
+              f"directory {runs[0] if runs else ''}: export elsewhere, e.g. {os.path.join(path, 'export')}")
+        a = p
+        while a != os.path.dirname(a):
+            inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
+            check(not os.path.isfile(os.path.join(a, "manifest.json")), f"{key}={path} is inside the checkpoint {a}: "
+                  f"an export may not change a checkpoint; export elsewhere")
+            run = a in runs or os.path.isdir(os.path.join(a, "ckpt")) or os.path.isfile(os.path.join(a, "metrics.jsonl"))
+            check(not run or inside not in RUN_FILES, f"{key}={path} would write into the run directory {a}'s own "
+                  f"{inside}: export elsewhere, e.g. {os.path.join(a, 'export')}")
+    for (k1, p1), (k2, p2) in ((x, y) for x in real.items() for y in real.items() if x[0] < y[0]):
+        check(not (p1 == p2 or p1.startswith(p2 + os.sep) or p2.startswith(p1 + os.sep)),
+              f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the other: each export "
+              f"needs a place of its own")
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# the out_dir lock: one run owns its out_dir
+
+def clean_stale(out_dir):
+    """Removes ckpt/.tmp_iter_* directories: saves killed half-way. Only for the run that holds
+    out_dir's lock (lock_out_dir): a running save's directory looks the same."""
+    root = os.path.join(out_dir, "ckpt")
+    for n in os.listdir(root) if os.path.isdir(root) else []:
+        if n.startswith(".tmp_") and os.path.isdir(os.path.join(root, n)):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+_held_locks = {}  # the lock files' descriptors: open until the process exits
+
+
+_made = []  # what lock_out_dir created (out_dir, its .lock): removed again if the run is refused
+
+
+def _regular_or_absent(path, fix):
+    """A file the run writes in out_dir must be a plain file (or not there yet): never a
+    link, a directory or a FIFO someone put there, which the run would write through."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "not a regular file"
+        raise UserError(f"{path} is {kind}, not a file this trainer wrote: {fix}")
+
+
+def lock_out_dir(out_dir):
+    """Makes this process (rank 0) the only run writing to out_dir: an exclusive flock on out_dir/.lock until it
+    exits (the kernel releases it however it dies), the file naming the holder. Returns the descriptor."""
+    path = os.path.join(out_dir, ".lock")
+    if path in _held_locks:  # this process holds it already
+        return _held_locks[path]
+    existed = os.path.isdir(out_dir)
+    _check_existing(out_dir) if existed else _make(out_dir)
+    made = not os.path.lexists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot open {path} ({e.strerror or e}): remove it (or pick another out_dir)") from None
+    _made.extend([path] if made else [])
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        _refuse_busy(fd, path, out_dir, e)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
+    _held_locks[path] = fd
+    if existed:
+        clean_stale(out_dir)
+    return fd
+
+
+def _make(out_dir):
+    try:
+        os.makedirs(out_dir)
+    except OSError as e:
+        raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
+    _made.append(out_dir)
+
+
+def _check_existing(out_dir):
+    """A directory that was there before this run: the lock file, config.json, metrics.jsonl
+    and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
+    fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
+    if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
+        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, not a directory this "
+                        f"trainer made: {fix}")
+    for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
+        _regular_or_absent(os.path.join(out_dir, name), fix)
+
+
+def _refuse_busy(fd, path, out_dir, e):
+    """The lock is taken (or locks do not work there): one line naming the holder (host, pid)."""
+    holder = os.read(fd, 4096).decode(errors="replace")
+    os.close(fd)
+    if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem with "
+                        f"file locks") from None
+    _made.clear()  # the other run's
+    try:
+        who = json.loads(holder)
+        pid, host = int(who["pid"]), str(who["host"])[:100]
+    except (ValueError, KeyError, TypeError):
+        pid, host = "?", "?"
+    raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
+                    f"or use another out_dir") from None
+
+
+def remove_refused():
+    """A run that ends in an error leaves nothing it made behind: the .lock it created, and
+    out_dir if it created it and nothing else is in it (a run that saved keeps all). The
+    excepthook calls this."""
+    for path in reversed(_made):
+        try:
+            os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+        except OSError:
+            pass
+    _made.clear()
