@@ -32,8 +32,8 @@ def describe_error(e):
 
 
 def excepthook(kind, err, tb):
-    # data.py and sample.py install this (train.py installs parallel.excepthook, which adds
-    # the process-group cases): a UserError prints one line naming the problem and the fix;
+    # start_command installs this (train.py then guard_dist.run_excepthook, which adds the
+    # process-group cases): a UserError prints one line naming the problem and the fix;
     # anything else is a bug and keeps its full traceback. We write to the real stderr:
     # under torchrun, torch.distributed wraps this hook and captures sys.stderr.
     out = sys.__stderr__

@@ -21,7 +21,7 @@ import tempfile
 from guard_errors import UserError, check, describe_error
 
 # Sanity bounds of a model's sizes, far past any model trained here, checked before anything
-# is built from a file's numbers; configurator.check_memory is the real bound.
+# is built from a file's numbers; guard_config.check_memory is the real bound.
 MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "n_embd": 2 ** 17,
              "ffn_dim": 2 ** 20, "block_size": 2 ** 24, "rope_original_len": 2 ** 24, "n_experts": 2 ** 14,
              "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20, "moe_shared_ffn_dim": 2 ** 20}

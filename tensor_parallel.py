@@ -273,7 +273,7 @@ def tensor_parallel(model, mesh, sp=False):
     if mesh.tp == 1:
         return model
     cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
-    # (configurator.check_layout refuses the heads and widths tp does not divide; the vocabulary is
+    # (guard_config.check_layout refuses the heads and widths tp does not divide; the vocabulary is
     # known only once the data and the model are)
     assert cfg.n_head % tp == cfg.n_kv_head % tp == cfg.ffn_dim % tp == 0, f"tp={tp} does not divide the heads or width"
     if cfg.vocab_size % tp:
