@@ -6,9 +6,11 @@ fp16, grad_ckpt and LoRA too), and an ep=2 checkpoint handed to one process bit 
 import json
 import os
 import shutil
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, torchrun
@@ -23,11 +25,12 @@ MOE = [*TINY, "n_experts=4", "moe_top_k=2", "moe_ffn_dim=48"]
 
 def hf_moe_model(family, seed=0):
     """A tiny random Mixtral or Qwen2-MoE built by transformers (eager experts: the CPU's), its
-    router randomised (Qwen2-MoE's starts at zero: every token would tie)."""
+    router randomised (Qwen2-MoE's starts at zero: every token would tie); its aux coefficient
+    is what our export of it writes (moe_aux_weight 0.01 / top_k)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
     torch.manual_seed(seed)
     shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts_per_tok=2, max_position_embeddings=64)
+                 num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.005)
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
     else:
@@ -54,7 +57,8 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     """A Mixtral and a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) that
     transformers saved, read from its per-expert files and from transformers 5's fused
     gate_up_proj / down_proj: our logits equal transformers'; exported, transformers reads
-    ours to the same logits, and the files hold the names and shapes its own save writes."""
+    ours to the same logits and config, and the files hold the names and shapes its own save
+    writes."""
     model = hf_moe_model(family)
     saved, fused = str(tmp_path / "saved"), str(tmp_path / "fused")
     model.save_pretrained(saved)
@@ -88,9 +92,40 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     shapes = [{k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} for f in
               (safe_open(os.path.join(d, "model.safetensors"), "pt") for d in (saved, out))]
     assert shapes[0] == shapes[1]
-    exported = json.load(open(os.path.join(out, "config.json")))
-    assert {k: exported.get(k) for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")} == {
-        k: config[k] for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")}
+    # the whole config as transformers reads it, but for what names no setting: where each was saved,
+    # head_dim (None: hidden_size / heads, which we write), max_window_layers (no window here)
+    from transformers import AutoConfig
+    got, want = (AutoConfig.from_pretrained(d).to_dict() for d in (out, saved))
+    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {"_name_or_path", "head_dim", "max_window_layers"}
+    assert got["head_dim"] in (want.get("head_dim"), 32 // 4) and not got.get("use_sliding_window")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_moe_config_omitting_a_key_reads_as_transformers_reads_it(family):
+    """A config.json without one of its keys (each in turn, then all it can do without) is read
+    as transformers reads it: its defaults of that family (Qwen2-MoE's num_experts_per_tok 4,
+    norm_topk_prob False, Mixtral's rms_norm_eps and rope_theta, ...). The sizes it cannot
+    do without are refused in one line naming the key."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+    kind = MixtralConfig if family == "mixtral" else Qwen2MoeConfig
+    # (every value off its default, so that a wrong default shows)
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=3, rms_norm_eps=1e-4, max_position_embeddings=64)
+    shape.update(num_local_experts=6) if family == "mixtral" else shape.update(
+        num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=36, decoder_sparse_step=2,
+        norm_topk_prob=True, qkv_bias=False)
+    full = kind(**shape).to_dict()
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "model_type")
+    for key in full:
+        omitted = {k: v for k, v in full.items() if k != key}
+        if key in needed:
+            with pytest.raises(hf.UserError, match=f"config.json: {key}="):
+                hf.hf_config_to_ours(omitted)
+        else:
+            assert hf.hf_config_to_ours(omitted) == hf.hf_config_to_ours(kind(**omitted).to_dict()), key
+    least = {k: full[k] for k in needed}
+    assert hf.hf_config_to_ours(least) == hf.hf_config_to_ours(kind(**least).to_dict())
 
 
 def test_layer_equals_transformers_blocks_and_routes_by_the_bias():
@@ -208,9 +243,10 @@ MOE_REF = [*MOE, "grad_accum_steps=4", "max_iters=4", "optim=muon", "moe_z_weigh
            "eval_interval=2", "ckpt_interval=2"]
 
 
-def _bias(out_dir):
+def _bias(path):
+    """The routing bias of each MoE layer in a run's latest checkpoint, or in checkpoint `path`."""
     import checkpoint
-    model, _ = checkpoint.load_whole(checkpoint.find(out_dir, None))
+    model, _ = checkpoint.load_whole(path if "/ckpt/" in path else checkpoint.find(path, None))
     return torch.stack([m.expert_bias for m in moe.moe_layers(model).values()])
 
 
@@ -355,16 +391,18 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     process's loss scales and skipped iterations exactly and its curve to one fp16 rounding,
     2**-11 (test_fp16.py derives it; at its learning rate, 5e-4). LoRA on attention from that
     run's checkpoint (the experts frozen: no expert gradient to sync) gives one process's curve
-    on ep=2."""
+    on ep=2. The two skipped iterations leave the routing bias where it was (at zero)."""
     from test_fp16 import RTOL_FP16, fp16_rows, worst
     fp16 = [*MOE_REF, f"dataset={dataset}", "dtype=float16", "learning_rate=5e-4", "min_lr=5e-5",
-            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6"]
+            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6", "keep_ckpts=0"]
     single, ep2 = str(tmp_path / "fp16"), str(tmp_path / "fp16_ep2")
     run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*fp16, "ep=2", "grad_ckpt=True", f"out_dir={ep2}"], cwd=str(tmp_path))
     (want, scales, skipped), (got, got_scales, got_skipped) = fp16_rows(single), fp16_rows(ep2)
     # (the scales 2**40 and 2**29 overflow, 2**18 does not: 8x below this model's threshold)
     assert skipped == [0, 1] and (got_scales, got_skipped) == (scales, skipped)
+    biases = [_bias(f"{single}/ckpt/iter_{it:07d}") for it in (2, 6)]  # (the two skipped steps left it at zero)
+    assert biases[0].abs().sum() == 0 and biases[1].abs().sum() > 0
     print(f"\nfp16 ep=2 vs one process: worst relative difference {worst(want, got):.1e}")
     trained = [[r for r in rows if "skipped" not in r] for rows in (want, got)]
     assert_same_curve(*trained, rtol=RTOL_FP16)
@@ -373,3 +411,81 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     run_train([*lora, f"out_dir={one}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*lora, "ep=2", f"out_dir={ep2}"], cwd=str(tmp_path))
     assert_same_curve(read_metrics(one), read_metrics(ep2))
+
+
+# ---- the balancing losses and the bias against their definitions ----------------------------
+
+def _router(layers=1, skew=0.0):
+    """A tiny all-MoE model (4 experts, 2 a token) with its balancing hook and fixed tokens; skew:
+    the routers' row of expert 0 leans this far along the mean of the inputs it sees."""
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+                      moe_top_k=2, moe_ffn_dim=24, moe_bias_rate=0.01)
+    torch.manual_seed(0)
+    model = moe.attach(Transformer(cfg), cfg)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    if skew:
+        seen = []
+        for layer in moe.moe_layers(model).values():
+            hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 32).mean(0)))
+            model(x, x)
+            hook.remove()
+            with torch.no_grad():
+                layer.router.weight[0] += skew * seen[-1] / seen[-1].norm()
+        model.moe_stats.__init__(model.moe_stats.names, 4)
+    return model, x
+
+
+def test_balancing_losses_equal_transformers_and_st_moe():
+    """On fixed logits (a router's on fixed inputs), the aux loss is transformers' Mixtral /
+    Qwen2-MoE load_balancing_loss_func / top_k (theirs counts a token's k slots as k, ours as 1:
+    hf_moe.config_out exports the weight / top_k), value and gradient through the scores; the
+    z-loss is ST-MoE's mean over tokens of logsumexp(logits)^2, value and gradient. The logged
+    moe_aux and moe_z are these losses' means over a step's forwards and layers."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    for E, k in ((4, 2), (8, 3)):
+        layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=E, moe_top_k=k, moe_ffn_dim=24)).train()
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(E + k)).unsqueeze(0)
+        torch.nn.init.normal_(layer.router.weight, std=0.3)
+        layer(x)
+        counts, aux, z = layer.last
+        logits = F.linear(x[0], layer.router.weight)  # (N, E), the same in float32
+        want = load_balancing_loss_func((logits,), E, k) / k
+        want_z = torch.log(logits.exp().sum(-1)).square().sum() / logits.shape[0]
+        eps = 40 * torch.finfo(torch.float32).eps  # (float32: the 40 tokens' terms summed in another order)
+        torch.testing.assert_close(aux, want, rtol=eps, atol=0)
+        torch.testing.assert_close(z, want_z, rtol=eps, atol=0)
+        for got, ref in ((aux, want), (z, want_z)):
+            g, = torch.autograd.grad(got, layer.router.weight, retain_graph=True)
+            g_ref, = torch.autograd.grad(ref, layer.router.weight, retain_graph=True)
+            assert g.abs().sum() > 0
+            torch.testing.assert_close(g, g_ref, rtol=eps, atol=eps * g_ref.abs().max().item())
+    (model, x), seen = _router(layers=2), []
+    for m in moe.moe_layers(model).values():
+        m.register_forward_pre_hook(lambda m, a: seen.append(F.linear(a[0].reshape(-1, 32), m.router.weight)))
+    for k in range(2):  # two forwards of one step: the metric is their mean, not their sum
+        model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])
+    metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=False)
+    lse = [torch.logsumexp(s, -1).square().mean() for s in seen]
+    torch.testing.assert_close(metrics["moe_aux"], torch.stack(
+        [load_balancing_loss_func((s,), 4, 2) / 2 for s in seen]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(metrics["moe_z"], torch.stack(lse).mean().item(), rtol=1e-6, atol=0)
+
+
+def test_the_bias_balances_the_load_and_a_skipped_step_leaves_it():
+    """DeepSeek-V3's bias on a router skewed towards expert 0: over the steps the most loaded
+    expert's share of the slots falls (from 0.42 to about 0.3; 0.25 is balanced), the bias stays
+    centred (it sums to 0), and a step not taken (stepped=False) leaves it where it was."""
+    model, x = _router(skew=0.5)
+    layer = moe.moe_layers(model)["0"]
+    mesh, shares = types.SimpleNamespace(backend=None), []
+    for step in range(40):
+        model(x, x)
+        shares.append(model.moe_stats.counts.max().item() / model.moe_stats.counts.sum().item())
+        before = layer.expert_bias.clone()
+        moe.after_step(model, mesh, stepped=step % 5 != 4)
+        if step % 5 == 4:
+            assert torch.equal(layer.expert_bias, before), step
+        assert abs(layer.expert_bias.sum().item()) < 1e-6
+    late = sum(shares[-10:]) / 10  # (sign steps overshoot: the share flips between two values at the end)
+    print(f"\nmost loaded expert's share of the slots: {shares[0]:.2f} -> {late:.2f}")
+    assert shares[0] > 0.4 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
