@@ -189,52 +189,55 @@ def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_pat
 
 # ---- expert parallel and the layouts ---------------------------------------------------------
 
-def _ep_grads(mesh, ep):
-    """On each rank, twice (starve: the bias keeps every token off the experts of ep rank 1, which
-    receive no row and must still join the exchanges): the gradients of one process over the
-    whole batch (every rank computes them), and ep's: this rank's share of the batch, its
-    experts, the data-parallel wrapper and expert_parallel.sync_grads."""
+def _ep_grads(mesh):
+    """On each of 8 ranks, 8 experts: the gradients of one process over the whole batch (every
+    rank computes them) beside ep's over this rank's share of it, for ep=2 and ep=4 (an ep group
+    of 2 and replica groups of 4, and the other way round: a reduction over the wrong one or a
+    send split on the wrong axis shows), ep=2 under FSDP (sharded over the replicas), and ep=4
+    with the experts of ep rank 1 starved (the bias keeps every token off them: they receive no
+    row and must still join the exchanges). Per case {name: (ep's gradient, one process's)}."""
     import data_parallel
     import expert_parallel
-    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+    import fsdp
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=8,
                       moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
-    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    out = []
-    for starve in (False, True):
+    x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for ep, layout, starve in ((2, "dp", False), (4, "dp", False), (2, "fsdp", False), (4, "dp", True)):
         def build():
             torch.manual_seed(0)
             model = moe.attach(Transformer(cfg), cfg)
             for layer in moe.moe_layers(model).values():
-                layer.expert_bias.copy_(torch.tensor([100.0, 100.0, 0, 0]) if starve else torch.zeros(4))
+                layer.expert_bias[2:4] = -100.0 if starve else 0.0
             return model
         one = build()
-        for k in range(4):  # one process: the mean over 4 micro-batches (the loop's token weights, no mask)
-            (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 4).backward()
+        for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
+            (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
         ours = expert_parallel.expert_parallel(build(), mesh, ep, moe.moe_layers)
-        wrapped = data_parallel.wrap(ours, mesh, "bucketed", 0.01)
-        steps = 4 // mesh.dp
-        for k in range(mesh.dp_rank * steps, (mesh.dp_rank + 1) * steps):  # weight dp / micro-batches
-            wrapped.require_backward_grad_sync = k == (mesh.dp_rank + 1) * steps - 1
-            (wrapped(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] * mesh.dp / 4).backward()
-        wrapped.wait()
+        run = fsdp.fully_shard_model(ours, mesh) if layout == "fsdp" else data_parallel.wrap(ours, mesh, "bucketed", 0.01)
+        k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
+        run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1].backward()
+        run.wait() if layout == "dp" else None
         expert_parallel.sync_grads(ours, mesh)
-        r, n = mesh.dp_rank % ep, 4 // ep
+        r, n = mesh.dp_rank % ep, 8 // ep
         want = {name: p.grad[r * n:(r + 1) * n] if "experts." in name else p.grad for name, p in one.named_parameters()}
-        out.append({name: (p.grad, want[name]) for name, p in ours.named_parameters()})
+        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {
+            name: (p.grad.full_tensor() if layout == "fsdp" else p.grad, want[name]) for name, p in ours.named_parameters()}
     return out
 
 
-def test_ep_gradients_equal_one_process_even_with_an_expert_starved():
-    """ep=2 on 2 ranks: every gradient equals one process's (the experts' not ep times too large:
-    summed over the ranks holding them, divided by dp), also when every token avoids the
-    experts of one rank, which then receive nothing and still join both exchanges (no hang)."""
+def test_ep_gradients_equal_one_process_where_the_groups_differ():
+    """8 experts on 8 ranks (dp=8): ep=2, ep=4, ep=2 x fsdp and ep=4 with an expert rank starved give
+    every gradient of one process, the experts' own included (summed over the ranks holding them,
+    divided by dp; not ep or dp / ep times too large), and the starved rank does not hang."""
     from conftest import spawn
-    for rank in spawn(_ep_grads, 2, 2):
-        for run in rank:
-            for name, (got, want) in run.items():
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
-    assert rank[0]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (rank 1's experts: tokens came)
-    assert rank[1]["layers.0.feed_forward.experts.w1"][1].abs().sum() == 0  # (starved: none came)
+    ranks = spawn(_ep_grads, 8)
+    for rank in ranks:
+        for case, grads in rank.items():
+            for name, (got, want) in grads.items():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
+    assert ranks[0]["ep4dp"]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (tokens came)
+    assert ranks[1]["ep4dpstarved"]["layers.0.feed_forward.experts.w1"][0].abs().sum() == 0  # (none came)
 
 
 # the run every MoE layout must reproduce: Muon (each expert's matrices orthogonalized), the
