@@ -492,3 +492,40 @@ def test_the_bias_balances_the_load_and_a_skipped_step_leaves_it():
     late = sum(shares[-10:]) / 10  # (sign steps overshoot: the share flips between two values at the end)
     print(f"\nmost loaded expert's share of the slots: {shares[0]:.2f} -> {late:.2f}")
     assert shares[0] > 0.4 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
+
+
+def test_every_expert_a_token_and_every_other_layer_trains():
+    """moe_top_k == n_experts is accepted, and its layer is the dense mixture sum_e p_e expert_e(x)
+    (p: the softmax, every expert chosen). moe_every=2 on 4 layers makes layers 1 and 3 MoE, as
+    Qwen2-MoE's decoder_sparse_step does, and trains: both report their loads and move their bias."""
+    import configurator
+    from conftest import ROOT
+    defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
+    given = {"n_experts": 4, "moe_top_k": 4}
+    configurator.validate({**defaults, **given}, given, 1)
+    layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=4, moe_top_k=4, moe_ffn_dim=24))
+    torch.nn.init.normal_(layer.router.weight, std=0.3)
+    for w in layer.experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(0))
+    p = F.linear(x[0], layer.router.weight).softmax(-1)
+    e = layer.experts
+    dense = sum(p[:, i:i + 1] * ((F.silu(x[0] @ e.w1[i].T) * (x[0] @ e.w3[i].T)) @ e.w2[i].T) for i in range(4))
+    torch.testing.assert_close(layer(x)[0], dense, rtol=1e-5, atol=1e-6)
+    from transformers import Qwen2MoeConfig
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+                      moe_ffn_dim=24, moe_every=2, moe_bias_rate=0.01)
+    sparse = Qwen2MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, num_experts=4)
+    want = [str(i) for i in range(4) if (i + 1) % sparse.decoder_sparse_step == 0]  # (transformers' rule)
+    torch.manual_seed(0)
+    model = moe.attach(Transformer(cfg), cfg)
+    assert list(moe.moe_layers(model)) == model.moe_stats.names == want == ["1", "3"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=True)
+        assert sorted(k for k in metrics if k.startswith("moe_load/")) == ["moe_load/1", "moe_load/3"]
+    assert all(m.expert_bias.abs().sum() > 0 for m in moe.moe_layers(model).values())
