@@ -55,7 +55,8 @@ def test_rendered_ids_are_apply_chat_templates(real):
     quoting += [{"role": "user", "content": "and <|endoftext|>?"}, {"role": "assistant", "content": "Text too."}]
     ids = chat_template.encode(enc, quoting, "test")[0]
     assert ids == tok.apply_chat_template(quoting, tokenize=True, return_dict=False, sanitize_control_tokens=True)
-    assert ids.count(enc.encode_single_token("<|im_end|>")) == 5  # the template's own: system (its default), 2 x 2 turns
+    # the template's own: system (its default), 2 x 2 turns
+    assert ids.count(enc.encode_single_token("<|im_end|>")) == 5
     assert 0 not in ids
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -214,15 +215,16 @@ def _ep_grads(mesh):
         for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
             (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
         ours = expert_parallel.expert_parallel(build(), mesh, ep, moe.moe_layers)
-        run = fsdp.fully_shard_model(ours, mesh) if layout == "fsdp" else data_parallel.wrap(ours, mesh, "bucketed", 0.01)
+        wrap = fsdp.fully_shard_model if layout == "fsdp" else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01)
+        run = wrap(ours, mesh)
         k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
         run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1].backward()
         run.wait() if layout == "dp" else None
         expert_parallel.sync_grads(ours, mesh)
         r, n = mesh.dp_rank % ep, 8 // ep
         want = {name: p.grad[r * n:(r + 1) * n] if "experts." in name else p.grad for name, p in one.named_parameters()}
-        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {
-            name: (p.grad.full_tensor() if layout == "fsdp" else p.grad, want[name]) for name, p in ours.named_parameters()}
+        got = {name: p.grad.full_tensor() if layout == "fsdp" else p.grad for name, p in ours.named_parameters()}
+        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {name: (got[name], want[name]) for name in got}
     return out
 
 
@@ -256,7 +258,8 @@ def _bias(path):
 def test_moe_layouts_equal_one_process(dataset, tmp_path):
     """ep=2 in dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2,
     ep=2 x zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
-    give the single-process curve, and the same bias. At accumulation 1 and 2 (the same global
+    give the single-process curve, and the same bias; so does ep=2 x pp=2 with moe_every=2 (a stage
+    without a MoE layer). At accumulation 1 and 2 (the same global
     batch, no balancing loss: its unit is the micro-batch) the bias is the same too."""
     base = [*MOE_REF, f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
@@ -267,6 +270,15 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
         torchrun(n, [*base, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
         assert_same_curve(read_metrics(ref), read_metrics(str(tmp_path / name)))
         torch.testing.assert_close(_bias(str(tmp_path / name)), _bias(ref), rtol=0, atol=0)
+    # every other layer MoE (moe_every=2): pipeline stage 0 holds only the dense layer 0
+    every2 = [*base, "moe_every=2"]
+    for name, n, extra in (("every2", 1, []), ("every2ep2pp2", 4, ["ep=2", "pp=2"])):
+        torchrun(n, [*every2, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
+    rows = [read_metrics(str(tmp_path / name)) for name in ("every2", "every2ep2pp2")]
+    assert_same_curve(*rows)
+    first = next(r for r in rows[0] if "loss" in r)
+    assert "moe_load/1" in first and "moe_load/0" not in first
+    torch.testing.assert_close(_bias(str(tmp_path / "every2ep2pp2")), _bias(str(tmp_path / "every2")), rtol=0, atol=0)
     accum = {}
     for steps, batch in ((1, 8), (2, 4)):
         out = str(tmp_path / f"accum{steps}")
