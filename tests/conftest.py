@@ -154,7 +154,8 @@ def spawn(fn, world, *args, pp=1, tp=1, timeout=300):
     """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp x tp grid); returns each rank's
     result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
     processes can import it. Ranks still running after `timeout` seconds are killed and the test
-    fails (gloo's all_to_all with splits that do not match waits past its own timeout)."""
+    fails: ranks of all_to_all exchanges whose splits disagree once waited 18 minutes, past gloo's
+    timeout."""
     import tempfile
     import time
 
