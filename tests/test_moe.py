@@ -503,17 +503,17 @@ def test_the_bias_balances_the_load_and_a_skipped_step_leaves_it():
         assert abs(layer.expert_bias.sum().item()) < 1e-6
     late = sum(shares[-10:]) / 10  # (sign steps overshoot: the share flips between two values at the end)
     print(f"\nmost loaded expert's share of the slots: {shares[0]:.2f} -> {late:.2f}")
-    assert shares[0] > 0.4 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
+    assert shares[0] > 0.35 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
 
 
-def test_every_expert_a_token_and_every_other_layer_trains():
+def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
     """moe_top_k == n_experts is accepted, and its layer is the dense mixture sum_e p_e expert_e(x)
     (p: the softmax, every expert chosen). moe_every=2 on 4 layers makes layers 1 and 3 MoE, as
     Qwen2-MoE's decoder_sparse_step does, and trains: both report their loads and move their bias."""
     import configurator
     from conftest import ROOT
     defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
-    given = {"n_experts": 4, "moe_top_k": 4}
+    given = {"n_experts": 4, "moe_top_k": 4, "out_dir": str(tmp_path / "out")}
     configurator.validate({**defaults, **given}, given, 1)
     layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=4, moe_top_k=4, moe_ffn_dim=24))
     torch.nn.init.normal_(layer.router.weight, std=0.3)
