@@ -203,18 +203,22 @@ def _ep_grads(mesh):
     cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=8,
                       moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
     x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    def build(starve):
+        torch.manual_seed(0)
+        model = moe.attach(Transformer(cfg), cfg)
+        for layer in moe.moe_layers(model).values():
+            layer.expert_bias[2:4] = -100.0 if starve else 0.0
+        return model
+    one = {}
+    for starve in (False, True):
+        model = build(starve)
+        for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
+            (model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
+        one[starve] = {name: p.grad for name, p in model.named_parameters()}
     out = {}
     for ep, layout, starve in ((2, "dp", False), (4, "dp", False), (2, "fsdp", False), (4, "dp", True)):
-        def build():
-            torch.manual_seed(0)
-            model = moe.attach(Transformer(cfg), cfg)
-            for layer in moe.moe_layers(model).values():
-                layer.expert_bias[2:4] = -100.0 if starve else 0.0
-            return model
-        one = build()
-        for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
-            (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
-        ours = expert_parallel.expert_parallel(build(), mesh, ep, moe.moe_layers)
+        ours = expert_parallel.expert_parallel(build(starve), mesh, ep, moe.moe_layers)
         wrap = fsdp.fully_shard_model if layout == "fsdp" else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01)
         run = wrap(ours, mesh)
         k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
@@ -222,7 +226,7 @@ def _ep_grads(mesh):
         run.wait() if layout == "dp" else None
         expert_parallel.sync_grads(ours, mesh)
         r, n = mesh.dp_rank % ep, 8 // ep
-        want = {name: p.grad[r * n:(r + 1) * n] if "experts." in name else p.grad for name, p in one.named_parameters()}
+        want = {name: g[r * n:(r + 1) * n] if "experts." in name else g for name, g in one[starve].items()}
         got = {name: p.grad.full_tensor() if layout == "fsdp" else p.grad for name, p in ours.named_parameters()}
         out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {name: (got[name], want[name]) for name in got}
     return out
