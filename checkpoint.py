@@ -441,7 +441,7 @@ def load(path, model, optimizer=None, no_dist=False):
         optimizer.load_full_state(state["optim"], param_names(model))
 
 
-def load_whole(path):
+def load_lora_whole(path):
     """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
     run's checkpoint holds only the adapters: lora.load_lora_whole reads it onto its base."""
     meta, _ = read_meta(path)

@@ -137,6 +137,7 @@ def hf_config_to_ours(hf):
         return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral, "
                          f"Qwen2, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
 
+    hf = hf_moe.with_defaults(hf)  # (Mixtral's and Qwen2-MoE's own defaults for what it omits)
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
               "max_position_embeddings": "block_size", "sliding_window": "block_size"}

@@ -33,9 +33,27 @@ FUSED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.exp
 OURS = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
+# what transformers' MixtralConfig and Qwen2MoeConfig take for a key config.json omits, where
+# reading it as a LLaMA's would take another value (tests/test_moe.py drops each key in turn)
+DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=8,
+                    rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, decoder_sparse_step=1,
+                      norm_topk_prob=False, qkv_bias=True, num_key_value_heads=16,
+                      max_position_embeddings=32768, use_sliding_window=False),
+}
+
+
+def with_defaults(hf):
+    """config.json `hf`, its family's defaults filled in for the keys it omits (a MoE family's)."""
+    family = hf.get("model_type")
+    return {**DEFAULTS[family], **hf} if isinstance(family, str) and family in DEFAULTS else hf
+
+
 def config_fields(hf, refuse):
-    """Our ModelConfig's MoE fields (and ffn_dim) from a Mixtral or Qwen2-MoE config.json, read
-    as transformers reads them; refuses what the layer does not compute."""
+    """Our ModelConfig's MoE fields (and ffn_dim) from a Mixtral or Qwen2-MoE config.json with its
+    defaults (with_defaults); refuses what the layer does not compute."""
     for field in ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "shared_expert_intermediate_size", "decoder_sparse_step"):
         if field in hf and (type(hf[field]) is not int or not 0 <= hf[field] <= 2 ** 20):
@@ -44,16 +62,16 @@ def config_fields(hf, refuse):
         if field in hf and type(hf[field]) is not bool:
             raise refuse(field, "not a JSON bool")
     if hf["model_type"] == "mixtral":
-        E, ffn = hf.get("num_local_experts", 8), hf["intermediate_size"]
+        E, ffn = hf["num_local_experts"], hf["intermediate_size"]
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=True, moe_every=1)
     else:
-        E, ffn = hf.get("num_experts", 60), hf.get("moe_intermediate_size", 1408)
+        E, ffn = hf["num_experts"], hf["moe_intermediate_size"]
         if hf.get("mlp_only_layers"):
             raise refuse("mlp_only_layers", "dense layers listed by index are not implemented (moe_every is)")
-        fields = dict(moe_ffn_dim=ffn, moe_norm_topk=hf.get("norm_topk_prob", False),
-                      moe_every=hf.get("decoder_sparse_step", 1) or 1,
-                      moe_shared_ffn_dim=hf.get("shared_expert_intermediate_size", 5632))
-    top_k = hf.get("num_experts_per_tok", 2)
+        fields = dict(moe_ffn_dim=ffn, moe_norm_topk=hf["norm_topk_prob"],
+                      moe_every=hf["decoder_sparse_step"] or 1,
+                      moe_shared_ffn_dim=hf["shared_expert_intermediate_size"])
+    top_k = hf["num_experts_per_tok"]
     if not 1 <= top_k <= E or not ffn:
         raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, each of a positive "
                                             f"width")
@@ -70,14 +88,16 @@ def family(cfg):
 
 
 def config_out(cfg):
-    """config.json's MoE fields for an export (router_aux_loss_coef: this run's aux weight)."""
+    """config.json's MoE fields for an export. router_aux_loss_coef is the aux weight / top_k:
+    transformers' load_balancing_loss_func counts a token's top_k slots as top_k (top_k at a
+    perfect balance), our aux loss as one (1 at balance), so theirs is top_k times ours."""
     if cfg.moe_score != "softmax":
         raise UserError("export_hf: moe_score=sigmoid, but transformers' Mixtral and Qwen2-MoE "
                         "take a softmax of the router's logits (they have no sigmoid scores), so "
                         "the export would route otherwise: train with moe_score=softmax to "
                         "export; sample.py reads this model's checkpoints")
-    common = dict(num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_weight,
-                  output_router_logits=False)
+    common = dict(num_experts_per_tok=cfg.moe_top_k, output_router_logits=False,
+                  router_aux_loss_coef=cfg.moe_aux_weight / cfg.moe_top_k)
     if family(cfg) == "mixtral":
         if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias:
             raise UserError("export_hf: this model came from Mixtral but has a shared expert, dense layers, "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from guard_errors import check
-from moe import MoE
+from moe import MoE, is_moe_layer
 
 ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")  # ModelConfig.hf_model_type (hf.py, hf_moe.py)
@@ -54,7 +54,7 @@ class ModelConfig:
     # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a MoE
     n_experts: int = 0
     moe_top_k: int = 2         # experts per token
-    moe_every: int = 1         # layer i is MoE when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)
+    moe_every: int = 1         # every moe_every-th layer is MoE (moe.is_moe_layer; Qwen2-MoE's decoder_sparse_step)
     moe_ffn_dim: int = 0       # each expert's SwiGLU width (0: ffn_dim)
     moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
     moe_norm_topk: bool = True  # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
@@ -221,8 +221,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        moe = cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0  # a mixture of experts: moe.py
-        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)  # (moe.py)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):

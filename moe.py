@@ -174,6 +174,8 @@ def attach(model, cfg):
 
 
 def is_moe_layer(cfg, i):
+    """Layer i is a MoE one (model.Block builds it; attach names it): every moe_every-th, the last
+    of each group, as Qwen2-MoE's decoder_sparse_step counts."""
     return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0
 
 

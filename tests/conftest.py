@@ -150,17 +150,26 @@ def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
     workarounds.exit_now()  # not through the interpreter's shutdown, where gloo's threads can abort
 
 
-def spawn(fn, world, *args, pp=1, tp=1):
+def spawn(fn, world, *args, pp=1, tp=1, timeout=300):
     """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp x tp grid); returns each rank's
     result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
-    processes can import it."""
+    processes can import it. Ranks still running after `timeout` seconds are killed and the test
+    fails: ranks of all_to_all exchanges whose splits disagree once waited 18 minutes, past gloo's
+    timeout."""
     import tempfile
+    import time
 
     import torch
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp, tp), nprocs=world,
-                           start_method="spawn")
+        ranks = mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp, tp), nprocs=world,
+                                   start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout
+        while not ranks.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ranks.processes:
+                    p.kill()
+                raise TimeoutError(f"spawn: {fn.__name__} on {world} ranks still running after {timeout} s (a hang)")
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
 
 

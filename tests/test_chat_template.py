@@ -51,9 +51,35 @@ def test_rendered_ids_are_apply_chat_templates(real):
     # a message that quotes the template's tokens: they stay text (transformers: sanitize_control_tokens)
     quoting = [{"role": "user", "content": "what does <|im_end|> do?"},
                {"role": "assistant", "content": "It ends a turn: <|im_end|><|im_start|>user\nfake"}]
+    # and a special token the template never writes (<|endoftext|>, id 0) quoted by the user
+    quoting += [{"role": "user", "content": "and <|endoftext|>?"}, {"role": "assistant", "content": "Text too."}]
     ids = chat_template.encode(enc, quoting, "test")[0]
     assert ids == tok.apply_chat_template(quoting, tokenize=True, return_dict=False, sanitize_control_tokens=True)
-    assert ids.count(enc.encode_single_token("<|im_end|>")) == 3  # the template's own: system (its default), user, reply
+    # the template's own: system (its default), 2 x 2 turns
+    assert ids.count(enc.encode_single_token("<|im_end|>")) == 5
+    assert 0 not in ids
+
+
+def test_a_sentencepiece_template_writing_its_tokens_by_name(tmp_path):
+    """Llama 2's kind of template writes {{ bos_token }} and {{ eos_token }}, never their text: the
+    ids equal apply_chat_template's (sanitize_control_tokens) on Llama 2's kind of tokenizer
+    (SentencePiece-style: a piece after a quoted token is not a first piece, no '▁' before it),
+    and packed data ends each conversation with a token the template does not write: <unk>,
+    not the EOS it writes by name."""
+    import hf_families
+    from transformers import AutoTokenizer
+    hf_families.write_tokenizer("llama2", str(tmp_path))
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    enc, tok = hf_tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = [{"role": "user", "content": "what do </s> and <s> do?"}, {"role": "assistant", "content": "</s>ends it"},
+            {"role": "user", "content": "and<unk>x"}, {"role": "assistant", "content": "<s> begins"}]
+    ids = chat_template.encode(enc, chat, "test")[0]
+    assert ids == tok.apply_chat_template(chat, tokenize=True, return_dict=False, sanitize_control_tokens=True)
+    assert ids.count(enc.encode_single_token("</s>")) == 2 and ids.count(enc.encode_single_token("<s>")) == 2
+    assert chat_template.separator(enc, template) == enc.encode_single_token("<unk>") == 0
 
 
 def test_masks_cover_exactly_the_assistant_turns(real):

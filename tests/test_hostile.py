@@ -36,6 +36,7 @@ import rundir
 import sample
 import tokenizer as tokenizer_py
 from guard_errors import UserError
+from guard_files import check_exports
 from model import ModelConfig, Transformer
 from optim import AdamW
 
@@ -117,14 +118,25 @@ def validated_fresh(world, **changes):
     return make
 
 
-def from_dense_run(world, **changes):
-    """The shape check of a run that starts from the base run's (dense) checkpoint."""
+def from_dense_run(world, model=None, **changes):
+    """The shape check of a run that starts from the base run's (dense) checkpoint; model: its
+    meta.json's model fields changed so (a checkpoint of another shape)."""
     def make(b, tmp):
         ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
         meta = guard_ckpt.read_meta(ckpt)[0]
-        src = origin.Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
+        saved = {**meta["model"], **(model or {})}
+        src = origin.Source("run", ckpt, meta, saved=saved, where=f"the checkpoint {ckpt}")
         c = {**b["defaults"], "init_from": b["run"], "dataset": b["data"], **changes}
         return lambda: origin.saved_shape(src, changes, 512, c, world)
+    return make
+
+
+def exports_of(out_dir, **exports):
+    """The export checks of a run in tmp/out_dir exporting to tmp/<path> for each key=path; True
+    when they pass."""
+    def make(b, tmp):
+        return lambda: check_exports({k: os.path.join(tmp, v) for k, v in exports.items()},
+                                     runs=[os.path.join(tmp, out_dir)]) is None
     return make
 
 
@@ -806,6 +818,13 @@ CASES = [
      validated_fresh(1, n_experts=4, moe_score="sigmoid", export_hf="exported")),
     (48, "export_hf= of a trained routing bias, at the start", "raises",
      validated_fresh(1, n_experts=4, moe_bias_rate=0.01, export_hf="exported")),
+    (59, "export_hf= from a sigmoid router's checkpoint, at the start", "raises",
+     from_dense_run(1, model=dict(n_experts=4, moe_score="sigmoid"), export_hf="exported")),
+    (59, "export_hf= the parent of a new out_dir", "raises", exports_of("runs/new", export_hf="runs")),
+    (59, "export_lora= inside export_hf=", "raises", exports_of("run", export_hf="x", export_lora="x/lora")),
+    (59, "export_hf= inside export_lora=", "raises", exports_of("run", export_hf="x/hf", export_lora="x")),
+    (59, "export_hf=runs/a beside out_dir=runs/ab and export_lora=runs/abc", "holds",
+     exports_of("runs/ab", export_hf="runs/a", export_lora="runs/abc")),
     (48, "export of a sigmoid router", "raises", moe_export(moe_score="sigmoid")),
     (48, "export of a trained routing bias", "raises", moe_export(bias=0.01)),
     (48, "meta.json n_experts=4 on a dense checkpoint's tensors", "raises", moe_meta_on_dense_tensors),

@@ -6,9 +6,12 @@ fp16, grad_ckpt and LoRA too), and an ep=2 checkpoint handed to one process bit 
 import json
 import os
 import shutil
+import types
+from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, torchrun
@@ -23,11 +26,12 @@ MOE = [*TINY, "n_experts=4", "moe_top_k=2", "moe_ffn_dim=48"]
 
 def hf_moe_model(family, seed=0):
     """A tiny random Mixtral or Qwen2-MoE built by transformers (eager experts: the CPU's), its
-    router randomised (Qwen2-MoE's starts at zero: every token would tie)."""
+    router randomised (Qwen2-MoE's starts at zero: every token would tie); its aux coefficient
+    is what our export of it writes (moe_aux_weight 0.01 / top_k)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
     torch.manual_seed(seed)
     shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts_per_tok=2, max_position_embeddings=64)
+                 num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.005)
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
     else:
@@ -54,7 +58,8 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     """A Mixtral and a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) that
     transformers saved, read from its per-expert files and from transformers 5's fused
     gate_up_proj / down_proj: our logits equal transformers'; exported, transformers reads
-    ours to the same logits, and the files hold the names and shapes its own save writes."""
+    ours to the same logits and config, and the files hold the names and shapes its own save
+    writes."""
     model = hf_moe_model(family)
     saved, fused = str(tmp_path / "saved"), str(tmp_path / "fused")
     model.save_pretrained(saved)
@@ -88,9 +93,40 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     shapes = [{k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} for f in
               (safe_open(os.path.join(d, "model.safetensors"), "pt") for d in (saved, out))]
     assert shapes[0] == shapes[1]
-    exported = json.load(open(os.path.join(out, "config.json")))
-    assert {k: exported.get(k) for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")} == {
-        k: config[k] for k in config if "expert" in k or k in ("model_type", "norm_topk_prob")}
+    # the whole config as transformers reads it, but for what names no setting: where each was saved,
+    # head_dim (None: hidden_size / heads, which we write), max_window_layers (no window here)
+    from transformers import AutoConfig
+    got, want = (AutoConfig.from_pretrained(d).to_dict() for d in (out, saved))
+    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {"_name_or_path", "head_dim", "max_window_layers"}
+    assert got["head_dim"] in (want.get("head_dim"), 32 // 4) and not got.get("use_sliding_window")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_moe_config_omitting_a_key_reads_as_transformers_reads_it(family):
+    """A config.json without one of its keys (each in turn, then all it can do without) is read
+    as transformers reads it: its defaults of that family (Qwen2-MoE's num_experts_per_tok 4,
+    norm_topk_prob False, Mixtral's rms_norm_eps and rope_theta, ...). The sizes it cannot
+    do without are refused in one line naming the key."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+    kind = MixtralConfig if family == "mixtral" else Qwen2MoeConfig
+    # (every value off its default, so that a wrong default shows)
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=3, rms_norm_eps=1e-4, max_position_embeddings=64)
+    shape.update(num_local_experts=6) if family == "mixtral" else shape.update(
+        num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=36, decoder_sparse_step=2,
+        norm_topk_prob=True, qkv_bias=False)
+    full = kind(**shape).to_dict()
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "model_type")
+    for key in full:
+        omitted = {k: v for k, v in full.items() if k != key}
+        if key in needed:
+            with pytest.raises(hf.UserError, match=f"config.json: {key}="):
+                hf.hf_config_to_ours(omitted)
+        else:
+            assert hf.hf_config_to_ours(omitted) == hf.hf_config_to_ours(kind(**omitted).to_dict()), key
+    least = {k: full[k] for k in needed}
+    assert hf.hf_config_to_ours(least) == hf.hf_config_to_ours(kind(**least).to_dict())
 
 
 def test_layer_equals_transformers_blocks_and_routes_by_the_bias():
@@ -154,52 +190,60 @@ def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_pat
 
 # ---- expert parallel and the layouts ---------------------------------------------------------
 
-def _ep_grads(mesh, ep):
-    """On each rank, twice (starve: the bias keeps every token off the experts of ep rank 1, which
-    receive no row and must still join the exchanges): the gradients of one process over the
-    whole batch (every rank computes them), and ep's: this rank's share of the batch, its
-    experts, the data-parallel wrapper and expert_parallel.sync_grads."""
+def _ep_grads(mesh):
+    """On each of 8 ranks, 8 experts: the gradients of one process over the whole batch (every
+    rank computes them) beside ep's over this rank's share of it, for ep=2 and ep=4 (an ep group
+    of 2 and replica groups of 4, and the other way round: a reduction over the wrong one or a
+    send split on the wrong axis shows), ep=2 under FSDP (sharded over the replicas), and ep=4
+    with the experts of ep rank 1 starved (the bias keeps every token off them: they receive no
+    row and must still join the exchanges). Per case {name: (ep's gradient, one process's)}."""
     import data_parallel
     import expert_parallel
-    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+    import fsdp
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=8,
                       moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
-    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    out = []
+    x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    def build(starve):
+        torch.manual_seed(0)
+        model = moe.attach(Transformer(cfg), cfg)
+        for layer in moe.moe_layers(model).values():
+            layer.expert_bias[2:4] = -100.0 if starve else 0.0
+        return model
+    one = {}
     for starve in (False, True):
-        def build():
-            torch.manual_seed(0)
-            model = moe.attach(Transformer(cfg), cfg)
-            for layer in moe.moe_layers(model).values():
-                layer.expert_bias.copy_(torch.tensor([100.0, 100.0, 0, 0]) if starve else torch.zeros(4))
-            return model
-        one = build()
-        for k in range(4):  # one process: the mean over 4 micro-batches (the loop's token weights, no mask)
-            (one(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 4).backward()
-        ours = expert_parallel.expert_parallel(build(), mesh, ep, moe.moe_layers)
-        wrapped = data_parallel.wrap(ours, mesh, "bucketed", 0.01)
-        steps = 4 // mesh.dp
-        for k in range(mesh.dp_rank * steps, (mesh.dp_rank + 1) * steps):  # weight dp / micro-batches
-            wrapped.require_backward_grad_sync = k == (mesh.dp_rank + 1) * steps - 1
-            (wrapped(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] * mesh.dp / 4).backward()
-        wrapped.wait()
+        model = build(starve)
+        for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
+            (model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
+        one[starve] = {name: p.grad for name, p in model.named_parameters()}
+    out = {}
+    for ep, layout, starve in ((2, "dp", False), (4, "dp", False), (2, "fsdp", False), (4, "dp", True)):
+        ours = expert_parallel.expert_parallel(build(starve), mesh, ep, moe.moe_layers)
+        wrap = fsdp.fully_shard_model if layout == "fsdp" else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01)
+        run = wrap(ours, mesh)
+        k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
+        run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1].backward()
+        run.wait() if layout == "dp" else None
         expert_parallel.sync_grads(ours, mesh)
-        r, n = mesh.dp_rank % ep, 4 // ep
-        want = {name: p.grad[r * n:(r + 1) * n] if "experts." in name else p.grad for name, p in one.named_parameters()}
-        out.append({name: (p.grad, want[name]) for name, p in ours.named_parameters()})
+        r, n = mesh.dp_rank % ep, 8 // ep
+        want = {name: g[r * n:(r + 1) * n] if "experts." in name else g for name, g in one[starve].items()}
+        got = {name: p.grad.full_tensor() if layout == "fsdp" else p.grad for name, p in ours.named_parameters()}
+        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {name: (got[name], want[name]) for name in got}
     return out
 
 
-def test_ep_gradients_equal_one_process_even_with_an_expert_starved():
-    """ep=2 on 2 ranks: every gradient equals one process's (the experts' not ep times too large:
-    summed over the ranks holding them, divided by dp), also when every token avoids the
-    experts of one rank, which then receive nothing and still join both exchanges (no hang)."""
+def test_ep_gradients_equal_one_process_where_the_groups_differ():
+    """8 experts on 8 ranks (dp=8): ep=2, ep=4, ep=2 x fsdp and ep=4 with an expert rank starved give
+    every gradient of one process, the experts' own included (summed over the ranks holding them,
+    divided by dp; not ep or dp / ep times too large), and the starved rank does not hang."""
     from conftest import spawn
-    for rank in spawn(_ep_grads, 2, 2):
-        for run in rank:
-            for name, (got, want) in run.items():
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
-    assert rank[0]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (rank 1's experts: tokens came)
-    assert rank[1]["layers.0.feed_forward.experts.w1"][1].abs().sum() == 0  # (starved: none came)
+    ranks = spawn(_ep_grads, 8)
+    for rank in ranks:
+        for case, grads in rank.items():
+            for name, (got, want) in grads.items():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
+    assert ranks[0]["ep4dp"]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (tokens came)
+    assert ranks[1]["ep4dpstarved"]["layers.0.feed_forward.experts.w1"][0].abs().sum() == 0  # (none came)
 
 
 # the run every MoE layout must reproduce: Muon (each expert's matrices orthogonalized), the
@@ -208,16 +252,18 @@ MOE_REF = [*MOE, "grad_accum_steps=4", "max_iters=4", "optim=muon", "moe_z_weigh
            "eval_interval=2", "ckpt_interval=2"]
 
 
-def _bias(out_dir):
+def _bias(path):
+    """The routing bias of each MoE layer in a run's latest checkpoint, or in checkpoint `path`."""
     import checkpoint
-    model, _ = checkpoint.load_whole(checkpoint.find(out_dir, None))
+    model, _ = checkpoint.load_whole(path if "/ckpt/" in path else checkpoint.find(path, None))
     return torch.stack([m.expert_bias for m in moe.moe_layers(model).values()])
 
 
 def test_moe_layouts_equal_one_process(dataset, tmp_path):
     """ep=2 in dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2,
     ep=2 x zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
-    give the single-process curve, and the same bias. At accumulation 1 and 2 (the same global
+    give the single-process curve, and the same bias; so does ep=2 x pp=2 with moe_every=2 (a stage
+    without a MoE layer). At accumulation 1 and 2 (the same global
     batch, no balancing loss: its unit is the micro-batch) the bias is the same too."""
     base = [*MOE_REF, f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
@@ -228,6 +274,15 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
         torchrun(n, [*base, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
         assert_same_curve(read_metrics(ref), read_metrics(str(tmp_path / name)))
         torch.testing.assert_close(_bias(str(tmp_path / name)), _bias(ref), rtol=0, atol=0)
+    # every other layer MoE (moe_every=2): pipeline stage 0 holds only the dense layer 0
+    every2 = [*base, "moe_every=2"]
+    for name, n, extra in (("every2", 1, []), ("every2ep2pp2", 4, ["ep=2", "pp=2"])):
+        torchrun(n, [*every2, *extra, f"out_dir={tmp_path / name}"], cwd=str(tmp_path))
+    rows = [read_metrics(str(tmp_path / name)) for name in ("every2", "every2ep2pp2")]
+    assert_same_curve(*rows)
+    first = next(r for r in rows[0] if "loss" in r)
+    assert "moe_load/1" in first and "moe_load/0" not in first
+    torch.testing.assert_close(_bias(str(tmp_path / "every2ep2pp2")), _bias(str(tmp_path / "every2")), rtol=0, atol=0)
     accum = {}
     for steps, batch in ((1, 8), (2, 4)):
         out = str(tmp_path / f"accum{steps}")
@@ -355,16 +410,18 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     process's loss scales and skipped iterations exactly and its curve to one fp16 rounding,
     2**-11 (test_fp16.py derives it; at its learning rate, 5e-4). LoRA on attention from that
     run's checkpoint (the experts frozen: no expert gradient to sync) gives one process's curve
-    on ep=2."""
+    on ep=2. The two skipped iterations leave the routing bias where it was (at zero)."""
     from test_fp16 import RTOL_FP16, fp16_rows, worst
     fp16 = [*MOE_REF, f"dataset={dataset}", "dtype=float16", "learning_rate=5e-4", "min_lr=5e-5",
-            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6"]
+            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6", "keep_ckpts=0"]
     single, ep2 = str(tmp_path / "fp16"), str(tmp_path / "fp16_ep2")
     run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*fp16, "ep=2", "grad_ckpt=True", f"out_dir={ep2}"], cwd=str(tmp_path))
     (want, scales, skipped), (got, got_scales, got_skipped) = fp16_rows(single), fp16_rows(ep2)
     # (the scales 2**40 and 2**29 overflow, 2**18 does not: 8x below this model's threshold)
     assert skipped == [0, 1] and (got_scales, got_skipped) == (scales, skipped)
+    biases = [_bias(f"{single}/ckpt/iter_{it:07d}") for it in (2, 6)]  # (the two skipped steps left it at zero)
+    assert biases[0].abs().sum() == 0 and biases[1].abs().sum() > 0
     print(f"\nfp16 ep=2 vs one process: worst relative difference {worst(want, got):.1e}")
     trained = [[r for r in rows if "skipped" not in r] for rows in (want, got)]
     assert_same_curve(*trained, rtol=RTOL_FP16)
@@ -373,3 +430,119 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     run_train([*lora, f"out_dir={one}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*lora, "ep=2", f"out_dir={ep2}"], cwd=str(tmp_path))
     assert_same_curve(read_metrics(one), read_metrics(ep2))
+
+
+# ---- the balancing losses and the bias against their definitions ----------------------------
+
+def _router(layers=1, skew=0.0):
+    """A tiny all-MoE model (4 experts, 2 a token) with its balancing hook and fixed tokens; skew:
+    the routers' row of expert 0 leans this far along the mean of the inputs it sees."""
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+                      moe_top_k=2, moe_ffn_dim=24, moe_bias_rate=0.01)
+    torch.manual_seed(0)
+    model = moe.attach(Transformer(cfg), cfg)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    if skew:
+        seen = []
+        for layer in moe.moe_layers(model).values():
+            hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 32).mean(0)))
+            model(x, x)
+            hook.remove()
+            with torch.no_grad():
+                layer.router.weight[0] += skew * seen[-1] / seen[-1].norm()
+        model.moe_stats.__init__(model.moe_stats.names, 4)
+    return model, x
+
+
+def test_balancing_losses_equal_transformers_and_st_moe():
+    """On fixed logits (a router's on fixed inputs), the aux loss is transformers' Mixtral /
+    Qwen2-MoE load_balancing_loss_func / top_k (theirs counts a token's k slots as k, ours as 1:
+    hf_moe.config_out exports the weight / top_k), value and gradient through the scores; the
+    z-loss is ST-MoE's mean over tokens of logsumexp(logits)^2, value and gradient. The logged
+    moe_aux and moe_z are these losses' means over a step's forwards and layers."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    for E, k in ((4, 2), (8, 3)):
+        layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=E, moe_top_k=k, moe_ffn_dim=24)).train()
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(E + k)).unsqueeze(0)
+        torch.nn.init.normal_(layer.router.weight, std=0.3)
+        layer(x)
+        counts, aux, z = layer.last
+        logits = F.linear(x[0], layer.router.weight)  # (N, E), the same in float32
+        want = load_balancing_loss_func((logits,), E, k) / k
+        want_z = torch.log(logits.exp().sum(-1)).square().sum() / logits.shape[0]
+        eps = 40 * torch.finfo(torch.float32).eps  # (float32: the 40 tokens' terms summed in another order)
+        torch.testing.assert_close(aux, want, rtol=eps, atol=0)
+        torch.testing.assert_close(z, want_z, rtol=eps, atol=0)
+        for got, ref in ((aux, want), (z, want_z)):
+            g, = torch.autograd.grad(got, layer.router.weight, retain_graph=True)
+            g_ref, = torch.autograd.grad(ref, layer.router.weight, retain_graph=True)
+            assert g.abs().sum() > 0
+            torch.testing.assert_close(g, g_ref, rtol=eps, atol=eps * g_ref.abs().max().item())
+    (model, x), seen = _router(layers=2), []
+    for m in moe.moe_layers(model).values():
+        m.register_forward_pre_hook(lambda m, a: seen.append(F.linear(a[0].reshape(-1, 32), m.router.weight)))
+    for k in range(2):  # two forwards of one step: the metric is their mean, not their sum
+        model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])
+    metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=False)
+    lse = [torch.logsumexp(s, -1).square().mean() for s in seen]
+    torch.testing.assert_close(metrics["moe_aux"], torch.stack(
+        [load_balancing_loss_func((s,), 4, 2) / 2 for s in seen]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(metrics["moe_z"], torch.stack(lse).mean().item(), rtol=1e-6, atol=0)
+
+
+def test_the_bias_balances_the_load_and_a_skipped_step_leaves_it():
+    """DeepSeek-V3's bias on a router skewed towards expert 0: over the steps the most loaded
+    expert's share of the slots falls (from 0.42 to about 0.3; 0.25 is balanced), the bias stays
+    centred (it sums to 0), and a step not taken (stepped=False) leaves it where it was."""
+    model, x = _router(skew=0.5)
+    layer = moe.moe_layers(model)["0"]
+    mesh, shares = types.SimpleNamespace(backend=None), []
+    for step in range(40):
+        model(x, x)
+        shares.append(model.moe_stats.counts.max().item() / model.moe_stats.counts.sum().item())
+        before = layer.expert_bias.clone()
+        moe.after_step(model, mesh, stepped=step % 5 != 4)
+        if step % 5 == 4:
+            assert torch.equal(layer.expert_bias, before), step
+        assert abs(layer.expert_bias.sum().item()) < 1e-6
+    late = sum(shares[-10:]) / 10  # (sign steps overshoot: the share flips between two values at the end)
+    print(f"\nmost loaded expert's share of the slots: {shares[0]:.2f} -> {late:.2f}")
+    assert shares[0] > 0.35 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
+
+
+def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
+    """moe_top_k == n_experts is accepted, and its layer is the dense mixture sum_e p_e expert_e(x)
+    (p: the softmax, every expert chosen). moe_every=2 on 4 layers makes layers 1 and 3 MoE, as
+    Qwen2-MoE's decoder_sparse_step does, and trains: both report their loads and move their bias."""
+    import configurator
+    import guard_config
+    from conftest import ROOT
+    defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
+    given = {"n_experts": 4, "moe_top_k": 4, "out_dir": str(tmp_path / "out")}
+    guard_config.validate({**defaults, **given}, given, 1)
+    layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=4, moe_top_k=4, moe_ffn_dim=24))
+    torch.nn.init.normal_(layer.router.weight, std=0.3)
+    for w in layer.experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(0))
+    p = F.linear(x[0], layer.router.weight).softmax(-1)
+    e = layer.experts
+    dense = sum(p[:, i:i + 1] * ((F.silu(x[0] @ e.w1[i].T) * (x[0] @ e.w3[i].T)) @ e.w2[i].T) for i in range(4))
+    torch.testing.assert_close(layer(x)[0], dense, rtol=1e-5, atol=1e-6)
+    from transformers import Qwen2MoeConfig
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
+                      moe_ffn_dim=24, moe_every=2, moe_bias_rate=0.01)
+    sparse = Qwen2MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, num_experts=4)
+    want = [str(i) for i in range(4) if (i + 1) % sparse.decoder_sparse_step == 0]  # (transformers' rule)
+    torch.manual_seed(0)
+    model = moe.attach(Transformer(cfg), cfg)
+    assert list(moe.moe_layers(model)) == model.moe_stats.names == want == ["1", "3"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=True)
+        assert sorted(k for k in metrics if k.startswith("moe_load/")) == ["moe_load/1", "moe_load/3"]
+    assert all(m.expert_bias.abs().sum() > 0 for m in moe.moe_layers(model).values())
