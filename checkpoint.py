@@ -359,6 +359,49 @@ def _refuse_failed(error, tmp, root, name, mesh):
                     f"(init_from=auto resumes)")
 
 
+# ---------------------------------------------------------------------------------------
+# this run's saves: when the two halves of a save run
+
+
+class Saves:
+    """This run's checkpoints. save(it, meta) starts one on every rank (with ckpt_async it is
+    written in the background: the loop pauses only to copy the state to CPU); finish(now),
+    once every rank has written it, makes it the latest. One save is in flight at most."""
+
+    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, resumed_from):
+        self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
+        self.keep, self.asynchronous, self.resumed_from = keep, asynchronous, resumed_from
+        self.group = save_group(mesh) if asynchronous else None  # its own process group (checkpoint.py)
+        self.pending = None  # the save in flight: started, not finished yet
+
+    def save(self, it, meta, run_state):
+        """Every rank writes its part (weights and optimizer state under global names: the whole
+        model once, whatever the layout, so any layout resumes it); rank 0 adds run_state (every
+        rank's RNG states, state.pt) and `meta`, the run's metadata (meta.json)."""
+        self.finish(it)  # the previous save first
+        self.pending = start_save(self.out_dir, it, self.model, self.optimizer, run_state, meta, self.mesh,
+                                  self.asynchronous, self.group)
+        if not self.asynchronous:
+            self.finish(it)
+
+    def finish_if_written(self, now):
+        """An async save in flight becomes the latest once every rank has written its part: the
+        ranks agree on it (a collective, only while one is in flight) and finish it together."""
+        if self.pending is not None:
+            ready = all_reduce_sum(torch.tensor(float(written(self.pending))), self.mesh).item()
+            if ready == self.mesh.world:
+                self.finish(now)
+
+    def finish(self, now):
+        """Makes the save in flight the latest checkpoint. Every rank calls it at the same point
+        (`now`: the iteration then); a failed write raises here."""
+        if self.pending is not None:
+            done, self.pending = self.pending, None
+            path = finish_save(done, self.keep, self.resumed_from)
+            self.mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})"
+                                                           if self.asynchronous else ""))
+
+
 def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
     """A plain (blocking) save: start_save, then finish_save."""
     pending = start_save(out_dir, it, model, optimizer, run_state, meta, mesh)
@@ -441,7 +484,7 @@ def load(path, model, optimizer=None, no_dist=False):
         optimizer.load_full_state(state["optim"], param_names(model))
 
 
-def load_lora_whole(path):
+def load_whole(path):
     """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
     run's checkpoint holds only the adapters: lora.load_lora_whole reads it onto its base."""
     meta, _ = read_meta(path)

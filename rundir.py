@@ -1,16 +1,19 @@
 """
 The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the run's
 config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
-writes them, saves.py decides when, origin.py reads them to decide where the weights come
+writes them and decides when, origin.py reads them to decide where the weights come
 from). Also each rank's random streams, which checkpoints carry so that a resumed run draws
-the same dropout masks as the uninterrupted one, and the block that ends a run.
+the same dropout masks as the uninterrupted one, the signals that stop a run with a last
+checkpoint (SIGTERM, SIGUSR1, Ctrl-C), and the block that ends a run.
 """
 
+import functools
 import io
 import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import zlib
@@ -154,3 +157,34 @@ def summary(out_dir, c, started, world, exports, stopped):
         f"continue{'' if stopped else ' (twice as long, the decay kept where it ended)'}: "
         + shlex.join([*launch, "train.py", *again]),
         "-" * 73])
+
+
+# ---------------------------------------------------------------------------------------
+# the signals that stop a run with a last checkpoint
+
+
+def catch_signals(mesh):
+    """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
+    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
+    received = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, functools.partial(_stop_on_signal, received, mesh.rank))
+    return received
+
+
+def signal_name(received):
+    return signal.Signals(received[0]).name if received else "a signal (on another rank)"
+
+
+def exit_code(received):
+    """A run stopped by a signal exits as a shell reports a command it killed: 128 + N (a rank
+    that stopped because another got it: SIGTERM's), so `train.py && sample.py` stops there."""
+    return 128 + (received[0] if received else signal.SIGTERM)
+
+
+def _stop_on_signal(received, rank, signum, frame):
+    if signum == signal.SIGINT and received:  # a second Ctrl-C: quit at once
+        os._exit(130)
+    received.append(signum)
+    print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)

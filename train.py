@@ -31,7 +31,6 @@ import nan_guard
 import origin
 import parallel
 import rundir
-import saves as saves_py
 import tokenizer as tokenizer_py
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
@@ -378,8 +377,8 @@ def log(record):
             wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-saves = saves_py.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
-                     resumed_from=src.path if src.kind == "resume" else None)
+saves = checkpoint.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
+                         resumed_from=src.path if src.kind == "resume" else None)
 
 
 def save(it):
@@ -387,11 +386,11 @@ def save(it):
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
                     "skip_iters": sorted(nan.skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
                     "tokenizer_spec": tokenizer_py.spec_of(meta),
-                    "loss_scale": scaler.state_dict() if scaler else None})
+                    "loss_scale": scaler.state_dict() if scaler else None}, rundir.rng_states(mesh))
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
-signals = saves_py.catch_signals(mesh)
+signals = rundir.catch_signals(mesh)
 per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1 else None  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 passes = train_loader.epoch(max_iters)
@@ -466,8 +465,8 @@ while True:
         if scaler:  # fp16: loss_scale.py
             loss_sum = scaler.unscale_(grad_params, loss_sum)
         # One all-reduce for every number the ranks agree on: the loss (dp ranks' weighted sums; tp
-        # and cp ranks hold the same one), the stop flag, the ranks whose async save is written.
-        agree = {"loss": loss_sum, "stop": len(signals) > 0, "saved": saves.written()}
+        # and cp ranks hold the same one) and the stop flag (a signal on any rank).
+        agree = {"loss": loss_sum, "stop": len(signals) > 0}
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
         totals = parallel.all_reduce_named(agree, mesh)
@@ -487,8 +486,7 @@ while True:
 
         # what follows is the step's bookkeeping: an async save written by every rank, the
         # timeline, the memory line, and why the step was skipped, if it was
-        if totals["saved"].item() == mesh.world:
-            saves.finish(it + 1)
+        saves.finish_if_written(it + 1)  # checkpoint.py: an async save, once every rank wrote it
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
         if trace is not None:  # pipeline: pipeline.py
             pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
@@ -524,7 +522,7 @@ while True:
 # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 saves.finish(it)
 if stop:
-    mesh.print0(f"stopped by {saves_py.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
+    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
@@ -539,7 +537,7 @@ if mesh.master:
     print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
     # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
-    workarounds.exit_now(saves_py.exit_code(signals))
+    workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
     # all is written and the process group is gone: leave without the interpreter's shutdown,
     # where gloo's threads can abort a finished run (SIGABRT)

@@ -80,6 +80,6 @@ def test_a_stopped_run_exits_as_a_shell_reports_its_signal():
     rank that stopped because another rank got one (test_resilience watches both under torchrun)."""
     import signal
 
-    import saves
+    import rundir as saves
     received = ([signal.SIGTERM], [signal.SIGINT], [signal.SIGUSR1], [])
     assert [saves.exit_code(r) for r in received] == [143, 130, 138, 143]
