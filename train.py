@@ -44,6 +44,7 @@ export_hf = ""                  # at the end, also write a Hugging Face LLaMA di
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100
 eval_iters = 10                 # global batches of val data per evaluation
+eval_tasks = ""                 # multiple-choice tasks (JSONL) scored at each eval: 'a.jsonl,b.jsonl'
 log_interval = 10
 ckpt_interval = 250
 keep_ckpts = 2                  # the newest this many (0: all)
@@ -347,6 +348,10 @@ def evaluate(val_loader):
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
+import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
+scorer = evals.Evaluator(eval_tasks, val_loaders, tokenizer_py.tokenizer_from_meta(meta), raw_model, mesh,
+                         eval_iters)
+
 # ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 # dropout masks differ across ranks, but not within a tp group (its ranks hold the same activations)
@@ -419,8 +424,10 @@ while True:
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
             val_loss, by_source = mixture.val_losses(val, val_weights)
-        mesh.print0(f"iter {it}: val loss {val_loss:.4f}" + (mixture.compact(by_source) if by_source else ""))
-        log({"iter": it, "val_loss": val_loss, **by_source, "tokens": it * tokens_per_iter,
+        scores, line = scorer.run(val, evaluate, val_weights if mixing else None)  # evaluation: evals.py
+        by_text = mixture.compact(by_source) if by_source else ""
+        mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
+        log({"iter": it, "val_loss": val_loss, **by_source, **scores, "tokens": it * tokens_per_iter,
              "elapsed_s": time.time() - started})
     if it != saved_at and (it % ckpt_interval == 0 or it == max_iters or stop):
         save(it)
