@@ -23,14 +23,18 @@ loss), and a forward hook on the model (on the last stage) keeps each row's summ
 cross-entropy; an all-reduce puts the rows together. sample.py eval=True scores one process.
 """
 
+import json
 import math
 import os
+import re
+import sys
 
 import numpy as np
 import torch
 
 import data
-from common import UserError, loads_json
+import sources
+from common import UserError, excepthook, loads_json, write_atomic
 from parallel import all_reduce_sum, pick_device
 
 TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
@@ -201,6 +205,58 @@ def split_bytes(data_dir, block_size, enc, split="val"):
     return target_bytes(y, mask, byte_lengths(enc))
 
 
+# ---- task files from the public benchmarks ----------------------------------------------------
+# One record of each benchmark as its Hugging Face dataset holds it -> ours, with the prompt
+# lm-evaluation-harness writes for it (its choices follow a space, its target_delimiter).
+
+
+def _hellaswag_text(text):
+    """lm-evaluation-harness's preprocess: WikiHow's [title] and [step] marks out."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def from_hellaswag(r):  # Rowan/hellaswag (validation: the split lm-evaluation-harness scores)
+    context = r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()
+    return {"context": _hellaswag_text(context), "answer": int(r["label"]),
+            "choices": [" " + _hellaswag_text(e) for e in r["endings"]]}
+
+
+def from_arc(r):  # allenai/ai2_arc, ARC-Easy or ARC-Challenge (test)
+    choices = r["choices"]  # {"text": [...], "label": ["A", "B", ...]}
+    question = f"Question: {r['question']}\nAnswer:"
+    return {"context": question, "choices": [" " + t for t in choices["text"]],
+            "answer": choices["label"].index(r["answerKey"])}
+
+
+def from_piqa(r):  # ybisk/piqa (validation)
+    return {"context": f"Question: {r['goal']}\nAnswer:", "answer": int(r["label"]),
+            "choices": [" " + r["sol1"], " " + r["sol2"]]}
+
+
+CONVERTERS = {"hellaswag": from_hellaswag, "arc": from_arc, "piqa": from_piqa}
+
+
+def convert(argv):
+    """python evals.py hellaswag|arc|piqa IN OUT: the benchmark's records (.jsonl, .jsonl.gz or
+    .parquet, as downloaded from the Hugging Face hub) -> a task file for eval_tasks=."""
+    if len(argv) != 3 or argv[0] not in CONVERTERS:
+        raise UserError(f"usage: python evals.py {'|'.join(CONVERTERS)} IN OUT (IN: the "
+                        f"benchmark's .jsonl or .parquet file, OUT: the task file to write)")
+    kind, source, out = argv
+    sources.check_readers([source])
+    lines = []
+    decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
+    for row, record, _ in sources.records(source, None, decode):
+        try:
+            lines.append(json.dumps(CONVERTERS[kind](record)) + "\n")
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise UserError(f"{source}:{row}: not a {kind} record ({type(e).__name__}: {e}): "
+                            f"give the benchmark's own file, or write {TASK_EXAMPLE}") from None
+    write_atomic(out, lambda f: f.write("".join(lines).encode()))
+    print(f"{out}: {len(lines):,} {kind} questions", flush=True)
+
+
 # ---- in a training run, on any layout ---------------------------------------------------------
 
 
@@ -293,3 +349,8 @@ class Evaluator:
             record.update({f"task/{task.name}/{k}": v for k, v in s.items()})
             line += f"; {task.name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}"
         return record, line
+
+
+if __name__ == "__main__":
+    sys.excepthook = excepthook
+    convert(sys.argv[1:])

@@ -77,8 +77,11 @@ def _parquet_rows(path, text_field):
     try:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
+        # (text_field None: every column)
         columns = [c for c in (text_field, *CHAT_COLUMNS) if c in names]
-        if not columns:
+        if text_field is None:
+            columns = None
+        elif not columns:
             raise UserError(f"{path} has no column '{text_field}' or 'messages' (its columns: "
                             f"{', '.join(names[:12])}): pass --text_field NAME for the text column")
         for i in range(pf.num_row_groups):
@@ -89,7 +92,8 @@ def _parquet_rows(path, text_field):
 
 def records(path, text_field, decode):
     """(row number, record, n_replaced) for each record: a non-blank JSONL line (numbered as in
-    the file, 1 first) or a Parquet row; `decode` turns a line's bytes into (text, n_replaced)."""
+    the file, 1 first) or a Parquet row (its columns that text_field or a chat needs; None:
+    all); `decode` turns a line's bytes into (text, n_replaced)."""
     if path.endswith(".parquet"):
         for row, record in enumerate(_parquet_rows(path, text_field), 1):
             yield row, record, 0

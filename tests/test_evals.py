@@ -161,3 +161,33 @@ def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
     lengths = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base", 512, ["<|user|>", "kubernetes"]))
     # <|endoftext|> and a role token are no text; a domain word added as a token is
     assert lengths[511] == 0 and lengths[512] == 0 and lengths[513] == len("kubernetes")
+
+
+def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
+    """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
+    holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
+    asks; a file of another benchmark is one line naming the row."""
+    import pyarrow
+    import pyarrow.parquet as pq
+    hellaswag = {"activity_label": "Making a cake", "ctx_a": "She mixes the flour.", "ctx_b": "then she",
+                 "endings": ["bakes it [title] Enjoy.", "eats  the bowl."], "label": "0", "split": "val"}
+    (tmp_path / "h.jsonl").write_text(json.dumps(hellaswag) + "\n")
+    arc = {"id": "x", "question": "Which is a gas?", "answerKey": "C",
+           "choices": {"text": ["rock", "water", "steam"], "label": ["A", "B", "C"]}}
+    pq.write_table(pyarrow.Table.from_pylist([arc, arc]), tmp_path / "arc.parquet")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "sing",
+                                                  "label": 0}) + "\n")
+    for kind, src in (("hellaswag", "h.jsonl"), ("arc", "arc.parquet"), ("piqa", "p.jsonl")):
+        evals.convert([kind, str(tmp_path / src), str(tmp_path / f"{kind}.jsonl")])
+    read = lambda kind: [json.loads(line) for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]  # noqa
+    assert read("hellaswag") == [{"context": "Making a cake: She mixes the flour. Then she",
+                                  "choices": [" bakes it. Enjoy.", " eats the bowl."], "answer": 0}]
+    assert read("arc") == [{"context": "Question: Which is a gas?\nAnswer:", "choices": [" rock", " water", " steam"],
+                            "answer": 2}] * 2
+    assert read("piqa") == [{"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"], "answer": 0}]
+    assert "arc.jsonl: 2 arc questions" in capsys.readouterr().out
+    evals.Task(str(tmp_path / "arc.jsonl"), tokenizer_py.get_tokenizer("cl100k_base", 512), 16)  # a valid task
+    with pytest.raises(UserError, match=r"h.jsonl:1: not a piqa record \(KeyError: 'goal'\)"):
+        evals.convert(["piqa", str(tmp_path / "h.jsonl"), str(tmp_path / "x.jsonl")])
+    with pytest.raises(UserError, match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
+        evals.convert(["mmlu", "a", "b"])
