@@ -62,6 +62,7 @@ tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offli
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
 val_fraction = 0.01
+packing = "concat"              # rows: 'concat' (end to end, cut) or 'bfd' (whole documents: packing.py)
 # batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
@@ -211,7 +212,11 @@ def prepared(source, prep):
 
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
-    return data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+    ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp,
+                     packing)
+    if ld.packed:  # whole documents per row: packing.py
+        mesh.print0("packing: " + ld.packed.note(f"{data_dir} {split}"))
+    return ld
 
 
 if not mixing:
