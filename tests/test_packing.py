@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, read_metrics, run_train
+from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import data
 import packing
@@ -79,16 +79,16 @@ def test_no_conversation_crosses_a_row_and_the_masks_cover_exactly_the_replies(c
     assert m.sum() == mask.sum() - mask[p.starts[p.ptr[:-1]]].sum()
 
 
-def test_the_first_loss_equals_transformers_on_the_same_padded_rows(chats, tmp_path):
+def test_the_first_loss_equals_transformers_on_the_same_padded_rows_on_any_layout(chats, tmp_path):
     """train.py packing=bfd: its first loss is our model's on the packed batch, which equals
     transformers' on our export given the same rows with attention_mask 0 on the padding and
-    labels -100 where the loss does not count."""
+    labels -100 where the loss does not count; dp=2 x pp=2 trains the same curve."""
     from transformers import LlamaForCausalLM
 
     import hf
     out = str(tmp_path / "run")
-    p = run_train([*TINY, f"dataset={chats}", f"out_dir={out}", "max_iters=1", f"block_size={T}", "packing=bfd"],
-                  cwd=tmp_path, fork=True)
+    args = [*TINY, f"dataset={chats}", "max_iters=4", f"block_size={T}", "grad_accum_steps=4", "packing=bfd"]
+    p = run_train([*args, f"out_dir={out}"], cwd=tmp_path, fork=True)
     assert "packing: " in p.stdout and " split at a turn boundary and " in p.stdout
     first = read_metrics(out)[1]
     assert first["iter"] == 0 and "loss" in first
@@ -96,7 +96,7 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows(chats, tmp_p
     torch.manual_seed(1337)  # train.py's model for seed=1337
     cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=T, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     model = Transformer(cfg).eval()
-    ld = data.Loader(chats, "train", T, 4, 2, 1337, packing="bfd")
+    ld = data.Loader(chats, "train", T, 4, 4, 1337, packing="bfd")
     x, y, m = (t.flatten(0, 1) for t in ld.batch(0))
     with torch.no_grad():
         losses, _ = model(x, y)
@@ -112,3 +112,5 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows(chats, tmp_p
     with torch.no_grad():
         loss = theirs(input_ids=rows, attention_mask=attention, labels=labels).loss.item()
     assert abs(loss - ours) < 1e-4 * ours, (loss, ours)
+    torchrun(4, [*args, "pp=2", f"out_dir={tmp_path / 'dp2-pp2'}"], cwd=tmp_path)
+    assert_same_curve(read_metrics(out), read_metrics(str(tmp_path / "dp2-pp2")))
