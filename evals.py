@@ -48,10 +48,9 @@ def byte_lengths(enc):
     special tokens, and added tokens written <|name|> (a chat template's role tokens), not the
     domain words added as tokens."""
     n = enc.n_vocab
-    if hasattr(enc, "decode_single_token_bytes"):  # tiktoken: each id's bytes, exactly
-        lengths = [len(enc.decode_single_token_bytes(i)) for i in range(n)]
-    else:  # a tokenizer.json: a SentencePiece '▁' alone decodes to no space (a slight undercount)
-        lengths = [len(enc.decode([i]).encode()) for i in range(n)]
+    # (a model's tokenizer.json: a SentencePiece '▁' is a space, one byte more than the text
+    # has before a document's first word)
+    lengths = [len(enc.decode_single_token_bytes(i)) for i in range(n)]
     marked = lambda t: t.startswith("<|") and t.endswith("|>")  # noqa: E731
     extra = {t for t in getattr(enc, "extra_tokens", ()) if not marked(t)}
     markers = {getattr(enc, "eot_token", None), getattr(enc, "bos_token", None)}

@@ -191,3 +191,20 @@ def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts
         evals.convert(["piqa", str(tmp_path / "h.jsonl"), str(tmp_path / "x.jsonl")])
     with pytest.raises(UserError, match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
         evals.convert(["mmlu", "a", "b"])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_a_model_tokenizers_token_bytes_are_its_texts(tmp_path, family):
+    """bits per byte under a model's tokenizer.json: each id's bytes (HFTokenizer's
+    decode_single_token_bytes) joined are the text's UTF-8, byte-level (Qwen2) or SentencePiece
+    with byte fallback (Mistral: its '▁' a space, so one more before the first word)."""
+    import hf_families
+    hf_families.write_tokenizer(family, str(tmp_path))
+    enc = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"))
+    lengths = evals.byte_lengths(enc)
+    for text in ["Héllo wörld, 日本語 🚀 code:\n\tx = 1  # ü", "plain ascii words"]:
+        ids = tokenizer_py.encode(enc, text)
+        want = (" " if family == "mistral" else "") + text
+        assert b"".join(enc.decode_single_token_bytes(i) for i in ids) == want.encode(), (family, text)
+        assert lengths[ids].sum() == len(want.encode())
+    assert lengths[enc.eot_token] == 0
