@@ -82,32 +82,44 @@ def bits_per_byte(loss, tokens, n_bytes):
 
 
 class Task:
-    """One task file's rows: every choice of every question, (n_rows, block_size) x and y, the
-    loss mask on the choice's targets; row_question, each row's question; bytes, each choice's."""
+    """One task file: every choice of every question as a row (ids: the start token, the
+    context, the choice, cut from the left to block_size + 1; n: how many end it are the
+    choice's), row_question (each row's question), bytes (each choice's), answers."""
 
     def __init__(self, path, enc, block_size):
         self.path, self.name = path, os.path.basename(path).removesuffix(".jsonl")
         start = getattr(enc, "bos_token", None)
         # what precedes a document in prepared data
         start = enc.eot_token if start is None else start
-        self.pad = enc.eot_token
-        rows, self.answers, self.row_question, self.bytes = [], [], [], []
+        self.pad, self.block_size = enc.eot_token, block_size
+        self.ids, self.n, self.answers, self.row_question, self.bytes = [], [], [], [], []
         for q, (context, choices, answer) in enumerate(read_task(path)):
             self.answers.append(answer)
             for choice in choices:
                 ids, n = encode_pair(enc, context, choice)
-                rows.append(([start] + ids, n))
+                # cut from the left, as lm-evaluation-harness does past max_length
+                self.ids.append(([start] + ids)[-(block_size + 1):])
+                self.n.append(n)
                 self.row_question.append(q)
                 self.bytes.append(len(choice.encode()))
-        T = block_size
-        self.x = torch.full((len(rows), T), enc.eot_token, dtype=torch.int64)
-        self.y, self.mask = self.x.clone(), torch.zeros(len(rows), T)
-        for r, (ids, n) in enumerate(rows):
-            ids = ids[-(T + 1):]  # cut from the left, as lm-evaluation-harness does past max_length
-            t = torch.tensor(ids)
-            self.x[r, :len(ids) - 1], self.y[r, :len(ids) - 1] = t[:-1], t[1:]
-            self.mask[r, max(0, len(ids) - 1 - n):len(ids) - 1] = 1
         self.row_question = np.asarray(self.row_question)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def rows(self, idx, T=None):
+        """(x, y, loss_mask) of rows idx, each (len(idx), T): padded past a row's end (and for
+        an index past the last row, all padding), the mask 1 on the choice's targets."""
+        T = T or self.block_size
+        x = torch.full((len(idx), T), self.pad, dtype=torch.int64)
+        y, mask = x.clone(), torch.zeros(len(idx), T)
+        for k, r in enumerate(idx):
+            if r < len(self.ids):
+                t = torch.tensor(self.ids[r])
+                L = len(t) - 1
+                x[k, :L], y[k, :L] = t[:-1], t[1:]
+                mask[k, max(0, L - self.n[r]):L] = 1
+        return x, y, mask
 
 
 def read_task(path):
@@ -170,8 +182,11 @@ def plain_logliks(model, task, batch_size, device, doc_ids=None, autocast=None):
     """Each row's log-likelihood of its choice, by one whole model (sample.py, tests).
     doc_ids: data.doc_ids-like function of x, for a model trained with doc_mask."""
     out = []
-    for s in range(0, len(task.x), batch_size):
-        x, y, m = (t[s:s + batch_size].to(device) for t in (task.x, task.y, task.mask))
+    for s in range(0, len(task), batch_size):
+        idx = range(s, min(s + batch_size, len(task)))
+        # as long as the batch's longest row: padding after a row changes nothing before it
+        longest = max(len(task.ids[r]) - 1 for r in idx)
+        x, y, m = (t.to(device) for t in task.rows(idx, longest))
         with autocast or torch.autocast(device.type, enabled=False):
             losses, _ = model(x, y, None, None if doc_ids is None else doc_ids(x))
         out.append(-(losses.double() * m).sum(1).cpu())
@@ -261,7 +276,9 @@ def convert(argv):
 
 class _Window:
     """Global batches [start, start + n) of a task's rows, as a val Loader hands them out (this
-    dp rank's micro-batches), past the last row padded with rows that count nothing."""
+    dp rank's micro-batches), past the last row padded with rows that count nothing. n is
+    eval_iters, the batches train.py's evaluate() reads: a task's last window computes up to
+    eval_iters - 1 global batches of padding."""
 
     def __init__(self, task, start, n, like):
         self.task, self.start, self.n, self.like = task, start, n, like
@@ -273,13 +290,9 @@ class _Window:
         return torch.arange(first, first + L.micro_steps * L.batch_size)
 
     def batch(self, i):
-        L, t = self.like, self.task
-        idx = self.rows_of(i)
-        ok = idx < len(t.x)
-        shape = (L.micro_steps, L.batch_size, t.x.shape[1])
-        x = torch.full((len(idx), t.x.shape[1]), t.pad, dtype=torch.int64)
-        x[ok], y, m = t.x[idx[ok]], x.clone(), torch.zeros(x.shape)
-        y[ok], m[ok] = t.y[idx[ok]], t.mask[idx[ok]]
+        L = self.like
+        x, y, m = self.task.rows(self.rows_of(i).tolist())
+        shape = (L.micro_steps, L.batch_size, -1)
         return x.view(shape), y.view(shape), m.view(shape)
 
     def eot_of(self, *source):
@@ -318,7 +331,7 @@ class Evaluator:
     def logliks(self, task, evaluate):
         """Each row's log-likelihood, the same on every rank and every layout."""
         L = self.like
-        n_batches = -(-len(task.x) // L.global_batch)
+        n_batches = -(-len(task) // L.global_batch)
         size = (n_batches + self.eval_iters) * L.global_batch  # (the last window's padding too)
         sums = torch.zeros(size, dtype=torch.float64, device=self.mesh.device)
         for start in range(0, n_batches, self.eval_iters):
@@ -332,7 +345,7 @@ class Evaluator:
                 self.rows = None
         # a tp or cp group's ranks hold the same rows (the loss is gathered); other stages none
         total = all_reduce_sum(sums, self.mesh) / (self.mesh.tp * self.mesh.cp)
-        return (-total[:len(task.x)]).tolist()
+        return (-total[:len(task)]).tolist()
 
     def run(self, val, evaluate, weights=None):
         """(record, text for the log line) from val ({source: val loss}) and train.py's

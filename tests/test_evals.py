@@ -50,24 +50,25 @@ def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
                 p.uniform_(0.5, 1.5)
     enc = tokenizer_py.get_tokenizer("cl100k_base", 300)
     task = evals.Task(write_task(tmp_path / "made.jsonl", QUESTIONS), enc, 32)
-    assert task.name == "made" and len(task.x) == 10 and task.answers == [0, 1, 0, 1]
+    assert task.name == "made" and len(task) == 10 and task.answers == [0, 1, 0, 1]
+    x, y, mask = task.rows(range(len(task)))
     # "import " + "os": the space goes with the choice, whose ids follow the context's
     whole, context = enc.encode_ordinary("import os"), enc.encode_ordinary("import")
     row = 3
-    assert task.x[row, 0] == enc.eot_token
-    assert task.y[row][task.mask[row] == 1].tolist() == whole[len(context):]
-    assert task.x[row, 1:len(whole)].tolist() == whole[:-1]
+    assert x[row, 0] == enc.eot_token
+    assert y[row][mask[row] == 1].tolist() == whole[len(context):]
+    assert x[row, 1:len(whole)].tolist() == whole[:-1]
     long_row = 6  # 6 lines of context: cut from the left to block_size + 1 tokens
-    assert task.mask[long_row, -1] == 1 and task.x[long_row, 0] != enc.eot_token
+    assert mask[long_row, -1] == 1 and x[long_row, 0] != enc.eot_token
     ours = evals.plain_logliks(model, task, 3, torch.device("cpu"))
 
     hf.save_hf_llama(str(tmp_path / "hf"), model.state_dict(), cfg, enc)
     theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    for r in range(len(task.x)):
-        n = int(task.mask[r].nonzero().max()) + 1  # the row's length before padding
+    for r in range(len(task)):
+        n = int(mask[r].nonzero().max()) + 1  # the row's length before padding
         with torch.no_grad():
-            logp = torch.log_softmax(theirs(task.x[r:r + 1, :n]).logits[0].double(), -1)
-        want = (logp.gather(1, task.y[r, :n, None])[:, 0] * task.mask[r, :n]).sum().item()
+            logp = torch.log_softmax(theirs(x[r:r + 1, :n]).logits[0].double(), -1)
+        want = (logp.gather(1, y[r, :n, None])[:, 0] * mask[r, :n]).sum().item()
         assert abs(ours[r] - want) < 1e-4, (r, ours[r], want)
     assert all(ll < 0 for ll in ours)
 
