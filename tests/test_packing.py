@@ -114,3 +114,25 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows_on_any_layou
     assert abs(loss - ours) < 1e-4 * ours, (loss, ours)
     torchrun(4, [*args, "pp=2", f"out_dir={tmp_path / 'dp2-pp2'}"], cwd=tmp_path)
     assert_same_curve(read_metrics(out), read_metrics(str(tmp_path / "dp2-pp2")))
+
+
+def test_a_mixture_takes_packed_sources(chats, dataset):
+    """A packed chat source beside a packed text one: each slot is its source's packed row, a
+    text row masked only on its padding."""
+    import configurator
+    import mixture
+    names = ["chats", "tiny"]
+    loaders = [data.Loader(d, "train", T, 4, 2, 1337, packing="bfd") for d in (chats, dataset)]
+    mix = mixture.MixtureLoader(loaders, names, [0.5, 0.5], configurator.parse_phases([], names), 1.0)
+    x, y, m, src = mix.batch(3)
+    source, sample = mix.global_samples(3)
+    assert set(source.tolist()) == {0, 1}
+    for s, ld in enumerate(loaders):
+        sel = source == s
+        xs, ys, ms = ld.rows(sample[sel])
+        assert torch.equal(x.flatten(0, 1)[sel], xs) and torch.equal(m.flatten(0, 1)[sel], ms)
+    # a text row: every target of its documents counts, none of its padding
+    p, rows = loaders[1].packed, loaders[1].chunks_of(sample[source == 1])
+    real = torch.tensor([int(p.lengths[p.ptr[r]:p.ptr[r + 1]].sum()) for r in rows.tolist()])
+    want = (torch.arange(1, T + 1)[None] < real[:, None]).float()
+    assert torch.equal(m.flatten(0, 1)[source == 1], want) and p.padding > 0
