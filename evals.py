@@ -50,7 +50,7 @@ def byte_lengths(enc):
     n = enc.n_vocab
     # (a model's tokenizer.json: a SentencePiece '▁' is a space, one byte more than the text
     # has before a document's first word)
-    lengths = [len(enc.decode_single_token_bytes(i)) for i in range(n)]
+    lengths = [_token_length(enc, i) for i in range(n)]
     marked = lambda t: t.startswith("<|") and t.endswith("|>")  # noqa: E731
     extra = {t for t in getattr(enc, "extra_tokens", ()) if not marked(t)}
     markers = {getattr(enc, "eot_token", None), getattr(enc, "bos_token", None)}
@@ -62,6 +62,13 @@ def byte_lengths(enc):
     lengths = np.asarray(lengths, dtype=np.int64)
     lengths[[i for i in markers if i is not None and 0 <= i < n]] = 0
     return lengths
+
+
+def _token_length(enc, i):
+    try:
+        return len(enc.decode_single_token_bytes(i))
+    except KeyError:  # an id no token has (cl100k_base's gaps below its specials)
+        return 0
 
 
 def target_bytes(y, mask, lengths):

@@ -162,6 +162,8 @@ def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
     lengths = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base", 512, ["<|user|>", "kubernetes"]))
     # <|endoftext|> and a role token are no text; a domain word added as a token is
     assert lengths[511] == 0 and lengths[512] == 0 and lengths[513] == len("kubernetes")
+    full = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base"))  # ids between its tokens: none
+    assert len(full) == 100277 and full[100256] == full[100257] == 0 and full[:256].tolist() == [1] * 256
 
 
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
