@@ -265,6 +265,8 @@ def convert(argv):
         raise UserError(f"usage: python evals.py {'|'.join(CONVERTERS)} IN OUT (IN: the "
                         f"benchmark's .jsonl or .parquet file, OUT: the task file to write)")
     kind, source, out = argv
+    if not os.path.isfile(source):
+        raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or .parquet)")
     sources.check_readers([source])
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731

@@ -194,6 +194,8 @@ def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts
         evals.convert(["piqa", str(tmp_path / "h.jsonl"), str(tmp_path / "x.jsonl")])
     with pytest.raises(UserError, match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
         evals.convert(["mmlu", "a", "b"])
+    with pytest.raises(UserError, match="missing.jsonl is not a file: give the arc file"):
+        evals.convert(["arc", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")])
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
