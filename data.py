@@ -152,7 +152,7 @@ class Loader:
 
     def rows(self, samples):
         """(x, y, loss_mask) of the given stream positions, each (len(samples), block_size):
-        x and y int64, loss_mask float32 for a chat dataset, else None."""
+        x and y int64, loss_mask float32 for a chat dataset or packed rows, else None."""
         if self.packed:
             return self.packed.rows(self.chunks_of(np.asarray(samples)), self.tokens, self.mask)
         T = self.block_size
