@@ -41,9 +41,13 @@ class Loader:
 
     A chat dataset's loss mask is cut the same way: batch() returns it for the targets y
     (mask[1:] of each chunk), so a position counts when the token it predicts is the
-    assistant's."""
+    assistant's.
 
-    def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1):
+    packing='bfd': the chunks are rows of whole documents instead (packing.py), padded at the
+    end; the loss mask then also leaves the padding out (a text split gets one too)."""
+
+    def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1,
+                 packing="concat"):
         meta = guard_data.read_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = guard_data.map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
@@ -51,6 +55,14 @@ class Loader:
         self.eot_token = meta["eot_token"]
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
+        self.packed = None
+        if packing not in ("concat", "bfd"):
+            raise UserError(f"packing={packing!r} is unknown: use 'concat' (documents end to end, cut "
+                            f"into rows) or 'bfd' (whole documents per row, best fit, padded)")
+        if packing == "bfd":  # whole documents per row: packing.py
+            import packing as packing_py
+            self.packed = packing_py.Packed(self.tokens, self.mask, self.eot_token, block_size + 1)
+            self.n_chunks = self.packed.n_rows
         if self.n_chunks < 1:
             raise UserError(f"{path} has {len(self.tokens)} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}: lower block_size or add data")
@@ -80,7 +92,9 @@ class Loader:
 
     def rows(self, samples):
         """(x, y, loss_mask) of the given stream positions, each (len(samples), block_size):
-        x and y int64, loss_mask float32 for a chat dataset, else None."""
+        x and y int64, loss_mask float32 for a chat dataset or packed rows, else None."""
+        if self.packed:
+            return self.packed.rows(self.chunks_of(np.asarray(samples)), self.tokens, self.mask)
         T = self.block_size
         rows = [slice(c * T, c * T + T + 1) for c in self.chunks_of(np.asarray(samples))]
         data = torch.from_numpy(np.stack([self.tokens[r] for r in rows]).astype(np.int64))
@@ -96,6 +110,11 @@ class Loader:
         x, y, mask = self.rows(np.arange(first, first + self.micro_steps * self.batch_size))
         shape = (self.micro_steps, self.batch_size, self.block_size)
         return x.reshape(shape), y.reshape(shape), None if mask is None else mask.reshape(shape)
+
+    @property
+    def masked(self):
+        """Whether rows come with a loss mask (chat data, or padded rows)."""
+        return self.mask is not None or self.packed is not None
 
     def epoch(self, it):
         return it * self.global_batch / self.n_chunks

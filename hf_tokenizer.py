@@ -22,9 +22,11 @@ tokenizer.json alike (tiktoken_twin: Llama 3's layout, our own exports'), it doe
 """
 
 import base64
+import functools
 import hashlib
 import json
 import os
+import re
 
 import tiktoken
 
@@ -226,6 +228,13 @@ def guarded(path, source, method=None, *args, **kwargs):
         os.close(null)
 
 
+@functools.cache
+def _char_bytes():
+    """ByteLevel's alphabet: the byte each of its 256 characters stands for."""
+    from hf import bytes_to_unicode
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
 def _byte_level(tj):
     """Whether a ByteLevel pre-tokenizer maps text to characters that stand for bytes. There the
     BPE's byte_fallback, without <0xNN> tokens, changes only the bytes whose character the
@@ -344,8 +353,10 @@ class HFTokenizer:
         self.n_vocab = 1 + max([*tok.get_vocab(with_added_tokens=False).values(), *added])
         self.max_token_value = self.n_vocab - 1
         self.special_tokens_set = {a.content for a in added.values()}
+        self._added = set(added)
         self.extra_tokens = tuple(a.content for _, a in sorted(added.items()) if not a.special)
         tj = json.loads(tok.to_str())
+        self._byte_level = _byte_level(tj)
         for pp in (tj.get("post_processor") or {}).get("processors") or [tj.get("post_processor") or {}]:
             named = {piece["SpecialToken"]["id"] for side in ("single", "pair") for piece in pp.get(side) or []
                      if pp.get("type") == "TemplateProcessing" and "SpecialToken" in piece}
@@ -434,6 +445,19 @@ class HFTokenizer:
 
     def decode(self, ids):
         return guarded(self._path, self._tok, "decode", list(ids), skip_special_tokens=False)
+
+    def decode_single_token_bytes(self, i):
+        """The bytes id i stands for (tiktoken's method; evals.py counts them): a byte-level
+        token's bytes, a SentencePiece piece with '▁' as a space and <0xNN> as its byte, an
+        added token's text."""
+        token = self._tok.id_to_token(i)
+        if token is None or i in self._added:
+            return (token or "").encode()
+        if self._byte_level:
+            char_byte = _char_bytes()
+            return b"".join(bytes([char_byte[c]]) if c in char_byte else c.encode() for c in token)
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)
+        return bytes([int(byte[1], 16)]) if byte else token.replace("\u2581", " ").encode()
 
     def encode_single_token(self, token):
         i = self._tok.token_to_id(token)

@@ -91,7 +91,7 @@ class MixtureLoader:
         first = loaders[0]
         self.seed, self.batch_size, self.global_batch = first.seed, first.batch_size, first.global_batch
         self.micro_steps, self.first_micro = first.micro_steps, first.first_micro
-        self.chat = any(loader.mask is not None for loader in loaders)
+        self.chat = any(loader.masked for loader in loaders)  # (chat data, or padded rows)
         self.eot_tokens = torch.tensor([loader.eot_token for loader in loaders])  # each source's
         # phase table: starts, and per phase the cumulative tempered weights (over self.names) and LR scale
         table = [(0, dict(zip(names, base_weights)), 1.0)] + [p for p in phases if p[0] > 0]

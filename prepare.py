@@ -4,6 +4,7 @@ Dataset preparation: a corpus -> data/NAME/{train.bin, val.bin, meta.json}.
     python prepare.py stdlib                       # the embedded default corpus -> data/stdlib
     python prepare.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
     python prepare.py docs.jsonl --name docs --text_field text
+    python prepare.py 'fineweb/*.parquet' --name fineweb  # Parquet, .jsonl.gz, .jsonl.zst (sources.py)
     python prepare.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
 
 (`python prepare.py ...` is the same command.) Every document's tokens followed by
@@ -34,8 +35,8 @@ if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (gua
 import numpy as np
 
 import chat_template
+import sources
 from guard_errors import UserError
-from guard_files import loads_json
 from tokenizer import (
     CHAT_TOKENS,
     ROLES,
@@ -72,9 +73,10 @@ def stdlib_files():
 
 
 def resolve_source(source):
-    """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or .jsonl
-    files: each file once, by its real path (a link to another file of the source is skipped:
-    the text would be in the data twice, maybe in both val and train), skipped of them."""
+    """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or files of
+    records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, mixed as a glob finds them): each file
+    once, by its real path (a link to another file of the source is skipped: the text would be
+    in the data twice, maybe in both val and train), skipped of them."""
     if source == "stdlib":
         root, files = stdlib_files()
         return "text", root, files, 0
@@ -88,29 +90,20 @@ def resolve_source(source):
         root = os.path.dirname(source.split("*")[0]) or "."
         if not files:
             raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of .txt files, "
-                            f"a glob such as 'notes/*.txt', or a .jsonl file")
+                            f"a glob such as 'notes/*.txt', or a .jsonl or .parquet file")
     if not files:
         raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or a .jsonl file")
-    jsonl = [f.endswith(".jsonl") for f in files]
+    jsonl = [sources.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
-        raise UserError(f"data source '{source}' mixes .jsonl and other files: prepare them separately")
+        raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other files: "
+                        f"prepare them separately")
+    sources.check_readers(files)
     real = {}  # real path -> the name kept: the file's own rather than a link's
     for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
         real.setdefault(os.path.realpath(f), f)
     kept = set(real.values())
-    return ("jsonl" if all(jsonl) else "text"), root, [f for f in files if f in kept], len(files) - len(kept)
-
-
-def _records(path, text_field):
-    """(lineno, record, n_replaced) for each non-blank line of a JSONL file."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line, bad = _decode(raw)
-            if not line.strip():
-                continue
-            record = loads_json(line, f"{path}:{lineno}", f"each line must be one JSON object such as "
-                                                           f"{{\"{text_field}\": \"...\"}}")
-            yield lineno, record, bad
+    kind = "records" if all(jsonl) else "text"
+    return kind, root, [f for f in files if f in kept], len(files) - len(kept)
 
 
 def _is_chat(record):
@@ -123,13 +116,14 @@ def detect_format(kind, files, text_field="text", format="auto"):
         raise UserError(f"format='{format}' is unknown: use auto, text or chat")
     if kind == "text":
         if format == "chat":
-            raise UserError("format=chat needs .jsonl files of {\"messages\": [...]} or {\"prompt\", \"response\"} "
-                            "records: convert the data or use format=text")
+            raise UserError("format=chat needs .jsonl or .parquet files of {\"messages\": [...]} or "
+                            "{\"prompt\", \"response\"} records: convert the data or use "
+                            "format=text")
         return "text"
     if format != "auto":
         return format
     for path in files:
-        for _, record, _ in _records(path, text_field):
+        for _, record, _ in sources.records(path, text_field, _decode):
             return "chat" if _is_chat(record) and text_field not in record else "text"
     return "text"
 
@@ -176,7 +170,7 @@ def iter_documents(kind, root, files, text_field="text", format="text", roles=RO
                 text, bad = _decode(f.read())
             yield rel, text, bad
             continue
-        for lineno, record, bad in _records(path, text_field):
+        for lineno, record, bad in sources.records(path, text_field, _decode):
             if format == "chat":
                 yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}", roles), bad
                 continue
@@ -433,8 +427,8 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
     prep = prep or ("stdlib" if source == "stdlib" else "")
     if not prep:
         raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
-                        f"a directory, glob or .jsonl file to prepare it from (or run `python prepare.py SOURCE "
-                        f"--out {data_dir}`)")
+                        f"a directory, glob, .jsonl or .parquet file to prepare it from (or run "
+                        f"`python prepare.py SOURCE --out {data_dir}`)")
     if mesh.master:
         mesh.print0(f"preparing {data_dir} from {prep} (once)")
         if spec:
@@ -459,8 +453,9 @@ class _Arguments(argparse.ArgumentParser):
 def main():
     ap = _Arguments(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help: the defaults too
-    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or a .jsonl file "
-                    "(of text, or of chat conversations for SFT)")
+    ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or .jsonl, "
+                    ".jsonl.gz, .jsonl.zst or .parquet files (of text, or of chat conversations "
+                    "for SFT)")
     ap.add_argument("--name", help="dataset name (None: stdlib, or the source's base name)")
     ap.add_argument("--out", help="output directory (None: data/NAME)")
     ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
@@ -474,7 +469,7 @@ def main():
     ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
                     help="JSONL records: text, chat conversations, or auto (from the first record)")
     args = ap.parse_args()
-    name = args.name or os.path.splitext(os.path.basename(args.source.rstrip("/*")))[0] or "data"
+    name = args.name or sources.stem(args.source.rstrip("/*")) or "data"
     model_tokens = ()
     if args.init_from:  # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
         import parallel

@@ -5,6 +5,7 @@ Generate text from the latest checkpoint of a run, or export its weights to one 
     python sample.py out_dir=out export=out/model.pt # {name: tensor}, for torch.load(weights_only=True)
     python sample.py out_dir=out export_hf=runs/hf_model # a Hugging Face LLaMA directory, weights and tokenizer
     python sample.py init_from=runs/base dataset=papers eval=True  # val loss of a base, a run or an export
+    python sample.py out_dir=out eval=True eval_tasks=arc_easy.jsonl     # multiple-choice tasks: evals.py
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.
@@ -135,8 +136,10 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
 
 
 def evaluate_checkpoint(c):
-    """eval=True: one line with the val loss of the model on each dataset of c["dataset"]."""
-    guard_errors.check(c["dataset"], "eval=True needs dataset= (a prepared dataset, or several: dataset=a,b)")
+    """eval=True: one line with the val loss (and bits per byte) of the model on each dataset of
+    c["dataset"], one with its scores on each task of c["eval_tasks"]."""
+    guard_errors.check(c["dataset"] or c["eval_tasks"], "eval=True needs dataset= (a prepared dataset, or several: "
+                                                  "dataset=a,b) or eval_tasks= (JSONL multiple-choice tasks)")
     what = c["init_from"] or c["ckpt"] or c["out_dir"]
     if c["init_from"]:
         model, spec, run = load_from(c["init_from"])
@@ -149,7 +152,8 @@ def evaluate_checkpoint(c):
     model.cfg = replace(model.cfg, block_size=block)  # the rotary tables for this length
     model.init_rope()
     results, t0 = [], time.time()
-    for name in c["dataset"].split(","):
+    import evals  # bits per byte, multiple-choice tasks: evals.py
+    for name in filter(None, c["dataset"].split(",")):
         data_dir = data.dataset_dir(name)
         meta = guard_data.read_meta(data_dir)
         tokenizer.check_model_tokenizer(meta, data_dir, spec, what)
@@ -161,9 +165,13 @@ def evaluate_checkpoint(c):
         print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val split of "
               f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...", flush=True)
         loss, n = val_loss(model, data_dir, block, c["batch_size"], c["doc_mask"])
-        results.append(f"{name} {loss:.4f} ({n:,} target tokens)")
-    print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, doc_mask={c['doc_mask']} "
-          f"({time.time() - t0:.0f} s)", flush=True)
+        counted = evals.split_bytes(data_dir, block, tokenizer.tokenizer_from_meta(meta))  # evals.py
+        bpb = evals.bits_per_byte(loss, *counted)
+        results.append(f"{name} {loss:.4f} ({n:,} target tokens, {bpb:.4f} bits/byte)")
+    if results:
+        print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, doc_mask={c['doc_mask']} "
+              f"({time.time() - t0:.0f} s)", flush=True)
+    evals.score_tasks(model, c["eval_tasks"], tokenizer.tokenizer_from_meta(spec), block, c, what)
 
 
 def main(argv):
@@ -185,6 +193,7 @@ def main(argv):
     block_size = 0              # eval=True: tokens per sequence (0: the run's; a Hugging Face model: 1024 at most)
     batch_size = 8              # eval=True: sequences per forward
     doc_mask = False            # eval=True: attention stays inside each document, as a run with doc_mask=True
+    eval_tasks = ""             # eval=True: multiple-choice tasks (JSONL) to score, 'a.jsonl,b.jsonl'
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 

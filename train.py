@@ -45,6 +45,7 @@ export_hf = ""                  # at the end, also write a Hugging Face LLaMA di
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100
 eval_iters = 10                 # global batches of val data per evaluation
+eval_tasks = ""                 # multiple-choice tasks (JSONL) scored at each eval: 'a.jsonl,b.jsonl'
 log_interval = 10
 ckpt_interval = 250
 keep_ckpts = 2                  # the newest this many (0: all)
@@ -62,6 +63,7 @@ tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offli
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
 val_fraction = 0.01
+packing = "concat"              # rows: 'concat' (end to end, cut) or 'bfd' (whole documents: packing.py)
 # batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
@@ -209,7 +211,11 @@ def prepared(source, prep):
 
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
-    return data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp)
+    ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp,
+                     packing)
+    if ld.packed:  # whole documents per row: packing.py
+        mesh.print0("packing: " + ld.packed.note(f"{data_dir} {split}"))
+    return ld
 
 
 if not mixing:
@@ -348,6 +354,10 @@ def evaluate(val_loader):
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
+import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
+scorer = evals.Evaluator(eval_tasks, val_loaders, tokenizer_py.tokenizer_from_meta(meta), raw_model, mesh,
+                         eval_iters)
+
 # ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 # dropout masks differ across ranks, but not within a tp group (its ranks hold the same activations)
@@ -417,8 +427,10 @@ while True:
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
             val_loss, by_source = mixture.val_losses(val, val_weights)
-        mesh.print0(f"iter {it}: val loss {val_loss:.4f}" + (mixture.compact(by_source) if by_source else ""))
-        log({"iter": it, "val_loss": val_loss, **by_source, "tokens": it * tokens_per_iter,
+        scores, line = scorer.run(val, evaluate, val_weights if mixing else None)  # evaluation: evals.py
+        by_text = mixture.compact(by_source) if by_source else ""
+        mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
+        log({"iter": it, "val_loss": val_loss, **by_source, **scores, "tokens": it * tokens_per_iter,
              "elapsed_s": time.time() - started})
     if (it % ckpt_interval == 0 or it == max_iters or stop) and it not in (start_iter, restored_at):
         save(it)

@@ -1,5 +1,7 @@
+import gzip
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -113,6 +115,88 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path, capsys):
     assert "3 undecodable bytes in 1 documents were replaced" in capsys.readouterr().out
     docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")
     assert "caf\ufffd ok \ufffd\ufffd end" in docs
+
+
+def split_docs(out):
+    """Each document's token ids (train and val), sorted, and the chat masks beside them."""
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    docs = []
+    for split in ("train", "val"):
+        tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
+        mask_path = os.path.join(out, f"{split}.mask.bin")
+        mask = np.fromfile(mask_path, np.uint8) if os.path.exists(mask_path) else np.zeros_like(tokens)
+        cuts = np.flatnonzero(tokens == meta["eot_token"]) + 1
+        docs += [(t.tolist(), m.tolist()) for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts))]
+    return sorted(docs)
+
+
+def write_parquet(path, rows, row_group_size=4):
+    import pyarrow
+    import pyarrow.parquet as pq
+    pq.write_table(pyarrow.Table.from_pylist(rows), path, row_group_size=row_group_size)
+
+
+def test_the_same_texts_as_txt_jsonl_gz_and_parquet_prepare_to_the_same_tokens(tmp_path):
+    texts = [f"doc {i}: " + TEXTS[i % len(TEXTS)] for i in range(14)]
+    rows = [{"text": t, "id": i} for i, t in enumerate(texts)]  # a column the text does not need
+    (tmp_path / "txt").mkdir()
+    for i, t in enumerate(texts):
+        (tmp_path / "txt" / f"{i:02}.txt").write_text(t, encoding="utf-8")
+    jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "c.jsonl").write_bytes(jsonl)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    write_parquet(tmp_path / "c.parquet", rows)  # 4 row groups
+    (tmp_path / "mix").mkdir()  # a glob mixing the formats
+    (tmp_path / "mix" / "a.jsonl.gz").write_bytes(gzip.compress(b"".join(jsonl.splitlines(True)[:5])))
+    write_parquet(tmp_path / "mix" / "b.parquet", rows[5:9])
+    (tmp_path / "mix" / "c.jsonl").write_bytes(b"".join(jsonl.splitlines(True)[9:]))
+    want = None
+    for source in ("txt", "c.jsonl", "c.jsonl.gz", "c.parquet", "mix/*"):
+        out = tmp_path / f"out-{source.replace('/*', '')}"
+        meta = prepare.prepare(str(tmp_path / source), str(out), "cl100k_base", 600, val_fraction=0.3,
+                               verbose=False)
+        assert meta["train_docs"] + meta["val_docs"] == len(texts) and meta["val_docs"] > 0, source
+        want = want or split_docs(out)
+        assert split_docs(out) == want, source
+    chats = [{"messages": [{"role": "user", "content": f"q{i} " + t}, {"role": "assistant", "content": t}]}
+             for i, t in enumerate(texts)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    write_parquet(tmp_path / "chat.parquet", chats)  # a `messages` column of conversations
+    for source in ("chat.jsonl", "chat.parquet"):
+        meta = prepare.prepare(str(tmp_path / source), str(tmp_path / source.replace(".", "-")), "cl100k_base",
+                               600, val_fraction=0.3, verbose=False)
+        assert meta["format"] == "chat" and meta["train_loss_tokens"] > 0
+    jsonl_docs, parquet_docs = split_docs(tmp_path / "chat-jsonl"), split_docs(tmp_path / "chat-parquet")
+    assert parquet_docs == jsonl_docs and any(any(m) for _, m in jsonl_docs)
+
+
+def test_a_corrupt_or_truncated_source_is_one_line_and_the_old_dataset_stays(tmp_path, monkeypatch):
+    rows = [{"text": f"document {i} " + TEXTS[i % len(TEXTS)] * 20} for i in range(40)]
+    jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    out = tmp_path / "out"
+    prepare.prepare(_write(tmp_path / "good.jsonl", jsonl), str(out), "cl100k_base", 512, verbose=False)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    gz = gzip.compress(jsonl)
+    write_parquet(tmp_path / "good.parquet", rows)
+    pq_bytes = (tmp_path / "good.parquet").read_bytes()
+    # (a gzip stream's CRC is checked at its end, after its lines were read)
+    bad = {"cut.jsonl.gz": gz[:len(gz) // 2], "crc.jsonl.gz": gz[:-8] + bytes(8),
+           "cut.parquet": pq_bytes[:len(pq_bytes) // 2], "noise.parquet": os.urandom(3000)}
+    for name, raw in bad.items():
+        with pytest.raises(UserError, match=r"is corrupt or truncated \(.+\): download or write it again") as e:
+            prepare.prepare(_write(tmp_path / name, raw), str(out), "cl100k_base", 512, verbose=False)
+        assert "\n" not in str(e.value) and name in str(e.value)
+        assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before, name
+        assert sorted(os.listdir(tmp_path)).count("out") == 1 and not list(tmp_path.glob("out.*")), name
+    for module, name in (("pyarrow", "good.parquet"), ("zstandard", "good.jsonl.zst")):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+        with pytest.raises(UserError, match=f"needs {module}, which is not installed: `pip install {module}`"):
+            prepare.prepare(_write(tmp_path / name, b"x"), str(out), "cl100k_base", 512, verbose=False)
+
+
+def _write(path, raw):
+    path.write_bytes(raw)
+    return str(path)
 
 
 def loader(dataset, **kw):

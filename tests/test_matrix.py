@@ -2,7 +2,9 @@
 optimizer, full or LoRA, one source or a mixture) appears in at least one cell of a covering
 set generated greedily below, and each cell, run by train.py on real gloo processes (4 at
 most), reproduces the single-process run of the same options to 1e-5 relative, loss, grad
-norm, val loss and per-source losses at every one of 8 iterations, with clipping active.
+norm, val loss and per-source losses at every one of 8 iterations, with clipping active, and
+the evaluations' bits per byte and multiple-choice scores (evals.py: the log-likelihood of
+the right answers to 1e-5, acc and acc_norm exactly).
 Every odd cell also computes its head and loss in chunks (loss_chunk=24: 128 rows per
 micro-batch in 6 chunks, the last short) against the single process's whole logits, so the
 chunked loss meets every layout, tp's vocabulary slices, LoRA's head, and the mixture's
@@ -94,7 +96,7 @@ def name(cell):
 
 def options_args(cell, ctx):
     """The keys of a cell's options that a single process runs too (optimizer, LoRA, data)."""
-    args = [f"optim={cell['optim']}"]
+    args = [f"optim={cell['optim']}", f"eval_tasks={ctx['task']}"]
     if cell["weights"] == "lora":
         args += [f"init_from={ctx['base']}", "lora_rank=4", "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,output"]
     if cell["data"] == "mixture":
@@ -113,9 +115,16 @@ def layout_args(cell):
 
 def worst_relative_difference(a, b):
     """The largest |b - a| / |a| over every logged number of run a (loss, grad norm, val loss,
-    per-source losses) at every iteration; b must log each of them."""
+    per-source losses, bits per byte, tasks' gold_ll) at every iteration; b must log each of
+    them, and the tasks' acc and acc_norm equal."""
     worst = 0.0
-    for key in sorted({k for r in a for k in r if k in ("loss", "grad_norm", "val_loss") or "loss/" in k}):
+    counts = ("/acc", "/acc_norm")  # shares of questions: equal, or a choice's order changed
+    for key in sorted({k for r in a for k in r if k.endswith(counts)}):
+        assert [r.get(key) for r in a if "val_loss" in r] == [r.get(key) for r in b if "val_loss" in r], key
+    compared = ("loss", "grad_norm", "val_loss", "val_bpb")
+    scores = ("val_bpb/", "task/")
+    for key in sorted({k for r in a for k in r if k in compared or "loss/" in k
+                       or k.startswith(scores) and not k.endswith(counts)}):
         la, lb = ({(r["iter"], "val" in r): r[key] for r in rows if r.get(key) is not None} for rows in (a, b))
         assert la and set(la) <= set(lb), (key, sorted(la), sorted(lb))
         worst = max(worst, *(abs(lb[i] - la[i]) / abs(la[i]) for i in la))
@@ -135,9 +144,14 @@ def ctx(dataset, tmp_path_factory):
     for i in range(40):
         (notes / f"n{i:02d}.txt").write_text(f"note {i}: " + " ".join(f"item{j * i % 97}" for j in range(200)))
     prepare.prepare(str(notes), str(root / "notes"), "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    task = root / "task.jsonl"  # multiple-choice questions on the notes: evals.py
+    questions = [{"context": f"note {i}: item{i}", "choices": [f" item{j}" for j in range(i, i + 3)],
+                  "answer": i % 3} for i in range(9)]
+    task.write_text("".join(json.dumps(q) + "\n" for q in questions))
     base = str(root / "base")
     run_train([*RUN, f"dataset={dataset}", f"out_dir={base}", "max_iters=2"], cwd=root)
-    return {"dataset": dataset, "notes": str(root / "notes"), "base": base, "shared": shared, "root": root}
+    return {"dataset": dataset, "notes": str(root / "notes"), "base": base, "shared": shared, "root": root,
+            "task": str(task)}
 
 
 def single_run(cell, ctx, extra=()):
@@ -172,6 +186,7 @@ def test_cell_equals_the_single_process(i, ctx, tmp_path):
     cell = CELLS[i]
     want = single_run(cell, ctx)
     assert any(r.get("grad_norm", 0) > 0.05 for r in want), "the clip must clip"
+    assert any("val_bpb" in r and "task/task/gold_ll" in r for r in want), "the evaluations score"
     out = str(tmp_path / "run")
     chunked = ["loss_chunk=24"] if i % 2 else []
     torchrun(world(cell), [*RUN, *options_args(cell, ctx), *layout_args(cell), *chunked, f"out_dir={out}"],

@@ -33,6 +33,11 @@ def sources(tmp_path_factory, dataset):
     for name, src, vocab in (("chat", chat, 512), ("notes", notes, 512), ("wide", notes, 600)):
         out[name] = str(root / name)
         prepare.prepare(str(src), out[name], "cl100k_base", vocab, val_fraction=0.2, verbose=False)
+    # a multiple-choice task scored at each evaluation (evals.py): its scores compared on every layout
+    out["task"] = str(root / "sums.jsonl")
+    with open(out["task"], "w") as f:
+        f.writelines(json.dumps({"context": f"What is {i} plus {i}? It is", "choices": [f" {2 * i + d}" for d in
+                                 (0, 1, 2)], "answer": 0}) + "\n" for i in range(9))
     return out
 
 
@@ -116,7 +121,7 @@ MIX = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=8", "lr_decay_iters=
 def mix_args(sources, **extra):
     phases = '[(0, {"tiny": 1.0, "chat": 1.0}), (6, {"tiny": 0.5, "chat": 0.5, "notes": 1.0}, 0.5)]'
     return [*MIX, f"datasets={sources['tiny']}:0.7,{sources['chat']}:0.2,{sources['notes']}:0.1",
-            f"phases={phases}", *(f"{k}={v}" for k, v in extra.items())]
+            f"phases={phases}", f"eval_tasks={sources['task']}", *(f"{k}={v}" for k, v in extra.items())]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +195,9 @@ def test_mixture_under_tensor_parallel_equals_one_process(mix_run, sources, tmp_
 
 
 def test_mixture_under_sequence_and_context_parallel_equals_one_process(mix_run, sources, tmp_path):
-    """tp=2 sp and cp=2: each target's loss gathered over the sequence, so the per-source sums are whole."""
+    """tp=2 sp and cp=2: each target's loss gathered over the sequence, so the per-source sums are
+    whole, and so are a task's log-likelihoods (evals.py) and the bits per byte."""
+    assert any("task/sums/gold_ll" in r and "val_bpb/chat" in r for r in mix_run[0])
     for name, extra in (("sp", {"tp": 2, "sp": True}), ("cp", {"cp": 2})):
         torchrun(2, mix_args(sources, out_dir=tmp_path / name, **extra), cwd=tmp_path)
         assert_same_sources(mix_run[0], read_metrics(tmp_path / name))

@@ -1,0 +1,380 @@
+"""
+Scores beside the val loss: bits per byte, and multiple-choice tasks as lm-evaluation-harness
+scores them.
+
+Bits per byte = the summed cross-entropy over the val targets / (ln 2 x the UTF-8 bytes those
+targets decode to). Unlike the loss per token it does not move when the tokenizer does (new
+tokens, another model's), so runs on different vocabularies compare. Document and chat markers
+(<|endoftext|>, a BOS, role tokens) decode to no text: they count 0 bytes, their loss still counts.
+
+A task is a JSONL file, one question a line: {"context": "...", "choices": ["...", ...],
+"answer": i}. Each choice is scored by the log-likelihood of its tokens after the context (the
+row: the start of a document, the context, the choice; cut from the left past block_size),
+tokenized as lm-evaluation-harness does (context + choice encoded whole, the choice's ids
+those after the context's, a space that ends the context moved to the choice). Then
+    acc      = share of questions whose highest log-likelihood is the answer's
+    acc_norm = the same with each log-likelihood divided by its choice's length in UTF-8 bytes
+(lm-evaluation-harness's definitions; its acc_norm divides by len(choice), characters, the
+same for ASCII). gold_ll is the mean log-likelihood of the answers, a smooth number to watch.
+
+train.py scores every eval_interval on any layout: the task's rows go through train.py's own
+evaluation in global batches (each dp rank its micro-batches, the pipeline, tp, cp as for the val
+loss), and a forward hook on the model (on the last stage) keeps each row's summed
+cross-entropy; an all-reduce puts the rows together. sample.py eval=True scores one process.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+
+import data
+import sources
+from common import write_atomic
+from guard_errors import UserError, excepthook
+from guard_files import loads_json
+from parallel import all_reduce_sum, pick_device
+
+TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
+
+
+# ---- bits per byte ----------------------------------------------------------------------------
+
+
+def byte_lengths(enc):
+    """(n_vocab,) the UTF-8 bytes each id decodes to; 0 for the markers, which are no text: the
+    special tokens, and added tokens written <|name|> (a chat template's role tokens), not the
+    domain words added as tokens."""
+    n = enc.n_vocab
+    # (a model's tokenizer.json: a SentencePiece '▁' is a space, one byte more than the text
+    # has before a document's first word)
+    lengths = [_token_length(enc, i) for i in range(n)]
+    marked = lambda t: t.startswith("<|") and t.endswith("|>")  # noqa: E731
+    extra = {t for t in getattr(enc, "extra_tokens", ()) if not marked(t)}
+    markers = {getattr(enc, "eot_token", None), getattr(enc, "bos_token", None)}
+    for t in set(getattr(enc, "special_tokens_set", ())) - extra:
+        try:
+            markers.add(enc.encode_single_token(t))
+        except KeyError:
+            pass
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths[[i for i in markers if i is not None and 0 <= i < n]] = 0
+    return lengths
+
+
+def _token_length(enc, i):
+    try:
+        return len(enc.decode_single_token_bytes(i))
+    except KeyError:  # an id no token has (cl100k_base's gaps below its specials)
+        return 0
+
+
+def target_bytes(y, mask, lengths):
+    """(target tokens, the UTF-8 bytes they decode to) of targets y (any shape; mask: those
+    that count)."""
+    b = torch.from_numpy(lengths)[y].double()
+    if mask is None:
+        return y.numel(), int(b.sum())
+    return int(mask.sum()), int((b * mask).sum())
+
+
+def bits_per_byte(loss, tokens, n_bytes):
+    """The mean loss (nats) over `tokens` targets that decode to n_bytes, in bits per byte."""
+    return loss * tokens / (math.log(2) * n_bytes) if n_bytes else float("nan")
+
+
+# ---- multiple-choice tasks --------------------------------------------------------------------
+
+
+class Task:
+    """One task file: every choice of every question as a row (ids: the start token, the
+    context, the choice, cut from the left to block_size + 1; n: how many end it are the
+    choice's), row_question (each row's question), bytes (each choice's), answers."""
+
+    def __init__(self, path, enc, block_size):
+        self.path, self.name = path, os.path.basename(path).removesuffix(".jsonl")
+        start = getattr(enc, "bos_token", None)
+        # what precedes a document in prepared data
+        start = enc.eot_token if start is None else start
+        self.pad, self.block_size = enc.eot_token, block_size
+        self.ids, self.n, self.answers, self.row_question, self.bytes = [], [], [], [], []
+        for q, (context, choices, answer) in enumerate(read_task(path)):
+            self.answers.append(answer)
+            for choice in choices:
+                ids, n = encode_pair(enc, context, choice)
+                # cut from the left, as lm-evaluation-harness does past max_length
+                self.ids.append(([start] + ids)[-(block_size + 1):])
+                self.n.append(n)
+                self.row_question.append(q)
+                self.bytes.append(len(choice.encode()))
+        self.row_question = np.asarray(self.row_question)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def rows(self, idx, T=None):
+        """(x, y, loss_mask) of rows idx, each (len(idx), T): padded past a row's end (and for
+        an index past the last row, all padding), the mask 1 on the choice's targets."""
+        T = T or self.block_size
+        x = torch.full((len(idx), T), self.pad, dtype=torch.int64)
+        y, mask = x.clone(), torch.zeros(len(idx), T)
+        for k, r in enumerate(idx):
+            if r < len(self.ids):
+                t = torch.tensor(self.ids[r])
+                L = len(t) - 1
+                x[k, :L], y[k, :L] = t[:-1], t[1:]
+                mask[k, max(0, L - self.n[r]):L] = 1
+        return x, y, mask
+
+
+def read_task(path):
+    """[(context, choices, answer)] of a task file, each line checked."""
+    if not os.path.isfile(path):
+        raise UserError(f"eval_tasks: {path} is not a file: give JSONL files of {TASK_EXAMPLE}, "
+                        f"comma-separated")
+    out = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            q = loads_json(raw, where, f"each line must be one JSON object such as {TASK_EXAMPLE}")
+            choices = q.get("choices") if isinstance(q, dict) else None
+            ok = isinstance(choices, list) and len(choices) >= 2
+            ok = ok and isinstance(q.get("context"), str)
+            ok = ok and all(isinstance(c, str) and c for c in choices)
+            ok = ok and type(q.get("answer")) is int and 0 <= q["answer"] < len(choices)
+            if not ok:
+                raise UserError(f"{where}: not a question: write {TASK_EXAMPLE} (a string context, "
+                                f"two or more non-empty choices, answer the right one's index)")
+            out.append((q["context"], q["choices"], q["answer"]))
+    if not out:
+        raise UserError(f"eval_tasks: {path} has no questions: write one a line, {TASK_EXAMPLE}")
+    return out
+
+
+def encode(enc, text):
+    """Text as prepare.py encodes a document (tokenizer.encode): an added token is its id."""
+    allowed = set(getattr(enc, "extra_tokens", ()))
+    return enc.encode(text, allowed_special=allowed, disallowed_special=())
+
+
+def encode_pair(enc, context, choice):
+    """(context + choice ids, how many of them are the choice's), as lm-evaluation-harness's
+    _encode_pair: the whole text encoded once, so a token may join the two across the cut."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, choice = context[:-spaces], context[-spaces:] + choice
+    whole, ctx = encode(enc, context + choice), encode(enc, context)
+    return whole, len(whole) - len(ctx)
+
+
+def scores(task, logliks):
+    """{"acc", "acc_norm", "gold_ll"} of a task from each row's log-likelihood."""
+    ll, n_bytes = np.asarray(logliks, dtype=np.float64), np.asarray(task.bytes, dtype=np.float64)
+    acc = acc_norm = gold = 0.0
+    for q, answer in enumerate(task.answers):
+        rows = np.flatnonzero(task.row_question == q)
+        acc += int(np.argmax(ll[rows])) == answer
+        acc_norm += int(np.argmax(ll[rows] / n_bytes[rows])) == answer
+        gold += ll[rows[answer]]
+    n = len(task.answers)
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "gold_ll": gold / n}
+
+
+@torch.no_grad()
+def plain_logliks(model, task, batch_size, device, doc_ids=None, autocast=None):
+    """Each row's log-likelihood of its choice, by one whole model (sample.py, tests).
+    doc_ids: data.doc_ids-like function of x, for a model trained with doc_mask."""
+    out = []
+    for s in range(0, len(task), batch_size):
+        idx = range(s, min(s + batch_size, len(task)))
+        # as long as the batch's longest row: padding after a row changes nothing before it
+        longest = max(len(task.ids[r]) - 1 for r in idx)
+        x, y, m = (t.to(device) for t in task.rows(idx, longest))
+        with autocast or torch.autocast(device.type, enabled=False):
+            losses, _ = model(x, y, None, None if doc_ids is None else doc_ids(x))
+        out.append(-(losses.double() * m).sum(1).cpu())
+    return torch.cat(out).tolist()
+
+
+def score_tasks(model, eval_tasks, enc, block_size, c, what):
+    """sample.py eval=True: one line with the scores of each task of eval_tasks ('a,b.jsonl')."""
+    tasks = [Task(p, enc, block_size) for p in eval_tasks.split(",") if p]
+    if not tasks:
+        return
+    device = pick_device(c["device"])
+    model.to(device).eval()
+    results = []
+    for task in tasks:
+        doc_ids = (lambda x: data.doc_ids(x, task.pad)) if c["doc_mask"] else None
+        s = scores(task, plain_logliks(model, task, c["batch_size"], device, doc_ids))
+        results.append(f"{task.name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f} "
+                       f"({len(task.answers):,} questions)")
+    print(f"tasks of {what}: " + ", ".join(results) + f"; block_size={block_size}", flush=True)
+
+
+def split_bytes(data_dir, block_size, enc, split="val"):
+    """(target tokens, their UTF-8 bytes) of a split read whole in rows of block_size, as
+    sample.py's val loss reads it: every chunk's targets once. enc: the data's tokenizer."""
+    loader = data.Loader(data_dir, split, block_size, 1, 1, seed=0)
+    end = loader.n_chunks * block_size + 1
+    y = torch.from_numpy(loader.tokens[1:end].astype(np.int64))
+    mask = None if loader.mask is None else torch.from_numpy(loader.mask[1:end].astype(np.float32))
+    return target_bytes(y, mask, byte_lengths(enc))
+
+
+# ---- task files from the public benchmarks ----------------------------------------------------
+# One record of each benchmark as its Hugging Face dataset holds it -> ours, with the prompt
+# lm-evaluation-harness writes for it (its choices follow a space, its target_delimiter).
+
+
+def _hellaswag_text(text):
+    """lm-evaluation-harness's preprocess: WikiHow's [title] and [step] marks out."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def from_hellaswag(r):  # Rowan/hellaswag (validation: the split lm-evaluation-harness scores)
+    context = r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()
+    return {"context": _hellaswag_text(context), "answer": int(r["label"]),
+            "choices": [" " + _hellaswag_text(e) for e in r["endings"]]}
+
+
+def from_arc(r):  # allenai/ai2_arc, ARC-Easy or ARC-Challenge (test)
+    choices = r["choices"]  # {"text": [...], "label": ["A", "B", ...]}
+    question = f"Question: {r['question']}\nAnswer:"
+    return {"context": question, "choices": [" " + t for t in choices["text"]],
+            "answer": choices["label"].index(r["answerKey"])}
+
+
+def from_piqa(r):  # ybisk/piqa (validation)
+    return {"context": f"Question: {r['goal']}\nAnswer:", "answer": int(r["label"]),
+            "choices": [" " + r["sol1"], " " + r["sol2"]]}
+
+
+CONVERTERS = {"hellaswag": from_hellaswag, "arc": from_arc, "piqa": from_piqa}
+
+
+def convert(argv):
+    """python evals.py hellaswag|arc|piqa IN OUT: the benchmark's records (.jsonl, .jsonl.gz or
+    .parquet, as downloaded from the Hugging Face hub) -> a task file for eval_tasks=."""
+    if len(argv) != 3 or argv[0] not in CONVERTERS:
+        raise UserError(f"usage: python evals.py {'|'.join(CONVERTERS)} IN OUT (IN: the "
+                        f"benchmark's .jsonl or .parquet file, OUT: the task file to write)")
+    kind, source, out = argv
+    if not os.path.isfile(source):
+        raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or .parquet)")
+    sources.check_readers([source])
+    lines = []
+    decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
+    for row, record, _ in sources.records(source, None, decode):
+        try:
+            lines.append(json.dumps(CONVERTERS[kind](record)) + "\n")
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise UserError(f"{source}:{row}: not a {kind} record ({type(e).__name__}: {e}): "
+                            f"give the benchmark's own file, or write {TASK_EXAMPLE}") from None
+    write_atomic(out, lambda f: f.write("".join(lines).encode()))
+    print(f"{out}: {len(lines):,} {kind} questions", flush=True)
+
+
+# ---- in a training run, on any layout ---------------------------------------------------------
+
+
+class _Window:
+    """Global batches [start, start + n) of a task's rows, as a val Loader hands them out (this
+    dp rank's micro-batches), past the last row padded with rows that count nothing. n is
+    eval_iters, the batches train.py's evaluate() reads: a task's last window computes up to
+    eval_iters - 1 global batches of padding."""
+
+    def __init__(self, task, start, n, like):
+        self.task, self.start, self.n, self.like = task, start, n, like
+
+    def rows_of(self, i):
+        """The global row indices of this rank's micro-batches of batch i."""
+        L = self.like
+        first = (self.start + i) * L.global_batch + L.first_micro * L.batch_size
+        return torch.arange(first, first + L.micro_steps * L.batch_size)
+
+    def batch(self, i):
+        L = self.like
+        x, y, m = self.task.rows(self.rows_of(i).tolist())
+        shape = (L.micro_steps, L.batch_size, -1)
+        return x.view(shape), y.view(shape), m.view(shape)
+
+    @property
+    def eot_token(self):  # the id that ends a document: the val loader's
+        return self.like.eot_token
+
+
+class Evaluator:
+    """What train.py logs beside each val loss: val_bpb (and val_bpb/<source> for a mixture),
+    and task/<name>/{acc, acc_norm, gold_ll} for each file of eval_tasks."""
+
+    def __init__(self, eval_tasks, val_loaders, enc, model, mesh, eval_iters):
+        """enc: the data's tokenizer (a mixture's widest: the other sources' ids mean the same)."""
+        self.mesh, self.eval_iters, self.like = mesh, eval_iters, next(iter(val_loaders.values()))
+        lengths = byte_lengths(enc)
+        # source -> (target tokens, their bytes) of the eval_iters global batches evaluate() reads
+        self.counts = {}
+        for name, loader in val_loaders.items():
+            tokens = n_bytes = 0
+            for i in range(eval_iters):
+                G = loader.global_batch
+                _, y, mask = loader.rows(np.arange(i * G, (i + 1) * G))
+                t, b = target_bytes(y, mask, lengths)
+                tokens, n_bytes = tokens + t, n_bytes + b
+            self.counts[name] = (tokens, n_bytes)
+        self.tasks = [Task(p, enc, self.like.block_size) for p in eval_tasks.split(",") if p]
+        self.rows = None  # while a task is scored: each forward's per-row cross-entropy sums
+        if self.tasks:
+            model.register_forward_hook(self.record)
+
+    def record(self, module, args, output):
+        losses, loss = output  # with targets: each target's loss (B, T), and their mean
+        if self.rows is None or loss is None:
+            return
+        self.rows.append((losses.detach().double() * args[2].double()).sum(1))
+
+    def logliks(self, task, evaluate):
+        """Each row's log-likelihood, the same on every rank and every layout."""
+        L = self.like
+        n_batches = -(-len(task) // L.global_batch)
+        size = (n_batches + self.eval_iters) * L.global_batch  # (the last window's padding too)
+        sums = torch.zeros(size, dtype=torch.float64, device=self.mesh.device)
+        for start in range(0, n_batches, self.eval_iters):
+            window, self.rows = _Window(task, start, self.eval_iters, L), []
+            try:
+                evaluate(window)
+                mine = torch.cat([window.rows_of(i) for i in range(self.eval_iters)])
+                if self.rows:  # a stage with the head (all stages but a pipeline's first ones)
+                    sums[mine.to(sums.device)] += torch.cat(self.rows)
+            finally:
+                self.rows = None
+        # a tp or cp group's ranks hold the same rows (the loss is gathered); other stages none
+        total = all_reduce_sum(sums, self.mesh) / (self.mesh.tp * self.mesh.cp)
+        return (-total[:len(task)]).tolist()
+
+    def run(self, val, evaluate, weights=None):
+        """(record, text for the log line) from val ({source: val loss}) and train.py's
+        evaluate(); weights: a mixture's, as its val loss weighs the sources."""
+        bpb = {name: bits_per_byte(loss, *self.counts[name]) for name, loss in val.items()}
+        weights = weights or {name: 1.0 for name in bpb}
+        record = {"val_bpb": sum(weights[name] * v for name, v in bpb.items())}
+        if len(bpb) > 1:
+            record.update({f"val_bpb/{name}": v for name, v in bpb.items()})
+        line = f", {record['val_bpb']:.4f} bits/byte"
+        for task in self.tasks:
+            s = scores(task, self.logliks(task, evaluate))
+            record.update({f"task/{task.name}/{k}": v for k, v in s.items()})
+            line += f"; {task.name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}"
+        return record, line
+
+
+if __name__ == "__main__":
+    sys.excepthook = excepthook
+    convert(sys.argv[1:])

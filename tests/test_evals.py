@@ -1,0 +1,216 @@
+"""evals.py: bits per byte beside the val loss, multiple-choice tasks scored as
+lm-evaluation-harness scores them (the layouts: tests/test_matrix.py compares every cell's
+task scores and bits per byte with the single process)."""
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, read_metrics, run_train
+
+import data
+import guard_data
+import evals
+import tokenizer as tokenizer_py
+from guard_errors import UserError
+from model import ModelConfig, Transformer
+
+
+def write_task(path, questions):
+    path.write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
+    return str(path)
+
+
+QUESTIONS = [
+    {"context": "def square(x):\n    return ", "choices": ["x * x", "x + x", "None"], "answer": 0},
+    # the space moves to the choice; a choice of more bytes than characters
+    {"context": "import ", "choices": ["os", "os.path as p", "héllo wörld"], "answer": 1},
+    # cut from the left
+    {"context": "for i in range(10):\n" * 6 + "    print(", "choices": ["i)", "'done')"], "answer": 0},
+    {"context": "", "choices": [" the end", " a beginning"], "answer": 1},
+]
+
+
+def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
+    """Each choice's log-likelihood given its context, ours and transformers' on our Hugging
+    Face export of the same model, to 1e-4; the row is the start token, the context, the choice
+    (as lm-evaluation-harness splits the text), cut from the left past block_size."""
+    from transformers import LlamaForCausalLM
+
+    import hf
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 300)
+    task = evals.Task(write_task(tmp_path / "made.jsonl", QUESTIONS), enc, 32)
+    assert task.name == "made" and len(task) == 10 and task.answers == [0, 1, 0, 1]
+    x, y, mask = task.rows(range(len(task)))
+    # "import " + "os": the space goes with the choice, whose ids follow the context's
+    whole, context = enc.encode_ordinary("import os"), enc.encode_ordinary("import")
+    row = 3
+    assert x[row, 0] == enc.eot_token
+    assert y[row][mask[row] == 1].tolist() == whole[len(context):]
+    assert x[row, 1:len(whole)].tolist() == whole[:-1]
+    long_row = 6  # 6 lines of context: cut from the left to block_size + 1 tokens
+    assert mask[long_row, -1] == 1 and x[long_row, 0] != enc.eot_token
+    ours = evals.plain_logliks(model, task, 3, torch.device("cpu"))
+
+    hf.save_hf(str(tmp_path / "hf"), model.state_dict(), cfg, enc)
+    theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    for r in range(len(task)):
+        n = int(mask[r].nonzero().max()) + 1  # the row's length before padding
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(x[r:r + 1, :n]).logits[0].double(), -1)
+        want = (logp.gather(1, y[r, :n, None])[:, 0] * mask[r, :n]).sum().item()
+        assert abs(ours[r] - want) < 1e-4, (r, ours[r], want)
+    assert all(ll < 0 for ll in ours)
+
+
+def test_acc_and_acc_norm_are_the_definitions_worked_by_hand(tmp_path):
+    """acc: the highest log-likelihood is the answer's; acc_norm: the highest per UTF-8 byte of
+    the choice (lm-evaluation-harness). Log-likelihoods set by hand, the scores worked out here."""
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 512)
+    task = evals.Task(write_task(tmp_path / "t.jsonl", [
+        {"context": "q0", "choices": [" a", " bbbbbbbbbb"], "answer": 1},
+        {"context": "q1", "choices": ["é", "e"], "answer": 0},
+        {"context": "q2", "choices": ["x", "y", "z"], "answer": 2}]), enc, 16)
+    assert task.bytes == [2, 11, 2, 1, 1, 1, 1]
+    lls = [-2.0, -5.0, -3.0, -2.0, -1.0, -1.0, -0.5]
+    # q0: acc picks " a" (-2 > -5), wrong; acc_norm -2/2 = -1 < -5/11 = -0.45: " bbbbbbbbbb", right.
+    # q1: acc picks "e" (-2 > -3), wrong; acc_norm "é" is 2 bytes (1 character): -1.5 > -2, right.
+    # q2: both pick "z" (-0.5), right.
+    s = evals.scores(task, lls)
+    assert s == {"acc": 1 / 3, "acc_norm": 1.0, "gold_ll": (-5.0 - 3.0 - 0.5) / 3}
+    # ties go to the first choice, as numpy's argmax: q0 wrong, q1 right, q2 wrong
+    assert evals.scores(task, [-1.0, -1.0, -2.0, -2.0, -1.0, -1.0, -1.0])["acc"] == 1 / 3
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"context": "a", "choices": ["b"], "answer": 0}', "not a question"),
+    ('{"context": "a", "choices": ["b", "c"], "answer": 2}', "not a question"),
+    ('{"context": "a", "choices": ["b", ""], "answer": 0}', "not a question"),
+    ('{"context": 1, "choices": ["b", "c"], "answer": 0}', "not a question"),
+    ('{"context": "a", "choices": ["b", "c"], "answer": true}', "not a question"),
+    ('{"context": "a", "choices": ["b", "c"], "answer": 0', "malformed JSON"),
+    ("", "has no questions"),
+])
+def test_a_bad_task_file_is_one_line_naming_it(tmp_path, line, match):
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 512)
+    good = '{"context": "ok", "choices": ["a", "b"], "answer": 0}\n'
+    (tmp_path / "t.jsonl").write_text(good * bool(line) + line)
+    with pytest.raises(UserError, match=match) as e:
+        evals.Task(str(tmp_path / "t.jsonl"), enc, 16)
+    assert "\n" not in str(e.value) and "t.jsonl" in str(e.value)
+    with pytest.raises(UserError, match="is not a file"):
+        evals.Task(str(tmp_path / "missing.jsonl"), enc, 16)
+
+
+def test_the_run_logs_bits_per_byte_and_task_scores_and_sample_py_agrees(dataset, tmp_path):
+    """A run with eval_tasks logs val_bpb = val_loss x target tokens / (ln 2 x their UTF-8 bytes),
+    counted here from the eval batches' decoded text, and each task's scores; sample.py eval=True
+    scores the final checkpoint as the run's last evaluation did."""
+    task = write_task(tmp_path / "made.jsonl", QUESTIONS * 2)
+    out = str(tmp_path / "run")
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=4", "eval_interval=2",
+                   f"eval_tasks={task}"], cwd=tmp_path, fork=True)
+    assert "iter 4: val loss " in p.stdout and " bits/byte; made acc " in p.stdout
+    evals_ = [r for r in read_metrics(out) if "val_loss" in r]
+    assert [r["iter"] for r in evals_] == [0, 2, 4]
+    meta = guard_data.read_meta(dataset)
+    enc = tokenizer_py.tokenizer_from_meta(meta)
+    loader = data.Loader(dataset, "val", 32, 4, 2, seed=1337)
+    _, y, _ = loader.rows(np.arange(2 * loader.global_batch))  # eval_iters=2 global batches
+    text = enc.decode_bytes([t for t in y.flatten().tolist() if t != meta["eot_token"]])
+    for r in evals_:
+        want = r["val_loss"] * y.numel() / (math.log(2) * len(text))
+        assert abs(r["val_bpb"] - want) < 1e-9 * want, (r, want)
+        assert 0 <= r["task/made/acc"] <= 1 and 0 <= r["task/made/acc_norm"] <= 1
+        assert r["task/made/gold_ll"] < 0
+    # each evaluation scores the weights of its iteration
+    assert evals_[-1]["task/made/gold_ll"] != evals_[0]["task/made/gold_ll"]
+    p = run_train([f"out_dir={out}", "eval=True", f"eval_tasks={task}", f"dataset={dataset}"],
+                  cwd=tmp_path, script="sample.py")
+    val_line, task_line = p.stdout.splitlines()[-2:]
+    last = evals_[-1]
+    want = f"made acc {last['task/made/acc']:.4f} acc_norm {last['task/made/acc_norm']:.4f} (8 questions)"
+    assert want in task_line, (want, task_line)
+    assert " bits/byte)" in val_line
+    found = re.search(r" (\S+) \(\S+ target tokens, (\S+) bits/byte\)", val_line)
+    loss, bpb = float(found[1]), float(found[2])
+    n_tokens, n_bytes = evals.split_bytes(dataset, 32, enc)
+    assert abs(bpb - loss * n_tokens / (math.log(2) * n_bytes)) < 1e-3
+
+
+def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
+    """split_bytes: every target of the val split read whole, <|endoftext|> 0 bytes, the rest
+    the UTF-8 bytes of their text (each token's, tiktoken's exact bytes)."""
+    meta = guard_data.read_meta(dataset)
+    enc = tokenizer_py.tokenizer_from_meta(meta)
+    tokens = np.fromfile(os.path.join(dataset, "val.bin"), dtype=meta["dtype"])
+    n = (len(tokens) - 1) // 32
+    targets = tokens[1:n * 32 + 1].tolist()
+    assert meta["eot_token"] in targets
+    text = enc.decode_bytes([t for t in targets if t != meta["eot_token"]])
+    assert evals.split_bytes(dataset, 32, enc) == (len(targets), len(text))
+    lengths = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base", 512, ["<|user|>", "kubernetes"]))
+    # <|endoftext|> and a role token are no text; a domain word added as a token is
+    assert lengths[511] == 0 and lengths[512] == 0 and lengths[513] == len("kubernetes")
+    full = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base"))  # ids between its tokens: none
+    assert len(full) == 100277 and full[100256] == full[100257] == 0 and full[:256].tolist() == [1] * 256
+
+
+def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
+    """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
+    holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
+    asks; a file of another benchmark is one line naming the row."""
+    import pyarrow
+    import pyarrow.parquet as pq
+    hellaswag = {"activity_label": "Making a cake", "ctx_a": "She mixes the flour.", "ctx_b": "then she",
+                 "endings": ["bakes it [title] Enjoy.", "eats  the bowl."], "label": "0", "split": "val"}
+    (tmp_path / "h.jsonl").write_text(json.dumps(hellaswag) + "\n")
+    arc = {"id": "x", "question": "Which is a gas?", "answerKey": "C",
+           "choices": {"text": ["rock", "water", "steam"], "label": ["A", "B", "C"]}}
+    pq.write_table(pyarrow.Table.from_pylist([arc, arc]), tmp_path / "arc.parquet")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "sing",
+                                                  "label": 0}) + "\n")
+    for kind, src in (("hellaswag", "h.jsonl"), ("arc", "arc.parquet"), ("piqa", "p.jsonl")):
+        evals.convert([kind, str(tmp_path / src), str(tmp_path / f"{kind}.jsonl")])
+    read = lambda kind: [json.loads(line) for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]  # noqa
+    assert read("hellaswag") == [{"context": "Making a cake: She mixes the flour. Then she",
+                                  "choices": [" bakes it. Enjoy.", " eats the bowl."], "answer": 0}]
+    assert read("arc") == [{"context": "Question: Which is a gas?\nAnswer:", "choices": [" rock", " water", " steam"],
+                            "answer": 2}] * 2
+    assert read("piqa") == [{"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"], "answer": 0}]
+    assert "arc.jsonl: 2 arc questions" in capsys.readouterr().out
+    evals.Task(str(tmp_path / "arc.jsonl"), tokenizer_py.get_tokenizer("cl100k_base", 512), 16)  # a valid task
+    with pytest.raises(UserError, match=r"h.jsonl:1: not a piqa record \(KeyError: 'goal'\)"):
+        evals.convert(["piqa", str(tmp_path / "h.jsonl"), str(tmp_path / "x.jsonl")])
+    with pytest.raises(UserError, match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
+        evals.convert(["mmlu", "a", "b"])
+    with pytest.raises(UserError, match="missing.jsonl is not a file: give the arc file"):
+        evals.convert(["arc", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_a_model_tokenizers_token_bytes_are_its_texts(tmp_path, family):
+    """bits per byte under a model's tokenizer.json: each id's bytes (HFTokenizer's
+    decode_single_token_bytes) joined are the text's UTF-8, byte-level (Qwen2) or SentencePiece
+    with byte fallback (Mistral: its '▁' a space, so one more before the first word)."""
+    import hf_families
+    hf_families.write_tokenizer(family, str(tmp_path))
+    enc = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"))
+    lengths = evals.byte_lengths(enc)
+    for text in ["Héllo wörld, 日本語 🚀 code:\n\tx = 1  # ü", "plain ascii words"]:
+        ids = tokenizer_py.encode(enc, text)
+        want = (" " if family == "mistral" else "") + text
+        assert b"".join(enc.decode_single_token_bytes(i) for i in ids) == want.encode(), (family, text)
+        assert lengths[ids].sum() == len(want.encode())
+    assert lengths[enc.eot_token] == 0
