@@ -315,10 +315,13 @@ class Evaluator:
     """What train.py logs beside each val loss: val_bpb (and val_bpb/<source> for a mixture),
     and task/<name>/{acc, acc_norm, gold_ll} for each file of eval_tasks."""
 
-    def __init__(self, eval_tasks, val_loaders, enc, model, mesh, eval_iters):
-        """enc: the data's tokenizer (a mixture's widest: the other sources' ids mean the same)."""
+    def __init__(self, eval_tasks, val_loaders, lengths, enc_of, model, mesh, eval_iters):
+        """lengths: the bytes of each id (the dataset's token_bytes), or None: from the tokenizer
+        enc_of() gives (the data's; a mixture's widest: the other sources' ids mean the same),
+        which the tasks encode their text with."""
         self.mesh, self.eval_iters, self.like = mesh, eval_iters, next(iter(val_loaders.values()))
-        lengths = byte_lengths(enc)
+        if lengths is None:
+            lengths = byte_lengths(enc_of())
         # source -> (target tokens, their bytes) of the eval_iters global batches evaluate() reads
         self.counts = {}
         for name, loader in val_loaders.items():
@@ -329,7 +332,9 @@ class Evaluator:
                 t, b = target_bytes(y, mask, lengths)
                 tokens, n_bytes = tokens + t, n_bytes + b
             self.counts[name] = (tokens, n_bytes)
-        self.tasks = [Task(p, enc, self.like.block_size) for p in eval_tasks.split(",") if p]
+        paths = [p for p in eval_tasks.split(",") if p]
+        enc = enc_of() if paths else None
+        self.tasks = [Task(p, enc, self.like.block_size) for p in paths]
         self.rows = None  # while a task is scored: each forward's per-row cross-entropy sums
         if self.tasks:
             model.register_forward_hook(self.record)

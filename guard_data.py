@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from guard_errors import UserError
+from guard_errors import UserError, describe_error
 from guard_files import json_field, read_json
 
 def check_made_as_asked(data_dir, asked, given):
@@ -79,3 +79,19 @@ def check_tokenizer(meta, where, tokenizer, vocab_size):
         raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this "
                         f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another "
                         f"dataset")
+
+
+def read_token_bytes(data_dir, vocab_size):
+    """The UTF-8 bytes each id decodes to, as prepare.py wrote them (token_bytes.npy), checked:
+    vocab_size counts in [0, 1024]. None for a dataset prepared before the file was written."""
+    path = os.path.join(data_dir, "token_bytes.npy")
+    if not os.path.exists(path):
+        return None
+    fix = "prepare the dataset again"
+    try:
+        t = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"{path} cannot be read ({describe_error(e)}): {fix}") from None
+    if t.shape != (vocab_size,) or t.dtype.kind not in "iu" or (t.size and not 0 <= t.min() <= t.max() <= 1024):
+        raise UserError(f"{path} is not {vocab_size} byte counts (it holds {t.dtype} {t.shape}): {fix}")
+    return t.astype(np.int64)

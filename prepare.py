@@ -35,6 +35,7 @@ if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (gua
 import numpy as np
 
 import chat_template
+import evals
 import sources
 from guard_errors import UserError
 from tokenizer import (
@@ -391,12 +392,14 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         meta.update(tokenizer_sha256=hf_tokenizer.sha256(tokenizer))
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
+    # the bytes each id decodes to: bits per byte beside a val loss (evals.py) without a tokenizer
+    np.save(os.path.join(work, "token_bytes.npy"), evals.byte_lengths(enc).astype(np.int32))
     with open(os.path.join(work, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with common.uninterrupted():  # a Ctrl-C or SIGTERM now waits: the old dataset or the new one, whole
         if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
             for name in os.listdir(final):
-                if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin"]:
+                if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin", "token_bytes.npy"]:
                     os.replace(os.path.join(final, name), os.path.join(work, name))
             old = f"{final}.old{os.getpid()}"
             os.replace(final, old)

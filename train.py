@@ -355,8 +355,10 @@ def evaluate(val_loader):
 
 
 import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
-scorer = evals.Evaluator(eval_tasks, val_loaders, tokenizer_py.tokenizer_from_meta(meta), raw_model, mesh,
-                         eval_iters)
+# the bytes each id decodes to (the dataset's; a mixture's from its tokenizer), the tasks' tokenizer
+lengths = None if mixing else guard_data.read_token_bytes(data_dir, meta["vocab_size"])
+scorer = evals.Evaluator(eval_tasks, val_loaders, lengths, lambda: tokenizer_py.tokenizer_from_meta(meta),
+                         raw_model, mesh, eval_iters)
 
 # ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")

@@ -214,3 +214,19 @@ def test_a_model_tokenizers_token_bytes_are_its_texts(tmp_path, family):
         assert b"".join(enc.decode_single_token_bytes(i) for i in ids) == want.encode(), (family, text)
         assert lengths[ids].sum() == len(want.encode())
     assert lengths[enc.eot_token] == 0
+
+
+def test_a_datasets_token_bytes_are_its_tokenizers_and_hostile_ones_are_one_line(dataset, chat_dataset, tmp_path):
+    """prepare.py writes token_bytes.npy (what train.py's bits per byte reads without building a
+    tokenizer): equal to byte_lengths of the tokenizer the data was made with, chat tokens
+    included; a damaged or foreign one is one line, and an older dataset without it is None."""
+    for d in (dataset, chat_dataset):
+        meta = guard_data.read_meta(d)
+        want = evals.byte_lengths(tokenizer_py.tokenizer_from_meta(meta))
+        assert guard_data.read_token_bytes(d, meta["vocab_size"]).tolist() == want.tolist()
+    assert guard_data.read_token_bytes(str(tmp_path), 512) is None
+    for bad, match in ((np.ones(7, np.int32), "not 512 byte counts"), (np.full(512, -1), "not 512 byte counts"),
+                       (np.array([{"a": 1}], dtype=object), "cannot be read")):
+        np.save(tmp_path / "token_bytes.npy", bad)
+        with pytest.raises(UserError, match=match):
+            guard_data.read_token_bytes(str(tmp_path), 512)
