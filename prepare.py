@@ -33,6 +33,7 @@ if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (com
 import numpy as np
 
 import chat_template
+import guard_chat
 from common import UserError, excepthook, loads_json
 from tokenizer import (
     CHAT_TOKENS,
@@ -359,6 +360,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                     print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
                           f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
         flush(batch)
+        guard_chat.check_learned(chat, learned, source)
     except BaseException:
         discard()  # a bad record halfway: leave no partial files behind
         raise
