@@ -158,6 +158,8 @@ def evaluate(c):
         print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val split of "
               f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...", flush=True)
         loss, n = val_loss(model, data_dir, block, c["batch_size"], c["doc_mask"])
+        common.check(math.isfinite(loss), f"the val loss of {what} on {data_dir} is {loss}: its "
+                     f"weights hold non-finite values (NaN or inf); load an intact model")
         results.append(f"{name} {loss:.4f} ({n:,} target tokens)")
     print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, doc_mask={c['doc_mask']} "
           f"({time.time() - t0:.0f} s)", flush=True)

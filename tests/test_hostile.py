@@ -267,6 +267,24 @@ def nan_weights(b, tmp):
                                    meta, mesh, 0)
 
 
+def eval_nan_weights(b, tmp):
+    """sample.py eval=True on a Hugging Face model whose weights are NaN (it printed nan, exit 0)."""
+    cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    weights = {k: torch.full_like(v, math.nan) for k, v in Transformer(cfg).state_dict().items()}
+    path, src = os.path.join(tmp, "out", "nan_hf"), os.path.join(tmp, "out", "src")
+    hf.save_hf_llama(path, weights, cfg, tokenizer_py.get_tokenizer("cl100k_base", 512))
+    os.makedirs(src)
+    for i in range(4):
+        with open(os.path.join(src, f"{i}.txt"), "w") as f:
+            f.write(f"document {i} " * 40)
+    d = os.path.join(tmp, "out", "d")
+    prepare.prepare(os.path.join(src, "*.txt"), d, os.path.join(path, "tokenizer.json"), val_fraction=0.5,
+                    verbose=False)
+    c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32, "batch_size": 8,
+         "doc_mask": False, "device": "cpu"}
+    return lambda: sample.evaluate(c)
+
+
 def nan_checkpoint(b, tmp):
     """A checkpoint whose weights are all NaN, with a manifest that matches: load refuses it."""
     out = copy(b["run"], os.path.join(tmp, "run"))
@@ -810,6 +828,8 @@ CASES = [
         lambda m: {**m, "model": {**m["model"], "n_experts": 4, "moe_top_k": 9}}))),
     (48, "config.json: Mixtral num_experts_per_tok 9 of 4", "raises", hf_config(
         model_type="mixtral", num_local_experts=4, num_experts_per_tok=9)),
+    # issue 59: round six (numbered 59)
+    (59, "sample.py eval=True on NaN weights", "raises", eval_nan_weights),
 ]
 
 
