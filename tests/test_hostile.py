@@ -28,6 +28,7 @@ import lora
 import mixture
 import origin
 import parallel
+import plot
 import prepare
 import rundir
 import sample
@@ -283,6 +284,32 @@ def eval_nan_weights(b, tmp):
     c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32, "batch_size": 8,
          "doc_mask": False, "device": "cpu"}
     return lambda: sample.evaluate(c)
+
+
+def plot_args(*args, tokens=None):
+    """plot.py's main on the base run (its metrics.jsonl copied, with `tokens` on each record
+    when given) with these arguments; RUN in an argument is that run directory."""
+    def make(b, tmp):
+        run = b["run"]
+        if tokens is not None:
+            run = os.path.join(tmp, "out", "run")
+            os.makedirs(run)
+            with open(os.path.join(b["run"], "metrics.jsonl")) as src, \
+                    open(os.path.join(run, "metrics.jsonl"), "w") as dst:
+                dst.writelines(json.dumps({**json.loads(line), "tokens": tokens}) + "\n" for line in src)
+        return lambda: plot.main([run, *(a.replace("RUN", run).replace("TMP", tmp) for a in args)])
+    return make
+
+
+def plot_writes_exactly_the_path(b, tmp):
+    """--out NAME.png is written whole, at that name, and nothing beside it."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+
+    def call():
+        plot.main([b["run"], "--out", os.path.join(out, "c.png")])
+        return os.listdir(out) == ["c.png"] and open(os.path.join(out, "c.png"), "rb").read(4) == b"\x89PNG"
+    return call
 
 
 def nan_checkpoint(b, tmp):
@@ -830,6 +857,16 @@ CASES = [
         model_type="mixtral", num_local_experts=4, num_experts_per_tok=9)),
     # issue 59: round six (numbered 59)
     (59, "sample.py eval=True on NaN weights", "raises", eval_nan_weights),
+    (59, "plot.py --out /dev/full", "raises", plot_args("--out", "/dev/full")),
+    (59, "plot.py --out RUN (the run directory)", "raises", plot_args("--out", "RUN")),
+    (59, "plot.py --out RUN/ckpt/latest", "raises", plot_args("--out", "RUN/ckpt/latest")),
+    (59, "plot.py --out RUN/ckpt/x.png (a run's own directory)", "raises", plot_args("--out", "RUN/ckpt/x.png")),
+    (59, "plot.py --out ''", "raises", plot_args("--out", "")),
+    (59, "plot.py --out x.jsonl", "raises", plot_args("--out", "TMP/x.jsonl")),
+    (59, "plot.py --out into a missing directory", "raises", plot_args("--out", "TMP/missing/x.png")),
+    (59, "plot.py --smooth abc (an argument error)", "raises", plot_args("--smooth", "abc")),
+    (59, "plot.py: tokens given as strings", "raises", plot_args("--out", "TMP/out/c.png", tokens="100")),
+    (59, "plot.py --out NAME.png writes exactly that", "holds", plot_writes_exactly_the_path),
 ]
 
 
