@@ -24,6 +24,7 @@ import torch
 import checkpoint
 import configurator
 import data
+import guard_env
 import loss_scale  # fp16: loss_scale.py
 import nan_guard
 import origin
@@ -153,13 +154,14 @@ config_keys = [k for k, v in globals().items() if not k.startswith("_") and isin
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
 config = {k: globals()[k] for k in config_keys}
-world = int(os.environ.get("WORLD_SIZE", 1))
+world = guard_env.world_size()  # torchrun's variables, checked
 # every check, before anything is written or a peer is met
 derived = configurator.validate(config, overrides, world)
 config["grad_accum_steps"] = grad_accum_steps = derived["grad_accum_steps"]
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------
+guard_env.wait_for_master(dist_timeout_s)
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
 if dtype == "auto":
     # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16 CPUs

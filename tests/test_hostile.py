@@ -6,6 +6,7 @@ traceback, for the few that need the whole program), or, for checkpoint damage, 
 falling back to the previous intact checkpoint with one warning naming why; nothing outside
 out_dir changes. One tiny base run is shared; most cases run in this process."""
 
+import contextlib
 import json
 import math
 import os
@@ -17,11 +18,12 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, free_port, run_train
 
 import checkpoint
 import configurator
 import data
+import guard_env
 import hf
 import hf_tokenizer
 import lora
@@ -310,6 +312,55 @@ def plot_writes_exactly_the_path(b, tmp):
         plot.main([b["run"], "--out", os.path.join(out, "c.png")])
         return os.listdir(out) == ["c.png"] and open(os.path.join(out, "c.png"), "rb").read(4) == b"\x89PNG"
     return call
+
+
+@contextlib.contextmanager
+def environ(**env):
+    """os.environ with `env` set (None: unset), restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+TORCHRUN_VARS = dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                               "TORCHELASTIC_USE_AGENT_STORE"))
+
+
+def torchrun_env(**env):
+    """train.py's checks of torchrun's variables (guard_env), with only `env` of them set."""
+    def make(b, tmp):
+        def call():
+            with environ(**{**TORCHRUN_VARS, **env}):
+                guard_env.world_size()
+                guard_env.wait_for_master(1)
+        return call
+    return make
+
+
+def a_ranks_own_environment_is_reported(b, tmp):
+    """Before the process group only rank 0 prints an error (all meet the same config), but
+    rank 1 started by hand without MASTER_* printed nothing: its own environment is its line."""
+    def call():
+        with environ(**{**TORCHRUN_VARS, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}):
+            try:
+                guard_env.world_size()
+            except UserError as e:
+                return parallel.reports(e, e.__traceback__) is True
+        return False
+    return call
+
+
+def trace_a_file(b, tmp):
+    out = os.path.join(tmp, "run")
+    os.makedirs(out)
+    with open(os.path.join(out, "trace"), "w") as f:
+        f.write("not a directory")
+    return validated(profile_iters="1:2", max_iters=4, out_dir=out)(b, tmp)
 
 
 def nan_checkpoint(b, tmp):
@@ -867,6 +918,18 @@ CASES = [
     (59, "plot.py --smooth abc (an argument error)", "raises", plot_args("--smooth", "abc")),
     (59, "plot.py: tokens given as strings", "raises", plot_args("--out", "TMP/out/c.png", tokens="100")),
     (59, "plot.py --out NAME.png writes exactly that", "holds", plot_writes_exactly_the_path),
+    (59, "WORLD_SIZE=abc", "raises", torchrun_env(WORLD_SIZE="abc")),
+    (59, "WORLD_SIZE=-2", "raises", torchrun_env(WORLD_SIZE="-2")),
+    (59, "MASTER_PORT=abc", "raises", torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT="abc")),
+    (59, "RANK=1 WORLD_SIZE=2 without MASTER_*", "raises", torchrun_env(RANK="1", LOCAL_RANK="1",
+                                                                        WORLD_SIZE="2")),
+    (59, "RANK=2 of WORLD_SIZE=2", "raises", torchrun_env(RANK="2", LOCAL_RANK="0", WORLD_SIZE="2",
+                                                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")),
+    (59, "a master that never comes", "raises", lambda b, tmp: torchrun_env(
+        RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))(b, tmp)),
+    (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
+    (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
 ]
 
 
