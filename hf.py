@@ -13,6 +13,7 @@ import shutil
 
 import torch
 
+import guard_chat
 from common import MAX_SIZES, UserError, loads_json, read_json
 import hf_moe
 from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
@@ -309,6 +310,7 @@ def hf_llama_index(path):
     Reads config.json and the safetensors headers only, and checks that the tensors are
     exactly the model's, of the right shapes; load_hf_llama or load_hf_parts read the data."""
     def read(file):
+        guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         return read_json(os.path.join(path, file), "copy or download it again")
 
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -320,7 +322,7 @@ def hf_llama_index(path):
         # a shard is a file of this directory: not ../elsewhere, not /proc/self/environ
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")
-                and not os.path.islink(os.path.join(path, f)) for f in weight_map.values()):
+                for f in weight_map.values()):
             raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of names to .safetensors "
                             f"files in that directory: copy or download it again")
         files = sorted(set(weight_map.values()))
@@ -331,6 +333,7 @@ def hf_llama_index(path):
                         f"are read: re-save the model with save_pretrained(..., safe_serialization=True)")
     hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
+        guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         if not os.path.isfile(os.path.join(path, file)):
             raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is missing: "
                             f"copy or download it")

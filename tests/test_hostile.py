@@ -271,7 +271,7 @@ def nan_weights(b, tmp):
 
 
 def eval_nan_weights(b, tmp):
-    """sample.py eval=True on a Hugging Face model whose weights are NaN (it printed nan, exit 0)."""
+    """sample.py eval=True on a Hugging Face model of NaN weights (it printed nan, exit 0)."""
     cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     weights = {k: torch.full_like(v, math.nan) for k, v in Transformer(cfg).state_dict().items()}
     path, src = os.path.join(tmp, "out", "nan_hf"), os.path.join(tmp, "out", "src")
@@ -281,10 +281,10 @@ def eval_nan_weights(b, tmp):
         with open(os.path.join(src, f"{i}.txt"), "w") as f:
             f.write(f"document {i} " * 40)
     d = os.path.join(tmp, "out", "d")
-    prepare.prepare(os.path.join(src, "*.txt"), d, os.path.join(path, "tokenizer.json"), val_fraction=0.5,
-                    verbose=False)
-    c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32, "batch_size": 8,
-         "doc_mask": False, "device": "cpu"}
+    prepare.prepare(os.path.join(src, "*.txt"), d, os.path.join(path, "tokenizer.json"),
+                    val_fraction=0.5, verbose=False)
+    c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32,
+         "batch_size": 8, "doc_mask": False, "device": "cpu"}
     return lambda: sample.evaluate(c)
 
 
@@ -298,7 +298,8 @@ def plot_args(*args, tokens=None):
             os.makedirs(run)
             with open(os.path.join(b["run"], "metrics.jsonl")) as src, \
                     open(os.path.join(run, "metrics.jsonl"), "w") as dst:
-                dst.writelines(json.dumps({**json.loads(line), "tokens": tokens}) + "\n" for line in src)
+                dst.writelines(json.dumps({**json.loads(line), "tokens": tokens}) + "\n"
+                               for line in src)
         return lambda: plot.main([run, *(a.replace("RUN", run).replace("TMP", tmp) for a in args)])
     return make
 
@@ -310,7 +311,8 @@ def plot_writes_exactly_the_path(b, tmp):
 
     def call():
         plot.main([b["run"], "--out", os.path.join(out, "c.png")])
-        return os.listdir(out) == ["c.png"] and open(os.path.join(out, "c.png"), "rb").read(4) == b"\x89PNG"
+        with open(os.path.join(out, "c.png"), "rb") as f:
+            return os.listdir(out) == ["c.png"] and f.read(4) == b"\x89PNG"
     return call
 
 
@@ -361,6 +363,28 @@ def trace_a_file(b, tmp):
     with open(os.path.join(out, "trace"), "w") as f:
         f.write("not a directory")
     return validated(profile_iters="1:2", max_iters=4, out_dir=out)(b, tmp)
+
+
+def hf_file_outside(name):
+    """A Hugging Face directory whose `name` is a link to a file outside it."""
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
+        return lambda: hf.hf_llama_index(d)
+    return make
+
+
+def hf_cache_links_load(b, tmp):
+    """transformers' cache: models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>."""
+    repo = os.path.join(tmp, "out", "hub", "models--org--tiny")
+    snap = os.path.join(repo, "snapshots", "abc123")
+    os.makedirs(os.path.join(repo, "blobs"))
+    os.makedirs(snap)
+    for i, name in enumerate(os.listdir(b["hf"])):
+        shutil.copy(os.path.join(b["hf"], name), os.path.join(repo, "blobs", f"hash{i}"))
+        os.symlink(f"../../blobs/hash{i}", os.path.join(snap, name))
+    return lambda: hf.hf_llama_index(snap)[0] == hf.hf_llama_index(b["hf"])[0]
 
 
 def nan_checkpoint(b, tmp):
@@ -911,23 +935,32 @@ CASES = [
     (59, "plot.py --out /dev/full", "raises", plot_args("--out", "/dev/full")),
     (59, "plot.py --out RUN (the run directory)", "raises", plot_args("--out", "RUN")),
     (59, "plot.py --out RUN/ckpt/latest", "raises", plot_args("--out", "RUN/ckpt/latest")),
-    (59, "plot.py --out RUN/ckpt/x.png (a run's own directory)", "raises", plot_args("--out", "RUN/ckpt/x.png")),
+    (59, "plot.py --out RUN/ckpt/x.png (a run's own directory)", "raises",
+     plot_args("--out", "RUN/ckpt/x.png")),
     (59, "plot.py --out ''", "raises", plot_args("--out", "")),
     (59, "plot.py --out x.jsonl", "raises", plot_args("--out", "TMP/x.jsonl")),
-    (59, "plot.py --out into a missing directory", "raises", plot_args("--out", "TMP/missing/x.png")),
+    (59, "plot.py --out into a missing directory", "raises",
+     plot_args("--out", "TMP/missing/x.png")),
     (59, "plot.py --smooth abc (an argument error)", "raises", plot_args("--smooth", "abc")),
-    (59, "plot.py: tokens given as strings", "raises", plot_args("--out", "TMP/out/c.png", tokens="100")),
+    (59, "plot.py: tokens given as strings", "raises",
+     plot_args("--out", "TMP/out/c.png", tokens="100")),
     (59, "plot.py --out NAME.png writes exactly that", "holds", plot_writes_exactly_the_path),
+    (59, "config.json a link out of its model directory", "raises",
+     hf_file_outside("config.json")),
+    (59, "model.safetensors a link out of its model directory", "raises",
+     hf_file_outside("model.safetensors")),
+    (59, "Hugging Face's cache: links into blobs/ load", "holds", hf_cache_links_load),
     (59, "WORLD_SIZE=abc", "raises", torchrun_env(WORLD_SIZE="abc")),
     (59, "WORLD_SIZE=-2", "raises", torchrun_env(WORLD_SIZE="-2")),
     (59, "MASTER_PORT=abc", "raises", torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                                                    MASTER_ADDR="127.0.0.1", MASTER_PORT="abc")),
     (59, "RANK=1 WORLD_SIZE=2 without MASTER_*", "raises", torchrun_env(RANK="1", LOCAL_RANK="1",
                                                                         WORLD_SIZE="2")),
-    (59, "RANK=2 of WORLD_SIZE=2", "raises", torchrun_env(RANK="2", LOCAL_RANK="0", WORLD_SIZE="2",
-                                                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")),
+    (59, "RANK=2 of WORLD_SIZE=2", "raises", torchrun_env(
+        RANK="2", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")),
     (59, "a master that never comes", "raises", lambda b, tmp: torchrun_env(
-        RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))(b, tmp)),
+        RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()))(b, tmp)),
     (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
     (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
 ]
