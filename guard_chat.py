@@ -16,6 +16,7 @@ directory and to a bounded cost, each a refusal in one line (chat_template.py re
 
 import contextlib
 import os
+import re
 import signal
 import stat
 import string
@@ -108,18 +109,26 @@ def _check_width(n, what):
         _refuse(what)
 
 
+# a %-directive's width and precision (printf-style: '%-*.3d', '%(name)10s'), or '%%'
+PERCENT = re.compile(r"%%|%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _number(digits):
+    return int(digits) if len(digits) < 20 else MAX_RENDER_CHARS + 1
+
+
 def _check_percent(fmt, args):
     """fmt % args: a width or precision past the bound (given or taken by '*')."""
     if not isinstance(fmt, str):
         return
     values = args if isinstance(args, tuple) else (args,)
-    for part in fmt.split("%")[1:]:
-        digits = "".join(c if c.isdigit() else " " for c in part[:40]).split()
-        for d in digits:
-            _check_width(int(d) if len(d) < 20 else MAX_RENDER_CHARS + 1, "a % format's width")
-        if "*" in part[:40]:
-            for v in values:
-                _check_width(v, "a % format's '*' width")
+    for m in PERCENT.finditer(fmt):
+        for given in m.groups():
+            if given == "*":
+                for v in values:
+                    _check_width(v, "a % format's '*' width")
+            elif given:
+                _check_width(_number(given), "a % format's width")
 
 
 def _check_format(fmt, args, kwargs):
@@ -129,8 +138,8 @@ def _check_format(fmt, args, kwargs):
     except ValueError:
         return  # (str.format raises it itself)
     for _, _, spec, _ in fields:
-        for d in "".join(c if c.isdigit() else " " for c in spec or "").split():
-            _check_width(int(d) if len(d) < 20 else MAX_RENDER_CHARS + 1, "a format's width")
+        for d in re.findall(r"\d+", spec or ""):
+            _check_width(_number(d), "a format's width")
         if spec and "{" in spec:
             for v in (*args, *kwargs.values()):
                 _check_width(v, "a format's nested width")
