@@ -241,3 +241,20 @@ def test_a_template_that_renders_no_reply_is_refused(tmp_path):
         with pytest.raises(UserError, match=expected):
             data.Loader(str(tmp_path / "ok"), "train", 8, 1, 1, 0)
     assert good["train_loss_tokens"] > 0
+
+
+def test_the_bounds_leave_a_valid_template_as_it_was():
+    """The operations the sandbox checks, at sizes a real template uses, render as jinja2's own
+    sandbox renders them (a guard changes nothing of a valid run)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    text = ("{{ '-' * 3 }}{{ [1] * 2 }}{{ '%s 99999999999 %%' % 'x' }}{{ '%5.2f' % 1.5 }}"
+            "{{ '{:>6}|{}'.format('a', 99999999999) }}{{ 'a'.center(5) }}{{ 'ab' | center(6) }}"
+            "{{ ', '.join(['a', 'b']) }}{{ ['a', 'b'] | join('-') }}"
+            "{{ 'aXa' | replace('a', 'bb') }}"
+            "{{ 'x\\ny' | indent(2) }}{{ '%d items' | format(3) }}{{ 2 ** 10 }}{{ 'a' + 'b' }}"
+            "{% macro m(x) %}<{{ x }}>{% endmacro %}{{ m(1) ~ m(2) }}")
+    kw = {"trim_blocks": True, "lstrip_blocks": True}
+    want = ImmutableSandboxedEnvironment(**kw).from_string(text).render()
+    env = guard_chat.Sandbox(**kw)
+    with guard_chat.bounded(env, "test"):
+        assert env.from_string(text).render() == want
