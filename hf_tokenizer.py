@@ -484,6 +484,7 @@ def load_rank_file(path):
     """A tiktoken rank file (Meta's Llama 3 tokenizer.model) as an Encoding: Meta's split and
     special tokens. A SentencePiece tokenizer.model (a protobuf) is refused by name."""
     ranks, seen = {}, set()
+    guard_chat.check_in_model_dir(path, FIX)
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:

@@ -387,6 +387,19 @@ def hf_cache_links_load(b, tmp):
     return lambda: hf.hf_llama_index(snap)[0] == hf.hf_llama_index(b["hf"])[0]
 
 
+def tokenizer_linked_outside(name):
+    """A tokenizer file of a model directory that links to a valid one outside it."""
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "tok"))
+        with open(os.path.join(tmp, "elsewhere"), "w") as f:
+            f.write(json.dumps({**TINY_BPE, "added_tokens": [added(4, "<|endoftext|>")], "model": {
+                **TINY_BPE["model"], "vocab": {"a": 0, "b": 1, "ab": 2, "x": 3, "<|endoftext|>": 4}}})
+                    if name.endswith(".json") else "IQ== 0\nIg== 1\n")
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(tmp, "tok", name))
+        return lambda: hf_tokenizer.load(os.path.join(tmp, "tok", name))
+    return make
+
+
 def nan_checkpoint(b, tmp):
     """A checkpoint whose weights are all NaN, with a manifest that matches: load refuses it."""
     out = copy(b["run"], os.path.join(tmp, "run"))
@@ -950,6 +963,10 @@ CASES = [
     (59, "model.safetensors a link out of its model directory", "raises",
      hf_file_outside("model.safetensors")),
     (59, "Hugging Face's cache: links into blobs/ load", "holds", hf_cache_links_load),
+    (59, "tokenizer.json a link out of its model directory", "raises",
+     tokenizer_linked_outside("tokenizer.json")),
+    (59, "tokenizer.model a link out of its model directory", "raises",
+     tokenizer_linked_outside("tokenizer.model")),
     (59, "WORLD_SIZE=abc", "raises", torchrun_env(WORLD_SIZE="abc")),
     (59, "WORLD_SIZE=-2", "raises", torchrun_env(WORLD_SIZE="-2")),
     (59, "MASTER_PORT=abc", "raises", torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
