@@ -392,8 +392,9 @@ def tokenizer_linked_outside(name):
     def make(b, tmp):
         os.makedirs(os.path.join(tmp, "tok"))
         with open(os.path.join(tmp, "elsewhere"), "w") as f:
-            f.write(json.dumps({**TINY_BPE, "added_tokens": [added(4, "<|endoftext|>")], "model": {
-                **TINY_BPE["model"], "vocab": {"a": 0, "b": 1, "ab": 2, "x": 3, "<|endoftext|>": 4}}})
+            vocab = {"a": 0, "b": 1, "ab": 2, "x": 3, "<|endoftext|>": 4}
+            f.write(json.dumps({**TINY_BPE, "added_tokens": [added(4, "<|endoftext|>")],
+                                "model": {**TINY_BPE["model"], "vocab": vocab}})
                     if name.endswith(".json") else "IQ== 0\nIg== 1\n")
         os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(tmp, "tok", name))
         return lambda: hf_tokenizer.load(os.path.join(tmp, "tok", name))
