@@ -154,6 +154,8 @@ COSTLY = {
                          "{{ ns.s }}",
                          "replace filter"),
     "power": ("{{ 10 ** 1000000000 }}", "integer power"),
+    "endless recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                          "nests past Python's recursion limit"),
     "deep nesting": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
                      "does not parse (RecursionError"),
     "raise_exception with newlines": (
