@@ -47,9 +47,8 @@ def world_size():
     """The number of processes of this run (1 without torchrun), its variables checked: the
     rank inside the world, and with a rank the address and port of the master to meet."""
     world, rank = _int("WORLD_SIZE", 1), _int("RANK", 0)
-    if rank is None:  # one process (validated as the world it runs in)
-        _check(world in (None, 1), f"WORLD_SIZE={world} is set but RANK is not: {FIX}")
-        return 1
+    if rank is None:  # (WORLD_SIZE alone: validated as that world, as tests of the layouts do)
+        return world or 1
     local, port = _int("LOCAL_RANK", 0), _int("MASTER_PORT", 1, 65535)
     _check(world is not None, f"RANK={rank} is set but WORLD_SIZE is not: {FIX}")
     _check(rank < world, f"RANK={rank} is not below WORLD_SIZE={world}: {FIX}")
