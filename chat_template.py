@@ -199,7 +199,7 @@ def _name(value):
 
 def encode(enc, messages, where):
     """(ids, mask) of one conversation in the model's chat template (`enc.chat_template`)."""
-    template = enc.chat_template
+    template, where = enc.chat_template, f"{where} ({enc.name})"  # (an error names the model)
     controls = control_tokens(enc, template)
     quoted = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))) or "(?!)")
     marked = _mark(messages, quoted)
@@ -295,9 +295,9 @@ def _exact_span(template, messages, names, where, text, controls, k):
     upto = render(template, messages[:k + 1], names, where)[0]
     if not (text.startswith(upto) and upto.startswith(head)):
         raise UserError(f"{where}: the chat template renders the conversation up to message "
-                        f"{k + 1} otherwise than inside the whole one (it rewrites earlier turns), "
-                        f"so the replies cannot be found for the loss mask: wrap each reply in "
-                        f"{{% generation %}}...{{% endgeneration %}} in the template")
+                        f"{k + 1} otherwise than inside the whole one (it rewrites earlier "
+                        f"turns), so the replies cannot be found for the loss mask: wrap each "
+                        f"reply in {{% generation %}}...{{% endgeneration %}} in the template")
     reply = upto[len(head):]
     if any(reply.rstrip().endswith(t) for t in controls):  # its end-of-turn token; not the newline
         reply = reply.rstrip()
