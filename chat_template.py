@@ -239,6 +239,8 @@ def _reply_spans(template, messages, names, where, text, controls):
     around the first's. Two renderings more per conversation, not two per reply (10,000
     messages: a second, not minutes); a reply written otherwise is rendered up to, as before."""
     replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        return []
     exact = {k: _exact_span(template, messages, names, where, text, controls, k)
              for k in {replies[0], replies[-1]}}
     content = _contents(template, messages, names, where, text) if len(replies) > 2 else None
