@@ -200,6 +200,7 @@ def test_the_replies_of_a_long_conversation_are_found_in_linear_time(enc):
     assert time.time() - t0 < 30
     learned = enc.decode([i for i, m in zip(ids, mask) if m])
     assert learned == "".join(f"message {i}<|im_end|>" for i in range(1, 10000, 2))
+    assert not any(chat_template.encode(enc, chat[:1], "test")[1])  # no reply: nothing learned
 
 
 def test_replies_written_unlike_the_first_are_found_one_by_one_to_a_bound(enc, template):
