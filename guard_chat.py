@@ -2,16 +2,18 @@
 A model's chat template is code and data from outside: the checks that keep it to its model
 directory and to a bounded cost, each a refusal in one line (chat_template.py renders it).
 
-- A file read from a model directory (the template, tokenizer.json, tokenizer_config.json)
-  resolves inside it: a link to /etc/passwd is refused, a Hugging Face cache's links from
-  snapshots/<rev>/ into the repository's blobs/ are followed. A directory or FIFO in its place,
-  or a template past MAX_TEMPLATE_BYTES, is refused too (in its own file or in
-  tokenizer_config.json).
+- A file read from a model directory (the template, tokenizer.json or .model, its config,
+  config.json, the weights) resolves inside it: a link to /etc/passwd is refused, a Hugging
+  Face cache's links from snapshots/<rev>/ into the repository's blobs/ are followed. A
+  directory or FIFO in its place, or a template past MAX_TEMPLATE_BYTES, is refused too (in
+  its own file or in tokenizer_config.json).
 - One conversation's rendering runs at most MAX_RENDER_S seconds and produces at most
   MAX_RENDER_CHARS characters: Sandbox refuses, before it runs, an operation that would build
   a string or list past that ('x' * 10**9, '%999999999d' % 1, 'a'.center(10**9), the same
   filters), and a timer stops loops that never end (range(100000) inside range(100000)).
   transformers bounds neither, but a trainer renders millions of rows.
+- A chat dataset has replies to learn: prepare refuses a template that renders none, and a
+  loss mask with no 1, or a byte other than 0 and 1, is refused when read.
 """
 
 import contextlib
@@ -233,6 +235,10 @@ class Sandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
         __self._in_time()
+        joins = getattr(__obj, "__name__", "") == "join" and isinstance(
+            getattr(__obj, "__self__", None), str)
+        if joins and args and not isinstance(args[0], (list, tuple, str)):
+            args = (list(args[0]), *args[1:])  # (a generator: its size is known once listed)
         _check_call(__obj, args, kwargs)
         out = super().call(__context, __obj, *args, **kwargs)
         if isinstance(out, str) and len(out) > MAX_RENDER_CHARS:  # a macro's output
@@ -281,10 +287,10 @@ def bounded(env, where):
                         f"renders it in milliseconds): fix the template, or use the model's "
                         f"original one") from None
     finally:
-        env.deadline = float("inf")
         if timer:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+        env.deadline = float("inf")
 
 
 def check_output(size, where):

@@ -144,6 +144,7 @@ COSTLY = {
     "% width": ("{{ '%999999999d' % 1 }}", "% format's width"),
     "format width": ("{{ '{:999999999}'.format(1) }}", "format's width"),
     "format nested width": ("{{ '{:{}}'.format(1, 999999999) }}", "format's nested width"),
+    "join of a generator": ("{{ ('x' * 10000000).join(range(100) | map('string')) }}", "str.join"),
     "center": ("{{ 'a'.center(10**9) }}", "str.center"),
     "center filter": ("{{ 'a' | center(10**9) }}", "center filter"),
     "format filter": ("{{ '%999999999d' | format(1) }}", "% format's width"),
