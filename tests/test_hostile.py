@@ -387,6 +387,16 @@ def hf_cache_links_load(b, tmp):
     return lambda: hf.hf_llama_index(snap)[0] == hf.hf_llama_index(b["hf"])[0]
 
 
+def adapter_file_outside(name):
+    """A PEFT adapter directory whose `name` is a link to a file outside it."""
+    def make(b, tmp):
+        d = copy(b["adapter"], os.path.join(tmp, "adapter"))
+        os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
+        return lambda: lora.load_peft_lora(d)
+    return make
+
+
 def tokenizer_linked_outside(name):
     """A tokenizer file of a model directory that links to a valid one outside it."""
     def make(b, tmp):
@@ -964,6 +974,10 @@ CASES = [
     (59, "model.safetensors a link out of its model directory", "raises",
      hf_file_outside("model.safetensors")),
     (59, "Hugging Face's cache: links into blobs/ load", "holds", hf_cache_links_load),
+    (59, "adapter_config.json a link out of its adapter directory", "raises",
+     adapter_file_outside("adapter_config.json")),
+    (59, "adapter_model.safetensors a link out of its adapter directory", "raises",
+     adapter_file_outside("adapter_model.safetensors")),
     (59, "tokenizer.json a link out of its model directory", "raises",
      tokenizer_linked_outside("tokenizer.json")),
     (59, "tokenizer.model a link out of its model directory", "raises",
