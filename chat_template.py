@@ -26,13 +26,16 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+import guard_chat
 from guard_errors import UserError
 
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' markers around a control token quoted in a message (private-use characters)
 START, END = "\ue000", "\ue001"
+# our markers around each reply's content in one rendering (_reply_spans); removed from the data
+REPLY, REPLY_END = "\ue002", "\ue003"
+MAX_SLOW_REPLIES = 64  # replies a template writes unlike its first: each found by a rendering
 
 
 class _Generation(jinja2.ext.Extension):
@@ -62,7 +65,15 @@ def _raise(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    out = json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
+                     sort_keys=sort_keys)
+    # ensure_ascii's escapes, all but the markers around a quoted control token: escaped, they
+    # would let the token inside pass as the template's own
+    return re.sub(f"[^\x00-\x7f{START}{END}]", _escape, out) if ensure_ascii else out
+
+
+def _escape(m):
+    return json.dumps(m[0])[1:-1]
 
 
 class _Dict:
@@ -102,15 +113,21 @@ def compile_template(template, where):
                         f"remove it (conversations then use the project's own template)")
     try:
         return _compile(template)
-    except jinja2.exceptions.TemplateError as e:
-        raise UserError(f"{where}: the chat template does not parse ({type(e).__name__}: {str(e)[:120]}): fix "
-                        f"it, or remove it") from None
+    except (jinja2.exceptions.TemplateError, RecursionError, MemoryError) as e:
+        raise UserError(f"{where}: the chat template does not parse ({type(e).__name__}: "
+                        f"{_line(e)}): fix it, or remove it") from None
+
+
+def _line(e):
+    """An error's message in one line (raise_exception's may hold newlines, even a fake
+    traceback)."""
+    return " ".join(str(e).split())[:120]
 
 
 @lru_cache(maxsize=8)
 def _compile(template):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = guard_chat.Sandbox(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f), dict=_Dict(),
                        namespace=_Namespace)
@@ -123,16 +140,23 @@ def render(template, messages, names, where, add_generation_prompt=False):
     tracker = next(e for e in compiled.environment.extensions.values() if isinstance(e, _Generation))
     pieces, spans = [], []
     tracker.tracking = pieces, spans
+    size = 0
     try:
-        for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                       documents=None, **names):
-            pieces.append(piece)
+        with guard_chat.bounded(compiled.environment, where):
+            for piece in compiled.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **names):
+                pieces.append(piece)
+                size += len(piece)
+                guard_chat.check_output(size, where)
     except jinja2.exceptions.SecurityError as e:
-        raise UserError(f"{where}: the chat template tried to leave jinja2's sandbox ({str(e)[:120]}): it is not "
-                        f"run; remove it or replace it with the model's original one") from None
+        raise UserError(f"{where}: the chat template tried to leave jinja2's sandbox "
+                        f"({_line(e)}): it is not run; remove it or use the model's original "
+                        f"one") from None
+    except UserError:
+        raise
     except Exception as e:  # raise_exception(), an undefined name, a type error: the template's own failure
         raise UserError(f"{where}: the chat template fails on this conversation ({type(e).__name__}: "
-                        f"{str(e)[:120]}): fix the conversation or the template") from None
+                        f"{_line(e)}): fix the conversation or the template") from None
     finally:
         tracker.tracking = None
     return "".join(pieces), spans
@@ -175,40 +199,111 @@ def _name(value):
 
 def encode(enc, messages, where):
     """(ids, mask) of one conversation in the model's chat template (`enc.chat_template`)."""
-    template = enc.chat_template
+    template, where = enc.chat_template, f"{where} ({enc.name})"  # (an error names the model)
     controls = control_tokens(enc, template)
     quoted = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))) or "(?!)")
-    marked = [{**m, "content": quoted.sub(lambda t: START + t[0] + END, m["content"].replace(START, "").replace(
-        END, ""))} for m in messages]
+    marked = _mark(messages, quoted)
     names = {n: _name(enc.config[n]) for n in NAMED if isinstance(_name(enc.config.get(n)), str)}
     text, spans = render(template, marked, names, where)
     if not spans:
         spans = _reply_spans(template, marked, names, where, text, controls)
-    ids, mask = [], []
+    ids, mask, spans, k = [], [], sorted(spans), 0
     for start, piece, as_text in _pieces(text):
         piece_ids, offsets = enc.encode_with_offsets(piece, as_text, first=start == 0)
         ids += piece_ids
-        mask += [int(any(start + a < e and start + b > s for s, e in spans)) for a, b in offsets]
+        for a, b in offsets:  # learned where it overlaps a span (both in order: one pass)
+            while k < len(spans) and spans[k][1] <= start + a:
+                k += 1
+            mask.append(int(k < len(spans) and spans[k][0] < start + b))
     return ids, mask
 
 
+def _mark(obj, quoted):
+    """Every string of the data (any field, dict keys too) with its control tokens quoted, as
+    transformers' mark_control_tokens marks messages: a tool call's name or arguments, or a
+    reasoning_content, cannot write a token that opens or closes a turn."""
+    if isinstance(obj, str):
+        obj = re.sub(f"[{START}{END}{REPLY}{REPLY_END}]", "", obj)  # (none from the data)
+        return quoted.sub(lambda t: START + t[0] + END, obj)
+    if isinstance(obj, dict):
+        return {_mark(k, quoted): _mark(v, quoted) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_mark(v, quoted) for v in obj]
+    return obj
+
+
 def _reply_spans(template, messages, names, where, text, controls):
-    spans = []
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = render(template, messages[:k], names, where, add_generation_prompt=True)[0]
-        upto = render(template, messages[:k + 1], names, where)[0]
-        if not (text.startswith(upto) and upto.startswith(head)):
-            raise UserError(f"{where}: the chat template renders the conversation up to message {k + 1} otherwise "
-                            f"than inside the whole one (it rewrites earlier turns), so the replies cannot be found "
-                            f"for the loss mask: wrap each reply in {{% generation %}}...{{% endgeneration %}} in the "
-                            f"template")
-        reply = upto[len(head):]
-        if any(reply.rstrip().endswith(t) for t in controls):  # the end-of-turn token closes it; not the newline
-            reply = reply.rstrip()
-        spans.append((len(head), len(head) + len(reply)))
+    """Each reply's span in `text`: the first and the last from the conversation rendered up
+    to them (the docstring's rule); those between from where their content lands in one
+    rendering with each reply's content between markers, with the same text around it as
+    around the first's. Two renderings more per conversation, not two per reply (10,000
+    messages: a second, not minutes); a reply written otherwise is rendered up to, as before."""
+    replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        return []
+    exact = {k: _exact_span(template, messages, names, where, text, controls, k)
+             for k in {replies[0], replies[-1]}}
+    content = _contents(template, messages, names, where, text) if len(replies) > 2 else None
+    around = None
+    if content:
+        (s0, e0), (c0, d0) = exact[replies[0]], content[0]
+        around = (text[s0:c0], text[d0:e0]) if s0 <= c0 and d0 <= e0 else None
+    spans, slow = [], 0
+    for k, cd in zip(replies, content or [None] * len(replies)):
+        span = exact.get(k) or _around(text, cd, around)
+        if span is None:
+            slow += 1
+            if slow > MAX_SLOW_REPLIES:
+                raise UserError(f"{where}: the chat template writes its replies so that each "
+                                f"needs a rendering of its own, and this conversation has "
+                                f"{len(replies)}: wrap each reply in {{% generation %}}..."
+                                f"{{% endgeneration %}} in the template, or split it")
+            span = _exact_span(template, messages, names, where, text, controls, k)
+        spans.append(span)
     return spans
+
+
+def _contents(template, messages, names, where, text):
+    """[(start, end)] of each reply's content in `text`, from one rendering with markers
+    around them; None where the markers change the rest (a template that trims the content)."""
+    tagged = [{**m, "content": REPLY + m["content"] + REPLY_END} if m["role"] == "assistant" else m
+              for m in messages]
+    marked = render(template, tagged, names, where)[0]
+    found = list(re.finditer(f"[{REPLY}{REPLY_END}]", marked))
+    n = sum(m["role"] == "assistant" for m in messages)
+    order = "".join(m[0] for m in found)
+    clean = marked.replace(REPLY, "").replace(REPLY_END, "")
+    if order != (REPLY + REPLY_END) * n or clean != text:
+        return None
+    at = [m.start() - i for i, m in enumerate(found)]  # (in `text`: the markers before taken out)
+    return list(zip(at[::2], at[1::2]))
+
+
+def _around(text, content, around):
+    """The span of a reply whose content is at `content` when `text` has the first reply's text
+    `around` it (before, after), else None."""
+    if content is None or around is None:
+        return None
+    (c, d), (before, after) = content, around
+    if c >= len(before) and text[c - len(before):c] == before and text[d:d + len(after)] == after:
+        return c - len(before), d + len(after)
+    return None
+
+
+def _exact_span(template, messages, names, where, text, controls, k):
+    """The span of reply k: from the end of the conversation rendered up to it with
+    add_generation_prompt=True to the end of the conversation rendered with it."""
+    head = render(template, messages[:k], names, where, add_generation_prompt=True)[0]
+    upto = render(template, messages[:k + 1], names, where)[0]
+    if not (text.startswith(upto) and upto.startswith(head)):
+        raise UserError(f"{where}: the chat template renders the conversation up to message "
+                        f"{k + 1} otherwise than inside the whole one (it rewrites earlier "
+                        f"turns), so the replies cannot be found for the loss mask: wrap each "
+                        f"reply in {{% generation %}}...{{% endgeneration %}} in the template")
+    reply = upto[len(head):]
+    if any(reply.rstrip().endswith(t) for t in controls):  # its end-of-turn token; not the newline
+        reply = reply.rstrip()
+    return len(head), len(head) + len(reply)
 
 
 def _pieces(text):

@@ -15,6 +15,7 @@ import re
 import torch
 
 import configurator
+import guard_env
 from guard_errors import UserError, check
 from guard_files import check_exports, check_writable
 from model import ModelConfig
@@ -83,6 +84,7 @@ def _check_profiler(c, overrides):
     check(_window(c["profile_iters"], c["max_iters"]),
           f"profile_iters='{c['profile_iters']}' is not 'a:b' with 0 <= a < b <= max_iters={c['max_iters']}: e.g. "
           f"'5:8' profiles iterations 5, 6 and 7")
+    guard_env.check_trace_dir(c["out_dir"])
 
 
 def _check_moe(c, overrides):

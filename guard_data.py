@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+import guard_chat
 from guard_errors import UserError, describe_error
 from guard_files import json_field, read_json
 
@@ -69,7 +70,9 @@ def chat_mask(path, n_tokens):
     mask_path = path[:-len(".bin")] + ".mask.bin"
     if not os.path.exists(mask_path) or os.path.getsize(mask_path) != n_tokens:
         raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the dataset again")
-    return np.memmap(mask_path, dtype=np.uint8, mode="r")
+    mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+    guard_chat.check_mask(mask, mask_path)
+    return mask
 
 
 def check_tokenizer(meta, where, tokenizer, vocab_size):

@@ -53,7 +53,8 @@ def reports(err, tb):
     if not dist.is_initialized():
         while tb.tb_next is not None:
             tb = tb.tb_next
-        return os.environ["RANK"] == "0" or tb.tb_frame.f_code.co_filename == parallel.__file__
+        return (os.environ["RANK"] == "0" or tb.tb_frame.f_code.co_filename == parallel.__file__
+                or getattr(err, "own", False))  # (guard_env: a rank's own environment)
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import guard_chat
 from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json
 import hf_moe
@@ -256,6 +257,7 @@ def hf_index(path):
     Reads config.json and the safetensors headers only, and checks that the tensors are
     exactly the model's, of the right shapes; load_hf or load_hf_parts read the data."""
     def read(file):
+        guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         return read_json(os.path.join(path, file), "copy or download it again")
 
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -267,7 +269,7 @@ def hf_index(path):
         # a shard is a file of this directory: not ../elsewhere, not /proc/self/environ
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")
-                and not os.path.islink(os.path.join(path, f)) for f in weight_map.values()):
+                for f in weight_map.values()):
             raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of names to .safetensors "
                             f"files in that directory: copy or download it again")
         files = sorted(set(weight_map.values()))
@@ -278,6 +280,7 @@ def hf_index(path):
                         f"are read: re-save the model with save_pretrained(..., safe_serialization=True)")
     hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
+        guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         if not os.path.isfile(os.path.join(path, file)):
             raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is missing: "
                             f"copy or download it")

@@ -30,6 +30,7 @@ import re
 
 import tiktoken
 
+import guard_chat
 from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json, sha256_file
 
@@ -43,7 +44,6 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_to
 MAX_ID_GAP = 1024  # unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
 # where transformers 5 saves a tokenizer's chat template (tokenizer_config.json's "chat_template" before)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-MAX_TEMPLATE_BYTES = 1 << 20  # the longest real ones (tool-calling templates) are ~20 kB
 
 
 def find(model_dir):
@@ -78,6 +78,7 @@ FIX = "copy the model's tokenizer files again"
 
 
 def _json(path):
+    guard_chat.check_in_model_dir(path, FIX)
     return read_json(path, FIX)  # bounded: depth, numbers, size
 
 
@@ -151,14 +152,9 @@ def _config(path, tokens):
         if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
             raise _bad(cfg_path, f"{key} is {str(cfg[key])[:40]!r}, not true or false")
     jinja = os.path.join(os.path.dirname(path), CHAT_TEMPLATE_FILE)
-    if "chat_template" not in cfg and os.path.isfile(jinja):  # transformers 5's place: kept in the config from here
-        if os.path.getsize(jinja) > MAX_TEMPLATE_BYTES:
-            raise _bad(jinja, f"{os.path.getsize(jinja):,} bytes, more than a chat template's {MAX_TEMPLATE_BYTES:,}")
-        with open(jinja, "rb") as f:
-            try:
-                cfg["chat_template"] = f.read().decode("utf-8")
-            except UnicodeDecodeError:
-                raise _bad(jinja, "not UTF-8 text") from None
+    guard_chat.check_config_template(cfg.get("chat_template"), cfg_path)
+    if "chat_template" not in cfg and os.path.lexists(jinja):  # transformers 5's place
+        cfg["chat_template"] = guard_chat.read_template(jinja)
     return cfg
 
 
@@ -375,9 +371,12 @@ class HFTokenizer:
         self.bos_token = marked[0] if start else None
         # the model's chat format (chat_template.py renders it), or None: the project's own then
         self.chat_template = config.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates (transformers: "default" unless one is named)
-            self.chat_template = next((t.get("template") for t in self.chat_template
-                                       if isinstance(t, dict) and t.get("name") == "default"), self.chat_template)
+        # named templates (transformers: "default" unless one is named; a name listed twice is
+        # its last, as transformers builds a dict of them)
+        if isinstance(self.chat_template, list):
+            named = [t.get("template") for t in self.chat_template
+                     if isinstance(t, dict) and t.get("name") == "default"]
+            self.chat_template = named[-1] if named else self.chat_template
         self._variants = {}
         # the fast path where it is exact (and encodes a probe text alike), else None
         twin, probe = tiktoken_twin(tj), guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids
@@ -510,6 +509,7 @@ def load_rank_file(path):
     """A tiktoken rank file (Meta's Llama 3 tokenizer.model) as an Encoding: Meta's split and
     special tokens. A SentencePiece tokenizer.model (a protobuf) is refused by name."""
     ranks, seen = {}, set()
+    guard_chat.check_in_model_dir(path, FIX)
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import guard_chat
 import guard_ckpt
 from guard_errors import UserError
 from guard_files import read_json, sha256_file
@@ -240,6 +241,8 @@ def load_peft_lora(path):
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what save_pretrained "
                                             "or export_lora writes)")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # (not a link out of it)
+        guard_chat.check_in_model_dir(os.path.join(path, name), "copy or export it again")
     cfg = read_json(os.path.join(path, "adapter_config.json"), "copy or export it again")
     if cfg.get("peft_type") != "LORA":
         raise bad(f"peft_type={cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'")

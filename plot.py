@@ -10,12 +10,14 @@ optional (training never needs it), `pip install matplotlib` (docs/checkpoints.m
 """
 
 import argparse
+import io
 import math
 import os
 import sys
 
+from common import write_atomic
 from guard_errors import UserError, check, excepthook
-from guard_files import loads_json
+from guard_files import check_exports, loads_json
 
 PANEL_INCHES, DPI = (5.5, 4.0), 100  # each panel 550 x 400 pixels, side by side
 
@@ -34,6 +36,11 @@ def read_run(path):
             check(isinstance(r, dict) and type(r.get("iter")) is int,
                   f"{path} line {n} is not a metrics record (an object with an integer 'iter'): this is no "
                   f"metrics.jsonl of train.py")
+            for key in ("tokens", "elapsed_s"):  # the x axes: a string would plot as a category
+                v = r.get(key)
+                check(v is None or type(v) in (int, float), f"{path} line {n}: {key}="
+                      f"{str(v)[:40]!r} is not a number: this is no metrics.jsonl of train.py; "
+                      f"fix or delete that line")
             rows.append(r)
     check(rows, f"{path} is empty: the run logged nothing yet (wait for its first log_interval), or plot another run")
     return rows
@@ -104,19 +111,40 @@ def plot(runs, out, x_key="tokens", alpha=0.6):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")  # (given a name without one, matplotlib appends .png)
     plt.close(fig)
+    try:
+        write_atomic(out, lambda f: f.write(png.getbuffer()))
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be written ({e.strerror or e}): pick another "
+                        f"path") from None
     return int(PANEL_INCHES[0] * DPI * len(names)), int(PANEL_INCHES[1] * DPI)
 
 
+class _Arguments(argparse.ArgumentParser):
+    def error(self, message):  # one line, as train.py says it (not a usage block and exit 2)
+        raise UserError(f"{message}: `python plot.py --help` lists the arguments")
+
+
+def check_out(out, runs):
+    """--out names a new PNG (or an earlier one) where train.py's exports may write: never a
+    run's own files or a checkpoint, a device, a link or a directory."""
+    check(out.lower().endswith(".png") and os.path.basename(out) != ".png", f"--out {out!r} is "
+          f"not a .png file name: plot.py writes a PNG, name it so (e.g. --out curves.png)")
+    dirs = [r if os.path.isdir(r) else os.path.dirname(r) or "." for r in runs]
+    check_exports({"--out": out}, dirs, ("--out",))
+
+
 def main(argv):
-    ap = argparse.ArgumentParser(description="Loss curves of runs (their metrics.jsonl) as a PNG.")
+    ap = _Arguments(description="Loss curves of runs (their metrics.jsonl) as a PNG.")
     ap.add_argument("runs", nargs="+", help="out_dirs (or metrics.jsonl files), one line each, labelled by it")
     ap.add_argument("--out", default="curves.png", help="the PNG to write (default curves.png)")
     ap.add_argument("--x", choices=("tokens", "time"), default="tokens", help="the x axis: tokens, or wall seconds")
     ap.add_argument("--smooth", type=float, default=0.6, help="train loss EMA factor in [0, 1) (0: raw)")
     args = ap.parse_args(argv)
     check(0 <= args.smooth < 1, f"--smooth {args.smooth} must be in [0, 1) (0: the raw loss)")
+    check_out(args.out, args.runs)
     runs = [(os.path.normpath(r), read_run(r)) for r in args.runs]
     width, height = plot(runs, args.out, args.x, args.smooth)
     print(f"wrote {args.out} ({width} x {height}): {len(runs)} run(s) against {args.x}")

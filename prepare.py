@@ -36,6 +36,7 @@ import numpy as np
 
 import chat_template
 import evals
+import guard_chat
 import sources
 from guard_errors import UserError
 from tokenizer import (
@@ -357,6 +358,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                     print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
                           f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
         flush(batch)
+        guard_chat.check_learned(chat, learned, source)
     except BaseException:
         discard()  # a bad record halfway: leave no partial files behind
         raise

@@ -165,6 +165,8 @@ def evaluate_checkpoint(c):
         print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val split of "
               f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...", flush=True)
         loss, n = val_loss(model, data_dir, block, c["batch_size"], c["doc_mask"])
+        guard_errors.check(math.isfinite(loss), f"the val loss of {what} on {data_dir} is {loss}: its "
+                           f"weights hold non-finite values (NaN or inf); load an intact model")
         counted = evals.split_bytes(data_dir, block, tokenizer.tokenizer_from_meta(meta))  # evals.py
         bpb = evals.bits_per_byte(loss, *counted)
         results.append(f"{name} {loss:.4f} ({n:,} target tokens, {bpb:.4f} bits/byte)")

@@ -26,6 +26,7 @@ import guard_config
 import guard_data
 import guard_dist
 import guard_files
+import guard_env
 import loss_scale  # fp16: loss_scale.py
 import nan_guard
 import origin
@@ -155,7 +156,7 @@ sys.excepthook = guard_dist.run_excepthook
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
-world = int(os.environ.get("WORLD_SIZE", 1))
+world = guard_env.world_size()  # torchrun's variables, checked
 if world > 1:  # a layout may need more micro-batches than the default gives (a note says so)
     grad_accum_steps = configurator.batch_for_layout(globals(), overrides, world)
 config = {k: globals()[k] for k in config_keys}
@@ -163,6 +164,7 @@ guard_config.validate(config, overrides, world)  # every check, before anything 
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------
+guard_env.wait_for_master(dist_timeout_s)
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
 if dtype == "auto":
     # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16 CPUs

@@ -6,6 +6,7 @@ traceback, for the few that need the whole program), or, for checkpoint damage, 
 falling back to the previous intact checkpoint with one warning naming why; nothing outside
 out_dir changes. One tiny base run is shared; most cases run in this process."""
 
+import contextlib
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import validate_as_train, ROOT, TINY, run_train
+from conftest import validate_as_train, ROOT, TINY, free_port, run_train
 
 import guard_files
 import checkpoint
@@ -25,12 +26,15 @@ import guard_ckpt
 import configurator
 import data
 import guard_data
+import guard_dist
+import guard_env
 import hf
 import hf_tokenizer
 import lora
 import mixture
 import origin
 import parallel
+import plot
 import prepare
 import rundir
 import sample
@@ -280,6 +284,147 @@ def nan_weights(b, tmp):
     meta = {"iter": 1, "model": asdict(model.cfg), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
     return lambda: checkpoint.save(os.path.join(tmp, "nan"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
                                    meta, mesh, 0)
+
+
+def eval_nan_weights(b, tmp):
+    """sample.py eval=True on a Hugging Face model of NaN weights (it printed nan, exit 0)."""
+    cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    weights = {k: torch.full_like(v, math.nan) for k, v in Transformer(cfg).state_dict().items()}
+    path, src = os.path.join(tmp, "out", "nan_hf"), os.path.join(tmp, "out", "src")
+    hf.save_hf(path, weights, cfg, tokenizer_py.get_tokenizer("cl100k_base", 512))
+    os.makedirs(src)
+    for i in range(4):
+        with open(os.path.join(src, f"{i}.txt"), "w") as f:
+            f.write(f"document {i} " * 40)
+    d = os.path.join(tmp, "out", "d")
+    prepare.prepare(os.path.join(src, "*.txt"), d, os.path.join(path, "tokenizer.json"),
+                    val_fraction=0.5, verbose=False)
+    c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32,
+         "batch_size": 8, "doc_mask": False, "device": "cpu"}
+    return lambda: sample.evaluate_checkpoint(c)
+
+
+def plot_args(*args, tokens=None):
+    """plot.py's main on the base run (its metrics.jsonl copied, with `tokens` on each record
+    when given) with these arguments; RUN in an argument is that run directory."""
+    def make(b, tmp):
+        run = b["run"]
+        if tokens is not None:
+            run = os.path.join(tmp, "out", "run")
+            os.makedirs(run)
+            with open(os.path.join(b["run"], "metrics.jsonl")) as src, \
+                    open(os.path.join(run, "metrics.jsonl"), "w") as dst:
+                dst.writelines(json.dumps({**json.loads(line), "tokens": tokens}) + "\n"
+                               for line in src)
+        return lambda: plot.main([run, *(a.replace("RUN", run).replace("TMP", tmp) for a in args)])
+    return make
+
+
+def plot_writes_exactly_the_path(b, tmp):
+    """--out NAME.png is written whole, at that name, and nothing beside it."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+
+    def call():
+        plot.main([b["run"], "--out", os.path.join(out, "c.png")])
+        with open(os.path.join(out, "c.png"), "rb") as f:
+            return os.listdir(out) == ["c.png"] and f.read(4) == b"\x89PNG"
+    return call
+
+
+@contextlib.contextmanager
+def environ(**env):
+    """os.environ with `env` set (None: unset), restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+TORCHRUN_VARS = dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                               "TORCHELASTIC_USE_AGENT_STORE"))
+
+
+def torchrun_env(**env):
+    """train.py's checks of torchrun's variables (guard_env), with only `env` of them set."""
+    def make(b, tmp):
+        def call():
+            with environ(**{**TORCHRUN_VARS, **env}):
+                guard_env.world_size()
+                guard_env.wait_for_master(1)
+        return call
+    return make
+
+
+def a_ranks_own_environment_is_reported(b, tmp):
+    """Before the process group only rank 0 prints an error (all meet the same config), but
+    rank 1 started by hand without MASTER_* printed nothing: its own environment is its line."""
+    def call():
+        with environ(**{**TORCHRUN_VARS, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}):
+            try:
+                guard_env.world_size()
+            except UserError as e:
+                return guard_dist.reports(e, e.__traceback__) is True
+        return False
+    return call
+
+
+def trace_a_file(b, tmp):
+    out = os.path.join(tmp, "run")
+    os.makedirs(out)
+    with open(os.path.join(out, "trace"), "w") as f:
+        f.write("not a directory")
+    return validated(profile_iters="1:2", max_iters=4, out_dir=out)(b, tmp)
+
+
+def hf_file_outside(name):
+    """A Hugging Face directory whose `name` is a link to a file outside it."""
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
+        return lambda: hf.hf_index(d)
+    return make
+
+
+def hf_cache_links_load(b, tmp):
+    """transformers' cache: models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>."""
+    repo = os.path.join(tmp, "out", "hub", "models--org--tiny")
+    snap = os.path.join(repo, "snapshots", "abc123")
+    os.makedirs(os.path.join(repo, "blobs"))
+    os.makedirs(snap)
+    for i, name in enumerate(os.listdir(b["hf"])):
+        shutil.copy(os.path.join(b["hf"], name), os.path.join(repo, "blobs", f"hash{i}"))
+        os.symlink(f"../../blobs/hash{i}", os.path.join(snap, name))
+    return lambda: hf.hf_index(snap)[0] == hf.hf_index(b["hf"])[0]
+
+
+def adapter_file_outside(name):
+    """A PEFT adapter directory whose `name` is a link to a file outside it."""
+    def make(b, tmp):
+        d = copy(b["adapter"], os.path.join(tmp, "adapter"))
+        os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
+        return lambda: lora.load_peft_lora(d)
+    return make
+
+
+def tokenizer_linked_outside(name):
+    """A tokenizer file of a model directory that links to a valid one outside it."""
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "tok"))
+        with open(os.path.join(tmp, "elsewhere"), "w") as f:
+            vocab = {"a": 0, "b": 1, "ab": 2, "x": 3, "<|endoftext|>": 4}
+            f.write(json.dumps({**TINY_BPE, "added_tokens": [added(4, "<|endoftext|>")],
+                                "model": {**TINY_BPE["model"], "vocab": vocab}})
+                    if name.endswith(".json") else "IQ== 0\nIg== 1\n")
+        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(tmp, "tok", name))
+        return lambda: hf_tokenizer.load(os.path.join(tmp, "tok", name))
+    return make
 
 
 def nan_checkpoint(b, tmp):
@@ -832,6 +977,47 @@ CASES = [
         lambda m: {**m, "model": {**m["model"], "n_experts": 4, "moe_top_k": 9}}))),
     (48, "config.json: Mixtral num_experts_per_tok 9 of 4", "raises", hf_config(
         model_type="mixtral", num_local_experts=4, num_experts_per_tok=9)),
+    # issue 59: round six (numbered 59)
+    (59, "sample.py eval=True on NaN weights", "raises", eval_nan_weights),
+    (59, "plot.py --out /dev/full", "raises", plot_args("--out", "/dev/full")),
+    (59, "plot.py --out RUN (the run directory)", "raises", plot_args("--out", "RUN")),
+    (59, "plot.py --out RUN/ckpt/latest", "raises", plot_args("--out", "RUN/ckpt/latest")),
+    (59, "plot.py --out RUN/ckpt/x.png (a run's own directory)", "raises",
+     plot_args("--out", "RUN/ckpt/x.png")),
+    (59, "plot.py --out ''", "raises", plot_args("--out", "")),
+    (59, "plot.py --out x.jsonl", "raises", plot_args("--out", "TMP/x.jsonl")),
+    (59, "plot.py --out into a missing directory", "raises",
+     plot_args("--out", "TMP/missing/x.png")),
+    (59, "plot.py --smooth abc (an argument error)", "raises", plot_args("--smooth", "abc")),
+    (59, "plot.py: tokens given as strings", "raises",
+     plot_args("--out", "TMP/out/c.png", tokens="100")),
+    (59, "plot.py --out NAME.png writes exactly that", "holds", plot_writes_exactly_the_path),
+    (59, "config.json a link out of its model directory", "raises",
+     hf_file_outside("config.json")),
+    (59, "model.safetensors a link out of its model directory", "raises",
+     hf_file_outside("model.safetensors")),
+    (59, "Hugging Face's cache: links into blobs/ load", "holds", hf_cache_links_load),
+    (59, "adapter_config.json a link out of its adapter directory", "raises",
+     adapter_file_outside("adapter_config.json")),
+    (59, "adapter_model.safetensors a link out of its adapter directory", "raises",
+     adapter_file_outside("adapter_model.safetensors")),
+    (59, "tokenizer.json a link out of its model directory", "raises",
+     tokenizer_linked_outside("tokenizer.json")),
+    (59, "tokenizer.model a link out of its model directory", "raises",
+     tokenizer_linked_outside("tokenizer.model")),
+    (59, "WORLD_SIZE=abc", "raises", torchrun_env(WORLD_SIZE="abc")),
+    (59, "WORLD_SIZE=-2", "raises", torchrun_env(WORLD_SIZE="-2")),
+    (59, "MASTER_PORT=abc", "raises", torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT="abc")),
+    (59, "RANK=1 WORLD_SIZE=2 without MASTER_*", "raises", torchrun_env(RANK="1", LOCAL_RANK="1",
+                                                                        WORLD_SIZE="2")),
+    (59, "RANK=2 of WORLD_SIZE=2", "raises", torchrun_env(
+        RANK="2", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")),
+    (59, "a master that never comes", "raises", lambda b, tmp: torchrun_env(
+        RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()))(b, tmp)),
+    (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
+    (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
 ]
 
 
