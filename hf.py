@@ -16,6 +16,7 @@ import torch
 from common import MAX_SIZES, UserError, loads_json, read_json
 import hf_moe
 from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
+from hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +164,8 @@ HF_LLAMA_NAMES = {
     "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wk.bias",
     "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wv.bias",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attention.q_norm.weight",  # Qwen3's
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attention.k_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
     "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
@@ -180,7 +183,8 @@ def rename(name, table):
 
 
 # model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", **MOE_FAMILIES}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", **MOE_FAMILIES}
 
 
 def hf_config_to_ours(hf):
@@ -189,13 +193,14 @@ def hf_config_to_ours(hf):
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
         return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral, "
-                         f"Qwen2, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
+                         f"Qwen2, Qwen3, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
 
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
-              "max_position_embeddings": "block_size", "sliding_window": "block_size"}
+              "max_position_embeddings": "block_size", "sliding_window": "block_size", "head_dim": "n_embd"}
     for field, ours in bounds.items():
-        if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window") and hf.get(field) is None:
+        if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim") \
+                and hf.get(field) is None:
             continue
         if field == "sliding_window" and hf.get(field) == 0 and hf.get("use_sliding_window") is False:
             continue  # (Qwen2-MoE's as transformers 5 saves it: no window)
@@ -232,11 +237,12 @@ def hf_config_to_ours(hf):
     scaling = dict(rope_type=rope_type)
     numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope["rope_theta"])]
     if rope_type != "default":
-        numbers.append(("rope_factor", rope.get("factor")))
+        numbers.append(("rope_factor", rope.get("factor") if rope_type != "yarn" else yarn_factor(rope, hf)))
     if rope_type == "llama3":
-        numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor")),
-                    ("rope_original_len", rope.get("original_max_position_embeddings",
-                                                   hf.get("max_position_embeddings")))]
+        numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor"))]
+    if rope_type in ("llama3", "yarn"):
+        numbers.append(("rope_original_len", rope.get("original_max_position_embeddings",
+                                                      hf.get("max_position_embeddings"))))
     for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
         low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0
         high = MAX_SIZES.get(field, 1e30)
@@ -251,6 +257,8 @@ def hf_config_to_ours(hf):
         scaling[field] = float(value) if field != "rope_original_len" else int(value)
     if rope_type == "llama3" and not scaling["rope_low_freq"] < scaling["rope_high_freq"]:
         raise refuse(rope_field, "low_freq_factor must be below high_freq_factor")
+    if rope_type == "yarn":  # hf_rope.py
+        scaling.update(yarn_fields(rope, scaling["rope_factor"], refuse, rope_field))
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias", "MLP biases are not implemented")
     if hf.get("attention_bias"):  # LLaMA's also biases o_proj; Qwen2's q/k/v biases need no flag
@@ -258,13 +266,13 @@ def hf_config_to_ours(hf):
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "only silu (SwiGLU) is implemented")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") is not None and hf["head_dim"] != n_embd // n_head:
-        raise refuse("head_dim", f"only head_dim = hidden_size // num_attention_heads = {n_embd // n_head} "
-                                 f"is implemented")
     moe = config_fields(hf, refuse) if family in MOE_FAMILIES else {}  # Mixtral, Qwen2-MoE: hf_moe.py
     return dict(**moe, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
                 ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
+                # (as transformers reads it: Qwen3's class says 128; 0: hidden_size // heads)
+                head_dim=hf.get("head_dim") or (128 if family == "qwen3" else 0),
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
                 qkv_bias=family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
                 max_position=hf.get("max_position_embeddings") or 0,
@@ -432,8 +440,8 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         "architectures": [FAMILIES[export_type(cfg)]], "model_type": export_type(cfg),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
+        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling_out(cfg),
         "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
         **(config_out(cfg) if cfg.n_experts else {}),
@@ -457,21 +465,12 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
 
 
-def hf_rope_scaling(cfg):
-    """config.json's rope_scaling for our rotary scaling (None: none), as the hub's files write it."""
-    if cfg.rope_type == "default":
-        return None
-    scaling = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
-    if cfg.rope_type == "llama3":
-        scaling.update(low_freq_factor=cfg.rope_low_freq, high_freq_factor=cfg.rope_high_freq,
-                       original_max_position_embeddings=cfg.rope_original_len)
-    return scaling
-
-
 def export_type(cfg):
-    """The model_type an export declares: the family it came from; a MoE model of ours, Mixtral or
-    Qwen2-MoE (hf_moe.family)."""
-    return hf_moe.family(cfg) if cfg.n_experts else cfg.hf_model_type
+    """The model_type an export declares: the family it came from (Qwen3 for a LLaMA of ours with
+    q/k norms); a MoE model of ours, Mixtral or Qwen2-MoE (hf_moe.family)."""
+    if cfg.n_experts:
+        return hf_moe.family(cfg)
+    return "qwen3" if cfg.qk_norm else cfg.hf_model_type
 
 
 def hf_family_fields(cfg):
@@ -484,8 +483,9 @@ def hf_family_fields(cfg):
         return {"attention_bias": False, "mlp_bias": False}
     if kind in ("mistral", "mixtral"):
         return {"sliding_window": window}
+    qwen3 = {"attention_bias": False} if kind.startswith("qwen3") else {}  # (biases on q, k, v and o: none)
     return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
-            "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer}
+            "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer, **qwen3}
 
 
 def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):

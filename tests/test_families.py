@@ -1,6 +1,7 @@
 """The bases people continue, each built tiny and random by transformers: Llama 3.2 (rotary
 scaling llama3, tied embeddings), Llama 2 / TinyLlama (plain), Mistral (a sliding window shorter
-than the sequences), Qwen2 (q/k/v biases, its window). Each one: load -> logits equal
+than the sequences), Qwen2 (q/k/v biases, its window), Qwen3 (q/k norms, heads wider than
+hidden_size / heads, YaRN x4 over 32 positions, tied embeddings). Each one: load -> logits equal
 transformers' -> continual pretraining with extra tokens -> SFT -> LoRA -> export (HF + PEFT) ->
 transformers and peft load the exports and their logits equal ours."""
 
@@ -31,6 +32,8 @@ FAMILIES = {
     "llama2": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=12, max_window_layers=0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6})),
 }
 
 
@@ -51,18 +54,19 @@ def write_tokenizer(family, directory):
 
 def make_base(family, path):
     """A random tiny model of `family` saved into `path` by transformers, with its tokenizer;
-    biases random (transformers starts them at 0, which would test nothing)."""
+    biases and Qwen3's q/k norm gains random (transformers starts them at 0 and 1, which would
+    test nothing)."""
     import transformers
     config_class, keys = FAMILIES[family]
     vocab, bos, eos = write_tokenizer(family, path)
-    rows = -(-vocab // 64) * 64 if family == "qwen2" else vocab  # Qwen2 pads its embedding past the ids (to 128s)
+    rows = -(-vocab // 64) * 64 if family.startswith("qwen") else vocab  # Qwen pads its embedding past the ids
     config = getattr(transformers, config_class)(vocab_size=rows, bos_token_id=bos, eos_token_id=eos, **SIZE, **keys)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.5)
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                p.normal_(name.endswith(".weight"), 0.5)
     model.eval().save_pretrained(path)
     return path
 
@@ -92,13 +96,14 @@ def ours_from(out_dir):
 
 def test_loads_with_transformers_logits(base):
     """Logits equal transformers' over 128 positions: 16 sliding windows, twice the original
-    context of Llama 3.2's scaling; with the KV cache, generation equals the plain one."""
+    context of Llama 3.2's scaling, 4 times Qwen3's; with the KV cache, generation equals the plain one."""
     family, path = base
     kwargs, weights = hf.load_hf_llama(path)
     cfg = ModelConfig(**kwargs, block_size=128)
-    assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window) == {
-        "llama3.2": ("llama3", True, False, 0), "llama2": ("default", False, False, 0),
-        "mistral": ("default", False, False, 8), "qwen2": ("default", False, True, 12)}[family]
+    assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window, cfg.qk_norm, cfg.head_dim) == {
+        "llama3.2": ("llama3", True, False, 0, False, 8), "llama2": ("default", False, False, 0, False, 8),
+        "mistral": ("default", False, False, 8, False, 8), "qwen2": ("default", False, True, 12, False, 8),
+        "qwen3": ("yarn", True, False, 0, True, 16)}[family]
     model = Transformer(cfg).eval()
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # (tied: one tensor)
     model.load_state_dict(weights)
