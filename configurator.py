@@ -26,6 +26,7 @@ import traceback
 import torch
 
 import common
+import hf_rope
 from common import UserError, check, script_help
 from model import ModelConfig
 
@@ -201,6 +202,7 @@ FEATURE_CHECKS = [
     (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),
+    (lambda c, o: c["rope_theta"] or c["rope_scaling"], lambda c, o: hf_rope.check_run_rope(c)),
 ]
 
 def _window(spec, max_iters):

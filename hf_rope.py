@@ -59,10 +59,12 @@ def rope_scaling_out(cfg):
     if cfg.rope_type == "llama3":
         scaling.update(low_freq_factor=cfg.rope_low_freq, high_freq_factor=cfg.rope_high_freq,
                        original_max_position_embeddings=cfg.rope_original_len)
-    if cfg.rope_type == "yarn":  # the attention factor written out: what it was, however it was derived
-        scaling.update(original_max_position_embeddings=cfg.rope_original_len, beta_fast=cfg.rope_beta_fast,
-                       beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
-                       attention_factor=cfg.rope_attn_factor)
+    if cfg.rope_type == "yarn":  # what differs from transformers' defaults (the base's own fields, as a rule)
+        scaling["original_max_position_embeddings"] = cfg.rope_original_len
+        given = dict(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
+                     attention_factor=cfg.rope_attn_factor)
+        defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True, attention_factor=_mscale(cfg.rope_factor))
+        scaling.update({k: v for k, v in given.items() if v != defaults[k]})
     return scaling
 
 

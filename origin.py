@@ -77,7 +77,8 @@ def check_same_run(src, c, overrides, out_dir):
     model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim") if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta", "rope_scaling")
+        if c[k] != had.get(k, c[k])]
     if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]

@@ -77,6 +77,8 @@ grad_ckpt = False               # recompute each block in backward
 loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
 doc_mask = False                # attention stays inside each document of a packed sequence
 neftune_alpha = 0.0             # noise of scale alpha/sqrt(T*n_embd) on the input embeddings
+rope_theta = 0.0                # long context: a new RoPE base (0: the model's)
+rope_scaling = ""               # and/or 'yarn:4', 'linear:4', 'llama3:8' ('': the model's; 'none')
 # mixture of experts (moe.py): every moe_every-th feed-forward becomes n_experts (0: dense) experts
 n_experts = 0
 moe_top_k = 2
@@ -237,6 +239,9 @@ model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_
                         loss_chunk=loss_chunk, **moe_keys)
 if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
+if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py (a resume keeps its own)
+    import hf_rope
+    model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling, block_size))
 lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
