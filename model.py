@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common import check
-from moe import MoE
+from moe import MoE, is_moe_layer
 
 # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -63,6 +63,7 @@ class ModelConfig:
     n_experts: int = 0
     moe_top_k: int = 2         # experts per token
     moe_every: int = 1         # layer i is MoE when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)
+    moe_dense_layers: str = ""  # and not listed here, e.g. '0,3' (Qwen-MoE's mlp_only_layers)
     moe_ffn_dim: int = 0       # each expert's SwiGLU width (0: ffn_dim)
     moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
     moe_norm_topk: bool = True  # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
@@ -257,8 +258,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        moe = cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0  # a mixture of experts: moe.py
-        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)  # experts: moe.py
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):

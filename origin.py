@@ -127,7 +127,8 @@ def saved_shape(src, overrides, base_vocab, c, world):
               f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
               f"use a new out_dir")
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
-                                  "moe_z_weight", "moe_bias_rate")}
+                                  "moe_z_weight", "moe_bias_rate")
+                if k != "moe_aux_weight" or k in overrides or k not in src.saved}  # (a base's own, unless given)
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
