@@ -183,8 +183,8 @@ def rename(name, table):
 
 
 # model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", **MOE_FAMILIES}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_FAMILIES}
 
 
 def hf_config_to_ours(hf):
@@ -192,15 +192,17 @@ def hf_config_to_ours(hf):
     or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer).
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
-        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral, "
-                         f"Qwen2, Qwen3, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
+        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and "
+                         f"their Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE variants "
+                         f"(without those options) can be loaded")
 
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
-              "max_position_embeddings": "block_size", "sliding_window": "block_size", "head_dim": "n_embd"}
+              "max_position_embeddings": "block_size", "sliding_window": "block_size",
+              "head_dim": "n_embd"}
     for field, ours in bounds.items():
-        if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim") \
-                and hf.get(field) is None:
+        optional = ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim")
+        if field in optional and hf.get(field) is None:
             continue
         if field == "sliding_window" and hf.get(field) == 0 and hf.get("use_sliding_window") is False:
             continue  # (Qwen2-MoE's as transformers 5 saves it: no window)
@@ -237,9 +239,11 @@ def hf_config_to_ours(hf):
     scaling = dict(rope_type=rope_type)
     numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope["rope_theta"])]
     if rope_type != "default":
-        numbers.append(("rope_factor", rope.get("factor") if rope_type != "yarn" else yarn_factor(rope, hf)))
+        factor = rope.get("factor") if rope_type != "yarn" else yarn_factor(rope, hf)
+        numbers.append(("rope_factor", factor))
     if rope_type == "llama3":
-        numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor"))]
+        numbers += [("rope_low_freq", rope.get("low_freq_factor")),
+                    ("rope_high_freq", rope.get("high_freq_factor"))]
     if rope_type in ("llama3", "yarn"):
         numbers.append(("rope_original_len", rope.get("original_max_position_embeddings",
                                                       hf.get("max_position_embeddings"))))
@@ -441,7 +445,8 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling_out(cfg),
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling_out(cfg),
         "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
         **(config_out(cfg) if cfg.n_experts else {}),
@@ -483,9 +488,11 @@ def hf_family_fields(cfg):
         return {"attention_bias": False, "mlp_bias": False}
     if kind in ("mistral", "mixtral"):
         return {"sliding_window": window}
-    qwen3 = {"attention_bias": False} if kind.startswith("qwen3") else {}  # (biases on q, k, v and o: none)
+    # Qwen3's attention_bias would bias q, k, v and o: none here
+    qwen3 = {"attention_bias": False} if kind.startswith("qwen3") else {}
+    layers = ["sliding_attention" if window else "full_attention"] * cfg.n_layer
     return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
-            "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer, **qwen3}
+            "layer_types": layers, **qwen3}
 
 
 def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):

@@ -50,24 +50,30 @@ def config_fields(hf, refuse):
     if type(aux) not in (int, float) or not 0 <= aux < 1e6:
         raise refuse("router_aux_loss_coef", "not a number in [0, 1e6)")
     dense = hf.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < hf["num_hidden_layers"] for i in dense):
+    n_layer = hf["num_hidden_layers"]
+    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < n_layer for i in dense):
         raise refuse("mlp_only_layers", "not a list of layer indices")
     if hf["model_type"] == "mixtral":
         E, ffn = hf.get("num_local_experts", 8), hf["intermediate_size"]
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=True, moe_every=1)
     else:  # Qwen2-MoE, Qwen3-MoE (no shared expert; their classes' defaults)
         qwen3 = hf["model_type"] == "qwen3_moe"
-        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; the hub's files, num_experts)
-        E = hf.get("num_local_experts", hf.get("num_experts", 128)) if qwen3 else hf.get("num_experts", 60)
+        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; the hub's files,
+        # num_experts)
+        E = hf.get("num_local_experts", hf.get("num_experts", 128)) if qwen3 else \
+            hf.get("num_experts", 60)
         ffn = hf.get("moe_intermediate_size", 768 if qwen3 else 1408)
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=hf.get("norm_topk_prob", False),
-                      moe_every=hf.get("decoder_sparse_step", 1) or 1, moe_dense_layers=",".join(map(str, dense)),
-                      moe_shared_ffn_dim=0 if qwen3 else hf.get("shared_expert_intermediate_size", 5632))
+                      moe_every=hf.get("decoder_sparse_step", 1) or 1,
+                      moe_dense_layers=",".join(map(str, dense)),
+                      moe_shared_ffn_dim=0 if qwen3 else
+                      hf.get("shared_expert_intermediate_size", 5632))
     top_k = hf.get("num_experts_per_tok", 8 if hf["model_type"] == "qwen3_moe" else 2)
     if not 1 <= top_k <= E or not ffn:
         raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, each of a positive "
                                             f"width")
-    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax", moe_aux_weight=float(aux), **fields)
+    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax", moe_aux_weight=float(aux),
+                **fields)
 
 
 def family(cfg):
@@ -76,7 +82,8 @@ def family(cfg):
     renormalised), else Qwen2-MoE."""
     if cfg.hf_model_type in MOE_FAMILIES:
         return cfg.hf_model_type
-    mixtral = not cfg.moe_shared_ffn_dim and cfg.moe_every == 1 and cfg.moe_norm_topk and not cfg.moe_dense_layers
+    mixtral = not cfg.moe_shared_ffn_dim and cfg.moe_every == 1 and cfg.moe_norm_topk \
+        and not cfg.moe_dense_layers
     return "qwen3_moe" if cfg.qk_norm else "mixtral" if mixtral else "qwen2_moe"
 
 
@@ -91,17 +98,19 @@ def config_out(cfg):
                   output_router_logits=False)
     dense = [int(i) for i in cfg.moe_dense_layers.split(",") if i]
     if family(cfg) == "mixtral":
-        if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias or dense:
+        if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias \
+                or dense:
             raise UserError("export_hf: this model came from Mixtral but has a shared expert, dense layers, "
                             "q/k/v biases or moe_norm_topk=False, which Mixtral has not")
         return dict(common, num_local_experts=cfg.n_experts, intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                     router_jitter_noise=0.0)
     if family(cfg) == "qwen3_moe":
         if cfg.moe_shared_ffn_dim or cfg.qkv_bias or not cfg.qk_norm:
-            raise UserError("export_hf: this model came from Qwen3-MoE but has a shared expert, q/k/v biases or no "
-                            "q/k norms, which Qwen3-MoE has not")
-        return dict(common, num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
-                    norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
+            raise UserError("export_hf: this model came from Qwen3-MoE but has a shared expert, "
+                            "q/k/v biases or no q/k norms, which Qwen3-MoE has not")
+        return dict(common, num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_ffn_dim or
+                    cfg.ffn_dim, norm_topk_prob=cfg.moe_norm_topk,
+                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
     if not cfg.moe_shared_ffn_dim:
         raise UserError("export_hf: a Qwen2-MoE has a shared expert; this model has none (moe_shared_ffn_dim=0) and "
                         "is no Mixtral either (dense layers or moe_norm_topk=False): it cannot be exported")

@@ -18,7 +18,8 @@ def yarn_factor(rope, hf):
     original_max_position_embeddings (DeepSeek-V3's files)."""
     if rope.get("factor") is not None:
         return rope["factor"]
-    original, length = rope.get("original_max_position_embeddings"), hf.get("max_position_embeddings")
+    original = rope.get("original_max_position_embeddings")
+    length = hf.get("max_position_embeddings")
     numbers = all(type(v) in (int, float) for v in (original, length))
     return length / original if numbers and original > 0 else None
 
@@ -42,7 +43,8 @@ def yarn_fields(rope, factor, refuse, field):
     attention = number("attention_factor", None)
     if attention is None:  # the paper's 0.1 ln(s) + 1, or DeepSeek's ratio of two such
         mscale, all_dim = number("mscale", 0.0), number("mscale_all_dim", 0.0)
-        attention = _mscale(factor, mscale) / _mscale(factor, all_dim) if mscale and all_dim else _mscale(factor)
+        attention = _mscale(factor, mscale) / _mscale(factor, all_dim) if mscale and all_dim \
+            else _mscale(factor)
     return dict(rope_beta_fast=beta_fast, rope_beta_slow=beta_slow, rope_truncate=truncate,
                 rope_attn_factor=float(attention))
 
@@ -52,18 +54,20 @@ def _mscale(scale, mscale=1.0):
 
 
 def rope_scaling_out(cfg):
-    """config.json's rope_scaling for our rotary scaling (None: none), as the hub's files write it."""
+    """config.json's rope_scaling for our rotary scaling (None: none), as the hub's files
+    write it."""
     if cfg.rope_type == "default":
         return None
     scaling = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
     if cfg.rope_type == "llama3":
         scaling.update(low_freq_factor=cfg.rope_low_freq, high_freq_factor=cfg.rope_high_freq,
                        original_max_position_embeddings=cfg.rope_original_len)
-    if cfg.rope_type == "yarn":  # what differs from transformers' defaults (the base's own fields, as a rule)
+    if cfg.rope_type == "yarn":  # what differs from transformers' defaults (as a rule, the base's)
         scaling["original_max_position_embeddings"] = cfg.rope_original_len
-        given = dict(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
-                     attention_factor=cfg.rope_attn_factor)
-        defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True, attention_factor=_mscale(cfg.rope_factor))
+        given = dict(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                     truncate=cfg.rope_truncate, attention_factor=cfg.rope_attn_factor)
+        defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True,
+                        attention_factor=_mscale(cfg.rope_factor))
         scaling.update({k: v for k, v in given.items() if v != defaults[k]})
     return scaling
 
@@ -79,30 +83,33 @@ def parse_scaling(spec):
     except ValueError:
         value = 0.0
     check(kind in RUN_SCALINGS[1:] and 1 <= value < 1e6,
-          f"rope_scaling={spec!r}: write TYPE:FACTOR, TYPE one of linear, llama3, yarn and FACTOR at least 1 "
-          f"(e.g. rope_scaling=yarn:4), or 'none' to drop the base's scaling")
+          f"rope_scaling={spec!r}: write TYPE:FACTOR, TYPE one of linear, llama3, yarn and "
+          f"FACTOR at least 1 (e.g. rope_scaling=yarn:4), or 'none' to drop the base's scaling")
     return kind, value
 
 
 def check_run_rope(c):
-    """The config's rope_theta (0, or a base of at least 1: below, the rotations barely turn) and rope_scaling."""
-    check(c["rope_theta"] == 0 or 1 <= c["rope_theta"] < 1e30, f"rope_theta={c['rope_theta']}: give a base of at "
-                                                               f"least 1 (e.g. 500000.0), or 0 for the model's own")
+    """The config's rope_theta (0, or a base of at least 1: below, the rotations barely
+    turn) and rope_scaling."""
+    check(c["rope_theta"] == 0 or 1 <= c["rope_theta"] < 1e30,
+          f"rope_theta={c['rope_theta']}: give a base of at least 1 (e.g. 500000.0), or 0 for "
+          f"the model's own")
     parse_scaling(c["rope_scaling"])
 
 
 def with_run_rope(saved, rope_theta, rope_scaling, block_size):
     """ModelConfig fields `saved` (a base's, or another run's) with this run's rope_theta (0:
     the base's) and rope_scaling (parse_scaling; '': the base's). A new scaling stretches the
-    context the base was trained on (its max_position, else its original length) by its factor,
-    and max_position becomes what the run trains at, or more: what an export declares."""
+    context the base was trained on (the original length of its own llama3 or YaRN scaling,
+    else its max_position) by its factor, and max_position becomes that, or block_size if
+    longer: what an export declares."""
     kind, factor = parse_scaling(rope_scaling)
     out = dict(saved)
     if rope_theta:
         out["rope_theta"] = float(rope_theta)
     if kind is not None:
         base_len = saved.get("max_position") or saved.get("block_size") or block_size
-        if saved.get("rope_type", "default") != "default":  # a base that was extended already: from its original
+        if saved.get("rope_type") in ("llama3", "yarn"):  # extended already: from its original
             base_len = saved.get("rope_original_len", base_len)
         out.update(rope_type=kind, rope_factor=factor, rope_original_len=int(base_len),
                    rope_attn_factor=_mscale(factor) if kind == "yarn" else 1.0)

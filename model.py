@@ -47,7 +47,7 @@ class ModelConfig:
     rope_low_freq: float = 1.0  # llama3: low_freq_factor
     rope_high_freq: float = 4.0  # llama3: high_freq_factor
     rope_original_len: int = 8192  # llama3, yarn: original_max_position_embeddings
-    rope_beta_fast: float = 32.0  # yarn: beta_fast, beta_slow, truncate (the ramp between kept and divided)
+    rope_beta_fast: float = 32.0  # yarn: beta_fast, beta_slow, truncate (where its ramp lies)
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
     rope_attn_factor: float = 1.0  # yarn: attention_factor, cos and sin multiplied by it
@@ -73,15 +73,17 @@ class ModelConfig:
     moe_bias_rate: float = 0.0  # DeepSeek-V3's aux-loss-free bias: its step per optimizer step
 
     def __post_init__(self):  # the shape's rules, said once: the config's check builds one too
-        check(self.head_dim or self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head="
-                                                               f"{self.n_head}: make n_embd a multiple of n_head")
+        check(self.head_dim or self.n_embd % self.n_head == 0,
+              f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: make n_embd a "
+              f"multiple of n_head")
         check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by n_kv_head="
                                                  f"{self.n_kv_head}: each key/value head serves a whole group of "
                                                  f"query heads; use a divisor of n_head")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
-        check(self.head_dim % 2 == 0, f"head_dim={self.head_dim} (n_embd / n_head = {self.n_embd} / {self.n_head} "
-                                      f"unless given) is odd: rotary positions rotate pairs of features; change "
-                                      f"n_embd, n_head or head_dim")
+        check(self.head_dim % 2 == 0,
+              f"head_dim={self.head_dim} (n_embd / n_head = {self.n_embd} / {self.n_head} unless "
+              f"given) is odd: rotary positions rotate pairs of features; change n_embd, n_head "
+              f"or head_dim")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
@@ -115,9 +117,9 @@ def scaled_frequencies(inv_freq, cfg):
     """The inverse frequencies as transformers' modeling_rope_utils scales them. 'linear': all
     divided by rope_factor (positions interpolated). 'llama3': only the slow ones, whose
     wavelength is longer than rope_original_len / rope_low_freq; those shorter than
-    rope_original_len / rope_high_freq are kept; in between a linear blend of the two. 'yarn' (arXiv:
-    2309.00071): the same three parts, their bounds the dims that turn rope_beta_fast and
-    rope_beta_slow times over rope_original_len positions, the blend linear in the dim."""
+    rope_original_len / rope_high_freq are kept; in between a linear blend of the two. 'yarn'
+    (arXiv:2309.00071): the same three parts, their bounds the dims that turn rope_beta_fast
+    and rope_beta_slow times over rope_original_len positions, the blend linear in the dim."""
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "yarn":
@@ -141,7 +143,8 @@ def yarn_frequencies(inv_freq, cfg):
     if cfg.rope_truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    span = high - low if high != low else 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
     return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
 
 
@@ -205,13 +208,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
-        if cfg.qk_norm:  # Qwen3: each head's q and k normalised over its channels, one gain for all heads
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalised over its channels, one gain
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.dropout = cfg.dropout
         self.recompute = not cfg.grad_ckpt  # (grad_ckpt recomputes the whole block already)
 
     def heads(self, x):
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) of x (B, T, n_embd), before RoPE."""
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) of x (B, T, n_embd),
+        before RoPE."""
         B, T, C = x.shape
         # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq,
         # wk, wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
@@ -258,7 +263,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)  # experts: moe.py
+        # a mixture of experts: moe.py
+        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
@@ -328,7 +334,8 @@ class Transformer(nn.Module):
 
     def init_rope(self, device=None):
         """(Re)computes the rotary tables: after a build on the meta device they are empty."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.block_size, self.cfg.rope_theta, self.cfg)
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg)
         # not persistent: derived from the config, so checkpoints hold only learned weights
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -387,7 +394,8 @@ class Transformer(nn.Module):
         emb = self.tok_embeddings.weight
         matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
         n = sum((6 if p.requires_grad else 4) * p.numel() * getattr(p, "_active", 1) for p in matmul)  # (moe.py)
-        return n + 12 * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * self.cfg.block_size
+        cfg = self.cfg
+        return n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):

@@ -174,8 +174,10 @@ def attach(model, cfg):
 
 
 def is_moe_layer(cfg, i):
-    """Whether layer i's feed-forward is a mixture of experts (ModelConfig's moe_every, moe_dense_layers)."""
-    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0 and str(i) not in cfg.moe_dense_layers.split(",")
+    """Whether layer i's feed-forward is a mixture of experts (ModelConfig's moe_every and
+    moe_dense_layers)."""
+    dense = cfg.moe_dense_layers.split(",")
+    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0 and str(i) not in dense
 
 
 def _after_forward(model, args, out):

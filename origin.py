@@ -77,8 +77,8 @@ def check_same_run(src, c, overrides, out_dir):
     model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta", "rope_scaling")
-        if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",
+                    "rope_scaling") if c[k] != had.get(k, c[k])]
     if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
@@ -128,7 +128,8 @@ def saved_shape(src, overrides, base_vocab, c, world):
               f"use a new out_dir")
     run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
                                   "moe_z_weight", "moe_bias_rate")
-                if k != "moe_aux_weight" or k in overrides or k not in src.saved}  # (a base's own, unless given)
+                # (the aux weight: a base's own, unless the run gives one)
+                if k != "moe_aux_weight" or k in overrides or k not in src.saved}
     cfg = ModelConfig(**{**src.saved, **run_keys})
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,

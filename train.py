@@ -239,9 +239,10 @@ model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_
                         loss_chunk=loss_chunk, **moe_keys)
 if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
-if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py (a resume keeps its own)
+if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py
     import hf_rope
-    model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling, block_size))
+    model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling,
+                                                    block_size))
 lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
