@@ -364,7 +364,8 @@ def validate(c, overrides, world):
     check_refusals({**c, "n_experts": c["n_experts"] if own else None}, overrides)
     sources = mixture_sources(c) if c["datasets"] or c["phases"] else {c["dataset"]: 1.0}
     # ModelConfig checks the shape's rules, and makes ffn_dim (0: n_embd's)
-    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim
+    shape = ("n_embd", "n_head", "n_kv_head", "ffn_dim", "head_dim")
+    ffn_dim = ModelConfig(**{k: c[k] for k in shape}).ffn_dim
     dp, layer_counts = 1, None  # one process, one stage, no tensor parallel: no layout to check
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         c = {**c, "grad_accum_steps": batch_for_layout(c, overrides, world)}

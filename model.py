@@ -84,6 +84,10 @@ class ModelConfig:
               f"head_dim={self.head_dim} (n_embd / n_head = {self.n_embd} / {self.n_head} unless "
               f"given) is odd: rotary positions rotate pairs of features; change n_embd, n_head "
               f"or head_dim")
+        check(0 < self.head_dim <= 2 ** 16, f"head_dim={self.head_dim} is not in [1, 65536]")
+        check(self.rope_type != "yarn" or self.rope_beta_fast > 0 and self.rope_beta_slow > 0,
+              f"rope_beta_fast={self.rope_beta_fast}, rope_beta_slow={self.rope_beta_slow}: "
+              f"YaRN's betas are positive")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 

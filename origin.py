@@ -112,7 +112,8 @@ def finished(src, c, out_dir, mesh):
 
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
-              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim")
+              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
+              "moe_shared_ffn_dim", "head_dim", "qk_norm")
 
 
 def saved_shape(src, overrides, base_vocab, c, world):

@@ -71,6 +71,8 @@ n_head = 4
 n_kv_head = 2                   # < n_head: grouped-query attention
 n_embd = 128
 ffn_dim = 0                     # SwiGLU width (0: 8/3 n_embd, rounded up to a multiple of 32)
+head_dim = 0                    # each head's width (0: n_embd / n_head)
+qk_norm = False                 # RMSNorm each head's q and k before RoPE (Qwen3)
 dropout = 0.0
 tie_embeddings = False
 grad_ckpt = False               # recompute each block in backward
@@ -235,6 +237,7 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size
 moe_keys = {k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")}
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
+                        head_dim=head_dim, qk_norm=qk_norm,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
                         loss_chunk=loss_chunk, **moe_keys)
 if src.saved is not None:

@@ -226,11 +226,12 @@ def _bias(out_dir):
 
 
 def test_moe_layouts_equal_one_process(dataset, tmp_path):
-    """ep=2 in dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2,
-    ep=2 x zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
+    """A Qwen3-MoE's shape (no shared expert, q/k norms, heads of 16 on a width of 32): ep=2 in
+    dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2, ep=2 x
+    zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
     give the single-process curve, and the same bias. At accumulation 1 and 2 (the same global
     batch, no balancing loss: its unit is the micro-batch) the bias is the same too."""
-    base = [*MOE_REF, f"dataset={dataset}"]
+    base = [*MOE_REF, "qk_norm=True", "head_dim=16", f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
     run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path), fork=True)
     runs = {"ep2dp4": (4, ["ep=2", "grad_ckpt=True"]), "ep2pp2": (4, ["ep=2", "pp=2"]),
