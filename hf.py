@@ -189,7 +189,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 
 def hf_config_to_ours(hf):
     """ModelConfig kwargs (all but block_size) from a Hugging Face config.json dict of a LLaMA,
-    or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer).
+    or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer),
+    Qwen3 (q/k norms, a head_dim of its own; its YaRN: hf_rope.py).
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
         return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and "
@@ -472,7 +473,7 @@ def save_hf_llama(path, state_dict, cfg, enc=None, shard_mb=5000.0):
 
 def export_type(cfg):
     """The model_type an export declares: the family it came from (Qwen3 for a LLaMA of ours with
-    q/k norms); a MoE model of ours, Mixtral or Qwen2-MoE (hf_moe.family)."""
+    q/k norms); a MoE model of ours, Mixtral, Qwen2-MoE or Qwen3-MoE (hf_moe.family)."""
     if cfg.n_experts:
         return hf_moe.family(cfg)
     return "qwen3" if cfg.qk_norm else cfg.hf_model_type
