@@ -275,8 +275,10 @@ def hf_config_to_ours(hf):
     return dict(**moe, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
                 ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
-                # (as transformers reads it: Qwen3's class says 128; 0: hidden_size // heads)
-                head_dim=hf.get("head_dim") or (128 if family == "qwen3" else 0),
+                # as transformers reads it: Qwen3's class says 128, the others hidden_size / heads
+                # (0 where that is no whole number: ModelConfig says so in config.json's names)
+                head_dim=hf.get("head_dim") or (128 if family == "qwen3" else n_embd // n_head
+                                                 if n_embd % n_head == 0 else 0),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
                 qkv_bias=family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
