@@ -26,7 +26,6 @@ import traceback
 import torch
 
 import common
-import hf_rope
 from common import UserError, check, script_help
 from model import ModelConfig
 
@@ -197,12 +196,17 @@ def _check_moe(c, overrides):
                                           f"would be a mixture of experts; lower moe_every")
 
 
+def _check_rope(c, overrides):  # long context: hf_rope.py
+    import hf_rope
+    hf_rope.check_run_rope(c)
+
+
 # (entered when: the config turns the feature on, or names one of its keys; then its checks)
 FEATURE_CHECKS = [
     (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),
-    (lambda c, o: c["rope_theta"] or c["rope_scaling"], lambda c, o: hf_rope.check_run_rope(c)),
+    (lambda c, o: c["rope_theta"] or c["rope_scaling"], _check_rope),
 ]
 
 def _window(spec, max_iters):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common import check
-from moe import MoE, is_moe_layer
+from moe import MoE
 
 # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -267,8 +267,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        # a mixture of experts: moe.py
-        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)
+        # a mixture of experts (moe.py, whose is_moe_layer says the same: a dense run never walks it)
+        moe = cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0 \
+            and str(layer) not in cfg.moe_dense_layers.split(",")
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
