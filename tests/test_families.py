@@ -227,23 +227,25 @@ def test_qwen_on_layouts(corpus, tmp_path):
     """Qwen3's q/k norms (replicated under tp, each rank's heads a part of their gradient) and its
     heads wider than hidden_size / heads, on the layouts, with Muon (norm gains: AdamW): one
     out_dir whose legs resume each other, fsdp (dp=2, the meta-device build importing the base's
-    shards) -> tp=2 (the checkpoint's slices gathered again on save) -> pp=2 -> zero=2 (dp=2), is
-    the single-process curve, and its last checkpoint holds the single-process weights. LoRA on
+    shards) -> tp=2 (the checkpoint's slices gathered again on save) -> pp=2 -> cp=2 (its YaRN
+    tables at the tokens' global positions) -> zero=2 (dp=2), is the single-process curve, and
+    its last checkpoint holds the single-process weights. LoRA on
     Qwen2's biased linears (the biases frozen with the base, cut with their rows) under its
     sliding window (12 < block_size) at tp=2 is its single-process curve too."""
     # 603 ids, 640 rows: tp=2 splits the padded embedding; untied: pp=2 refuses a tied head
     path = make_base("qwen3", str(tmp_path / "base"), tie_word_embeddings=False)
     common = [a for a in RUN if not a.startswith(("vocab_size=", "optim="))] + [
         "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
-        "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=5"]  # (the schedule of the whole run in each leg)
+        "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=6"]  # (the schedule of the whole run in each leg)
     single, chain = [*common, f"out_dir={tmp_path / 'single'}"], [*common, f"out_dir={tmp_path / 'chain'}"]
-    run_train([*single, "max_iters=5"], cwd=tmp_path)
+    run_train([*single, "max_iters=6"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=2", "fsdp=True"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=3", "tp=2"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=4", "pp=2"], cwd=tmp_path)
-    torchrun(2, [*chain, "max_iters=5", "zero=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=5", "cp=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=6", "zero=2"], cwd=tmp_path)
     assert_same_curve(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "chain"))
-    a, b = (checkpoint.load_whole(os.path.join(tmp_path, run, "ckpt", "iter_0000005"))[0].state_dict()
+    a, b = (checkpoint.load_whole(os.path.join(tmp_path, run, "ckpt", "iter_0000006"))[0].state_dict()
             for run in ("chain", "single"))
     assert set(a) == set(b) and "layers.1.attention.k_norm.weight" in a
     for k in a:  # (atol: see test_fsdp.py's test_one_run_moves_through_every_layout)
