@@ -256,10 +256,11 @@ REFUSALS = [
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
      "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
      "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
-    ("export_lora with a new RoPE", lambda c, o: c["export_lora"] and (c["rope_theta"] or c["rope_scaling"]),
-     "export_lora={export_lora} with rope_theta={rope_theta}, rope_scaling={rope_scaling!r}: PEFT puts the "
-     "adapters on their base as it is, whose RoPE this run changes; export the merged model with export_hf= "
-     "instead, or drop export_lora"),
+    ("export_lora with a new RoPE",
+     lambda c, o: c["export_lora"] and (c["rope_theta"] or c["rope_scaling"]),
+     "export_lora={export_lora} with rope_theta={rope_theta}, rope_scaling={rope_scaling!r}: PEFT "
+     "puts the adapters on their base as it is, whose RoPE this run changes; export the merged "
+     "model with export_hf= instead, or drop export_lora"),
     ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
      "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "

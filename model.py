@@ -267,7 +267,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        # a mixture of experts (moe.py, whose is_moe_layer says the same: a dense run never walks it)
+        # a mixture of experts (moe.py; its is_moe_layer says the same: a dense run never walks it)
         moe = cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0 \
             and str(layer) not in cfg.moe_dense_layers.split(",")
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg)

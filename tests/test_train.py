@@ -288,7 +288,7 @@ MISTAKES = {
     "rope_theta=0.5": "rope_theta=0.5: give a base of at least 1",
     "head_dim=7": "head_dim=7 (n_embd / n_head = 32 / 4 unless given) is odd",
     "lora_rank=4 export_lora=adapter rope_scaling=yarn:4":
-        "export_lora=adapter with rope_theta=0.0, rope_scaling='yarn:4': PEFT puts the adapters on their base",
+        "export_lora=adapter with rope_theta=0.0, rope_scaling='yarn:4': PEFT puts the adapters",
 }
 
 
