@@ -100,11 +100,8 @@ def cp_attention(att, mesh, attend, x, cos, sin, mask=None, cache=None):
     assert cache is None, "generation runs on one process, without context parallelism"
     B, T, C = x.shape
     pos = positions(cos.shape[0], mesh.cp, mesh.cp_rank, x.device)
-    q, k, v = att.wq(x), att.wk(x), att.wv(x)
-    n_head, n_kv_head = q.shape[-1] // att.head_dim, k.shape[-1] // att.head_dim
-    q = q.view(B, T, n_head, att.head_dim).transpose(1, 2)     # (B, n_head, T / cp, head_dim)
-    k = k.view(B, T, n_kv_head, att.head_dim).transpose(1, 2)  # (B, n_kv_head, T / cp, head_dim)
-    v = v.view(B, T, n_kv_head, att.head_dim).transpose(1, 2)
+    q, k, v = att.heads(x)  # (B, n_head or n_kv_head, T / cp, head_dim)
+    n_head = q.shape[1]
     cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = attend(q, k, v, pos, mask, att.dropout if att.training else 0.0, mesh.cp_group)

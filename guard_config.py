@@ -87,6 +87,11 @@ def _check_profiler(c, overrides):
     guard_env.check_trace_dir(c["out_dir"])
 
 
+def _check_rope(c, overrides):  # long context: hf_rope.py
+    import hf_rope
+    hf_rope.check_run_rope(c)
+
+
 def _check_moe(c, overrides):
     check(c["moe_top_k"] <= c["n_experts"], f"moe_top_k={c['moe_top_k']} is more than n_experts={c['n_experts']}: "
                                             f"a token picks top_k of the experts; lower moe_top_k")
@@ -99,6 +104,7 @@ FEATURE_CHECKS = [
     (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),
+    (lambda c, o: c["rope_theta"] or c["rope_scaling"], _check_rope),
 ]
 
 
@@ -146,6 +152,11 @@ REFUSALS = [
      "transformers' Mixtral and Qwen2-MoE route by a softmax and have no routing bias, so the "
      "export could not compute this model; train with moe_score=softmax moe_bias_rate=0, or drop "
      "export_hf (sample.py reads the checkpoints)"),
+    ("export_lora with a new RoPE",
+     lambda c, o: c["export_lora"] and (c["rope_theta"] or c["rope_scaling"]),
+     "export_lora={export_lora} with rope_theta={rope_theta}, rope_scaling={rope_scaling!r}: PEFT "
+     "puts the adapters on their base as it is, whose RoPE this run changes; export the merged "
+     "model with export_hf= instead, or drop export_lora"),
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
      "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
      "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
@@ -183,7 +194,8 @@ def validate(c, overrides, world):
     if c["datasets"] or c["phases"]:
         configurator.mixture_sources(c, note=False)
     # ModelConfig checks the shape's rules, and makes ffn_dim (0: n_embd's)
-    ffn_dim = ModelConfig(**{k: c[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim")}).ffn_dim
+    shape = ("n_embd", "n_head", "n_kv_head", "ffn_dim", "head_dim")
+    ffn_dim = ModelConfig(**{k: c[k] for k in shape}).ffn_dim
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         _check_given_layout(c, world, ffn_dim)
     check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
@@ -356,7 +368,8 @@ def refusals_markdown():
 # ---- a run that continues or starts from a model: its checks against what is saved there
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
-              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk", "moe_shared_ffn_dim")
+              "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
+              "moe_shared_ffn_dim", "head_dim", "qk_norm")
 
 
 def check_saved_shape(cfg, src, overrides, base_vocab, c, world):
@@ -384,7 +397,8 @@ def check_same_run(src, c, overrides, out_dir):
     model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim") if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",
+                    "rope_scaling") if c[k] != had.get(k, c[k])]
     if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]

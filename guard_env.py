@@ -17,7 +17,7 @@ FIX = ("start the run with torchrun (`torchrun --nproc_per_node=N train.py ...`)
 
 def _refuse(problem):
     """A UserError that this rank prints itself: before the process group only rank 0 speaks
-    (parallel.reports), but a rank started by hand meets its own environment."""
+    (guard_dist.reports), but a rank started by hand meets its own environment."""
     err = UserError(problem)
     err.own = True
     raise err

@@ -21,6 +21,7 @@ from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json
 import hf_moe
 from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
+from hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +111,8 @@ HF_NAMES = {
     "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wk.bias",
     "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wv.bias",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attention.q_norm.weight",  # Qwen3's
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attention.k_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
     "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
@@ -127,23 +130,28 @@ def rename(name, table):
 
 
 # model_type -> architecture, of the families this model computes (model.MODEL_TYPES)
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", **MOE_FAMILIES}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_FAMILIES}
 
 
 def hf_config_to_ours(hf):
     """ModelConfig kwargs (all but block_size) from a Hugging Face config.json dict of a LLaMA,
-    or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer).
+    or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer),
+    Qwen3 (q/k norms, a head_dim of its own; its YaRN: hf_rope.py).
     Refuses what this model does not implement rather than load it and compute something else."""
     def refuse(field, why):
-        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and their Mistral, "
-                         f"Qwen2, Mixtral and Qwen2-MoE variants (without those options) can be loaded")
+        return UserError(f"config.json: {field}={hf.get(field)!r}: {why}; only LLaMA models and "
+                         f"their Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE variants "
+                         f"(without those options) can be loaded")
 
     hf = hf_moe.with_defaults(hf)  # (Mixtral's and Qwen2-MoE's own defaults for what it omits)
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
-              "max_position_embeddings": "block_size", "sliding_window": "block_size"}
+              "max_position_embeddings": "block_size", "sliding_window": "block_size",
+              "head_dim": "n_embd"}
     for field, ours in bounds.items():
-        if field in ("num_key_value_heads", "max_position_embeddings", "sliding_window") and hf.get(field) is None:
+        optional = ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim")
+        if field in optional and hf.get(field) is None:
             continue
         if field == "sliding_window" and hf.get(field) == 0 and hf.get("use_sliding_window") is False:
             continue  # (Qwen2-MoE's as transformers 5 saves it: no window)
@@ -180,11 +188,14 @@ def hf_config_to_ours(hf):
     scaling = dict(rope_type=rope_type)
     numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope["rope_theta"])]
     if rope_type != "default":
-        numbers.append(("rope_factor", rope.get("factor")))
+        factor = rope.get("factor") if rope_type != "yarn" else yarn_factor(rope, hf)
+        numbers.append(("rope_factor", factor))
     if rope_type == "llama3":
-        numbers += [("rope_low_freq", rope.get("low_freq_factor")), ("rope_high_freq", rope.get("high_freq_factor")),
-                    ("rope_original_len", rope.get("original_max_position_embeddings",
-                                                   hf.get("max_position_embeddings")))]
+        numbers += [("rope_low_freq", rope.get("low_freq_factor")),
+                    ("rope_high_freq", rope.get("high_freq_factor"))]
+    if rope_type in ("llama3", "yarn"):
+        numbers.append(("rope_original_len", rope.get("original_max_position_embeddings",
+                                                      hf.get("max_position_embeddings"))))
     for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
         low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0
         high = MAX_SIZES.get(field, 1e30)
@@ -199,6 +210,8 @@ def hf_config_to_ours(hf):
         scaling[field] = float(value) if field != "rope_original_len" else int(value)
     if rope_type == "llama3" and not scaling["rope_low_freq"] < scaling["rope_high_freq"]:
         raise refuse(rope_field, "low_freq_factor must be below high_freq_factor")
+    if rope_type == "yarn":  # hf_rope.py
+        scaling.update(yarn_fields(rope, scaling["rope_factor"], refuse, rope_field))
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias", "MLP biases are not implemented")
     if hf.get("attention_bias"):  # LLaMA's also biases o_proj; Qwen2's q/k/v biases need no flag
@@ -206,13 +219,15 @@ def hf_config_to_ours(hf):
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "only silu (SwiGLU) is implemented")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") is not None and hf["head_dim"] != n_embd // n_head:
-        raise refuse("head_dim", f"only head_dim = hidden_size // num_attention_heads = {n_embd // n_head} "
-                                 f"is implemented")
     moe = config_fields(hf, refuse) if family in MOE_FAMILIES else {}  # Mixtral, Qwen2-MoE: hf_moe.py
     return dict(**moe, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
                 ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
+                # as transformers reads it: Qwen3's class says 128, the others hidden_size / heads
+                # (0 where that is no whole number: ModelConfig says so in config.json's names)
+                head_dim=hf.get("head_dim") or (128 if family == "qwen3" else n_embd // n_head
+                                                 if n_embd % n_head == 0 else 0),
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
                 qkv_bias=family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
                 max_position=hf.get("max_position_embeddings") or 0,
@@ -379,8 +394,9 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         "architectures": [FAMILIES[export_type(cfg)]], "model_type": export_type(cfg),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.n_embd // cfg.n_head,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
+        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling_out(cfg),
         "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
         **(config_out(cfg) if cfg.n_experts else {}),
@@ -404,21 +420,12 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
                      shard_bytes=int(shard_mb * 10 ** 6), more_files=more)
 
 
-def hf_rope_scaling(cfg):
-    """config.json's rope_scaling for our rotary scaling (None: none), as the hub's files write it."""
-    if cfg.rope_type == "default":
-        return None
-    scaling = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
-    if cfg.rope_type == "llama3":
-        scaling.update(low_freq_factor=cfg.rope_low_freq, high_freq_factor=cfg.rope_high_freq,
-                       original_max_position_embeddings=cfg.rope_original_len)
-    return scaling
-
-
 def export_type(cfg):
-    """The model_type an export declares: the family it came from; a MoE model of ours, Mixtral or
-    Qwen2-MoE (hf_moe.family)."""
-    return hf_moe.family(cfg) if cfg.n_experts else cfg.hf_model_type
+    """The model_type an export declares: the family it came from (Qwen3 for a LLaMA of ours with
+    q/k norms); a MoE model of ours, Mixtral, Qwen2-MoE or Qwen3-MoE (hf_moe.family)."""
+    if cfg.n_experts:
+        return hf_moe.family(cfg)
+    return "qwen3" if cfg.qk_norm else cfg.hf_model_type
 
 
 def hf_family_fields(cfg):
@@ -431,8 +438,11 @@ def hf_family_fields(cfg):
         return {"attention_bias": False, "mlp_bias": False}
     if kind in ("mistral", "mixtral"):
         return {"sliding_window": window}
+    # Qwen3's attention_bias would bias q, k, v and o: none here
+    qwen3 = {"attention_bias": False} if kind.startswith("qwen3") else {}
+    layers = ["sliding_attention" if window else "full_attention"] * cfg.n_layer
     return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
-            "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.n_layer}
+            "layer_types": layers, **qwen3}
 
 
 def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):

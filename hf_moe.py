@@ -1,6 +1,7 @@
 """
-Hugging Face mixtures of experts in and out: Mixtral (MixtralForCausalLM) and Qwen2-MoE
-(Qwen2MoeForCausalLM, its shared expert and q/k/v biases). Their config.json fields as ours,
+Hugging Face mixtures of experts in and out: Mixtral (MixtralForCausalLM), Qwen2-MoE
+(Qwen2MoeForCausalLM, its shared expert and q/k/v biases) and Qwen3-MoE (Qwen3MoeForCausalLM:
+no shared expert, Qwen3's attention). Their config.json fields as ours,
 and their expert tensors as our three 3-D weights per layer (moe.GroupedExperts): on disk
 either one matrix per expert (w1/w2/w3, gate_proj/up_proj/down_proj: what transformers
 writes) or transformers 5's fused gate_up_proj (E, 2F, D) and down_proj (E, D, F). hf.py
@@ -14,7 +15,8 @@ import torch
 from guard_errors import UserError
 
 # model_type -> architecture
-MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # one Hugging Face tensor = one of ours ({i}: the layer); both families' names, read or written
 HF_MOE_NAMES = {
@@ -52,8 +54,10 @@ def with_defaults(hf):
 
 
 def config_fields(hf, refuse):
-    """Our ModelConfig's MoE fields (and ffn_dim) from a Mixtral or Qwen2-MoE config.json with its
-    defaults (with_defaults); refuses what the layer does not compute."""
+    """Our ModelConfig's MoE fields from a Mixtral, Qwen2-MoE or Qwen3-MoE config.json, read as
+    transformers reads them (with_defaults; its router_aux_loss_coef, times top_k: ours counts a
+    token once, see config_out; the run's aux weight unless it gives one); refuses what the layer
+    does not compute."""
     for field in ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "shared_expert_intermediate_size", "decoder_sparse_step"):
         if field in hf and (type(hf[field]) is not int or not 0 <= hf[field] <= 2 ** 20):
@@ -61,30 +65,45 @@ def config_fields(hf, refuse):
     for field in ("norm_topk_prob", "qkv_bias"):
         if field in hf and type(hf[field]) is not bool:
             raise refuse(field, "not a JSON bool")
+    aux = hf.get("router_aux_loss_coef", 0.001)  # (the three classes' default)
+    if type(aux) not in (int, float) or not 0 <= aux < 1e6:
+        raise refuse("router_aux_loss_coef", "not a number in [0, 1e6)")
+    dense = hf.get("mlp_only_layers") or []
+    n_layer = hf["num_hidden_layers"]
+    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < n_layer for i in dense):
+        raise refuse("mlp_only_layers", "not a list of layer indices")
     if hf["model_type"] == "mixtral":
         E, ffn = hf["num_local_experts"], hf["intermediate_size"]
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=True, moe_every=1)
-    else:
-        E, ffn = hf["num_experts"], hf["moe_intermediate_size"]
-        if hf.get("mlp_only_layers"):
-            raise refuse("mlp_only_layers", "dense layers listed by index are not implemented (moe_every is)")
-        fields = dict(moe_ffn_dim=ffn, moe_norm_topk=hf["norm_topk_prob"],
-                      moe_every=hf["decoder_sparse_step"] or 1,
-                      moe_shared_ffn_dim=hf["shared_expert_intermediate_size"])
-    top_k = hf["num_experts_per_tok"]
+    else:  # Qwen2-MoE, Qwen3-MoE (no shared expert; their classes' defaults)
+        qwen3 = hf["model_type"] == "qwen3_moe"
+        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; the hub's files,
+        # num_experts)
+        E = hf.get("num_local_experts", hf.get("num_experts", 128)) if qwen3 else \
+            hf.get("num_experts", 60)
+        ffn = hf.get("moe_intermediate_size", 768 if qwen3 else 1408)
+        fields = dict(moe_ffn_dim=ffn, moe_norm_topk=hf.get("norm_topk_prob", False),
+                      moe_every=hf.get("decoder_sparse_step", 1) or 1,
+                      moe_dense_layers=",".join(map(str, dense)),
+                      moe_shared_ffn_dim=0 if qwen3 else
+                      hf.get("shared_expert_intermediate_size", 5632))
+    top_k = hf.get("num_experts_per_tok", 8 if hf["model_type"] == "qwen3_moe" else 2)
     if not 1 <= top_k <= E or not ffn:
         raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, each of a positive "
                                             f"width")
-    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax", **fields)
+    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax", moe_aux_weight=float(aux) * top_k,
+                **fields)
 
 
 def family(cfg):
-    """The family an export of MoE config `cfg` declares: the one it came from, else Mixtral when
-    it fits (no shared expert, every layer MoE, top-k renormalised), else Qwen2-MoE."""
+    """The family an export of MoE config `cfg` declares: the one it came from, else Qwen3-MoE
+    with q/k norms, else Mixtral when it fits (no shared expert, every layer MoE, top-k
+    renormalised), else Qwen2-MoE."""
     if cfg.hf_model_type in MOE_FAMILIES:
         return cfg.hf_model_type
-    mixtral = not cfg.moe_shared_ffn_dim and cfg.moe_every == 1 and cfg.moe_norm_topk
-    return "mixtral" if mixtral else "qwen2_moe"
+    mixtral = not cfg.moe_shared_ffn_dim and cfg.moe_every == 1 and cfg.moe_norm_topk \
+        and not cfg.moe_dense_layers
+    return "qwen3_moe" if cfg.qk_norm else "mixtral" if mixtral else "qwen2_moe"
 
 
 def config_out(cfg):
@@ -98,18 +117,27 @@ def config_out(cfg):
                         "export; sample.py reads this model's checkpoints")
     common = dict(num_experts_per_tok=cfg.moe_top_k, output_router_logits=False,
                   router_aux_loss_coef=cfg.moe_aux_weight / cfg.moe_top_k)
+    dense = [int(i) for i in cfg.moe_dense_layers.split(",") if i]
     if family(cfg) == "mixtral":
-        if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias:
+        if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias \
+                or dense:
             raise UserError("export_hf: this model came from Mixtral but has a shared expert, dense layers, "
                             "q/k/v biases or moe_norm_topk=False, which Mixtral has not")
         return dict(common, num_local_experts=cfg.n_experts, intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                     router_jitter_noise=0.0)
+    if family(cfg) == "qwen3_moe":
+        if cfg.moe_shared_ffn_dim or cfg.qkv_bias or not cfg.qk_norm:
+            raise UserError("export_hf: this model came from Qwen3-MoE but has a shared expert, "
+                            "q/k/v biases or no q/k norms, which Qwen3-MoE has not")
+        return dict(common, num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_ffn_dim or
+                    cfg.ffn_dim, norm_topk_prob=cfg.moe_norm_topk,
+                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
     if not cfg.moe_shared_ffn_dim:
         raise UserError("export_hf: a Qwen2-MoE has a shared expert; this model has none (moe_shared_ffn_dim=0) and "
                         "is no Mixtral either (dense layers or moe_norm_topk=False): it cannot be exported")
     return dict(common, num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                 shared_expert_intermediate_size=cfg.moe_shared_ffn_dim, norm_topk_prob=cfg.moe_norm_topk,
-                decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], qkv_bias=cfg.qkv_bias)
+                decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense, qkv_bias=cfg.qkv_bias)
 
 
 def tensors_out(state_dict, cfg):

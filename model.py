@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from guard_errors import check
-from moe import MoE, is_moe_layer
+from moe import MoE
 
-ROPE_TYPES = ("default", "linear", "llama3")  # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")  # ModelConfig.hf_model_type (hf.py, hf_moe.py)
+# ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# ModelConfig.hf_model_type (hf.py, hf_moe.py)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -34,6 +36,8 @@ class ModelConfig:
     n_head: int = 4
     n_kv_head: int = 4         # < n_head: grouped-query attention, each kv head serves n_head // n_kv_head query heads
     n_embd: int = 128
+    head_dim: int = 0          # each head's width (0: n_embd // n_head; Qwen3's may differ)
+    qk_norm: bool = False      # RMSNorms over each head's q and k before RoPE (Qwen3)
     ffn_dim: int = 0           # SwiGLU hidden width; 0: 8/3 * n_embd rounded up to a multiple of 32
     dropout: float = 0.0
     tie_embeddings: bool = False
@@ -42,7 +46,11 @@ class ModelConfig:
     rope_factor: float = 1.0
     rope_low_freq: float = 1.0  # llama3: low_freq_factor
     rope_high_freq: float = 4.0  # llama3: high_freq_factor
-    rope_original_len: int = 8192  # llama3: original_max_position_embeddings
+    rope_original_len: int = 8192  # llama3, yarn: original_max_position_embeddings
+    rope_beta_fast: float = 32.0  # yarn: beta_fast, beta_slow, truncate (where its ramp lies)
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attn_factor: float = 1.0  # yarn: attention_factor, cos and sin multiplied by it
     sliding_window: int = 0    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
     qkv_bias: bool = False     # biases on wq, wk, wv (Qwen2)
     max_position: int = 0      # the context the model is made for (a base's max_position_embeddings; 0: block_size)
@@ -54,7 +62,8 @@ class ModelConfig:
     # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a MoE
     n_experts: int = 0
     moe_top_k: int = 2         # experts per token
-    moe_every: int = 1         # every moe_every-th layer is MoE (moe.is_moe_layer; Qwen2-MoE's decoder_sparse_step)
+    moe_every: int = 1         # every moe_every-th layer is MoE (is_moe_layer; Qwen2-MoE's decoder_sparse_step)
+    moe_dense_layers: str = ""  # and not listed here, e.g. '0,3' (Qwen-MoE's mlp_only_layers)
     moe_ffn_dim: int = 0       # each expert's SwiGLU width (0: ffn_dim)
     moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
     moe_norm_topk: bool = True  # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
@@ -64,15 +73,28 @@ class ModelConfig:
     moe_bias_rate: float = 0.0  # DeepSeek-V3's aux-loss-free bias: its step per optimizer step
 
     def __post_init__(self):  # the shape's rules, said once: the config's check builds one too
-        check(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                                              f"make n_embd a multiple of n_head")
+        check(self.head_dim or self.n_embd % self.n_head == 0,
+              f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: make n_embd a "
+              f"multiple of n_head")
         check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by n_kv_head="
                                                  f"{self.n_kv_head}: each key/value head serves a whole group of "
                                                  f"query heads; use a divisor of n_head")
-        check(self.n_embd // self.n_head % 2 == 0, f"head_dim = n_embd / n_head = {self.n_embd} / {self.n_head} is "
-                                                   f"odd: rotary positions rotate pairs of features; change n_embd "
-                                                   f"or n_head")
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        check(self.head_dim % 2 == 0,
+              f"head_dim={self.head_dim} (n_embd / n_head = {self.n_embd} / {self.n_head} unless "
+              f"given) is odd: rotary positions rotate pairs of features; change n_embd, n_head "
+              f"or head_dim")
+        check(0 < self.head_dim <= 2 ** 16, f"head_dim={self.head_dim} is not in [1, 65536]")
+        check(self.rope_type != "yarn" or self.rope_beta_fast > 0 and self.rope_beta_slow > 0,
+              f"rope_beta_fast={self.rope_beta_fast}, rope_beta_slow={self.rope_beta_slow}: "
+              f"YaRN's betas are positive")
         self.ffn_dim = self.ffn_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
+
+    def is_moe_layer(self, i):
+        """Layer i's feed-forward is a mixture of experts (moe.py): every moe_every-th, the last of
+        each group, as Qwen2-MoE's decoder_sparse_step counts, unless moe_dense_layers lists it."""
+        dense = self.moe_dense_layers.split(",")
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0 and str(i) not in dense
 
 
 class RMSNorm(nn.Module):
@@ -91,21 +113,27 @@ class RMSNorm(nn.Module):
 def rope_tables(head_dim, block_size, theta, cfg=None):
     """cos/sin of shape (block_size, head_dim) in the "rotate half" layout that Hugging Face's
     LlamaForCausalLM uses: frequency j drives dims j and j + head_dim/2 (not interleaved pairs).
-    Using HF's layout means HF q/k weights load without a permutation. cfg: its rotary scaling."""
+    Using HF's layout means HF q/k weights load without a permutation. cfg: its rotary scaling
+    (YaRN's also scales cos and sin, by rope_attn_factor: 1 elsewhere)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     inv_freq = inv_freq if cfg is None or cfg.rope_type == "default" else scaled_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)                                  # (T, head_dim)
-    return angles.cos(), angles.sin()
+    scale = cfg.rope_attn_factor if cfg is not None and cfg.rope_type == "yarn" else 1.0
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def scaled_frequencies(inv_freq, cfg):
     """The inverse frequencies as transformers' modeling_rope_utils scales them. 'linear': all
     divided by rope_factor (positions interpolated). 'llama3': only the slow ones, whose
     wavelength is longer than rope_original_len / rope_low_freq; those shorter than
-    rope_original_len / rope_high_freq are kept; in between a linear blend of the two."""
+    rope_original_len / rope_high_freq are kept; in between a linear blend of the two. 'yarn'
+    (arXiv:2309.00071): the same three parts, their bounds the dims that turn rope_beta_fast
+    and rope_beta_slow times over rope_original_len positions, the blend linear in the dim."""
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "yarn":
+        return yarn_frequencies(inv_freq, cfg)
     assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and guard_ckpt.py check)
     wavelen = 2 * math.pi / inv_freq
     smooth = (cfg.rope_original_len / wavelen - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
@@ -113,6 +141,21 @@ def scaled_frequencies(inv_freq, cfg):
     slow = wavelen > cfg.rope_original_len / cfg.rope_low_freq
     fast = wavelen < cfg.rope_original_len / cfg.rope_high_freq
     return torch.where(slow, inv_freq / cfg.rope_factor, torch.where(fast, inv_freq, blend))
+
+
+def yarn_frequencies(inv_freq, cfg):
+    """YaRN's inverse frequencies, as transformers' _compute_yarn_parameters computes them."""
+    dim, base = 2 * len(inv_freq), cfg.rope_theta
+
+    def turns_dim(turns):  # the dim whose frequency turns `turns` times over the original context
+        return dim * math.log(cfg.rope_original_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+    low, high = turns_dim(cfg.rope_beta_fast), turns_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    span = high - low if high != low else 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x, cos, sin):
@@ -170,25 +213,34 @@ def attend(q, k, v, mask, is_causal, dropout, gqa, recompute):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalised over its channels, one gain
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.dropout = cfg.dropout
         self.recompute = not cfg.grad_ckpt  # (grad_ckpt recomputes the whole block already)
+
+    def heads(self, x):
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) of x (B, T, n_embd),
+        before RoPE."""
+        B, T, C = x.shape
+        # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq,
+        # wk, wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
+        q, k, v = (w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where attending is allowed
         # cache: generation's KVCache of the tokens before x (KVCache.extend)
         B, T, C = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        # the head counts come from the shapes: under tensor parallelism (tensor_parallel.py) wq,
-        # wk, wv produce only some whole heads, n_head / tp and n_kv_head / tp of them
-        n_head, n_kv_head = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
-        q = q.view(B, T, n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, head_dim)
-        k = k.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = v.view(B, T, n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = self.heads(x)
+        n_head, n_kv_head = q.shape[1], k.shape[1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         is_causal = mask is None
         if cache is not None:  # generation (sample.py): the earlier tokens' keys and values too
@@ -221,7 +273,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg)  # (moe.py)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg)  # (moe.py)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
@@ -291,7 +343,8 @@ class Transformer(nn.Module):
 
     def init_rope(self, device=None):
         """(Re)computes the rotary tables: after a build on the meta device they are empty."""
-        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta, self.cfg)
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg)
         # not persistent: derived from the config, so checkpoints hold only learned weights
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -346,11 +399,12 @@ class Transformer(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token, PaLM appendix B: 6 per weight in a matmul (not the embedding
         lookup; a tied table once, as the head; a frozen weight 4: no gradient of its own), plus
-        the attention scores and values, 12 * n_layer * n_embd * block_size."""
+        the attention scores and values, 12 * n_layer * n_head * head_dim * block_size."""
         emb = self.tok_embeddings.weight
         matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
         n = sum((6 if p.requires_grad else 4) * p.numel() * getattr(p, "_active", 1) for p in matmul)  # (moe.py)
-        return n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
+        cfg = self.cfg
+        return n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):

@@ -167,16 +167,10 @@ def attach(model, cfg):
     cross-entropy (loss + (a - a.detach()) is loss, and its gradient includes a's), so it
     takes the micro-batch's weight in the loop like the loss. A stage without the loss
     returns its losses beside the activations (pipeline.py starts their backward)."""
-    names = sorted((str(i) for i in range(cfg.n_layer) if is_moe_layer(cfg, i)), key=int)
+    names = sorted((str(i) for i in range(cfg.n_layer) if cfg.is_moe_layer(i)), key=int)
     model.moe_stats = StepStats(names, cfg.n_experts)
     model.register_forward_hook(_after_forward)
     return model
-
-
-def is_moe_layer(cfg, i):
-    """Layer i is a MoE one (model.Block builds it; attach names it): every moe_every-th, the last
-    of each group, as Qwen2-MoE's decoder_sparse_step counts."""
-    return cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0
 
 
 def _after_forward(model, args, out):

@@ -34,8 +34,7 @@ def stage_costs(cfg):
     head: its vocab x n_embd matmul plus LOSS_FLOPS_PER_LOGIT per logit for the softmax and
     cross-entropy; the embedding: a row copy. Backward costs about twice the forward of each,
     so the proportions, all that the split uses, are the same for training."""
-    head_dim = cfg.n_embd // cfg.n_head
-    attn = cfg.n_embd * head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
+    attn = cfg.n_embd * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
     block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + 4 * cfg.n_embd * cfg.block_size
     return block, (2 * cfg.n_embd + LOSS_FLOPS_PER_LOGIT) * cfg.vocab_size, cfg.n_embd
 

@@ -268,8 +268,9 @@ def tensor_parallel(model, mesh, sp=False):
     """Shards `model` (a whole model or a pipeline stage, built whole) over mesh.tp_group,
     in place: column-parallel wq, wk, wv, w1, w3 (dim 0, whole heads per rank), row-parallel
     wo, w2 (dim 1), vocabulary-parallel embedding and head with the loss computed from the
-    logit slices. Norms stay replicated. sp: sequence parallelism outside the matmuls (the
-    top of this file; the sequence length must divide by tp). Returns the model; a no-op at tp=1."""
+    logit slices. Norms stay replicated (Qwen3's q_norm, k_norm: their gradients summed). sp:
+    sequence parallelism outside the matmuls (the top of this file; the sequence length must
+    divide by tp). Returns the model; a no-op at tp=1."""
     if mesh.tp == 1:
         return model
     cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
@@ -294,9 +295,13 @@ def tensor_parallel(model, mesh, sp=False):
         if cfg.dropout > 0:  # attention dropout: this rank's heads draw their own masks
             att.wv.register_forward_hook(partial(own_stream_for_heads, att, mesh, True))
             att.wo.register_forward_hook(partial(own_stream_for_heads, att, mesh, False))
-    if sp:  # sequence parallel: the norms' gains see this rank's tokens only; dropout draws per slice
-        for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
-            norm.forward = partial(_rmsnorm_summed_gain, norm, group)
+    # Qwen3's q_norm and k_norm see this rank's heads only, and with sp every norm sees only
+    # this rank's tokens: each replicated gain's gradient is the sum over the tp ranks
+    qk = [getattr(b.attention, n) for b in model.layers.values() for n in ("q_norm", "k_norm")
+          if hasattr(b.attention, n)]
+    for norm in [m for m in model.modules() if isinstance(m, RMSNorm)] if sp else qk:
+        norm.forward = partial(_rmsnorm_summed_gain, norm, group)
+    if sp:  # dropout: a stream per slice
         for drop in [b.drop for b in model.layers.values()] + [model.drop] if cfg.dropout > 0 else []:
             drop.register_forward_pre_hook(lambda m, args: own_stream(m, mesh, True))
             drop.register_forward_hook(lambda m, args, out: own_stream(m, mesh, False))

@@ -75,12 +75,16 @@ n_head = 4
 n_kv_head = 2                   # < n_head: grouped-query attention
 n_embd = 128
 ffn_dim = 0                     # SwiGLU width (0: 8/3 n_embd, rounded up to a multiple of 32)
+head_dim = 0                    # each head's width (0: n_embd / n_head)
+qk_norm = False                 # RMSNorm each head's q and k before RoPE (Qwen3)
 dropout = 0.0
 tie_embeddings = False
 grad_ckpt = False               # recompute each block in backward
 loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
 doc_mask = False                # attention stays inside each document of a packed sequence
 neftune_alpha = 0.0             # noise of scale alpha/sqrt(T*n_embd) on the input embeddings
+rope_theta = 0.0                # long context: a new RoPE base (0: the model's)
+rope_scaling = ""               # and/or 'yarn:4', 'linear:4', 'llama3:8' ('': the model's; 'none')
 # mixture of experts (moe.py): every moe_every-th feed-forward becomes n_experts (0: dense) experts
 n_experts = 0
 moe_top_k = 2
@@ -240,10 +244,15 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size
 moe_keys = {k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")}
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
+                        head_dim=head_dim, qk_norm=qk_norm,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
                         loss_chunk=loss_chunk, **moe_keys)
 if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
+if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py
+    import hf_rope
+    model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling,
+                                                    block_size))
 lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py

@@ -12,6 +12,7 @@ the hub's. write_tokenizer(family, directory) for family in FAMILIES:
              control tokens [INST] [/INST] as added specials
     qwen2    NFC normalizer, byte-level BPE with Qwen2's own split (single digits), no BOS,
              <|endoftext|> <|im_start|> <|im_end|> added as specials
+    qwen3    Qwen2's, and <think> </think> added as ordinary (not special) tokens, as Qwen3's
 """
 
 import json
@@ -19,7 +20,7 @@ import os
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-FAMILIES = ("llama3", "llama2", "mistral", "qwen2")
+FAMILIES = ("llama3", "llama2", "mistral", "qwen2", "qwen3")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -85,12 +86,14 @@ def build(family):
         return tok, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "model_max_length": 131072,
                      "clean_up_tokenization_spaces": True, "tokenizer_class": "PreTrainedTokenizerFast",
                      "model_input_names": ["input_ids", "attention_mask"]}
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         tok = _byte_level(QWEN2_SPLIT, 600, ignore_merges=False)
         tok.normalizer = normalizers.NFC()
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+        if family == "qwen3":
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
         return tok, {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                      "unk_token": None, "model_max_length": 32768, "tokenizer_class": "Qwen2Tokenizer",
                      "add_prefix_space": False, "errors": "replace", "split_special_tokens": False,

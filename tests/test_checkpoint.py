@@ -217,7 +217,7 @@ def test_exported_tokenizer_matches_ours(tmp_path, gap):
 @pytest.mark.parametrize("field, value", [("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
                                           ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
                                           ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
-                                          ("head_dim", 32), ("model_type", "gemma"), ("vocab_size", None),
+                                          ("head_dim", 0), ("model_type", "gemma"), ("vocab_size", None),
                                           ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
                                           ("rope_scaling", {"rope_type": "linear", "factor": -1.0}),
                                           ("max_position_embeddings", "4k")])
@@ -226,6 +226,7 @@ def test_unsupported_hf_configs_are_refused(field, value):
     with pytest.raises(UserError, match=f"config.json: {field}="):
         hf_config_to_ours(hf)
     assert hf_config_to_ours({**HF, "model_type": "llama", "head_dim": 16})["n_embd"] == 64  # the implied one is fine
+    assert hf_config_to_ours({**HF, "model_type": "llama", "head_dim": 32})["head_dim"] == 32  # (wider heads)
 
 
 def test_broken_hf_directories_are_named(tmp_path):

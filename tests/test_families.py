@@ -1,6 +1,7 @@
 """The bases people continue, each built tiny and random by transformers: Llama 3.2 (rotary
 scaling llama3, tied embeddings), Llama 2 / TinyLlama (plain), Mistral (a sliding window shorter
-than the sequences), Qwen2 (q/k/v biases, its window). Each one: load -> logits equal
+than the sequences), Qwen2 (q/k/v biases, its window), Qwen3 (q/k norms, heads wider than
+hidden_size / heads, YaRN x4 over 32 positions, tied embeddings). Each one: load -> logits equal
 transformers' -> continual pretraining with extra tokens -> SFT -> LoRA -> export (HF + PEFT) ->
 transformers and peft load the exports and their logits equal ours."""
 
@@ -12,6 +13,7 @@ import torch
 from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchrun
 
 import checkpoint
+import guard_ckpt
 import hf
 import hf_tokenizer
 from guard_errors import UserError
@@ -31,6 +33,8 @@ FAMILIES = {
     "llama2": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=12, max_window_layers=0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6})),
 }
 
 
@@ -49,20 +53,22 @@ def write_tokenizer(family, directory):
     return vocab, *ids
 
 
-def make_base(family, path):
+def make_base(family, path, **more):
     """A random tiny model of `family` saved into `path` by transformers, with its tokenizer;
-    biases random (transformers starts them at 0, which would test nothing)."""
+    biases and Qwen3's q/k norm gains random (transformers starts them at 0 and 1, which would
+    test nothing)."""
     import transformers
     config_class, keys = FAMILIES[family]
     vocab, bos, eos = write_tokenizer(family, path)
-    rows = -(-vocab // 64) * 64 if family == "qwen2" else vocab  # Qwen2 pads its embedding past the ids (to 128s)
-    config = getattr(transformers, config_class)(vocab_size=rows, bos_token_id=bos, eos_token_id=eos, **SIZE, **keys)
+    rows = -(-vocab // 64) * 64 if family.startswith("qwen") else vocab  # Qwen pads its embedding past the ids
+    config = getattr(transformers, config_class)(vocab_size=rows, bos_token_id=bos, eos_token_id=eos,
+                                                 **{**SIZE, **keys, **more})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.5)
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                p.normal_(name.endswith(".weight"), 0.5)
     model.eval().save_pretrained(path)
     return path
 
@@ -92,13 +98,14 @@ def ours_from(out_dir):
 
 def test_loads_with_transformers_logits(base):
     """Logits equal transformers' over 128 positions: 16 sliding windows, twice the original
-    context of Llama 3.2's scaling; with the KV cache, generation equals the plain one."""
+    context of Llama 3.2's scaling, 4 times Qwen3's; with the KV cache, generation equals the plain one."""
     family, path = base
     kwargs, weights = hf.load_hf(path)
     cfg = ModelConfig(**kwargs, block_size=128)
-    assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window) == {
-        "llama3.2": ("llama3", True, False, 0), "llama2": ("default", False, False, 0),
-        "mistral": ("default", False, False, 8), "qwen2": ("default", False, True, 12)}[family]
+    assert (cfg.rope_type, cfg.tie_embeddings, cfg.qkv_bias, cfg.sliding_window, cfg.qk_norm, cfg.head_dim) == {
+        "llama3.2": ("llama3", True, False, 0, False, 8), "llama2": ("default", False, False, 0, False, 8),
+        "mistral": ("default", False, False, 8, False, 8), "qwen2": ("default", False, True, 12, False, 8),
+        "qwen3": ("yarn", True, False, 0, True, 16)}[family]
     model = Transformer(cfg).eval()
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # (tied: one tensor)
     model.load_state_dict(weights)
@@ -217,29 +224,39 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     assert AutoConfig.from_pretrained(f"{lora}/hf").rope_parameters == AutoConfig.from_pretrained(path).rope_parameters
 
 
-def test_biases_and_window_on_layouts(corpus, tmp_path):
-    """Qwen2's q/k/v biases and its sliding window (12 < block_size) on the layouts, with Muon
-    (biases: AdamW, no decay): one out_dir whose legs resume each other, fsdp (dp=2, the
-    meta-device build importing the base's shards) -> tp=2 (the checkpoint's biases cut with
-    their rows, gathered again on save) -> pp=2 -> zero=2 (dp=2), is the single-process curve,
-    and its last checkpoint holds the single-process weights. LoRA on the biased linears (the
-    biases frozen with the base) at tp=2 is its single-process curve too."""
-    path = make_base("qwen2", str(tmp_path / "base"))  # 603 ids, 640 rows: tp=2 splits the padded embedding
+def test_qwen_on_layouts(corpus, tmp_path):
+    """Qwen3's q/k norms (replicated under tp, each rank's heads a part of their gradient) and its
+    heads wider than hidden_size / heads, on the layouts, with Muon (norm gains: AdamW): one
+    out_dir whose legs resume each other, fsdp (dp=2, the meta-device build importing the base's
+    shards) -> tp=2 (the checkpoint's slices gathered again on save) -> pp=2 -> cp=2 (its YaRN
+    tables at the tokens' global positions) -> zero=2 (dp=2), is the single-process curve, and
+    its last checkpoint holds the single-process weights. LoRA on
+    Qwen2's biased linears (the biases frozen with the base, cut with their rows) under its
+    sliding window (12 < block_size) at tp=2 is its single-process curve too."""
+    # 603 ids, 640 rows: tp=2 splits the padded embedding; untied: pp=2 refuses a tied head
+    path = make_base("qwen3", str(tmp_path / "base"), tie_word_embeddings=False)
     common = [a for a in RUN if not a.startswith(("vocab_size=", "optim="))] + [
         "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
-        "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=5"]  # (the schedule of the whole run in each leg)
+        "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=6"]  # (the schedule of the whole run in each leg)
     single, chain = [*common, f"out_dir={tmp_path / 'single'}"], [*common, f"out_dir={tmp_path / 'chain'}"]
-    run_train([*single, "max_iters=5"], cwd=tmp_path)
+    run_train([*single, "max_iters=6"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=2", "fsdp=True"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=3", "tp=2"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=4", "pp=2"], cwd=tmp_path)
-    torchrun(2, [*chain, "max_iters=5", "zero=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=5", "cp=2"], cwd=tmp_path)
+    torchrun(2, [*chain, "max_iters=6", "zero=2"], cwd=tmp_path)
     assert_same_curve(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "chain"))
-    a, b = (checkpoint.load_whole(os.path.join(tmp_path, run, "ckpt", "iter_0000005"))[0].state_dict()
+    a, b = (checkpoint.load_whole(os.path.join(tmp_path, run, "ckpt", "iter_0000006"))[0].state_dict()
             for run in ("chain", "single"))
-    assert set(a) == set(b) and "layers.1.attention.wv.bias" in a
+    assert set(a) == set(b) and "layers.1.attention.k_norm.weight" in a
     for k in a:  # (atol: see test_fsdp.py's test_one_run_moves_through_every_layout)
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
+    gains = hf.load_hf(path)[1]["layers.1.attention.k_norm.weight"]
+    assert (a["layers.1.attention.k_norm.weight"] - gains).abs().max() > 1e-4  # trained: the comparison sees them
+    path = make_base("qwen2", str(tmp_path / "qwen2"))
+    # (its own data: the domain text as Qwen2's tokenizer, without Qwen3's <think> tokens, cuts it)
+    common = [{"init_from": f"init_from={path}", "dataset": "dataset=qwen2_domain"}.get(a.split("=")[0], a)
+              for a in common]
     lora = [*common, "max_iters=3", "lora_rank=4", "lora_targets=wq,wk,wv,w1"]
     run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path)
     torchrun(2, [*lora, f"out_dir={tmp_path / 'lora_tp'}", "tp=2"], cwd=tmp_path)
@@ -247,3 +264,65 @@ def test_biases_and_window_on_layouts(corpus, tmp_path):
     adapted = ours_from(str(tmp_path / "lora_tp")).state_dict()
     biases = {n: t for n, t in hf.load_hf(path)[1].items() if n.endswith(".bias")}
     assert len(biases) == 6 and all(torch.equal(adapted[n], t) for n, t in biases.items())  # frozen: as they were
+
+
+def test_rope_scalings_as_transformers(tmp_path):
+    """A run's rope_theta and each rope_scaling (linear, llama3, yarn; YaRN's attention factor from
+    DeepSeek's mscale pair, truncate off) over a base trained on 32 positions: our tables equal
+    transformers' (inv_freq and attention factor) for the config.json an export writes, and a run
+    that asks for none keeps the base's own scaling."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    import hf_rope
+    from model import rope_tables
+    base = dict(ModelConfig(vocab_size=64, n_embd=64, n_head=4, max_position=32, block_size=32).__dict__)
+    for theta, scaling, deepseek in [(0, "linear:4", False), (5e5, "llama3:4", False), (0, "yarn:4", False),
+                                     (0, "yarn:8", True)]:
+        cfg = ModelConfig(**hf_rope.with_run_rope(base, theta, scaling, 128))
+        scaling_out = hf_rope.rope_scaling_out(cfg)
+        if deepseek:  # its form of the attention factor, read back as transformers reads it
+            scaling_out = {**{k: v for k, v in scaling_out.items() if k != "attention_factor"}, "mscale": 1.0,
+                           "mscale_all_dim": 0.5, "truncate": False}
+            cfg = ModelConfig(**hf.hf_config_to_ours({**HF, "hidden_size": 64, "model_type": "llama",
+                                                      "max_position_embeddings": 256, "rope_scaling": scaling_out}),
+                              block_size=128)
+            assert cfg.rope_attn_factor != hf_rope._mscale(8.0) and not cfg.rope_truncate
+        assert (cfg.rope_original_len, cfg.max_position) == (32, 32 * int(scaling[-1]))
+        theirs = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, rope_theta=cfg.rope_theta,
+                                      max_position_embeddings=cfg.max_position, rope_scaling=scaling_out)
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[cfg.rope_type](theirs, "cpu")
+        angles = torch.outer(torch.arange(128, dtype=torch.float32), inv_freq)
+        cos, sin = rope_tables(16, 128, cfg.rope_theta, cfg)
+        torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos() * attention, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sin, torch.cat([angles, angles], -1).sin() * attention, rtol=1e-5, atol=1e-6)
+        assert (attention != 1.0) == (cfg.rope_type == "yarn") and cfg.rope_theta == (theta or 1e4)
+    kept = hf_rope.with_run_rope({**base, "rope_type": "yarn", "rope_factor": 4.0}, 0, "", 128)
+    assert kept["rope_type"] == "yarn" and kept["rope_factor"] == 4.0
+    assert hf_rope.with_run_rope({**base, "rope_type": "yarn"}, 0, "none", 128)["rope_type"] == "default"
+    for bad in ("yarn", "yarn:0.5", "dynamic:2", "4"):
+        with pytest.raises(UserError, match="rope_scaling="):
+            hf_rope.parse_scaling(bad)
+
+
+def test_long_context_from_a_base(corpus, tmp_path):
+    """Long-context continued pretraining: from a base trained on 32 positions, a run at 128 (4x)
+    with a raised rope_theta and YaRN x4, interrupted and resumed (the checkpoint's RoPE kept), is
+    exported; transformers reads the new RoPE from config.json and its logits at 128 positions
+    equal ours."""
+    path = make_base("llama2", str(tmp_path / "base"), max_position_embeddings=32)
+    run = [a for a in RUN if not a.startswith(("vocab_size=", "block_size="))] + [
+        "block_size=128", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
+        "rope_theta=40000.0", "rope_scaling=yarn:4", f"out_dir={tmp_path / 'long'}", "lr_decay_iters=3"]
+    run_train([*run, "max_iters=2"], cwd=tmp_path)
+    run_train([*run, "max_iters=3", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path)
+    meta = guard_ckpt.read_meta(checkpoint.find(str(tmp_path / "long"), None))[0]["model"]
+    assert (meta["rope_type"], meta["rope_factor"], meta["rope_theta"], meta["rope_original_len"]) == (
+        "yarn", 4.0, 40000.0, 32)
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["max_position_embeddings"] == 128 and config["rope_theta"] == 40000.0
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    x = torch.randint(0, 500, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(tmp_path / "hf", x), ours_from(str(tmp_path / "long"))(x)[0],
+                                   rtol=1e-5, atol=1e-5)

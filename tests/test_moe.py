@@ -25,23 +25,29 @@ MOE = [*TINY, "n_experts=4", "moe_top_k=2", "moe_ffn_dim=48"]
 
 
 def hf_moe_model(family, seed=0):
-    """A tiny random Mixtral or Qwen2-MoE built by transformers (eager experts: the CPU's), its
-    router randomised (Qwen2-MoE's starts at zero: every token would tie); its aux coefficient
-    is what our export of it writes (moe_aux_weight 0.01 / top_k)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    """A tiny random Mixtral, Qwen2-MoE or Qwen3-MoE built by transformers (eager experts: the
+    CPU's), its router randomised (Qwen2-MoE's starts at zero: every token would tie), and
+    Qwen3's q/k norm gains; its aux coefficient is what our export of it writes (the run's
+    moe_aux_weight / top_k)."""
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
     torch.manual_seed(seed)
     shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.005)
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
+    elif family == "qwen3_moe":  # layer 0 dense by mlp_only_layers, heads of 16 on a width of 32
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
+                                                   num_experts=4, norm_topk_prob=True, mlp_only_layers=[0],
+                                                   head_dim=16, router_aux_loss_coef=0.02))
     else:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
                                                    shared_expert_intermediate_size=36, num_experts=4,
                                                    decoder_sparse_step=2 if family == "qwen2_moe_sparse" else 1))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "bias")):
-                p.normal_(0, 0.5)
+            if name.endswith(("mlp.gate.weight", "bias", "q_norm.weight", "k_norm.weight")):
+                p.normal_(name.endswith("norm.weight"), 0.5)
     model.set_experts_implementation("eager") if hasattr(model, "set_experts_implementation") else None
     return model.eval()
 
@@ -53,9 +59,10 @@ def hf_logits(path, x):
         return model(x).logits
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen2_moe_sparse"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen2_moe_sparse", "qwen3_moe"])
 def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
-    """A Mixtral and a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) that
+    """A Mixtral, a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) and a Qwen3-MoE
+    (no shared expert, top-k renormalised, layer 0 dense by mlp_only_layers, q/k norms) that
     transformers saved, read from its per-expert files and from transformers 5's fused
     gate_up_proj / down_proj: our logits equal transformers'; exported, transformers reads
     ours to the same logits and config, and the files hold the names and shapes its own save
@@ -75,7 +82,9 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
         kwargs, weights = hf.load_hf(path)
         cfg = ModelConfig(**kwargs, block_size=64)
         assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_norm_topk, bool(cfg.moe_shared_ffn_dim)) == (
-            4, 2, family == "mixtral", family != "mixtral")
+            4, 2, family in ("mixtral", "qwen3_moe"), family.startswith("qwen2"))
+        # the file's coefficient x top_k: theirs counts a token's k slots (hf_moe.config_out)
+        assert (cfg.moe_dense_layers, cfg.moe_aux_weight) == (("0", 0.04) if family == "qwen3_moe" else ("", 0.01))
         ours = Transformer(cfg).eval()
         ours.load_state_dict(weights)
         with torch.no_grad():
@@ -260,12 +269,12 @@ def _bias(path):
 
 
 def test_moe_layouts_equal_one_process(dataset, tmp_path):
-    """ep=2 in dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2,
-    ep=2 x zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
-    give the single-process curve, and the same bias; so does ep=2 x pp=2 with moe_every=2 (a stage
-    without a MoE layer). At accumulation 1 and 2 (the same global
+    """A Qwen3-MoE's shape (no shared expert, q/k norms, heads of 16 on a width of 32): ep=2 in
+    dp=4 (with grad_ckpt: the recomputed forwards repeat the exchanges), ep=2 x pp=2, ep=2 x
+    zero=2 and ep=2 x fsdp=4 (the experts sharded over the ranks that hold the same ones)
+    give the single-process curve, and the same bias. At accumulation 1 and 2 (the same global
     batch, no balancing loss: its unit is the micro-batch) the bias is the same too."""
-    base = [*MOE_REF, f"dataset={dataset}"]
+    base = [*MOE_REF, "qk_norm=True", "head_dim=16", f"dataset={dataset}"]
     ref = str(tmp_path / "ref")
     run_train([*base, f"out_dir={ref}"], cwd=str(tmp_path), fork=True)
     runs = {"ep2dp4": (4, ["ep=2", "grad_ckpt=True"]), "ep2pp2": (4, ["ep=2", "pp=2"]),

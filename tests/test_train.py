@@ -283,6 +283,12 @@ MISTAKES = {
     "loss_scale_init=0.5": "loss_scale_init=0.5 must be in [1, 1.8446744073709552e+19)",
     "loss_scale_interval=0": "loss_scale_interval=0 must be at least 1",
     "lr_schedule=step": "lr_schedule='step' is not one of cosine, wsd",
+    "rope_scaling=yarn": "rope_scaling='yarn': write TYPE:FACTOR",
+    "rope_scaling=dynamic:2": "rope_scaling='dynamic:2': write TYPE:FACTOR",
+    "rope_theta=0.5": "rope_theta=0.5: give a base of at least 1",
+    "head_dim=7": "head_dim=7 (n_embd / n_head = 32 / 4 unless given) is odd",
+    "lora_rank=4 export_lora=adapter rope_scaling=yarn:4":
+        "export_lora=adapter with rope_theta=0.0, rope_scaling='yarn:4': PEFT puts the adapters",
 }
 
 
