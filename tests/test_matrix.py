@@ -120,7 +120,9 @@ def worst_relative_difference(a, b):
     worst = 0.0
     counts = ("/acc", "/acc_norm")  # shares of questions: equal, or a choice's order changed
     for key in sorted({k for r in a for k in r if k.endswith(counts)}):
-        assert [r.get(key) for r in a if "val_loss" in r] == [r.get(key) for r in b if "val_loss" in r], key
+        # (at a's evaluations: a resumed chain also evaluates where each leg ends)
+        at = {r["iter"]: r.get(key) for r in b if "val_loss" in r}
+        assert [r.get(key) for r in a if "val_loss" in r] == [at.get(r["iter"]) for r in a if "val_loss" in r], key
     compared = ("loss", "grad_norm", "val_loss", "val_bpb")
     scores = ("val_bpb/", "task/")
     for key in sorted({k for r in a for k in r if k in compared or "loss/" in k

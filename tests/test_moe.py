@@ -37,9 +37,9 @@ def hf_moe_model(family, seed=0):
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
     elif family == "qwen3_moe":  # layer 0 dense by mlp_only_layers, heads of 16 on a width of 32
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
-                                                   num_experts=4, norm_topk_prob=True, mlp_only_layers=[0],
-                                                   head_dim=16, router_aux_loss_coef=0.02))
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**shape, "router_aux_loss_coef": 0.02}, intermediate_size=40,
+                                                   moe_intermediate_size=24, num_experts=4, norm_topk_prob=True,
+                                                   mlp_only_layers=[0], head_dim=16))
     else:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
                                                    shared_expert_intermediate_size=36, num_experts=4,
@@ -106,7 +106,10 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     # head_dim (None: hidden_size / heads, which we write), max_window_layers (no window here)
     from transformers import AutoConfig
     got, want = (AutoConfig.from_pretrained(d).to_dict() for d in (out, saved))
-    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {"_name_or_path", "head_dim", "max_window_layers"}
+    # (and layer_types, which transformers derives from our max_window_layers: every layer full attention)
+    assert set(got.get("layer_types") or ["full_attention"]) == {"full_attention"}
+    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {"_name_or_path", "head_dim", "max_window_layers",
+                                                                       "layer_types"}
     assert got["head_dim"] in (want.get("head_dim"), 32 // 4) and not got.get("use_sliding_window")
 
 

@@ -128,8 +128,10 @@ def test_lora_sft_on_the_real_model_in_its_own_chat_format_loads_in_peft(base, t
     x, _ = val_blocks(str(tmp_path / "data" / "chat"), 16)
     with torch.no_grad():
         want = theirs(x[:2]).logits
-        # merged (W + (alpha / r) B A) against peft's separate adapter path: rounding ~1e-5 of logits ~10
-        torch.testing.assert_close(ours.eval()(x[:2])[0], want, rtol=1e-4, atol=1e-4)
+        # merged (W + (alpha / r) B A) against peft's separate adapter path: float32 rounding carried
+        # through 30 layers of width 576, 30 x sqrt(576) x 1.2e-7 ~ 9e-5 of the logits' scale
+        scale = want.abs().max().item()
+        torch.testing.assert_close(ours.eval()(x[:2])[0], want, rtol=1e-4, atol=1e-4 * scale)
         with theirs.disable_adapter():
             assert (theirs(x[:2]).logits - want).abs().max() > 1e-2  # the adapters count
     tok = AutoTokenizer.from_pretrained(merged)

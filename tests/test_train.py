@@ -64,7 +64,7 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     assert [r["iter"] for r in train] == list(range(30))
     assert all(set(r) == TRAIN_KEYS for r in train)
     assert [r["iter"] for r in val] == [0, 5, 10, 15, 20, 25, 30]
-    assert all(set(r) == {"iter", "val_loss", "tokens", "elapsed_s"} and r["tokens"] == r["iter"] * 4 * 2 * 32
+    assert all(set(r) == {"iter", "val_loss", "val_bpb", "tokens", "elapsed_s"} and r["tokens"] == r["iter"] * 4 * 2 * 32
                for r in val)
     assert 0 < val[0]["elapsed_s"] < val[-1]["elapsed_s"]  # wall time since launch: what bench.py race reads
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, "the loss did not fall"
