@@ -9,7 +9,6 @@ bounded by the largest row group, not the file. pyarrow and zstandard are option
 """
 
 import gzip
-import io
 import os
 import zlib
 
@@ -60,7 +59,7 @@ def _lines(path):
             f = gzip.GzipFile(fileobj=raw)
         elif path.endswith(".zst"):
             import zstandard
-            f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+            f = _zst_lines(raw, zstandard)
             broken += (zstandard.ZstdError,)
         else:
             f = raw
@@ -68,6 +67,23 @@ def _lines(path):
             yield from f
         except broken as e:
             raise _corrupt(path, e) from None
+
+
+def _zst_lines(raw, zstandard):
+    """The lines of a zstd stream (one frame or several), and an error where it ends inside a
+    frame: zstandard's stream reader gives a truncated file's first part and no word."""
+    d, rest, inside = zstandard.ZstdDecompressor().decompressobj(), b"", False
+    for block in iter(lambda: raw.read(1 << 20), b""):
+        while block:
+            out, inside, block = d.decompress(block), True, b""
+            if d.eof:  # a frame ended: what follows is the next one
+                block, d, inside = d.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
+            *lines, rest = (rest + out).split(b"\n")
+            yield from (line + b"\n" for line in lines)
+    if inside:
+        raise zstandard.ZstdError("the stream ends inside a frame")
+    if rest:
+        yield rest
 
 
 def _parquet_rows(path, text_field):

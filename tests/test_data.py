@@ -136,7 +136,7 @@ def write_parquet(path, rows, row_group_size=4):
     pq.write_table(pyarrow.Table.from_pylist(rows), path, row_group_size=row_group_size)
 
 
-def test_the_same_texts_as_txt_jsonl_gz_and_parquet_prepare_to_the_same_tokens(tmp_path):
+def test_the_same_texts_as_txt_jsonl_gz_zst_and_parquet_prepare_to_the_same_tokens(tmp_path):
     texts = [f"doc {i}: " + TEXTS[i % len(TEXTS)] for i in range(14)]
     rows = [{"text": t, "id": i} for i, t in enumerate(texts)]  # a column the text does not need
     (tmp_path / "txt").mkdir()
@@ -145,13 +145,15 @@ def test_the_same_texts_as_txt_jsonl_gz_and_parquet_prepare_to_the_same_tokens(t
     jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
     (tmp_path / "c.jsonl").write_bytes(jsonl)
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    import zstandard
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
     write_parquet(tmp_path / "c.parquet", rows)  # 4 row groups
     (tmp_path / "mix").mkdir()  # a glob mixing the formats
     (tmp_path / "mix" / "a.jsonl.gz").write_bytes(gzip.compress(b"".join(jsonl.splitlines(True)[:5])))
     write_parquet(tmp_path / "mix" / "b.parquet", rows[5:9])
     (tmp_path / "mix" / "c.jsonl").write_bytes(b"".join(jsonl.splitlines(True)[9:]))
     want = None
-    for source in ("txt", "c.jsonl", "c.jsonl.gz", "c.parquet", "mix/*"):
+    for source in ("txt", "c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "c.parquet", "mix/*"):
         out = tmp_path / f"out-{source.replace('/*', '')}"
         meta = prepare.prepare(str(tmp_path / source), str(out), "cl100k_base", 600, val_fraction=0.3,
                                verbose=False)
@@ -180,7 +182,9 @@ def test_a_corrupt_or_truncated_source_is_one_line_and_the_old_dataset_stays(tmp
     write_parquet(tmp_path / "good.parquet", rows)
     pq_bytes = (tmp_path / "good.parquet").read_bytes()
     # (a gzip stream's CRC is checked at its end, after its lines were read)
-    bad = {"cut.jsonl.gz": gz[:len(gz) // 2], "crc.jsonl.gz": gz[:-8] + bytes(8),
+    import zstandard
+    zst = zstandard.ZstdCompressor().compress(jsonl)
+    bad = {"cut.jsonl.gz": gz[:len(gz) // 2], "crc.jsonl.gz": gz[:-8] + bytes(8), "cut.jsonl.zst": zst[:len(zst) // 2],
            "cut.parquet": pq_bytes[:len(pq_bytes) // 2], "noise.parquet": os.urandom(3000)}
     for name, raw in bad.items():
         with pytest.raises(UserError, match=r"is corrupt or truncated \(.+\): download or write it again") as e:
