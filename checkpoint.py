@@ -286,9 +286,8 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
     if asynchronous:
         pending.work = _start_async(state, writer, group, no_dist, tmp, mesh.rank)
     else:
-        pending.work = _done(lambda: _write_and_hash(lambda: dcp.save(state, storage_writer=writer,
-                                                                      no_dist=no_dist),
-                                                     tmp, mesh.rank))
+        pending.work = _done(lambda: _write_and_hash(
+            lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist), tmp, mesh.rank))
     return pending
 
 

@@ -85,9 +85,8 @@ def _config_file(path, defaults, overrides, script):
     try:  # (opened without blocking: a FIFO or /dev/zero is refused, not read forever)
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), encoding="utf-8") as f:
             check(stat.S_ISREG(os.fstat(f.fileno()).st_mode),
-                  f"config file '{path}' is not a regular file: pass "
-                                                              f"a file such as config/tiny.py, or "
-                                                              f"key=value")
+                  f"config file '{path}' is not a regular file: pass a file such as "
+                  f"config/tiny.py, or key=value")
             source = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read config file '{path}' ({getattr(e, 'strerror', None) or e}): "

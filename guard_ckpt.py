@@ -188,10 +188,8 @@ _METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module,
-            name) in _METADATA_CLASSES or (module == "torch"
-                                           and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if (module, name) in _METADATA_CLASSES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 

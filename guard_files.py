@@ -135,7 +135,7 @@ def check_writable(key, path):
         near = os.path.dirname(near)
     check(os.path.isdir(near),
           f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
-                               f"directory (or a symlink loop): pick another {key}")
+          f"directory (or a symlink loop): pick another {key}")
     try:  # (tried: root may not write /sys or a read-only mount either, whatever os.access says)
         os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=near))
     except OSError as e:

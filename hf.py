@@ -457,7 +457,7 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         more["tokenizer_config.json"] = tok_config
         more["special_tokens_map.json"] = {k: tok_config[k]
                                            for k in ("bos_token", "eos_token", "unk_token",
-                                                                      "pad_token")
+                                                     "pad_token")
                                            if tok_config.get(k) is not None}
         # the tokenizer config's own: with our tiktoken encodings <|endoftext|> closes every
         # packed document, so it is also what the next one follows (hf_tokenizer names it bos)
@@ -664,5 +664,5 @@ def chat_template(enc):
     bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""
     return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + "
                                    "m['content'] + '<|end|>' }}"
-                             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% "
-                             "endif %}"}
+                                   "{% endfor %}{% if add_generation_prompt %}"
+                                   "{{ '<|assistant|>' }}{% endif %}"}

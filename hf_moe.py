@@ -160,9 +160,8 @@ def tensors_out(state_dict, cfg):
     """{Hugging Face name: tensor} of the MoE layers, as transformers' save_pretrained writes them:
     one matrix per expert. A trained aux-loss-free bias has no place there: refused."""
     mixtral = family(cfg) == "mixtral"
-    block, names = ("block_sparse_moe",
-                    ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
-                                                                                      "down_proj"))
+    block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if mixtral
+                    else ("mlp", ("gate_proj", "up_proj", "down_proj")))
     out = {}
     for name, t in state_dict.items():
         m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(.*)", name)

@@ -471,8 +471,7 @@ class HFTokenizer:
         # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
         return [e.ids
                 for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast",
-                                 texts,
-                                       add_special_tokens=False)]
+                                 texts, add_special_tokens=False)]
 
     def encode_inner_batch(self, texts, allowed_special=()):
         """encode_batch of texts that each follow a token in a longer text (a chat message after
@@ -483,8 +482,7 @@ class HFTokenizer:
             return self.encode_batch(texts, allowed_special=allowed_special)
         return [e.ids
                 for e in guarded(self._path, self._variant(allowed_special, True),
-                                 "encode_batch_fast", texts,
-                                       add_special_tokens=False)]
+                                 "encode_batch_fast", texts, add_special_tokens=False)]
 
     def encode_with_offsets(self, text, as_text=False, first=True):
         """(ids, each token's character span) of a piece of a rendered chat, as transformers
@@ -553,8 +551,7 @@ class HFTokenizer:
         follows the tokenizer; code (auto_map) stays behind."""
         tj = json.loads(self._tok.to_str())
         config = {k: v for k, v in self.config.items()
-                  if k not in ("auto_map", "added_tokens_decoder",
-                                                                     "name_or_path",
+                  if k not in ("auto_map", "added_tokens_decoder", "name_or_path",
                                "tokenizer_file")}
         config.setdefault("model_max_length", max_length)
         config["added_tokens_decoder"] = {str(a["id"]): {k: v for k, v in a.items() if k != "id"}

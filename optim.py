@@ -118,8 +118,7 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
                  ns_dtype=torch.bfloat16):
         super().__init__(params,
                          dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                              momentum=momentum,
-                                      muon=False))
+                              momentum=momentum, muon=False))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
             assert not group["muon"] or all(len(whole_shape(p)) in (2, 3)

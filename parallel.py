@@ -128,8 +128,8 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
         # our keys with the attempt, or the new workers can read the dead ones' addresses
         store = dist.PrefixStore(
             f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-            timeout=timedelta(seconds=dist_timeout_s)))
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                timeout=timedelta(seconds=dist_timeout_s)))
     dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s),
                             rank=rank,
                             world_size=world, device_id=dev if backend == "nccl" else None)

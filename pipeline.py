@@ -132,8 +132,7 @@ def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None, ri
     nxt = None if mesh.last_stage and not ring else mesh.stage_rank((mesh.pp_rank + 1) % mesh.pp)
     ops = [dist.P2POp(op, t, peer)
            for op, t, peer in ((dist.isend, send_next, nxt), (dist.isend, send_prev, prv),
-                                                      (dist.irecv, recv_prev, prv),
-                               (dist.irecv, recv_next, nxt))
+                               (dist.irecv, recv_prev, prv), (dist.irecv, recv_next, nxt))
            if t is not None and peer is not None]
     if ops:
         for work in dist.batch_isend_irecv(ops):

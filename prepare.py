@@ -518,8 +518,8 @@ class _Arguments(argparse.ArgumentParser):
 
 def main():
     ap = _Arguments(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
-                                 # --help: the defaults too
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    # --help: the defaults too
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or .jsonl, "
                     ".jsonl.gz, .jsonl.zst or .parquet files (of text, or of chat conversations "
                     "for SFT)")

@@ -117,8 +117,7 @@ def load_from(init_from):
     saved, index = hf.hf_index(init_from)
     guard_errors.check(hf_tokenizer.find(init_from) is not None,
                        f"{init_from} has no tokenizer.json (or tokenizer.model): "
-                                                        f"put the model's beside its config.json, "
-                                                        f"so its ids are known")
+                       f"put the model's beside its config.json, so its ids are known")
     src = origin.Source("hf", init_from, saved=saved,
                         where=f"the Hugging Face model in {init_from}", hf_index=index)
     spec = tokenizer.model_spec(src, "cl100k_base", 0)
@@ -152,8 +151,7 @@ def evaluate_checkpoint(c):
     c["dataset"], one with its scores on each task of c["eval_tasks"]."""
     guard_errors.check(c["dataset"] or c["eval_tasks"],
                        "eval=True needs dataset= (a prepared dataset, or several: "
-                                                  "dataset=a,b) or eval_tasks= (JSONL "
-                                                  "multiple-choice tasks)")
+                       "dataset=a,b) or eval_tasks= (JSONL multiple-choice tasks)")
     what = c["init_from"] or c["ckpt"] or c["out_dir"]
     if c["init_from"]:
         model, spec, run = load_from(c["init_from"])
@@ -262,8 +260,7 @@ def main(argv):
                            f"use the newest intact one of out_dir")
     if path is None:
         raise guard_errors.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or "
-                                     f"pass "
-                               f"ckpt=path/to/iter_XXXXXXX")
+                                     f"pass ckpt=path/to/iter_XXXXXXX")
     if cfg["export_shard_mb"] < 0:
         raise guard_errors.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be "
                                      f"negative (0: one file)")

@@ -441,13 +441,12 @@ saves = checkpoint.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_a
 
 
 def save(it):
-    saves.save(it,
-               {"iter": it, "config": config, "model": asdict(model_cfg),
-                "tokens": it * tokens_per_iter,
+    saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg),
+                    "tokens": it * tokens_per_iter,
                     "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id,
-                "world": mesh.world,
+                    "world": mesh.world,
                     "skip_iters": sorted(nan.skip_iters),
-                "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+                    "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
                     "tokenizer_spec": tokenizer_py.spec_of(meta),
                     "loss_scale": scaler.state_dict() if scaler else None},
                rundir.rng_states(mesh))

@@ -187,8 +187,7 @@ class ZeroOptimizer:
         self.experts = [p for g in param_groups for p in g["params"] if hasattr(p, "_ep")]
         if self.experts:
             own = [{**{k: v for k, v in g.items() if k != "params"},
-                    "params": [p for p in g["params"]
-                                                                             if hasattr(p, "_ep")]}
+                    "params": [p for p in g["params"] if hasattr(p, "_ep")]}
                    for g in param_groups]
             own = [g for g in own if g["params"]]
             self.experts_optimizer = MuonWithAdamW(own, **muon) if muon else AdamW(own, **adamw)
@@ -283,8 +282,8 @@ class ZeroOptimizer:
                 offset = 0
                 for p in bucket.params:
                     if (key == "momentum_buffer") == (p in muon):
-                        out[f"{names[p]}.{key}"] = full[offset:offset
-                                                        + p.numel()].view_as(p).clone()
+                        out[f"{names[p]}.{key}"] = (
+                            full[offset:offset + p.numel()].view_as(p).clone())
                     offset += p.numel()
         # a parameter's pieces share one step count; a rank that owns none of it says 0
         steps = torch.zeros(len(self.model.params), device=self.mesh.device)
