@@ -41,12 +41,14 @@ def materialize(model, device):
         for key, p in m._parameters.items():
             if p is not None and p.is_meta:
                 if p not in new:
-                    new[p] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    new[p] = nn.Parameter(torch.empty_like(p, device=device),
+                                          requires_grad=p.requires_grad)
                     new[p].__dict__.update(p.__dict__)
                 m._parameters[key] = new[p]
         for key, b in m._buffers.items():
             if b is not None and b.is_meta:
-                m._buffers[key] = torch.zeros_like(b, device=device)  # (a derived one is computed again: init_rope)
+                # (a derived one is computed again: init_rope)
+                m._buffers[key] = torch.zeros_like(b, device=device)
     return model
 
 
@@ -59,17 +61,23 @@ def local_parts(model):
     chunk of the tp slice along the same _split_dim (fsdp.py shards it so), which is again one
     range of the full tensor."""
     for name, p in model.named_parameters():
-        if name == "output.weight" and model.cfg.tie_embeddings:  # a pipeline's last stage: its tied head
-            name = "tok_embeddings.weight"                           # is the embedding (drawn, imported as it)
-        n_tp, r_tp = (dist.get_world_size(p._split_group), dist.get_rank(p._split_group)) if hasattr(p, "_split_dim") else (1, 0)
+        # a pipeline's last stage: its tied head
+        if name == "output.weight" and model.cfg.tie_embeddings:
+            # is the embedding (drawn, imported as it)
+            name = "tok_embeddings.weight"
+        n_tp, r_tp = ((dist.get_world_size(p._split_group), dist.get_rank(p._split_group))
+                      if hasattr(p, "_split_dim") else (1, 0))
         if isinstance(p, DTensor):
-            assert len(p.placements) == 1 and p.placements[0].is_shard(), f"{name}: {p.placements}, not FSDP's Shard"
+            assert len(p.placements) == 1 and p.placements[0].is_shard(), (
+                f"{name}: {p.placements}, not FSDP's Shard")
             dim = p.placements[0].dim
-            assert n_tp == 1 or dim == p._split_dim, f"{name}: FSDP's Shard({dim}) across the tp cut {p._split_dim}"
+            assert n_tp == 1 or dim == p._split_dim, (
+                f"{name}: FSDP's Shard({dim}) across the tp cut {p._split_dim}")
             local, n, r = p.to_local(), p.device_mesh.size(), p.device_mesh.get_local_rank()
             size = -(-p.shape[dim] // n)  # torch.chunk's chunk size
             lo = min(r * size, p.shape[dim])
-            start, stop = r_tp * p.shape[dim] + lo, r_tp * p.shape[dim] + min(lo + size, p.shape[dim])
+            start, stop = (r_tp * p.shape[dim] + lo,
+                           r_tp * p.shape[dim] + min(lo + size, p.shape[dim]))
         elif n_tp > 1:
             local, dim = p, p._split_dim
             start, stop = r_tp * p.shape[dim], (r_tp + 1) * p.shape[dim]
@@ -77,7 +85,8 @@ def local_parts(model):
             yield name, p, tuple(p.shape), None, 0, 0
             continue
         full = tuple(p.shape[:dim]) + (p.shape[dim] * n_tp,) + tuple(p.shape[dim + 1:])
-        assert local.shape[dim] == stop - start, f"{name}: local {tuple(local.shape)} is not {start}:{stop} of {full}"
+        assert local.shape[dim] == stop - start, (
+            f"{name}: local {tuple(local.shape)} is not {start}:{stop} of {full}")
         yield name, local, full, dim, start, stop
 
 
@@ -117,7 +126,8 @@ class TensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        old = {key for key, _ in self._cpu_storages((args, kwargs))}  # a view or an in-place result is not new
+        # a view or an in-place result is not new
+        old = {key for key, _ in self._cpu_storages((args, kwargs))}
         for key, s in self._cpu_storages(out):
             if key not in self.seen and key not in old and s.nbytes():
                 self.seen.add(key)

@@ -30,7 +30,8 @@ import jinja2.nodes
 import guard_chat
 from guard_errors import UserError
 
-NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+         "mask_token")
 # transformers' markers around a control token quoted in a message (private-use characters)
 START, END = "\ue000", "\ue001"
 # our markers around each reply's content in one rendering (_reply_spans); removed from the data
@@ -109,7 +110,8 @@ class _Namespace(jinja2.utils.Namespace):
 def compile_template(template, where):
     """The template compiled in the sandbox (UserError if it is not a string or does not parse)."""
     if not isinstance(template, str):
-        raise UserError(f"{where}: chat_template is {type(template).__name__}, not a string of Jinja: fix it or "
+        raise UserError(f"{where}: chat_template is {type(template).__name__}, not a string of "
+                        f"Jinja: fix it or "
                         f"remove it (conversations then use the project's own template)")
     try:
         return _compile(template)
@@ -129,7 +131,8 @@ def _compile(template):
     env = guard_chat.Sandbox(trim_blocks=True, lstrip_blocks=True,
                              extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f), dict=_Dict(),
+    env.globals.update(raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f),
+                       dict=_Dict(),
                        namespace=_Namespace)
     return env.from_string(template)
 
@@ -137,7 +140,8 @@ def _compile(template):
 def render(template, messages, names, where, add_generation_prompt=False):
     """(text, generation spans) of `messages` in `template`; names: bos_token and the like."""
     compiled = compile_template(template, where)
-    tracker = next(e for e in compiled.environment.extensions.values() if isinstance(e, _Generation))
+    tracker = next(e for e in compiled.environment.extensions.values()
+                   if isinstance(e, _Generation))
     pieces, spans = [], []
     tracker.tracking = pieces, spans
     size = 0
@@ -154,8 +158,10 @@ def render(template, messages, names, where, add_generation_prompt=False):
                         f"one") from None
     except UserError:
         raise
-    except Exception as e:  # raise_exception(), an undefined name, a type error: the template's own failure
-        raise UserError(f"{where}: the chat template fails on this conversation ({type(e).__name__}: "
+    # raise_exception(), an undefined name, a type error: the template's own failure
+    except Exception as e:
+        raise UserError(f"{where}: the chat template fails on this conversation "
+                        f"({type(e).__name__}: "
                         f"{_line(e)}): fix the conversation or the template") from None
     finally:
         tracker.tracking = None
@@ -189,8 +195,10 @@ def separator(enc, template):
     for variable, token in [*names, *((None, t) for t in others)]:
         if token and variable not in used and token not in literal:
             return enc.encode_single_token(token)
-    raise UserError(f"{enc.name}: its chat template writes every special token, so none can end a conversation "
-                    f"in packed data: add an unused special token (e.g. pad_token) to tokenizer_config.json")
+    raise UserError(f"{enc.name}: its chat template writes every special token, so none can end a "
+                    f"conversation "
+                    f"in packed data: add an unused special token (e.g. pad_token) to "
+                    f"tokenizer_config.json")
 
 
 def _name(value):
@@ -201,7 +209,8 @@ def encode(enc, messages, where):
     """(ids, mask) of one conversation in the model's chat template (`enc.chat_template`)."""
     template, where = enc.chat_template, f"{where} ({enc.name})"  # (an error names the model)
     controls = control_tokens(enc, template)
-    quoted = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))) or "(?!)")
+    quoted = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True)))
+                        or "(?!)")
     marked = _mark(messages, quoted)
     names = {n: _name(enc.config[n]) for n in NAMED if isinstance(_name(enc.config.get(n)), str)}
     text, spans = render(template, marked, names, where)

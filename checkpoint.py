@@ -53,7 +53,8 @@ from parallel import (
 
 # one process saves without a process group on purpose (no_dist): DCP's warning about it at
 # every save would only be noise in the quickstart's output
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 # ---------------------------------------------------------------------------------------
 # checkpoints: out_dir/ckpt/iter_XXXXXXX/ is complete or absent, ckpt/latest names the newest
@@ -75,7 +76,8 @@ def train_state(model, optimizer):
     (optimizer.full_state: optim.py's, or ZeRO's slices gathered whole). Frozen parameters
     (LoRA's base) are left out: they never change, and the run's meta.json says where they
     come from. Tensor-parallel slices are gathered into full tensors (see below)."""
-    weights = trainable_state(model)  # first: FSDP's state_dict() hook puts gathered weights back to shards
+    # first: FSDP's state_dict() hook puts gathered weights back to shards
+    weights = trainable_state(model)
     names = param_names(model)
     state = {"model": weights, "optim": optimizer.full_state(names)}
     return _tp_gathered(state, model) if any(hasattr(p, "_split_dim") for p in names) else state
@@ -101,11 +103,13 @@ def param_names(model):
 
 def _tp_params(model):
     """{name: parameter} of the tp-sharded parameters (a tied head under both names)."""
-    tp = {n: p for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_split_dim")}
+    tp = {n: p for n, p in model.named_parameters(remove_duplicate=False)
+          if hasattr(p, "_split_dim")}
     return {**tp, **{n: p for p, n in param_names(model).items() if hasattr(p, "_split_dim")}}
 
 
-TP_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the optimizer state shaped like its parameter
+# the optimizer state shaped like its parameter
+TP_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def _tp_gathered(state, model):
@@ -122,7 +126,8 @@ def _tp_gathered(state, model):
 def _tp_local(full, p):
     """This rank's part of a full tensor cut like p: its tp slice (under fsdp x tp, its dp shard of that)."""
     t = tp_slice(full, p)
-    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else t
+    return (distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(p, DTensor) else t)
 
 
 def _tp_scatter(state, model):
@@ -155,11 +160,13 @@ def _cause(e):
 def _checkpoints(root):
     """{iteration: directory name} of the ckpt/iter_N directories under root."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    return {int(m[1]): n for n in names if (m := CKPT_NAME.fullmatch(n)) and os.path.isdir(os.path.join(root, n))}
+    return {int(m[1]): n for n in names
+            if (m := CKPT_NAME.fullmatch(n)) and os.path.isdir(os.path.join(root, n))}
 
 
 def _hash_files(path, names):
-    return {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": sha256_file(os.path.join(path, n))}
+    return {n: {"bytes": os.path.getsize(os.path.join(path, n)),
+                "sha256": sha256_file(os.path.join(path, n))}
             for n in names}
 
 
@@ -169,7 +176,8 @@ def _write_manifest(path, known=None):
     known = known or {}
     files = {**_hash_files(path, [n for n in os.listdir(path) if n not in known]), **known}
     files = {n: files[n] for n in sorted(files)}
-    write_atomic(os.path.join(path, "manifest.json"), lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
+    write_atomic(os.path.join(path, "manifest.json"),
+                 lambda f: f.write(json.dumps({"files": files}, indent=1).encode()))
 
 
 def _agree(ok, mesh):
@@ -220,7 +228,8 @@ class PendingSave:
     mesh: object
     run_state: dict       # rank 0: every rank's RNG states (state.pt)
     meta: dict            # rank 0: meta.json
-    work: Future = None   # this rank's write: its result is {file: bytes and sha256}; None: nothing started
+    # this rank's write: its result is {file: bytes and sha256}; None: nothing started
+    work: Future = None
     error: Exception = None
 
 
@@ -249,7 +258,8 @@ def _done(fn):
     return f
 
 
-def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False, group=None):
+def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False,
+               group=None):
     """Called by every rank: starts checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
     its PendingSave for finish_save. Plain: DCP writes this rank's part of the model and
     optimizer (replicated tensors once, shards by their owners) into ckpt/.tmp_iter_XXXXXXX
@@ -269,22 +279,25 @@ def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronou
             pending.error = e
     if not _agree(pending.error is None, mesh):
         return pending  # nothing started on any rank; finish_save reports it
-    if not all_finite(model, bool(mesh.backend)):  # never a checkpoint that a rollback or a resume could not use
+    # never a checkpoint that a rollback or a resume could not use
+    if not all_finite(model, bool(mesh.backend)):
         _refuse_not_finite(tmp, name, it, mesh)
     state, writer, no_dist = train_state(model, optimizer), FileSystemWriter(tmp), not mesh.backend
     if asynchronous:
         pending.work = _start_async(state, writer, group, no_dist, tmp, mesh.rank)
     else:
-        pending.work = _done(lambda: _write_and_hash(lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist),
-                                                     tmp, mesh.rank))
+        pending.work = _done(lambda: _write_and_hash(
+            lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist), tmp, mesh.rank))
     return pending
 
 
 def _refuse_not_finite(tmp, name, it, mesh):
     if mesh.master:
         shutil.rmtree(tmp, ignore_errors=True)
-    raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not saved, the earlier "
-                    f"ones are kept; lower learning_rate (or the phase's lr_scale), check the data, or resume "
+    raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not "
+                    f"saved, the earlier "
+                    f"ones are kept; lower learning_rate (or the phase's lr_scale), check the "
+                    f"data, or resume "
                     f"from the last checkpoint")
 
 
@@ -292,8 +305,10 @@ def _start_async(state, writer, group, no_dist, tmp, rank):
     """The async save's Future: DCP copies the state to CPU memory now and writes it in the
     background; a thread of its own waits for that write and hashes the files."""
     try:
-        written = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    except (Exception, CheckpointException) as e:  # staging failed (out of CPU memory): report it at the finish
+        written = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                 no_dist=no_dist)
+    # staging failed (out of CPU memory): report it at the finish
+    except (Exception, CheckpointException) as e:
         failed = Future()
         failed.set_exception(e)
         return failed
@@ -325,7 +340,8 @@ def finish_save(pending, keep, resumed_from=None):
         mine = {}
         try:
             mine = pending.work.result()
-        except (Exception, CheckpointException) as e:  # collective: every rank raises if one failed
+        # collective: every rank raises if one failed
+        except (Exception, CheckpointException) as e:
             error = _cause(e)
         hashes = gather_to_master(mine, mesh)
     if error is None and mesh.master:
@@ -346,7 +362,8 @@ def finish_save(pending, keep, resumed_from=None):
     if not _agree(error is None, mesh):
         _refuse_failed(error, tmp, root, name, mesh)
     if mesh.master:
-        _prune(root, keep, {name, os.path.basename(os.path.normpath(resumed_from)) if resumed_from else name})
+        _prune(root, keep,
+               {name, os.path.basename(os.path.normpath(resumed_from)) if resumed_from else name})
     return final
 
 
@@ -354,8 +371,10 @@ def _refuse_failed(error, tmp, root, name, mesh):
     if mesh.master:
         shutil.rmtree(tmp, ignore_errors=True)
     why = describe_error(error) if error else "on another rank"
-    raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} are untouched: "
-                    f"free disk space or fix the permissions of {os.path.dirname(root)}, then restart "
+    raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} "
+                    f"are untouched: "
+                    f"free disk space or fix the permissions of {os.path.dirname(root)}, then "
+                    f"restart "
                     f"(init_from=auto resumes)")
 
 
@@ -371,7 +390,8 @@ class Saves:
     def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, resumed_from):
         self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
         self.keep, self.asynchronous, self.resumed_from = keep, asynchronous, resumed_from
-        self.group = save_group(mesh) if asynchronous else None  # its own process group (checkpoint.py)
+        # its own process group (checkpoint.py)
+        self.group = save_group(mesh) if asynchronous else None
         self.pending = None  # the save in flight: started, not finished yet
 
     def save(self, it, meta, run_state):
@@ -379,7 +399,8 @@ class Saves:
         model once, whatever the layout, so any layout resumes it); rank 0 adds run_state (every
         rank's RNG states, state.pt) and `meta`, the run's metadata (meta.json)."""
         self.finish(it)  # the previous save first
-        self.pending = start_save(self.out_dir, it, self.model, self.optimizer, run_state, meta, self.mesh,
+        self.pending = start_save(self.out_dir, it, self.model, self.optimizer, run_state, meta,
+                                  self.mesh,
                                   self.asynchronous, self.group)
         if not self.asynchronous:
             self.finish(it)
@@ -437,9 +458,11 @@ def find(out_dir, mesh, warn=print):
             return os.path.join(root, n)
         problems.append(f"{n}: {problem}")
         if master:
-            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an older one")
+            warn(f"warning: checkpoint {os.path.join(root, n)} is corrupt ({problem}); trying an "
+                 f"older one")
     if names:
-        raise UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or start "
+        raise UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or "
+                        f"start "
                         f"over with init_from=scratch and a new out_dir")
     return None
 
@@ -450,7 +473,8 @@ def load(path, model, optimizer=None, no_dist=False):
     (it takes its own names), FSDP shards or tensor-parallel slices. Every rank calls it, unless no_dist: then one
     process reads on its own (a whole model, for sampling or export)."""
     md = read_dcp_metadata(path)
-    if optimizer is not None:  # its own state tensors (zeros before a first step), or ZeRO's gathered
+    # its own state tensors (zeros before a first step), or ZeRO's gathered
+    if optimizer is not None:
         state = train_state(model, optimizer)
     else:
         state = _tp_gathered({"model": trainable_state(model)}, model)
@@ -459,28 +483,38 @@ def load(path, model, optimizer=None, no_dist=False):
         for name, t in tensors.items():
             saved = md.state_dict_metadata.get(f"{group}.{name}")
             if saved is None:
-                raise UserError(f"checkpoint {path} has no {group}.{name}: it was written by another model or "
-                                f"version; start from its weights with init_from= (a fresh optimizer)")
+                raise UserError(f"checkpoint {path} has no {group}.{name}: it was written by "
+                                f"another model or "
+                                f"version; start from its weights with init_from= (a fresh "
+                                f"optimizer)")
             if tuple(saved.size) != tuple(t.shape):
-                raise UserError(f"checkpoint {path} holds {group}.{name} of shape {tuple(saved.size)}, but the model "
-                                f"has {tuple(t.shape)}: build the model with the checkpoint's shape (n_layer, "
+                raise UserError(f"checkpoint {path} holds {group}.{name} of "
+                                f"shape {tuple(saved.size)}, but the model "
+                                f"has {tuple(t.shape)}: build the model with the checkpoint's "
+                                f"shape (n_layer, "
                                 f"n_embd, ...), or use a new out_dir")
     try:
-        dcp.load(state, storage_reader=_SafeReader(path, md), no_dist=no_dist or not dist.is_initialized())
+        dcp.load(state, storage_reader=_SafeReader(path, md),
+                 no_dist=no_dist or not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         cause = _cause(e)
         if isinstance(cause, UserError):
             raise cause from None
-        raise UserError(f"checkpoint {path} is unreadable ({describe_error(cause)}): point ckpt/latest at an intact "
+        raise UserError(f"checkpoint {path} is unreadable ({describe_error(cause)}): point "
+                        f"ckpt/latest at an intact "
                         f"checkpoint, or use init_from=scratch") from None
     _tp_scatter(state, model)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
-    assert not unexpected and set(missing) == frozen, f"checkpoint load: missing {missing}, unexpected {unexpected}"
+    assert not unexpected and set(missing) == frozen, (
+        f"checkpoint load: missing {missing}, unexpected {unexpected}")
     if not all_finite(model, not no_dist and dist.is_initialized()):
-        raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier checkpoint (point "
-                        f"ckpt/latest at it), or start over with init_from=scratch and a new out_dir")
-    if optimizer is not None:  # every rank read the whole state: the optimizer takes its part (ZeRO: its slices)
+        raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier "
+                        f"checkpoint (point "
+                        f"ckpt/latest at it), or start over with init_from=scratch and a new "
+                        f"out_dir")
+    # every rank read the whole state: the optimizer takes its part (ZeRO: its slices)
+    if optimizer is not None:
         optimizer.load_full_state(state["optim"], param_names(model))
 
 
@@ -488,7 +522,8 @@ def load_whole(path):
     """(whole model on CPU, meta) from checkpoint `path`, whatever layout wrote it. A LoRA
     run's checkpoint holds only the adapters: lora.load_lora_whole reads it onto its base."""
     meta, _ = read_meta(path)
-    assert not meta.get("lora"), f"{path} is a LoRA run's checkpoint: lora.load_lora_whole reads it onto its base"
+    assert not meta.get("lora"), (
+        f"{path} is a LoRA run's checkpoint: lora.load_lora_whole reads it onto its base")
     model = Transformer(ModelConfig(**meta["model"]))
     load(path, model, no_dist=True)
     return model, meta

@@ -17,7 +17,8 @@ def uninterrupted():
     """The block runs whole: a SIGINT or SIGTERM meanwhile is delivered after it (a dataset
     swapped in by two renames is never left half-way)."""
     got = []
-    old = {sig: signal.signal(sig, lambda n, frame: got.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, lambda n, frame: got.append(n))
+           for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -36,7 +37,8 @@ def write_atomic(path, write):
     try:
         if os.path.lexists(tmp):
             os.remove(tmp)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
+                       "wb") as f:
             f.write(buf.getbuffer())
             f.flush()
             os.fsync(f.fileno())
@@ -63,27 +65,34 @@ def script_help(script, defaults=None):
     with open(path) as f:
         source = f.read()
     comments = {t.start[0]: (t.start[1], t.string.lstrip("# ")) for t in
-                tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+                tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
     lines, tree = source.splitlines(), ast.parse(source, path)
     main = [n.body for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
     if defaults is None:  # the first run of `key = literal` lines
         defaults = []
         for n in tree.body + sum(main, []):
-            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and _literal(n.value):
+            if (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and _literal(n.value)):
                 defaults.append(n.targets[0].id)
             elif defaults:
                 break
     assigns = {}  # key: its first assignment, the default
     for n in tree.body + sum(main, []):
-        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in defaults:
+        if (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+            and n.targets[0].id in defaults):
             assigns.setdefault(n.targets[0].id, n)
-    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys and their defaults:"]
+    out = [f"usage: python {script} [config_file.py ...] key=value ... (or --key=value); the keys "
+           f"and their defaults:"]
     for prev, node in zip([None, *assigns.values()], assigns.values()):
-        heading = [comments[ln][1] for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
-                   if comments.get(ln, (1,))[0] == 0]  # a section's heading: comments at the margin
+        heading = [comments[ln][1]
+                   for ln in range(prev.end_lineno + 1 if prev else node.lineno - 1, node.lineno)
+                   # a section's heading: comments at the margin
+                   if comments.get(ln, (1,))[0] == 0]
         out += [f"\n{' '.join(heading)}"] if heading else []
         text, ln = [comments.get(node.end_lineno, (0, ""))[1]], node.end_lineno + 1
-        while ln in comments and comments[ln][0] > 0 and not lines[ln - 1][:comments[ln][0]].strip():
+        while (ln in comments and comments[ln][0] > 0
+               and not lines[ln - 1][:comments[ln][0]].strip()):
             text, ln = text + [comments[ln][1]], ln + 1  # the comment goes on under the line
         key = f"{node.targets[0].id} = {ast.get_source_segment(source, node.value)}"
         out.append(f"  {key:<34} {' '.join(text)}".rstrip())

@@ -51,8 +51,10 @@ def _parse_value(raw, default):
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        return raw  # a bare word: a string (init_from=resume), or the type check names the mismatch
-    # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume', tag=1e3
+        # a bare word: a string (init_from=resume), or the type check names the mismatch
+        return raw
+    # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume',
+    # tag=1e3
     return raw if isinstance(default, str) and not isinstance(value, str) else value
 
 
@@ -63,14 +65,17 @@ def configure(defaults, argv, script="train.py"):
     for arg in argv:
         if "=" not in arg:
             if arg.startswith("-"):  # -h / --help: the keys, their defaults and comments (exit 0)
-                raise SystemExit(print(script_help(script, defaults), flush=True)) if arg in ("-h", "--help") else \
-                    UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 or max_iters=100")
+                raise (SystemExit(print(script_help(script, defaults), flush=True))
+                       if arg in ("-h", "--help") else
+                       UserError(f"argument '{arg}' is not key=value: write e.g. --max_iters=100 "
+                                 f"or max_iters=100"))
             overrides.update(_config_file(arg, defaults, overrides, script))
             continue
         key, raw = arg.lstrip("-").split("=", 1)
         if key not in defaults:
             raise _unknown(key, defaults, "on the command line", script)
-        overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key], "on the command line")
+        overrides[key] = _typed(key, _parse_value(raw, defaults[key]), defaults[key],
+                                "on the command line")
     return overrides
 
 
@@ -79,11 +84,13 @@ def _config_file(path, defaults, overrides, script):
     overrides before it), and what it changed is kept, type-checked like the command line."""
     try:  # (opened without blocking: a FIFO or /dev/zero is refused, not read forever)
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), encoding="utf-8") as f:
-            check(stat.S_ISREG(os.fstat(f.fileno()).st_mode), f"config file '{path}' is not a regular file: pass "
-                                                              f"a file such as config/tiny.py, or key=value")
+            check(stat.S_ISREG(os.fstat(f.fileno()).st_mode),
+                  f"config file '{path}' is not a regular file: pass a file such as "
+                  f"config/tiny.py, or key=value")
             source = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config file '{path}' ({getattr(e, 'strerror', None) or e}): pass an existing "
+        raise UserError(f"cannot read config file '{path}' ({getattr(e, 'strerror', None) or e}): "
+                        f"pass an existing "
                         f"file such as config/tiny.py, or key=value") from None
     scope = {k: overrides.get(k, v) for k, v in defaults.items()}
     before = dict(scope)
@@ -92,7 +99,8 @@ def _config_file(path, defaults, overrides, script):
     except Exception as e:  # the user's own file: name the line, not our traceback
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         line = e.lineno if isinstance(e, SyntaxError) else (lines or ["?"])[-1]
-        raise UserError(f"config file {path}:{line}: {type(e).__name__}: {e}: fix that line") from None
+        raise UserError(f"config file {path}:{line}: {type(e).__name__}: {e}: fix that "
+                        f"line") from None
     assigned = {}
     for key, value in scope.items():
         if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
@@ -112,7 +120,8 @@ def script_defaults(path):
         tree = ast.parse(f.read(), path)
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)):
             try:
                 out[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
@@ -129,20 +138,25 @@ def parse_mixture(spec, phases=()):
     mixture = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
-            raise UserError(f"datasets={spec!r} has an empty entry: write e.g. datasets=stdlib:0.7,notes:0.3")
+            raise UserError(f"datasets={spec!r} has an empty entry: write e.g. "
+                            f"datasets=stdlib:0.7,notes:0.3")
         source, _, w = part.rpartition(":") if ":" in part else (part, "", "1")
         try:
             weight = float(w)
         except ValueError:
-            raise UserError(f"datasets: weight {w!r} of '{source}' is not a number: write e.g. {source}:0.5") from None
+            raise UserError(f"datasets: weight {w!r} of '{source}' is not a number: write "
+                            f"e.g. {source}:0.5") from None
         if not weight > 0 or not math.isfinite(weight):
-            raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive (leave a source out "
+            raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive "
+                            f"(leave a source out "
                             f"to not use it)")
         if source_name(source) in map(source_name, mixture):
-            raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source once")
+            raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source "
+                            f"once")
         mixture[source] = weight
     if len(mixture) == 1 and not phases:
-        raise UserError(f"datasets={spec!r} names one source, which is no mixture: write dataset={source} (datasets= "
+        raise UserError(f"datasets={spec!r} names one source, which is no mixture: write "
+                        f"dataset={source} (datasets= "
                         f"takes two or more, e.g. datasets={source}:0.7,stdlib:0.3)")
     return mixture
 
@@ -161,37 +175,49 @@ def parse_phases(phases, names, max_iters=None):
             phases = ast.literal_eval(phases) if phases.strip() else []
         except (ValueError, SyntaxError):
             raise UserError(f"phases={phases!r} is not a Python literal: write e.g. "
-                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, 0.5)]'") from None
+                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, "
+                            f"0.5)]'") from None
     example = "(400, {\"a\": 0.5, \"b\": 0.5}, 0.5)"
     if not isinstance(phases, (list, tuple)):
-        raise UserError(f"phases must be a list of {example}-like tuples, not {type(phases).__name__}")
+        raise UserError(f"phases must be a list of {example}-like tuples, "
+                        f"not {type(phases).__name__}")
     out = []
     for p in phases:
         if not (isinstance(p, (list, tuple)) and len(p) in (2, 3) and isinstance(p[0], int)
                 and not isinstance(p[0], bool) and isinstance(p[1], dict)):
-            raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, weights, "
+            raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, "
+                            f"weights, "
                             f"lr_scale): write e.g. {example}")
         start, weights, scale = p[0], p[1], (p[2] if len(p) == 3 else 1.0)
         if start < 0:
-            raise UserError(f"phase at iteration {start} starts before 0: phases start at iteration 0 or later")
+            raise UserError(f"phase at iteration {start} starts before 0: phases start at "
+                            f"iteration 0 or later")
         if out and start <= out[-1][0]:
-            raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: list phases by "
+            raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: "
+                            f"list phases by "
                             f"increasing start iteration, one phase per start")
         for name, w in weights.items():
             if name not in names:
-                raise UserError(f"phase at iteration {start} names source '{name}', which is not one of "
+                raise UserError(f"phase at iteration {start} names source '{name}', which is not "
+                                f"one of "
                                 f"{', '.join(names)}: add it to datasets= or fix the name")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
-                raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights must be positive "
+            if (isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0
+                or not math.isfinite(w)):
+                raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights "
+                                f"must be positive "
                                 f"(leave a source out of a phase to not draw from it)")
         if not weights:
-            raise UserError(f"phase at iteration {start} has no sources: give at least one {{source: weight}}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive number")
+            raise UserError(f"phase at iteration {start} has no sources: give at least one "
+                            f"{{source: weight}}")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not 0 < scale < math.inf):
+            raise UserError(f"phase at iteration {start}: lr_scale {scale!r} must be a positive "
+                            f"number")
         out.append((start, {n: float(w) for n, w in weights.items()}, float(scale)))
     late = [start for start, _, _ in out if max_iters is not None and start >= max_iters]
     if late and os.environ.get("RANK", "0") == "0":
-        print(f"note: the phases at iteration {', '.join(map(str, late))} start at or after max_iters={max_iters}: "
+        print(f"note: the phases at iteration {', '.join(map(str, late))} start at or after "
+              f"max_iters={max_iters}: "
               f"this run ends before them (raise max_iters, or start them earlier)", flush=True)
     return out
 
@@ -218,8 +244,10 @@ def batch_for_layout(c, overrides, world):
 def _raised(c, unit):
     raised = -(-c["grad_accum_steps"] // unit) * unit
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, a multiple of the "
-              f"{unit} micro-batch streams of this layout (global batch {c['batch_size'] * raised} sequences); "
+        print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, "
+              f"a multiple of the "
+              f"{unit} micro-batch streams of this layout (global "
+              f"batch {c['batch_size'] * raised} sequences); "
               f"set grad_accum_steps= to choose", flush=True)
     return raised
 

@@ -19,7 +19,8 @@ from model import apply_rope
 # weights (replicated across the cp ranks, as data parallelism replicates them). Only
 # attention mixes tokens: a query needs the keys and values of every earlier token, which
 # live on other ranks. Two ways to get them here:
-#   allgather_attention (the naive one, the test oracle): all-gather K and V (backward: reduce-scatter
+#   allgather_attention (the naive one, the test oracle): all-gather K and V (backward:
+#   reduce-scatter
 #     their gradients, each rank keeping the sum for its own tokens), then one SDPA of the
 #     local queries against the whole sequence, with the causal mask at global positions.
 #     Memory: the whole K and V of a layer on every rank. It also runs attention dropout.
@@ -123,11 +124,13 @@ def context_parallel(model, mesh, ring=True):
     Returns the model; a no-op at cp=1."""
     if mesh.cp == 1:
         return model
-    attend = ring_attention if ring and model.cfg.dropout == 0 else allgather_attention  # (the ring has no dropout)
+    # (the ring has no dropout)
+    attend = ring_attention if ring and model.cfg.dropout == 0 else allgather_attention
     for block in model.layers.values():
         block.attention.forward = partial(cp_attention, block.attention, mesh, attend)
     model.drop.register_forward_hook(  # (B, T, n_embd) -> this rank's (B, T / cp, n_embd)
-        lambda m, args, x: x.index_select(1, positions(x.shape[1], mesh.cp, mesh.cp_rank, x.device)))
+        lambda m, args, x: x.index_select(1,
+                                          positions(x.shape[1], mesh.cp, mesh.cp_rank, x.device)))
     model.loss_fn = partial(cp_losses, model.loss_fn, mesh)
     return model
 
@@ -136,7 +139,8 @@ def average_gradients(params, mesh):
     """After backward: each cp rank's gradient came from its part of the sequences, times cp
     (the loss gather's backward), so `params`' gradients become their mean over the cp group,
     in one all-reduce."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params
+             if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=mesh.cp_group)
     flat /= mesh.cp  # all_reduce summed; we want the mean
@@ -166,7 +170,8 @@ def _visible(r, src, n):
     both; from src > r: only our late chunk sees it, all of it."""
     if src == r:
         return slice(None), slice(None), True
-    return (slice(None), slice(0, n // 2), False) if src < r else (slice(n // 2, None), slice(None), False)
+    return ((slice(None), slice(0, n // 2), False) if src < r
+            else (slice(n // 2, None), slice(None), False))
 
 
 def _block_scores(q, k, pos, kpos, mask, scale, causal):
@@ -174,7 +179,8 @@ def _block_scores(q, k, pos, kpos, mask, scale, causal):
     `kpos`, float32, -inf where a query may not look (the future when `causal`; another
     document: `mask`, the document mask's rows for these queries, (B, 1, Tq, T))."""
     s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_head, Tq, Tk)
-    allowed = kpos[None, :] <= pos[:, None] if causal else None  # causal at global positions (Tq, Tk)
+    # causal at global positions (Tq, Tk)
+    allowed = kpos[None, :] <= pos[:, None] if causal else None
     if mask is not None:
         allowed = mask.index_select(3, kpos) & (True if allowed is None else allowed)
     return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
@@ -199,8 +205,8 @@ def _ring_forward(q, k, v, pos, mask, group):
         p = torch.exp(s - block_lse.nan_to_num(neginf=0.0)[..., None])
         old = lse[:, :, qs]
         new = torch.logaddexp(old, block_lse)  # finite from step 0 on: a query sees itself
-        out[:, :, qs] = out[:, :, qs] * torch.exp(old - new)[..., None] + (p @ vb.float()) * torch.exp(
-            block_lse - new)[..., None]
+        out[:, :, qs] = (out[:, :, qs] * torch.exp(old - new)[..., None]
+                         + (p @ vb.float()) * torch.exp(block_lse - new)[..., None])
         lse[:, :, qs] = new
         if step < cp - 1:
             for req in pending:
@@ -219,7 +225,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pos, mask, group):
-        with torch.autocast(q.device.type, enabled=False):  # float32 scores and sums, as backward's
+        # float32 scores and sums, as backward's
+        with torch.autocast(q.device.type, enabled=False):
             out, lse = _ring_forward(q, k, v, pos, mask, group)
         ctx.save_for_backward(q, k, v, pos, out, lse, *([] if mask is None else [mask]))
         ctx.group = group
@@ -248,8 +255,10 @@ class RingAttention(torch.autograd.Function):
             ds = p * (dob @ vb.transpose(-2, -1) - D[:, :, qs]) * scale
             dq[:, :, qs] += ds @ kb
             B, H, Tk, hd = kb.shape  # GQA: a kv head's gradient is the sum over its query heads
-            dkv[0][:, :, ks] += (ds.transpose(-2, -1) @ qb).view(B, H // groups, groups, Tk, hd).sum(2)
-            dkv[1][:, :, ks] += (p.transpose(-2, -1) @ dob).view(B, H // groups, groups, Tk, hd).sum(2)
+            dkv[0][:, :,
+                   ks] += (ds.transpose(-2, -1) @ qb).view(B, H // groups, groups, Tk, hd).sum(2)
+            dkv[1][:, :,
+                   ks] += (p.transpose(-2, -1) @ dob).view(B, H // groups, groups, Tk, hd).sum(2)
             # pass the block and its gradient on; after cp passes the gradient is home, summed
             # over every rank's queries (the last pass needs no keys and values any more)
             pending, dkv_next = ring_pass(dkv, group, tag=1)
@@ -269,4 +278,5 @@ def ring_attention(q, k, v, pos, mask, dropout, group):
     k and v this rank's (B, n_kv_head, Tk, hd); mask None (causal) or the document mask of the
     whole sequence (B, 1, T, T). No dropout (context_parallel() uses allgather_attention then)."""
     assert dropout == 0.0, "ring attention has no dropout"
-    return RingAttention.apply(q, k, v, pos, None if mask is None else mask.index_select(2, pos), group)
+    return RingAttention.apply(q, k, v, pos, None if mask is None else mask.index_select(2, pos),
+                               group)

@@ -46,18 +46,21 @@ class Loader:
     packing='bfd': the chunks are rows of whole documents instead (packing.py), padded at the
     end; the loss mask then also leaves the padding out (a text split gets one too)."""
 
-    def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0, dp=1,
+    def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0,
+                 dp=1,
                  packing="concat"):
         meta = guard_data.read_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = guard_data.map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
-        self.mask = guard_data.chat_mask(path, len(self.tokens)) if meta.get("format") == "chat" else None
+        self.mask = (guard_data.chat_mask(path, len(self.tokens)) if meta.get("format") == "chat"
+                     else None)
         self.eot_token = meta["eot_token"]
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         self.packed = None
         if packing not in ("concat", "bfd"):
-            raise UserError(f"packing={packing!r} is unknown: use 'concat' (documents end to end, cut "
+            raise UserError(f"packing={packing!r} is unknown: use 'concat' (documents end to end, "
+                            f"cut "
                             f"into rows) or 'bfd' (whole documents per row, best fit, padded)")
         if packing == "bfd":  # whole documents per row: packing.py
             import packing as packing_py
@@ -66,7 +69,8 @@ class Loader:
         if self.n_chunks < 1:
             raise UserError(f"{path} has {len(self.tokens)} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}: lower block_size or add data")
-        assert grad_accum_steps % dp == 0, f"grad_accum_steps={grad_accum_steps} not divisible by dp={dp}"
+        assert grad_accum_steps % dp == 0, (
+            f"grad_accum_steps={grad_accum_steps} not divisible by dp={dp}")
         self.global_batch = batch_size * grad_accum_steps
         self.micro_steps = grad_accum_steps // dp
         self.first_micro = dp_rank * self.micro_steps
@@ -74,7 +78,8 @@ class Loader:
 
     def epoch_order(self, epoch):
         if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_chunks))
+            self._order = (epoch,
+                           np.random.default_rng([self.seed, epoch]).permutation(self.n_chunks))
         return self._order[1]
 
     def chunks_of(self, samples):
@@ -124,7 +129,8 @@ def passes_note(max_iters, passes):
     source) more than 3 times."""
     return (f"warning: max_iters={max_iters} passes the training data {passes:.1f} times: a "
             f"trained model learns data seen that often by heart and its held-out loss rises "
-            f"(docs/benchmarks.md); max_iters={max(1, int(max_iters * 3 / passes))} is about 3 passes")
+            f"(docs/benchmarks.md); max_iters={max(1, int(max_iters * 3 / passes))} is about 3 "
+            f"passes")
 
 
 def doc_ids(x, eot_token):

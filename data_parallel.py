@@ -46,11 +46,14 @@ class DataParallelBase(nn.Module):
     def __init__(self, module, mesh):
         super().__init__()
         self.module, self.mesh = module, mesh
-        self.require_backward_grad_sync = True  # off: backward only accumulates into the local .grad
+        # off: backward only accumulates into the local .grad
+        self.require_backward_grad_sync = True
         self.launches = 0  # gradient all-reduces launched so far: the tests count them
         with torch.no_grad():  # every replica starts from the weights of dp rank 0
-            # (not the experts of expert parallelism, different on each rank of an ep group: expert_parallel.py)
-            for t in [p for p in module.parameters() if not hasattr(p, "_ep")] + list(module.buffers()):
+            # (not the experts of expert parallelism, different on each rank of an ep group:
+            # expert_parallel.py)
+            for t in ([p for p in module.parameters() if not hasattr(p, "_ep")]
+                      + list(module.buffers())):
                 # from the global rank of grid[0, pp_rank, cp_rank, tp_rank]
                 dist.broadcast(t, src=mesh.rank % (mesh.world // mesh.dp), group=mesh.dp_group)
         self.params = [p for p in module.parameters() if p.requires_grad and not hasattr(p, "_ep")]
@@ -69,7 +72,8 @@ class DataParallelBase(nn.Module):
 
     def _used_anywhere(self):
         """For each parameter: did it get a gradient on at least one dp rank this step?"""
-        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=self.mesh.device)
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32,
+                            device=self.mesh.device)
         dist.all_reduce(used, group=self.mesh.dp_group)
         return (used > 0).tolist()
 
@@ -98,9 +102,11 @@ class DataParallel(DataParallelBase):
         # buckets in reverse registration order, which is roughly the order backward finishes them
         cap = bucket_mb * 2 ** 20
         self.buckets, current = [], []
-        tied = tied_copy(getattr(module, "_orig_mod", module)) if mesh.pp > 1 else None  # pipeline.py
+        # pipeline.py
+        tied = tied_copy(getattr(module, "_orig_mod", module)) if mesh.pp > 1 else None
         for p in reversed(self.params):
-            if p is tied:  # a bucket of its own: ZeRO then slices it alike on the first and the last stage
+            # a bucket of its own: ZeRO then slices it alike on the first and the last stage
+            if p is tied:
                 self.buckets += [Bucket(current), Bucket([p])] if current else [Bucket([p])]
                 current = []
                 continue
@@ -114,7 +120,8 @@ class DataParallel(DataParallelBase):
         self.pending = []  # (bucket, async work) in launch order
         for bucket in self.buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._grad_ready(bucket))
+                p.register_post_accumulate_grad_hook(
+                    lambda p, bucket=bucket: self._grad_ready(bucket))
 
     def _grad_ready(self, bucket):
         # runs inside backward, right after a parameter's .grad received this micro-step's
@@ -123,8 +130,10 @@ class DataParallel(DataParallelBase):
         if not self.require_backward_grad_sync:
             return
         if bucket.ready == len(bucket.params):
-            raise RuntimeError("gradient sync ran twice in one step: use no_sync() (require_backward_grad_sync=False) "
-                               "on every micro-step but the last, and call wait() before the optimizer step")
+            raise RuntimeError("gradient sync ran twice in one step: use no_sync() "
+                               "(require_backward_grad_sync=False) "
+                               "on every micro-step but the last, and call wait() before the "
+                               "optimizer step")
         bucket.ready += 1
         # launch in bucket order: this bucket, and the complete ones waiting behind it, go
         # only once every bucket before them has gone
@@ -135,12 +144,15 @@ class DataParallel(DataParallelBase):
         offset = 0
         for p in bucket.params:  # p.grad holds the sum over all micro-steps of this iteration
             n = p.numel()
-            if p.grad is None:  # only when wait() launches it: no gradient on this rank, so it contributes zeros
+            # only when wait() launches it: no gradient on this rank, so it contributes zeros
+            if p.grad is None:
                 bucket.flat[offset:offset + n].zero_()
             else:
                 bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
-        self.pending.append((bucket, dist.all_reduce(bucket.flat, group=self.mesh.dp_group, async_op=True)))
+        self.pending.append((bucket,
+                             dist.all_reduce(bucket.flat, group=self.mesh.dp_group,
+                                             async_op=True)))
         self.launched += 1
         self.launches += 1
 
@@ -150,7 +162,8 @@ class DataParallel(DataParallelBase):
         # gradients from no_sync micro-steps only) go now, still in bucket order
         while self.launched < len(self.buckets):
             self._launch(self.buckets[self.launched])
-        for _, work in self.pending:  # the buckets first: a dead peer's missing all-reduce times out here
+        # the buckets first: a dead peer's missing all-reduce times out here
+        for _, work in self.pending:
             work.wait()
         used = dict(zip(self.params, self._used_anywhere()))
         for bucket, _ in self.pending:
@@ -171,7 +184,8 @@ class Bucket:
     def __init__(self, params):
         self.params = params
         self.ready = 0  # parameters whose gradient is final in this backward
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)
 
     def complete(self):
         return self.ready == len(self.params)

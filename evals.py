@@ -149,7 +149,8 @@ def read_task(path):
             ok = ok and all(isinstance(c, str) and c for c in choices)
             ok = ok and type(q.get("answer")) is int and 0 <= q["answer"] < len(choices)
             if not ok:
-                raise UserError(f"{where}: not a question: write {TASK_EXAMPLE} (a string context, "
+                raise UserError(f"{where}: not a question: write {TASK_EXAMPLE} (a string "
+                                f"context, "
                                 f"two or more non-empty choices, answer the right one's index)")
             out.append((q["context"], q["choices"], q["answer"]))
     if not out:
@@ -268,7 +269,8 @@ def convert(argv):
                         f"benchmark's .jsonl or .parquet file, OUT: the task file to write)")
     kind, source, out = argv
     if not os.path.isfile(source):
-        raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or .parquet)")
+        raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or "
+                        f".parquet)")
     sources.check_readers([source])
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731

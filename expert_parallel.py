@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 # replicas: that would leave them ep times too large (tests/test_moe.py checks against one
 # process). The experts are kept out of the data-parallel wrapper (marked _ep).
 #
-# The experts' slices carry the marks of a tensor-parallel slice (_split_dim=0, _split_group = the ep
-# group): a range of the full tensor along one dimension. So checkpoints gather them whole
+# The experts' slices carry the marks of a tensor-parallel slice (_split_dim=0, _split_group = the
+# ep group): a range of the full tensor along one dimension. So checkpoints gather them whole
 # (experts by their global index: a run resumes into any ep, dp, or one process), the
 # meta-device build draws or reads only this rank's experts, clipping sums their squares over
 # the group, and Muon orthogonalizes each expert's matrices whole.
@@ -84,7 +84,8 @@ def run_exchanged(experts, x, counts, group, ep):
 def groups(mesh, ep):
     """(this rank's ep group, its replica group: the ranks holding the same experts, its index in
     the ep group). Every rank creates every group, in the same order (new_group's rule)."""
-    stride = mesh.world // mesh.dp  # dp rank d of this stage and tp/cp slot is global rank d * stride + offset
+    # dp rank d of this stage and tp/cp slot is global rank d * stride + offset
+    stride = mesh.world // mesh.dp
     mine = {}
     for off in range(stride):
         for first in range(0, mesh.dp, ep):
@@ -109,7 +110,8 @@ def expert_parallel(model, mesh, ep, moe_layers):
         experts, n = layer.experts, layer.n_experts // ep
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
-            p = nn.Parameter(full.detach()[r * n:(r + 1) * n].clone(), requires_grad=full.requires_grad)
+            p = nn.Parameter(full.detach()[r * n:(r + 1) * n].clone(),
+                             requires_grad=full.requires_grad)
             p.__dict__.update(full.__dict__)
             p._split_dim, p._split_group, p._ep = 0, group, replicas
             setattr(experts, name, p)
@@ -121,9 +123,12 @@ def expert_parallel(model, mesh, ep, moe_layers):
 def sync_grads(model, mesh):
     """The experts' gradients: summed over the ranks that hold the same experts, / dp (see above).
     One all-reduce for all of them."""
-    experts = [p for p in model.parameters() if hasattr(p, "_ep") and p.requires_grad]  # (LoRA: frozen)
-    if experts and isinstance(experts[0], DTensor):  # fsdp (fsdp.py): its reduce-scatter over the replicas took
-        for p in experts:  # their mean, the sum / (dp / ep): / ep more (gloo has no pre-scaled sum to ask it for)
+    # (LoRA: frozen)
+    experts = [p for p in model.parameters() if hasattr(p, "_ep") and p.requires_grad]
+    # fsdp (fsdp.py): its reduce-scatter over the replicas took
+    if experts and isinstance(experts[0], DTensor):
+        # their mean, the sum / (dp / ep): / ep more (gloo has no pre-scaled sum to ask it for)
+        for p in experts:
             p.grad.to_local().div_(dist.get_world_size(p._split_group))
         return
     if not experts:  # (a pipeline stage without MoE layers)

@@ -38,13 +38,18 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
     the full matrix (build.local_parts); the slices keep their tp marks."""
     mp = MixedPrecisionPolicy()  # fp32 throughout: bf16 is autocast's business (see above)
     kw = dict(mesh=mesh.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
-              offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu" else OffloadPolicy())
-    kw["shard_placement_fn"] = lambda p: Shard(p._split_dim) if hasattr(p, "_split_dim") else Shard(0)
+              offload_policy=CPUOffloadPolicy() if offload and mesh.device.type != "cpu"
+              else OffloadPolicy())
+    kw["shard_placement_fn"] = (lambda p: Shard(p._split_dim) if hasattr(p, "_split_dim")
+                                else Shard(0))
 
     def shard():
-        # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the ranks that hold
-        # the same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum / dp it needs
-        for experts in [m for m in model.modules() if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
+        # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the
+        # ranks that hold
+        # the same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum
+        # / dp it needs
+        for experts in [m for m in model.modules()
+                        if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
             group = next(iter(experts.parameters()))._ep
             fully_shard(experts, **{**kw, "mesh": DeviceMesh.from_group(group, mesh.device.type)})
         for block in model.layers.values():
@@ -57,8 +62,10 @@ def keeping_marks(model, change):
     """Runs change(), which gives `model` new parameters (fully_shard's DTensors, to_empty's
     storage), and marks each new one as its predecessor was: a tensor-parallel slice (_split_dim,
     _split_group), and expert parallel's experts (_ep)."""
-    marks = [(m, k, {a: getattr(p, a) for a in ("_split_dim", "_split_group", "_ep") if hasattr(p, a)})
-             for m in model.modules() for k, p in m._parameters.items() if p is not None and hasattr(p, "_split_dim")]
+    marks = [(m, k,
+              {a: getattr(p, a) for a in ("_split_dim", "_split_group", "_ep") if hasattr(p, a)})
+             for m in model.modules() for k, p in m._parameters.items()
+             if p is not None and hasattr(p, "_split_dim")]
     change()
     for m, k, attrs in marks:
         m._parameters[k].__dict__.update(attrs)

@@ -38,10 +38,13 @@ def read_manifest(path):
     that lists every file it holds, each with its size and sha256: a manifest that leaves a
     file out would leave that file unchecked."""
     try:
-        files = json_field(read_json(os.path.join(path, "manifest.json"), "a save that did not finish?"), "files",
+        files = json_field(read_json(os.path.join(path, "manifest.json"),
+                                     "a save that did not finish?"), "files",
                            dict, "manifest.json", "a save that did not finish?")
     except UserError as e:
-        return None, f"manifest.json is missing or unreadable ({str(e).removeprefix(path + os.sep)[:200]})"
+        return (None,
+                f"manifest.json is missing or unreadable "
+                f"({str(e).removeprefix(path + os.sep)[:200]})")
     for name, want in files.items():
         if not (isinstance(want, dict) and type(want.get("bytes")) is int and want["bytes"] >= 0
                 and isinstance(want.get("sha256"), str) and SHA256.fullmatch(want["sha256"])):
@@ -74,21 +77,31 @@ def check_meta(meta, path):
             return f"meta.json: model has unknown keys {sorted(set(model) - set(fields))[:3]}"
         for key, f in fields.items():
             kind = {int: int, float: float, bool: bool, str: str}[type(f.default)]
-            json_field(model, key, kind, "meta.json model", fix, 0 if kind in (int, float) else None,
-                       MAX_SIZES.get(key), required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
-        if model.get("rope_type") not in (None, *ROPE_TYPES) or model.get("hf_model_type") not in (None, *MODEL_TYPES) \
-                or (model.get("rope_low_freq") or 1.0) >= (model.get("rope_high_freq") or 4.0):
-            return "meta.json: model has a rope_type, rope_low_freq/high_freq or hf_model_type not implemented here"
-        if not all(model.get(k, 1) > 0 for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                                                   "block_size", "norm_eps")) or \
-                not all(model.get(k, 1) >= 1 for k in ("rope_theta", "rope_factor", "rope_original_len")):
-            return "meta.json: a model size or norm_eps is not positive, or rope_theta, rope_factor or " \
-                   "rope_original_len is below 1"
-        if model.get("moe_score", "softmax") not in ("softmax", "sigmoid") or model.get("moe_every", 1) < 1 or \
-                model.get("n_experts") and not 1 <= model.get("moe_top_k", 2) <= model["n_experts"]:
-            return "meta.json: model has a moe_score, moe_every or moe_top_k (1 to n_experts) not implemented here"
+            json_field(model, key, kind, "meta.json model", fix,
+                       0 if kind in (int, float) else None,
+                       MAX_SIZES.get(key),
+                       required=key in ("vocab_size", "n_layer", "n_head", "n_embd"))
+        if (model.get("rope_type") not in (None, *ROPE_TYPES)
+                or model.get("hf_model_type") not in (None, *MODEL_TYPES)
+                or (model.get("rope_low_freq") or 1.0) >= (model.get("rope_high_freq") or 4.0)):
+            return ("meta.json: model has a rope_type, rope_low_freq/high_freq or hf_model_type "
+                    "not implemented here")
+        if (not all(model.get(k, 1) > 0
+                    for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                              "block_size", "norm_eps"))
+                or not all(model.get(k, 1) >= 1
+                           for k in ("rope_theta", "rope_factor", "rope_original_len"))):
+            return ("meta.json: a model size or norm_eps is not positive, or rope_theta, "
+                    "rope_factor or rope_original_len is below 1")
+        if (model.get("moe_score", "softmax") not in ("softmax", "sigmoid")
+                or model.get("moe_every", 1) < 1
+                or model.get("n_experts")
+                and not 1 <= model.get("moe_top_k", 2) <= model["n_experts"]):
+            return ("meta.json: model has a moe_score, moe_every or moe_top_k (1 to n_experts) "
+                    "not implemented here")
         ModelConfig(**model)
-        config = json_field(meta, "config", dict, "meta.json", fix)  # the run's keys: its tokenizer for sample.py
+        # the run's keys: its tokenizer for sample.py
+        config = json_field(meta, "config", dict, "meta.json", fix)
         json_field(config, "tokenizer", str, "meta.json config", fix)
         json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"])
         skip = json_field(meta, "skip_iters", list, "meta.json", fix, required=False) or []
@@ -96,7 +109,8 @@ def check_meta(meta, path):
         if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):
             return "meta.json: skip_iters or extra_tokens holds the wrong type"
         scaler = json_field(meta, "loss_scale", dict, "meta.json", fix, required=False)
-        if scaler:  # fp16: loss_scale.py (a float32 scale, at least its floor of 1; a count of clean steps)
+        # fp16: loss_scale.py (a float32 scale, at least its floor of 1; a count of clean steps)
+        if scaler:
             json_field(scaler, "scale", float, "meta.json loss_scale", fix, 1.0, 3.4e38)
             json_field(scaler, "growth_tracker", int, "meta.json loss_scale", fix, 0, MAX_ITER)
         lora = json_field(meta, "lora", dict, "meta.json", fix, required=False)
@@ -109,7 +123,8 @@ def check_meta(meta, path):
             json_field(base, "sha256", str, "meta.json lora base", fix)
             if base.get("kind") not in ("hf", "ckpt"):
                 return "meta.json: lora base kind is not hf or ckpt"
-            if not isinstance(lora.get("targets"), list) or not all(isinstance(t, str) for t in lora["targets"]):
+            if (not isinstance(lora.get("targets"), list)
+                or not all(isinstance(t, str) for t in lora["targets"])):
                 return "meta.json: lora targets are not a list"
     except (UserError, ValueError) as e:
         return str(e)[:200]
@@ -144,11 +159,15 @@ def read_small(path):
     try:
         with warnings.catch_warnings():  # a crafted file's pickle protocol draws a warning first
             warnings.simplefilter("ignore")
-            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu",
+                               weights_only=True)
     except Exception as e:  # weights_only refuses any class but tensors and plain containers
-        # torch's message starts with a paragraph on the weights_only default; the cause is further down
+        # torch's message starts with a paragraph on the weights_only default; the cause is further
+        # down
         cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
-        return None, None, f"state.pt is not plain data ({cause[1].strip()})" if cause else f"state.pt: {describe_error(e)}"
+        return (None, None,
+                f"state.pt is not plain data "
+                f"({cause[1].strip()})" if cause else f"state.pt: {describe_error(e)}")
     problem = check_state(state)
     return (None, None, problem) if problem else (meta, state, None)
 
@@ -159,7 +178,8 @@ def read_small(path):
 # the result. BytesStorageMetadata is left out on purpose: DCP reads such entries with
 # torch.load(weights_only=False), and our checkpoints hold tensors only.
 _METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex",
     "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # torch.strided, by its name
@@ -168,8 +188,8 @@ _METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if (module, name) in _METADATA_CLASSES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
@@ -180,7 +200,8 @@ def dcp_metadata(path):
         with open(os.path.join(path, ".metadata"), "rb") as f:
             md = _MetadataUnpickler(f).load()
     except Exception as e:  # anything a damaged or crafted pickle raises
-        return None, (f".metadata is refused ({describe_error(e)}): not a checkpoint index this trainer writes, and "
+        return None, (f".metadata is refused ({describe_error(e)}): not a checkpoint index this "
+                      f"trainer writes, and "
                       f"unpickling it as DCP does could run code")
     if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
             and isinstance(md.storage_data, dict)):
@@ -191,7 +212,8 @@ def dcp_metadata(path):
     for info in md.storage_data.values():
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
-            return None, f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)"
+            return (None,
+                    f".metadata is refused (data at {str(rel)[:80]!r}, outside the checkpoint)")
     return md, None
 
 
@@ -202,7 +224,8 @@ def check_file(path, name, want, checksum=True):
     if os.path.islink(p):
         return f"{name} is a symbolic link, not a file of the checkpoint"
     if os.path.getsize(p) != want["bytes"]:
-        return f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} (truncated?)"
+        return (f"{name} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']} "
+                f"(truncated?)")
     if checksum and sha256_file(p) != want.get("sha256"):
         return f"{name} does not match its checksum (corrupted)"
     return None
@@ -241,7 +264,8 @@ def all_finite(model, collective=False):
     """True on every rank iff every weight of the model, on every rank (collective: all
     ranks of the default group call it), is finite. A NaN guard that rolls back must find
     finite weights there: saves and loads check."""
-    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+    bad = torch.tensor(float(sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local")
+                                                        else p).all())
                                  for p in model.parameters())))
     if collective:
         bad = bad.cuda() if dist.get_backend() == "nccl" else bad
@@ -254,7 +278,8 @@ def read_meta(path):
     if either is unreadable or not plain data."""
     meta, state, problem = read_small(path)
     if problem:
-        raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an intact "
+        raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an "
+                        f"intact "
                         f"checkpoint, or use init_from=scratch")
     return meta, state
 
@@ -264,7 +289,8 @@ def read_dcp_metadata(path):
     if it holds anything but what DCP writes for our tensors."""
     md, problem = dcp_metadata(path)
     if problem:
-        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact checkpoint, or use "
+        raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact "
+                        f"checkpoint, or use "
                         f"init_from=scratch")
     return md
 
@@ -279,5 +305,6 @@ class _SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         if getattr(self.metadata, "storage_meta", None) is None:
             self.metadata.storage_meta = StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
+        # what FileSystemReader.read_metadata sets
+        self.metadata.storage_meta.load_id = self.load_id
         return self.metadata

@@ -21,54 +21,71 @@ from guard_files import check_exports, check_writable
 from model import ModelConfig
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
-           "pp_schedule": ("1f1b", "gpipe", "interleaved"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"), "backend": ("auto", "gloo", "nccl"),
+           "pp_schedule": ("1f1b", "gpipe", "interleaved"),
+           "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"),
+           "backend": ("auto", "gloo", "nccl"),
            "moe_score": ("softmax", "sigmoid")}
 
-AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size", "grad_accum_steps",
-              "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "nan_max_consecutive", "pp", "tp",
+AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size",
+              "grad_accum_steps",
+              "eval_interval", "eval_iters", "log_interval", "ckpt_interval",
+              "nan_max_consecutive", "pp", "tp",
               "pp_virtual", "loss_scale_interval", "loss_scale_growth", "cp", "moe_top_k",
               "moe_every", "ep")
 
-NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters", "lr_decay_iters",
+NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts", "warmup_iters",
+                "lr_decay_iters",
                 "min_lr", "weight_decay", "grad_clip", "peak_flops", "export_shard_mb",
-                "lora_rank", "n_experts", "moe_ffn_dim", "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
+                "lora_rank", "n_experts", "moe_ffn_dim", "moe_shared_ffn_dim", "moe_aux_weight",
+                "moe_z_weight", "moe_bias_rate")
 
-# (rates and scales end far past any sane value, where a finite one still overflows float32 in the step;
-# sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
-IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1), "muon_momentum": (0, 1),
+# (rates and scales end far past any sane value, where a finite one still overflows float32 in the
+# step; sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
+IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1),
+            "muon_momentum": (0, 1),
             "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1), "loss_scale_backoff": (0, 1),
-            "loss_scale_init": (1, 2.0 ** 64),  # fp16: the scale's floor is 1; loss x scale fits a float32
-            "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6), "lora_alpha": (0, 10 ** 6),
+            # fp16: the scale's floor is 1; loss x scale fits a float32
+            "loss_scale_init": (1, 2.0 ** 64),
+            "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6),
+            "lora_alpha": (0, 10 ** 6),
             "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1)}
 
 POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
 
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # the linears an adapter may wrap
+# the linears an adapter may wrap
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
 
 # the keys that mean something only for a mixture of experts (n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
             "moe_shared_ffn_dim", "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
 
-PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",  # one process's
+# one process's
+PLAIN_LAYOUT = {"pp": 1, "tp": 1, "pp_virtual": 1, "pp_schedule": "1f1b", "pp_layers": "",
                 "sp": False, "cp": 1}
 
 # Rules within the config: (refused when (c: the config), the message: what is wrong and the fix).
-# A feature's own rules are checked with it, below (FEATURE_CHECKS); the model's shape by ModelConfig.
+# A feature's own rules are checked with it, below (FEATURE_CHECKS); the model's shape by
+# ModelConfig.
 RULES = [
     (lambda c: c["zero"] not in (0, 1, 2),
      "zero={zero} is not a ZeRO stage we run by hand (0, 1 or 2): for stage 3 use fsdp=True"),
     (lambda c: c["min_lr"] > c["learning_rate"],
-     "min_lr={min_lr} is above learning_rate={learning_rate}: the decay would raise the rate; lower min_lr"),
-    (lambda c: not 0 <= c["seed"] < 2 ** 32, "seed={seed} is out of range: use an integer in [0, 2**32)"),
+     "min_lr={min_lr} is above learning_rate={learning_rate}: the decay would raise the rate; "
+     "lower min_lr"),
+    (lambda c: not 0 <= c["seed"] < 2 ** 32,
+     "seed={seed} is out of range: use an integer in [0, 2**32)"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
-     "device={device} but Apple's MPS is not available on this machine: use device=cpu or device=auto"),
+     "device={device} but Apple's MPS is not available on this machine: use device=cpu or "
+     "device=auto"),
 ]
 
 
 def _check_lora(c, overrides):
-    check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width n_embd={c['n_embd']}: an "
-                                         f"adapter's rank is at most its layer's width; lower lora_rank")
+    check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width "
+                                         f"n_embd={c['n_embd']}: an "
+                                         f"adapter's rank is at most its layer's width; lower "
+                                         f"lora_rank")
     lora_targets(c)
 
 
@@ -76,13 +93,15 @@ def lora_targets(c):
     """The linears c's lora_targets names, sorted (lora.py's `targets`)."""
     targets = sorted({t.strip() for t in c["lora_targets"].split(",") if t.strip()})
     check(targets and not set(targets) - set(LORA_TARGETS),
-          f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, separated by commas")
+          f"lora_targets='{c['lora_targets']}': name one or more of {','.join(LORA_TARGETS)}, "
+          f"separated by commas")
     return targets
 
 
 def _check_profiler(c, overrides):
     check(_window(c["profile_iters"], c["max_iters"]),
-          f"profile_iters='{c['profile_iters']}' is not 'a:b' with 0 <= a < b <= max_iters={c['max_iters']}: e.g. "
+          f"profile_iters='{c['profile_iters']}' is not 'a:b' with 0 <= a < b <= "
+          f"max_iters={c['max_iters']}: e.g. "
           f"'5:8' profiles iterations 5, 6 and 7")
     guard_env.check_trace_dir(c["out_dir"])
 
@@ -93,9 +112,11 @@ def _check_rope(c, overrides):  # long context: hf_rope.py
 
 
 def _check_moe(c, overrides):
-    check(c["moe_top_k"] <= c["n_experts"], f"moe_top_k={c['moe_top_k']} is more than n_experts={c['n_experts']}: "
+    check(c["moe_top_k"] <= c["n_experts"], f"moe_top_k={c['moe_top_k']} is more than "
+                                            f"n_experts={c['n_experts']}: "
                                             f"a token picks top_k of the experts; lower moe_top_k")
-    check(c["moe_every"] <= c["n_layer"], f"moe_every={c['moe_every']} is more than n_layer={c['n_layer']}: no layer "
+    check(c["moe_every"] <= c["n_layer"], f"moe_every={c['moe_every']} is more than "
+                                          f"n_layer={c['n_layer']}: no layer "
                                           f"would be a mixture of experts; lower moe_every")
 
 
@@ -117,25 +138,33 @@ def _window(spec, max_iters):
 # keys given), the message: what is wrong and the fix; {key} is the config's value).
 REFUSALS = [
     ("dataset with datasets", lambda c, o: c["datasets"] and "dataset" in o,
-     "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= for one source"),
+     "dataset={dataset} and datasets={datasets} both given: use datasets= for a mixture, dataset= "
+     "for one source"),
     ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
-     "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, and 1F1B "
+     "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, "
+     "and 1F1B "
      "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
     ("fsdp with ddp_impl", lambda c, o: c["fsdp"] and "ddp_impl" in o,
      "fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be ignored: drop one of the two"),
     ("zero with fsdp", lambda c, o: c["zero"] and c["fsdp"],
-     "zero={zero} with fsdp=True: fsdp is ZeRO stage 3 and already shards optimizer state and gradients; use one "
+     "zero={zero} with fsdp=True: fsdp is ZeRO stage 3 and already shards optimizer state and "
+     "gradients; use one "
      "of the two"),
-    ("zero with ddp_impl other than bucketed", lambda c, o: c["zero"] and c["ddp_impl"] != "bucketed",
-     "zero={zero} shards along the buckets of ddp_impl=bucketed, so ddp_impl={ddp_impl} cannot carry it: drop "
+    ("zero with ddp_impl other than "
+     "bucketed", lambda c, o: c["zero"] and c["ddp_impl"] != "bucketed",
+     "zero={zero} shards along the buckets of ddp_impl=bucketed, so ddp_impl={ddp_impl} cannot "
+     "carry it: drop "
      "ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
-     "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or fsdp=True"),
+     "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or "
+     "fsdp=True"),
     ("a mixture of experts with tp", lambda c, o: c["n_experts"] and c["tp"] > 1,
-     "n_experts={n_experts} with tp={tp}: the experts are not cut into tensor-parallel slices (ep x tp included); "
+     "n_experts={n_experts} with tp={tp}: the experts are not cut into tensor-parallel slices (ep "
+     "x tp included); "
      "split them over ranks with ep= instead, or drop tp"),
     ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
-     "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, which cp splits "
+     "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, "
+     "which cp splits "
      "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
     # (n_experts: the model's; None while it is not known, from a checkpoint or a model directory)
     ("ep on a dense model", lambda c, o: c["ep"] > 1 and c["n_experts"] == 0,
@@ -158,11 +187,15 @@ REFUSALS = [
      "puts the adapters on their base as it is, whose RoPE this run changes; export the merged "
      "model with export_hf= instead, or drop export_lora"),
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
-     "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP averages every parameter "
+     "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP "
+     "averages every parameter "
      "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
-    ("cp with pp, tp or zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
-     "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the sequences passed "
-     "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the sequences over tp) or "
+    ("cp with pp, tp or "
+     "zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
+     "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the "
+     "sequences passed "
+     "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the "
+     "sequences over tp) or "
      "average ZeRO's gradient slices; with cp use dp or fsdp=True"),
 ]
 
@@ -180,8 +213,10 @@ def validate(c, overrides, world):
         check(lo <= c[key] < hi, f"{key}={c[key]} must be in [{lo}, {hi})")
     for key in POSITIVE:
         check(c[key] > 0, f"{key}={c[key]} must be positive")
-    for key, value in c.items():  # 1e999 parses as inf: a rate, eps or alpha of inf trains NaN weights
-        check(not isinstance(value, float) or math.isfinite(value), f"{key}={value} is not finite: give a finite one")
+    # 1e999 parses as inf: a rate, eps or alpha of inf trains NaN weights
+    for key, value in c.items():
+        check(not isinstance(value, float) or math.isfinite(value),
+              f"{key}={value} is not finite: give a finite one")
     for refused, message in RULES:
         check(not refused(c), message.format(**c))
     for wanted, check_feature in FEATURE_CHECKS:
@@ -198,13 +233,15 @@ def validate(c, overrides, world):
     ffn_dim = ModelConfig(**{k: c[k] for k in shape}).ffn_dim
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         _check_given_layout(c, world, ffn_dim)
-    check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000, c["tie_embeddings"])
+    check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000,
+                 c["tie_embeddings"])
     check_files(c)
 
 
 def _check_given_layout(c, world, ffn_dim):
     # a model directory's shape is not read yet: origin.saved_shape checks the layout against it
-    shape = [None] * 4 if os.path.isdir(c["init_from"]) else [c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim]
+    shape = ([None] * 4 if os.path.isdir(c["init_from"])
+             else [c["n_layer"], c["n_head"], c["n_kv_head"], ffn_dim])
     return check_layout(c, world, *shape)
 
 
@@ -233,16 +270,20 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
     shape, when it comes from a checkpoint; None: not known yet, only the rest is checked). Returns
     (dp, pp_layers as a list or None)."""
     pp, tp, n_experts = c["pp"], c["tp"], c["n_experts"] if n_experts is None else n_experts
-    check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a multiple of pp "
+    check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a "
+                           f"multiple of pp "
                            f"processes (torchrun --nproc_per_node=N), or change pp")
-    check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a multiple of "
+    check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a "
+                                  f"multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
     if c["cp"] > 1:  # context parallel: context_parallel.py
         _check_cp(c, world)
     dp = world // (pp * tp * c["cp"])
     check(c["grad_accum_steps"] % dp == 0,
-          f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared evenly by {dp} "
-          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global batch), or start "
+          f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared "
+          f"evenly by {dp} "
+          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global "
+          f"batch), or start "
           f"fewer ranks")
     # (ep on a dense model is refused; a checkpoint's n_experts comes with it: origin.saved_shape)
     if c["ep"] > 1 and n_experts:  # expert parallel: expert_parallel.py
@@ -251,7 +292,8 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
         _check_tp(tp, n_head, n_kv_head, ffn_dim, where)
     if c["sp"]:  # sequence parallel: tensor_parallel.py
         _check_sp(c, pp, tp)
-    if pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved" or c["pp_layers"].strip():
+    if (pp > 1 or c["pp_virtual"] > 1 or c["pp_schedule"] == "interleaved"
+        or c["pp_layers"].strip()):
         return dp, _check_pipeline(c, dp, n_layer, where)
     return dp, None
 
@@ -259,51 +301,68 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
 def _check_cp(c, world):
     """2 cp equal chunks of every sequence, on cp x tp x pp ranks that divide the world."""
     cp, pp, tp = c["cp"], c["pp"], c["tp"]
-    check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: start a multiple "
+    check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: "
+                                       f"start a multiple "
                                        f"of cp * tp processes, or change cp")
-    check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} equal chunks, but "
-                                           f"block_size={c['block_size']} does not divide by {2 * cp}: change "
+    check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} "
+                                           f"equal chunks, but "
+                                           f"block_size={c['block_size']} does not divide "
+                                           f"by {2 * cp}: change "
                                            f"block_size or cp")
 
 
 def _check_ep(c, dp, n_experts, where):
     check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
-          f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from them) and "
+          f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from "
+          f"them) and "
           f"n_experts={n_experts}{where} (each holds as many experts): change ep")
 
 
 def _check_tp(tp, n_head, n_kv_head, ffn_dim, where):
     """Each tp rank holds whole heads and an equal slice of SwiGLU."""
     for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
-        check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an equal share of the "
-                           f"heads and of the SwiGLU width; use a tp that divides n_head, n_kv_head and ffn_dim")
+        check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an "
+                           f"equal share of the "
+                           f"heads and of the SwiGLU width; use a tp that divides n_head, "
+                           f"n_kv_head and ffn_dim")
 
 
 def _check_sp(c, pp, tp):
     """Each tp rank holds an equal slice of the sequence."""
-    check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= (2 or more) "
+    check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= "
+                  "(2 or more) "
                   "or drop sp")
     check(pp == 1 and not c["neftune_alpha"],
-          f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does not yet pass "
-          f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence length, which a "
+          f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does "
+          f"not yet pass "
+          f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence "
+          f"length, which a "
           f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
-    check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal slices, but "
-                                     f"block_size={c['block_size']} does not divide by {tp}: change block_size")
+    check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal "
+                                     f"slices, but "
+                                     f"block_size={c['block_size']} does not divide by {tp}: "
+                                     f"change block_size")
 
 
 def _check_pipeline(c, dp, n_layer, where):
     """The stages and their layers (pipeline.py). Returns pp_layers as a list, or None."""
     pp, v = c["pp"], c["pp_virtual"]
     n = n_layer or pp * v  # (not known yet: nothing refused for it)
-    check(pp <= n, f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least one")
-    check(pp * v <= n, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} layers{where}: "
+    check(pp <= n,
+          f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least "
+          f"one")
+    check(pp * v <= n, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} "
+                       f"layers{where}: "
                        f"every virtual stage needs at least one; lower pp_virtual")
     check((c["pp_schedule"] == "interleaved") == (v > 1) and (v == 1 or pp > 1),
-          f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp > 1 and "
+          f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp "
+          f"> 1 and "
           f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
     check(c["pp_schedule"] != "interleaved" or c["grad_accum_steps"] // dp % pp == 0,
-          f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each pipeline gets "
-          f"grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple of {pp * dp} for grad_accum_steps")
+          f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each "
+          f"pipeline gets "
+          f"grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple of {pp * dp} "
+          f"for grad_accum_steps")
     if not c["pp_layers"].strip():
         return None
     spec = c["pp_layers"]
@@ -312,15 +371,18 @@ def _check_pipeline(c, dp, n_layer, where):
     counts = [int(s) for s in spec.split(",")]
     check(len(counts) == pp * v and min(counts) >= 1 and sum(counts) == (n_layer or sum(counts)),
           f"pp_layers='{spec}' must give {pp * v} layer counts (one per stage"
-          f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to n_layer={n_layer}{where}")
+          f"{', per virtual stage' if v > 1 else ''}), each at least 1, summing to "
+          f"n_layer={n_layer}{where}")
     return counts
 
 
 def memory_bytes_available():
     """This machine's memory for one run: RAM (or the address-space limit, if lower) plus the GPUs'."""
     import resource
-    ram, limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), resource.getrlimit(resource.RLIMIT_AS)[0]
-    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    ram, limit = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                  resource.getrlimit(resource.RLIMIT_AS)[0])
+    gpus = sum(torch.cuda.get_device_properties(i).total_memory
+               for i in range(torch.cuda.device_count()))
     return (min(ram, limit) if limit > 0 else ram) + gpus
 
 
@@ -330,28 +392,35 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
     one micro-batch's logits (their softmax and gradient; with loss_chunk one chunk's), and the
     eval batches held at once.
     A size that cannot fit is refused here, before any allocation, with the estimate."""
-    params = vocab_size * n_embd * (1 if tie else 2) + n_layer * (4 * n_embd * n_embd + 3 * n_embd * ffn_dim)
+    params = (vocab_size * n_embd * (1 if tie else 2)
+              + n_layer * (4 * n_embd * n_embd + 3 * n_embd * ffn_dim))
     rows = c["batch_size"] * c["block_size"]
     logit_rows = min(rows, c["loss_chunk"] or rows)
-    need = {"weights and optimizer state": 16 * params, "a micro-batch's logits": 12 * logit_rows * vocab_size * world,
+    need = {"weights and optimizer "
+            "state": 16 * params, "a micro-batch's logits": 12 * logit_rows * vocab_size * world,
             "the eval batches": 16 * c["eval_iters"] * c["grad_accum_steps"] * rows}
     have = memory_bytes_available()
     check(sum(need.values()) <= have,
           f"this run needs at least {sum(need.values()) / 2 ** 30:,.1f} GiB ("
           + ", ".join(f"{k} {v / 2 ** 30:,.1f}" for k, v in need.items())
-          + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, vocab_size, "
+          + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, "
+            f"vocab_size, "
             f"batch_size, block_size or eval_iters (or set loss_chunk= for the logits)")
 
 
 def check_files(c):
     """Where the weights come from and where the run writes."""
     init_from, out_dir, export_hf = c["init_from"], c["out_dir"], c["export_hf"]
-    for key in ("out_dir", "export_hf", "export_lora", "init_from"):  # the file system takes up to 255 bytes a name
-        check(max(len(os.fsencode(p)) for p in c[key].split(os.sep)) <= 255, f"{key}= has a name over 255 bytes: shorten it")
+    # the file system takes up to 255 bytes a name
+    for key in ("out_dir", "export_hf", "export_lora", "init_from"):
+        check(max(len(os.fsencode(p)) for p in c[key].split(os.sep)) <= 255,
+              f"{key}= has a name over 255 bytes: shorten it")
     check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
-          f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another run's out_dir, or a "
+          f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another "
+          f"run's out_dir, or a "
           f"Hugging Face LLaMA directory)")
-    check(out_dir.strip() != "", "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
+    check(out_dir.strip() != "",
+          "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
     check_writable("out_dir", out_dir)  # (a directory made and removed: os.access trusts root)
     if export_hf or c["export_lora"]:  # checked now, not after the run has trained
         check_exports({"export_hf": export_hf, "export_lora": c["export_lora"]}, runs=[out_dir])
@@ -367,7 +436,8 @@ def refusals_markdown():
 
 # ---- a run that continues or starts from a model: its checks against what is saved there
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings", "vocab_size", "n_experts",
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "tie_embeddings",
+              "vocab_size", "n_experts",
               "moe_top_k", "moe_every", "moe_ffn_dim", "moe_score", "moe_norm_topk",
               "moe_shared_ffn_dim", "head_dim", "qk_norm")
 
@@ -381,10 +451,13 @@ def check_saved_shape(cfg, src, overrides, base_vocab, c, world):
         # grown by chat or extra tokens, here or in an earlier stage, has more rows)
         check(key not in overrides or key not in src.saved or overrides[key] == src.saved[key] or
               (key == "vocab_size" and overrides[key] == base_vocab),
-              f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop the override, or "
+              f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop "
+              f"the override, or "
               f"use a new out_dir")
-    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}", cfg.n_experts)
-    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.tie_embeddings,
+    check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}",
+                 cfg.n_experts)
+    check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size,
+                 cfg.tie_embeddings,
                  where=f" for the model in {src.where}")
     # the model's own: a tied model with pp, a mixture of experts with tp, ep on a dense one, ...
     own = {k: getattr(cfg, k) for k in ("tie_embeddings", "n_experts", "moe_score")}
@@ -399,16 +472,21 @@ def check_same_run(src, c, overrides, out_dir):
     differ = [] if c["init_from"] == "resume" else [
         k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",
                     "rope_scaling") if c[k] != had.get(k, c[k])]
-    if c["init_from"] not in ("auto", "resume", "scratch") and c["init_from"] != had.get("init_from"):
+    if (c["init_from"] not in ("auto", "resume", "scratch")
+        and c["init_from"] != had.get("init_from")):
         differ.append("init_from")  # (auto continues a run that started from a model too)
-    differ += [k for k in SHAPE_KEYS if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
+    differ += [k for k in SHAPE_KEYS
+               if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
     if differ:
         what = "datasets" if c["datasets"] else "dataset"
         also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
                          if k not in ("dataset", "datasets"))
-        itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)  # (its advice would be this command)
-        raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at iteration {it}; "
-                        f"this command trains {what}={c[what]}{f' with {also}' if also else ''}: " + (
-                            "init_from= names out_dir itself: drop init_from= to continue the run there, or write "
-                            "the new run to another out_dir" if itself else
-                            f"pick a new out_dir, or init_from={out_dir} to start from its weights"))
+        # (its advice would be this command)
+        itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)
+        raise UserError(f"{out_dir} holds a run of {had.get('datasets') or had.get('dataset')} at "
+                        f"iteration {it}; this command trains {what}={c[what]}"
+                        f"{f' with {also}' if also else ''}: " + (
+                            "init_from= names out_dir itself: drop init_from= to continue the run "
+                            "there, or write the new run to another out_dir" if itself else
+                            f"pick a new out_dir, or init_from={out_dir} to start from its "
+                            f"weights"))

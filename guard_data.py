@@ -19,13 +19,17 @@ def check_made_as_asked(data_dir, asked, given):
         return
     made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again")
     for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
-        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:  # (older data: no record)
-            raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command asks for {key}="
-                            f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or drop {key}= to use "
+        # (older data: no record)
+        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:
+            raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command "
+                            f"asks for {key}="
+                            f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or "
+                            f"drop {key}= to use "
                             f"it as it is (or pick another dataset= name)")
 
 
-TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}  # what prepare writes: dtype -> ids it can hold
+# what prepare writes: dtype -> ids it can hold
+TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}
 
 
 def read_meta(data_dir):
@@ -33,17 +37,20 @@ def read_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
-                        f"`python prepare.py SOURCE --out {data_dir}` or set data_source= to prepare it")
+                        f"`python prepare.py SOURCE --out {data_dir}` or set data_source= to "
+                        f"prepare it")
     fix = "it was not written by prepare; prepare the dataset again"
     meta = read_json(path, fix)
     json_field(meta, "tokenizer", str, path, fix)
     json_field(meta, "dtype", str, path, fix)
     if meta["dtype"] not in TOKEN_DTYPES:
-        raise UserError(f"{path}: dtype={meta['dtype'][:40]!r} is not one of {', '.join(TOKEN_DTYPES)}: {fix}")
+        raise UserError(f"{path}: dtype={meta['dtype'][:40]!r} is not one "
+                        f"of {', '.join(TOKEN_DTYPES)}: {fix}")
     vocab = json_field(meta, "vocab_size", int, path, fix, 1, TOKEN_DTYPES[meta["dtype"]])
     json_field(meta, "eot_token", int, path, fix, 0, vocab - 1)
     json_field(meta, "base_vocab_size", int, path, fix, 1, vocab, required=False)
-    if not all(isinstance(t, str) for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
+    if not all(isinstance(t, str)
+               for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
         raise UserError(f"{path}: extra_tokens is not a list of strings: {fix}")
     if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat"):
         raise UserError(f"{path}: format={meta['format'][:40]!r} is not text or chat: {fix}")
@@ -54,13 +61,19 @@ def map_tokens(path, dtype, vocab_size):
     """The token file `path` memory-mapped, once it is checked whole and every id is below vocab_size."""
     redo = f"prepare the dataset again (`python prepare.py SOURCE --out {os.path.dirname(path)}`)"
     size = os.path.getsize(path) if os.path.isfile(path) else None
-    if not size or size % dtype.itemsize:  # (numpy cannot map an empty file, and it holds no sequence)
-        raise UserError(f"{path} is missing: {redo}" if size is None else f"{path} has {size} bytes, not a multiple "
-                        f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is truncated or damaged; {redo}")
+    # (numpy cannot map an empty file, and it holds no sequence)
+    if not size or size % dtype.itemsize:
+        raise UserError(f"{path} is "
+                        f"missing: {redo}" if size is None
+                        else f"{path} has {size} bytes, not a multiple "
+                        f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is "
+                        f"truncated or damaged; {redo}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    # an id past the vocabulary indexes past the embedding (a crash, or garbage on GPU): one pass, a second per GB
+    # an id past the vocabulary indexes past the embedding (a crash, or garbage on GPU): one pass,
+    # a second per GB
     if int(tokens.max()) >= vocab_size:
-        raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says vocab_size {vocab_size}: "
+        raise UserError(f"{path} holds token id {int(tokens.max())}, but meta.json says "
+                        f"vocab_size {vocab_size}: "
                         f"the file is damaged or from another dataset; {redo}")
     return tokens
 
@@ -69,7 +82,8 @@ def chat_mask(path, n_tokens):
     """A chat dataset's loss mask beside its token file: one byte per token, 1 where the loss counts."""
     mask_path = path[:-len(".bin")] + ".mask.bin"
     if not os.path.exists(mask_path) or os.path.getsize(mask_path) != n_tokens:
-        raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the dataset again")
+        raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the "
+                        f"dataset again")
     mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
     guard_chat.check_mask(mask, mask_path)
     return mask
@@ -79,8 +93,10 @@ def check_tokenizer(meta, where, tokenizer, vocab_size):
     """The data was tokenized as this run says (tokenizer=, vocab_size=)."""
     base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
     if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
-        raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} vocab_size={base_vocab}, but this "
-                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or prepare into another "
+        raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} "
+                        f"vocab_size={base_vocab}, but this "
+                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or "
+                        f"prepare into another "
                         f"dataset")
 
 
@@ -95,6 +111,8 @@ def read_token_bytes(data_dir, vocab_size):
         t = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise UserError(f"{path} cannot be read ({describe_error(e)}): {fix}") from None
-    if t.shape != (vocab_size,) or t.dtype.kind not in "iu" or (t.size and not 0 <= t.min() <= t.max() <= 1024):
-        raise UserError(f"{path} is not {vocab_size} byte counts (it holds {t.dtype} {t.shape}): {fix}")
+    if (t.shape != (vocab_size,) or t.dtype.kind not in "iu"
+        or (t.size and not 0 <= t.min() <= t.max() <= 1024)):
+        raise UserError(f"{path} is not {vocab_size} byte counts (it "
+                        f"holds {t.dtype} {t.shape}): {fix}")
     return t.astype(np.int64)

@@ -26,13 +26,17 @@ def run_excepthook(kind, err, tb):
     guard_files.remove_refused()  # a refused run leaves no out_dir or .lock behind
     if not reports(err, tb):
         pass  # another rank tells it: one line per run, ours the last before torchrun's report
-    elif isinstance(err, RuntimeError) and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out")):
-        print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process died or waited "
-              f"longer than dist_timeout_s; check the other ranks' output, or raise dist_timeout_s if a rank is "
+    elif (isinstance(err, RuntimeError)
+          and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out"))):
+        print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process "
+              f"died or waited "
+              f"longer than dist_timeout_s; check the other ranks' output, or raise "
+              f"dist_timeout_s if a rank is "
               f"only slow (e.g. a long save)", file=out, flush=True)
     else:
         guard_errors.excepthook(kind, err, tb)  # (Ctrl-C or SIGTERM: its line, and exit 128 + N)
-    if isinstance(err, KeyboardInterrupt):  # 128 + N, as a shell reports a command the signal stopped
+    # 128 + N, as a shell reports a command the signal stopped
+    if isinstance(err, KeyboardInterrupt):
         out.flush()
         os._exit(128 + getattr(err, "signum", 2))
     if dist.is_initialized():

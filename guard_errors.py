@@ -39,10 +39,13 @@ def excepthook(kind, err, tb):
     out = sys.__stderr__
     if isinstance(err, UserError):
         print(f"error: {err}", file=out, flush=True)
-    elif isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM before the run catches them: 128 + N
+    # Ctrl-C or SIGTERM before the run catches them: 128 + N
+    elif isinstance(err, KeyboardInterrupt):
         stopped(getattr(err, "signum", signal.SIGINT))
-    elif isinstance(err, BrokenPipeError):  # `... --help | head` closed the pipe: the reader has what it wanted;
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second complaint at exit
+    # `... --help | head` closed the pipe: the reader has what it wanted;
+    elif isinstance(err, BrokenPipeError):
+        # and no second complaint at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     elif not (isinstance(err, OSError) and flush_stdout()):
         traceback.print_exception(kind, err, tb, file=out)
 
@@ -58,16 +61,19 @@ def flush_stdout(probe=True):
     except io.UnsupportedOperation:  # (no file descriptor: a test's capture)
         return False
     except OSError as e:
-        print(f"error: standard output cannot be written ({e.strerror or e}): send it elsewhere", file=sys.__stderr__,
+        print(f"error: standard output cannot be written ({e.strerror or e}): send it "
+              f"elsewhere", file=sys.__stderr__,
               flush=True)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (what it held goes nowhere)
+        # (what it held goes nowhere)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return True
 
 
 def stopped(signum):
     """Ends the process stopped by signal `signum` before it finished: one line, and the exit
     a shell reports for a command that the signal killed, 128 + N (Ctrl-C: 130, SIGTERM: 143)."""
-    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    what = ("interrupted "
+            "(Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
     with contextlib.suppress(OSError, ValueError):  # what was printed before it
         sys.stdout.flush()
     print(f"{what}: stopped before finishing; what was written is whole, run the command again",
@@ -97,7 +103,8 @@ def _on_signal(signum, frame):
     # A command's Ctrl-C (SIGINT) and SIGTERM until the run installs its own handling. While a
     # module imports (torch: seconds, a minute on a busy machine; and an import may swallow a
     # KeyboardInterrupt) nothing is written yet: one line and exit 128 + N at once. Later an
-    # Interrupted unwinds (a half-prepared dataset is removed) to excepthook: the same line and exit.
+    # Interrupted unwinds (a half-prepared dataset is removed) to excepthook: the same line and
+    # exit.
     while frame and not frame.f_code.co_filename.startswith("<frozen importlib"):
         frame = frame.f_back
     if frame:

@@ -22,9 +22,12 @@ from guard_errors import UserError, check, describe_error
 
 # Sanity bounds of a model's sizes, far past any model trained here, checked before anything
 # is built from a file's numbers; guard_config.check_memory is the real bound.
-MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "n_embd": 2 ** 17,
-             "ffn_dim": 2 ** 20, "block_size": 2 ** 24, "rope_original_len": 2 ** 24, "n_experts": 2 ** 14,
-             "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20, "moe_shared_ffn_dim": 2 ** 20}
+MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_head": 4096,
+             "n_embd": 2 ** 17,
+             "ffn_dim": 2 ** 20, "block_size": 2 ** 24, "rope_original_len": 2 ** 24,
+             "n_experts": 2 ** 14,
+             "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20,
+             "moe_shared_ffn_dim": 2 ** 20}
 # ---- files from outside: JSON read with limits -----------------------------------------
 # Every JSON file the trainer reads (a dataset's meta.json, a checkpoint's manifest.json and
 # meta.json, Hugging Face config.json and index, adapter_config.json, safetensors headers,
@@ -69,11 +72,14 @@ def loads_json(text, where, fix):
     """The JSON value of `text` (str or bytes) from `where`, within the limits above; a
     UserError '{where}: {what is wrong}: {fix}' otherwise."""
     try:
-        obj = json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+        obj = json.loads(text, parse_int=_json_int, parse_float=_json_float,
+                         parse_constant=_json_constant)
     except RecursionError:
-        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}") from None
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} "
+                        f"levels: {fix}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the number checks
-        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:120]}): {fix}") from None
+        raise UserError(f"{where}: malformed JSON "
+                        f"({str(e).splitlines()[0][:120]}): {fix}") from None
     if _depth(obj) > MAX_JSON_DEPTH:
         raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels: {fix}")
     return obj
@@ -84,14 +90,17 @@ def read_json(path, fix, kind=dict):
     blocking), which must hold a JSON `kind` (dict: an object; None: anything)."""
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            size, regular = os.fstat(f.fileno()).st_size, stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+            size, regular = (os.fstat(f.fileno()).st_size,
+                             stat.S_ISREG(os.fstat(f.fileno()).st_mode))
             check(regular, f"{path} is not a regular file: {fix}")
-            check(size <= MAX_JSON_BYTES, f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            check(size <= MAX_JSON_BYTES,
+                  f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
             obj = loads_json(f.read(), path, fix)
     except OSError as e:
         raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
     check(kind is None or isinstance(obj, kind),
-          f"{path} holds a JSON {type(obj).__name__}, not an {'object' if kind is dict else kind}: {fix}")
+          f"{path} holds a JSON {type(obj).__name__}, not "
+          f"an {'object' if kind is dict else kind}: {fix}")
     return obj
 
 
@@ -102,10 +111,12 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
     if v is None and not required:
         return None
     check(key in obj, f"{where} lacks {key}: {fix}")
-    ok = (type(v) is int if kind is int else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
+    ok = (type(v) is int if kind is int
+          else isinstance(v, (int, float)) and type(v) is not bool and math.isfinite(v)
           if kind is float else isinstance(v, kind))
     if not ok:  # (the message is made only here: str() of a large value is slow)
-        what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+        what = {int: "an integer", float: "a finite number", str: "a string",
+                bool: "true or false",
                 dict: "an object", list: "a list"}.get(kind, getattr(kind, "__name__", str(kind)))
         raise UserError(f"{where}: {key}={str(v)[:60]!r} is not {what}: {fix}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -113,7 +124,8 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
     return v
 
 
-RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")  # what a run directory holds of its own
+# what a run directory holds of its own
+RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")
 
 
 def check_writable(key, path):
@@ -121,12 +133,14 @@ def check_writable(key, path):
     near = os.path.abspath(path)
     while not os.path.lexists(near):
         near = os.path.dirname(near)
-    check(os.path.isdir(near), f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
-                               f"directory (or a symlink loop): pick another {key}")
+    check(os.path.isdir(near),
+          f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
+          f"directory (or a symlink loop): pick another {key}")
     try:  # (tried: root may not write /sys or a read-only mount either, whatever os.access says)
         os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=near))
     except OSError as e:
-        raise UserError(f"{key}={path} is not writable ({near}: {e.strerror}): fix its permissions or pick another "
+        raise UserError(f"{key}={path} is not writable ({near}: {e.strerror}): fix its "
+                        f"permissions or pick another "
                         f"{key}") from None
 
 
@@ -141,30 +155,43 @@ def check_exports(exports, runs=(), files=()):
         if not path:
             continue
         if key in files:
-            check(os.path.isdir(os.path.dirname(os.path.abspath(path))), f"{key}={path}: the directory "
-                  f"{os.path.dirname(os.path.abspath(path))} does not exist: create it or export elsewhere")
-            check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, e.g. "
+            check(os.path.isdir(os.path.dirname(os.path.abspath(path))),
+                  f"{key}={path}: the directory "
+                  f"{os.path.dirname(os.path.abspath(path))} does not exist: create it or export "
+                  f"elsewhere")
+            check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, "
+                                           f"e.g. "
                                            f"{key}={os.path.join(path, 'model.pt')}")
         check_writable(key, path)
         mode = os.lstat(path).st_mode if os.path.lexists(path) else None
-        check(mode is None or (stat.S_ISREG(mode) if key in files else stat.S_ISDIR(mode) and not os.listdir(path)),
-              f"{key}={path} exists and is not a regular file (a device or a link): name a new file, or an earlier "
-              f"export" if key in files else f"{key}={path} already exists and is not an empty directory: remove it "
+        check(mode is None
+              or (stat.S_ISREG(mode) if key in files
+                  else stat.S_ISDIR(mode) and not os.listdir(path)),
+              f"{key}={path} exists and is not a regular file (a device or a link): name a new "
+              f"file, or an earlier "
+              f"export" if key in files else f"{key}={path} already exists and is not an empty "
+                                             f"directory: remove it "
               f"or export elsewhere (checked now rather than after the run has trained)")
         p = real[key] = os.path.realpath(path)
-        check(not any(r == p or r.startswith(p + os.sep) for r in runs), f"{key}={path} is or holds the run "
-              f"directory {runs[0] if runs else ''}: export elsewhere, e.g. {os.path.join(path, 'export')}")
+        check(not any(r == p or r.startswith(p + os.sep) for r in runs),
+              f"{key}={path} is or holds the run "
+              f"directory {runs[0] if runs else ''}: export elsewhere, "
+              f"e.g. {os.path.join(path, 'export')}")
         a = p
         while a != os.path.dirname(a):
             inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
-            check(not os.path.isfile(os.path.join(a, "manifest.json")), f"{key}={path} is inside the checkpoint {a}: "
+            check(not os.path.isfile(os.path.join(a, "manifest.json")),
+                  f"{key}={path} is inside the checkpoint {a}: "
                   f"an export may not change a checkpoint; export elsewhere")
-            run = a in runs or os.path.isdir(os.path.join(a, "ckpt")) or os.path.isfile(os.path.join(a, "metrics.jsonl"))
-            check(not run or inside not in RUN_FILES, f"{key}={path} would write into the run directory {a}'s own "
+            run = (a in runs or os.path.isdir(os.path.join(a, "ckpt"))
+                   or os.path.isfile(os.path.join(a, "metrics.jsonl")))
+            check(not run or inside not in RUN_FILES,
+                  f"{key}={path} would write into the run directory {a}'s own "
                   f"{inside}: export elsewhere, e.g. {os.path.join(a, 'export')}")
     for (k1, p1), (k2, p2) in ((x, y) for x in real.items() for y in real.items() if x[0] < y[0]):
         check(not (p1 == p2 or p1.startswith(p2 + os.sep) or p2.startswith(p1 + os.sep)),
-              f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the other: each export "
+              f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the "
+              f"other: each export "
               f"needs a place of its own")
 
 
@@ -202,8 +229,8 @@ def _regular_or_absent(path, fix):
     except FileNotFoundError:
         return
     if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
-            "not a regular file"
+        kind = ("a symbolic link" if stat.S_ISLNK(st.st_mode)
+                else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
         raise UserError(f"{path} is {kind}, not a file this trainer wrote: {fix}")
 
 
@@ -219,7 +246,8 @@ def lock_out_dir(out_dir):
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        raise UserError(f"cannot open {path} ({e.strerror or e}): remove it (or pick another out_dir)") from None
+        raise UserError(f"cannot open {path} ({e.strerror or e}): remove it (or pick another "
+                        f"out_dir)") from None
     _made.extend([path] if made else [])
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -229,7 +257,8 @@ def lock_out_dir(out_dir):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), 0)
     except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space in {out_dir}") from None
+        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space "
+                        f"in {out_dir}") from None
     _held_locks[path] = fd
     if existed:
         clean_stale(out_dir)
@@ -240,7 +269,8 @@ def _make(out_dir):
     try:
         os.makedirs(out_dir)
     except OSError as e:
-        raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another out_dir") from None
+        raise UserError(f"cannot create out_dir {out_dir} ({e.strerror or e}): pick another "
+                        f"out_dir") from None
     _made.append(out_dir)
 
 
@@ -249,7 +279,8 @@ def _check_existing(out_dir):
     and ckpt/latest must be plain files, and ckpt a directory (never links someone planted)."""
     fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
     if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
-        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, not a directory this "
+        raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, "
+                        f"not a directory this "
                         f"trainer made: {fix}")
     for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
         _regular_or_absent(os.path.join(out_dir, name), fix)
@@ -260,7 +291,8 @@ def _refuse_busy(fd, path, out_dir, e):
     holder = os.read(fd, 4096).decode(errors="replace")
     os.close(fd)
     if e.errno not in (errno.EAGAIN, errno.EACCES):
-        raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem with "
+        raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem "
+                        f"with "
                         f"file locks") from None
     _made.clear()  # the other run's
     try:
@@ -268,7 +300,8 @@ def _refuse_busy(fd, path, out_dir, e):
         pid, host = int(who["pid"]), str(who["host"])[:100]
     except (ValueError, KeyError, TypeError):
         pid, host = "?", "?"
-    raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait for it, "
+    raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait "
+                    f"for it, "
                     f"or use another out_dir") from None
 
 

@@ -20,7 +20,8 @@ import guard_chat
 from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json
 import hf_moe
-from hf_moe import HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts, read_experts, tensors_out
+from hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts,
+                    read_experts, tensors_out)
 from hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 from model import ROPE_TYPES, ModelConfig, Transformer
 
@@ -29,13 +30,15 @@ from model import ROPE_TYPES, ModelConfig, Transformer
 # refuses a header whose offsets overlap, leave gaps or pass the file, and loading never runs
 # code. Its refusals become one line naming the file; get_slice reads only a rank's rows.
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _corrupt(path, problem):
-    return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: copy or download it again")
+    return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: copy "
+                     f"or download it again")
 
 
 @contextlib.contextmanager
@@ -57,8 +60,10 @@ def read_safetensors_header(path):
             part = f.get_slice(name)
             dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
             if dtype is None:
-                raise UserError(f"{path}: tensor '{name}' has dtype {part.get_dtype()!r}, which this reader "
-                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it to one of those")
+                raise UserError(f"{path}: tensor '{name}' has dtype {part.get_dtype()!r}, which "
+                                f"this reader "
+                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it "
+                                f"to one of those")
             entries[name] = (None, None, dtype, list(part.get_shape()))
     return None, entries
 
@@ -87,7 +92,8 @@ def write_safetensors(path, tensors, metadata=None):
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        save_file(tensors, tmp, {str(k): str(v) for k, v in metadata.items()} if metadata else None)
+        save_file(tensors, tmp,
+                  {str(k): str(v) for k, v in metadata.items()} if metadata else None)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -146,22 +152,26 @@ def hf_config_to_ours(hf):
 
     hf = hf_moe.with_defaults(hf)  # (Mixtral's and Qwen2-MoE's own defaults for what it omits)
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
-              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "num_key_value_heads": "n_kv_head",
               "max_position_embeddings": "block_size", "sliding_window": "block_size",
               "head_dim": "n_embd"}
     for field, ours in bounds.items():
         optional = ("num_key_value_heads", "max_position_embeddings", "sliding_window", "head_dim")
         if field in optional and hf.get(field) is None:
             continue
-        if field == "sliding_window" and hf.get(field) == 0 and hf.get("use_sliding_window") is False:
+        if (field == "sliding_window" and hf.get(field) == 0
+            and hf.get("use_sliding_window") is False):
             continue  # (Qwen2-MoE's as transformers 5 saves it: no window)
         if type(hf.get(field)) is not int:
             raise refuse(field, "missing or not an int")
         if not 0 < hf[field] <= MAX_SIZES[ours]:
             raise refuse(field, f"a size must be positive and at most {MAX_SIZES[ours]}")
     # a string "false" is truthy, "abc" no eps: the types JSON gives, strictly
-    for field, kinds in (("tie_word_embeddings", bool), ("attention_bias", bool), ("mlp_bias", bool),
-                         ("use_sliding_window", bool), ("rms_norm_eps", (int, float)), ("rope_theta", (int, float)),
+    for field, kinds in (("tie_word_embeddings", bool), ("attention_bias", bool),
+                         ("mlp_bias", bool),
+                         ("use_sliding_window", bool), ("rms_norm_eps", (int, float)),
+                         ("rope_theta", (int, float)),
                          ("rope_parameters", dict), ("rope_scaling", dict), ("layer_types", list),
                          ("hidden_act", str), ("model_type", str), ("head_dim", int)):
         if hf.get(field) is not None and (not isinstance(hf[field], kinds) or
@@ -175,16 +185,20 @@ def hf_config_to_ours(hf):
     # Read as transformers reads them: a dict's own rope_theta before the top-level one. Of two
     # dicts transformers takes rope_scaling, other readers rope_parameters: they must agree
     rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    both = [{**{k: v for k, v in r.items() if k != "type"}, "rope_type": r.get("rope_type", r.get("type", "default")),
+    both = [{**{k: v for k, v in r.items() if k != "type"},
+             "rope_type": r.get("rope_type", r.get("type", "default")),
              "rope_theta": r.get("rope_theta", hf.get("rope_theta", 10000.0))}
             for r in (hf.get("rope_scaling"), hf.get("rope_parameters")) if r]
     if len(both) == 2 and both[0] != both[1]:
-        raise refuse("rope_scaling", "it and rope_parameters both describe the rotary embedding, and differ "
+        raise refuse("rope_scaling", "it and rope_parameters both describe the rotary embedding, "
+                                     "and differ "
                                      "(readers disagree on which wins); keep one")
-    rope = both[0] if both else {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    rope = (both[0] if both
+            else {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)})
     rope_type = rope["rope_type"]
     if rope_type not in ROPE_TYPES:
-        raise refuse(rope_field, f"rope_type {rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
+        raise refuse(rope_field,
+                     f"rope_type {rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
     scaling = dict(rope_type=rope_type)
     numbers = [("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), ("rope_theta", rope["rope_theta"])]
     if rope_type != "default":
@@ -196,14 +210,17 @@ def hf_config_to_ours(hf):
     if rope_type in ("llama3", "yarn"):
         numbers.append(("rope_original_len", rope.get("original_max_position_embeddings",
                                                       hf.get("max_position_embeddings"))))
-    for field, value in numbers:  # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
+    # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
+    for field, value in numbers:
         low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0
         high = MAX_SIZES.get(field, 1e30)
         # a length is a whole number (int() would truncate 8192.5; transformers keeps the float)
-        whole = field != "rope_original_len" or type(value) is int or type(value) is float and value.is_integer()
-        if type(value) is bool or not isinstance(value, (int, float)) or not (value > 0 and low <= value < high) \
-                or not whole:
-            blame = field if field in hf and field not in (hf.get(rope_field) or {}) else rope_field
+        whole = (field != "rope_original_len" or type(value) is int
+                 or type(value) is float and value.is_integer())
+        if (type(value) is bool or not isinstance(value, (int, float))
+                or not (value > 0 and low <= value < high) or not whole):
+            blame = (field if field in hf and field not in (hf.get(rope_field) or {})
+                     else rope_field)
             raise refuse(blame, f"{field} must be a positive "
                          + ("whole number" if field == "rope_original_len" else "number")
                          + (" of at least 1" if low else "") + f" below {high:g}")
@@ -215,11 +232,13 @@ def hf_config_to_ours(hf):
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias", "MLP biases are not implemented")
     if hf.get("attention_bias"):  # LLaMA's also biases o_proj; Qwen2's q/k/v biases need no flag
-        raise refuse("attention_bias", "an output-projection bias is not implemented (Qwen2's q/k/v biases are)")
+        raise refuse("attention_bias",
+                     "an output-projection bias is not implemented (Qwen2's q/k/v biases are)")
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "only silu (SwiGLU) is implemented")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    moe = config_fields(hf, refuse) if family in MOE_FAMILIES else {}  # Mixtral, Qwen2-MoE: hf_moe.py
+    # Mixtral, Qwen2-MoE: hf_moe.py
+    moe = config_fields(hf, refuse) if family in MOE_FAMILIES else {}
     return dict(**moe, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd,
                 ffn_dim=hf["intermediate_size"], norm_eps=scaling.pop("rms_norm_eps"), **scaling,
@@ -228,7 +247,8 @@ def hf_config_to_ours(hf):
                 head_dim=hf.get("head_dim") or (128 if family == "qwen3" else n_embd // n_head
                                                  if n_embd % n_head == 0 else 0),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=hf_window(hf, refuse),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                sliding_window=hf_window(hf, refuse),
                 qkv_bias=family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
                 max_position=hf.get("max_position_embeddings") or 0,
                 hf_model_type=family)
@@ -245,12 +265,14 @@ def hf_window(hf, refuse):
     if not hf.get("use_sliding_window"):
         return 0
     first = hf.get("max_window_layers", 0)
-    kinds = hf.get("layer_types") or ["sliding_attention" if type(first) is int and i >= first else "full_attention"
+    kinds = hf.get("layer_types") or ["sliding_attention" if type(first) is int and i >= first
+                                      else "full_attention"
                                       for i in range(hf["num_hidden_layers"])]
     if set(map(str, kinds)) == {"full_attention"}:
         return 0
     if set(map(str, kinds)) != {"sliding_attention"} or len(kinds) != hf["num_hidden_layers"]:
-        raise refuse("layer_types", "a sliding window on some layers only is not implemented (all or none)")
+        raise refuse("layer_types",
+                     "a sliding window on some layers only is not implemented (all or none)")
     return hf["sliding_window"]
 
 
@@ -259,7 +281,8 @@ def expected_shapes(cfg):
     embedding, not a weight of its own). Built on the meta device: no memory, no init."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.endswith("expert_bias")}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()
+              if not name.endswith("expert_bias")}
     if cfg.tie_embeddings:
         del shapes["output.weight"]
     return shapes
@@ -285,22 +308,27 @@ def hf_index(path):
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")
                 for f in weight_map.values()):
-            raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of names to .safetensors "
+            raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of "
+                            f"names to .safetensors "
                             f"files in that directory: copy or download it again")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors weights "
-                        f"are read: re-save the model with save_pretrained(..., safe_serialization=True)")
+        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only "
+                        f"safetensors weights "
+                        f"are read: re-save the model with save_pretrained(..., "
+                        f"safe_serialization=True)")
     hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
         guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         if not os.path.isfile(os.path.join(path, file)):
-            raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is missing: "
+            raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is "
+                            f"missing: "
                             f"copy or download it")
         data_start, entries = read_safetensors_header(os.path.join(path, file))
-        hf_tensors.update({name: (os.path.join(path, file), data_start, e) for name, e in entries.items()})
+        hf_tensors.update({name: (os.path.join(path, file), data_start, e)
+                           for name, e in entries.items()})
 
     try:
         cfg = ModelConfig(**kwargs)
@@ -310,26 +338,36 @@ def hf_index(path):
         said = re.sub(r"\b(n_embd|n_head|n_kv_head)\b", lambda m: names[m[1]], str(e))
         raise UserError(f"{path}/config.json: {said}") from None
     expected = expected_shapes(cfg)
-    sd = index_experts(hf_tensors, expected, path) if cfg.n_experts else {}  # the 3-D expert weights: hf_moe.py
+    # the 3-D expert weights: hf_moe.py
+    sd = index_experts(hf_tensors, expected, path) if cfg.n_experts else {}
     for name, t in hf_tensors.items():
         ours = rename(name, HF_NAMES) or (rename(name, HF_MOE_NAMES) if cfg.n_experts else None)
         if ours == "output.weight" and cfg.tie_embeddings:
             continue  # a tied head that was saved anyway: it is the embedding
         if ours not in expected:
-            raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; the checkpoint is "
-                            f"not a plain LlamaForCausalLM, or config.json does not match its weights")
+            raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; "
+                            f"the checkpoint is "
+                            f"not a plain LlamaForCausalLM, or config.json does not match its "
+                            f"weights")
         file, data_start, entry = t
         if ours in sd or tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
-            raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but config.json implies "
+            raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but "
+                            f"config.json implies "
                             f"{expected[ours]}; config.json does not match the weights")
-        if not entry[2].is_floating_point:  # a float's bytes relabelled as integers load as huge weights
-            raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are floating point: "
-                            f"the header is damaged or the file is not these weights; copy or download it again")
+        # a float's bytes relabelled as integers load as huge weights
+        if not entry[2].is_floating_point:
+            raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are "
+                            f"floating point: "
+                            f"the header is damaged or the file is not these weights; copy or "
+                            f"download it again")
         sd[ours] = (name, file, data_start, entry)
-    missing = [rename(n, {v: k for k, v in HF_NAMES.items()}) or n for n in expected if n not in sd]
+    missing = [rename(n, {v: k for k, v in HF_NAMES.items()}) or n for n in expected
+               if n not in sd]
     if missing:
-        raise UserError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
-                        f"the checkpoint is incomplete (a shard missing from weight_map?): copy or download it again")
+        raise UserError(f"{path}: missing "
+                        f"tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+                        f"the checkpoint is incomplete (a shard missing from weight_map?): copy "
+                        f"or download it again")
     return kwargs, sd
 
 
@@ -349,7 +387,8 @@ def load_hf_parts(index, parts):
         for name, local, _, dim, start, stop in parts:
             if name.endswith("expert_bias"):  # no routing bias in Mixtral, Qwen2-MoE
                 local.zero_()
-            elif index[name][0] == "experts":  # a MoE layer's 3-D weight, of several tensors or half of one
+            # a MoE layer's 3-D weight, of several tensors or half of one
+            elif index[name][0] == "experts":
                 local.copy_(read_experts(index[name][1], read, dim, start, stop))
             else:
                 local.copy_(read(index[name], dim, start, stop))
@@ -363,8 +402,10 @@ def load_hf(path):
     sd = {}
     for ours, shape in expected_shapes(ModelConfig(**kwargs)).items():
         first = index[ours] if index[ours][0] != "experts" else next(iter(index[ours][1].values()))
-        sd[ours] = torch.empty(shape, dtype=(first[0] if isinstance(first[0], tuple) else first)[3][2])
-    for name, b in Transformer(ModelConfig(**kwargs)).named_buffers() if kwargs.get("n_experts") else ():
+        sd[ours] = torch.empty(shape,
+                               dtype=(first[0] if isinstance(first[0], tuple) else first)[3][2])
+    for name, b in (Transformer(ModelConfig(**kwargs)).named_buffers() if kwargs.get("n_experts")
+                    else ()):
         if name.endswith("expert_bias"):  # no routing bias in the files: zero
             sd[name] = torch.zeros_like(b)
     load_hf_parts(index, [(name, t, tuple(t.shape), None, 0, 0) for name, t in sd.items()])
@@ -382,13 +423,16 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     directory renamed into place at the end; `path` must not exist or be empty, so nothing
     of the user's is ever overwritten."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
+        raise UserError(f"{path} already exists and is not an empty directory: remove it or "
+                        f"export elsewhere")
     expected, to_hf = expected_shapes(cfg), {v: k for k, v in HF_NAMES.items()}
     missing = sorted(set(expected) - set(state_dict))
     if missing:
-        raise ValueError(f"save_hf: state dict lacks {', '.join(missing[:5])}: it must hold a whole model")
+        raise ValueError(f"save_hf: state dict lacks {', '.join(missing[:5])}: it must hold a "
+                         f"whole model")
     tensors = {rename(name, to_hf): state_dict[name] for name in expected if rename(name, to_hf)}
-    tensors.update(tensors_out(state_dict, cfg) if cfg.n_experts else {})  # the MoE layers: hf_moe.py
+    # the MoE layers: hf_moe.py
+    tensors.update(tensors_out(state_dict, cfg) if cfg.n_experts else {})
     tensors = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}
     hf_config = {
         "architectures": [FAMILIES[export_type(cfg)]], "model_type": export_type(cfg),
@@ -397,19 +441,24 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling_out(cfg),
-        "max_position_embeddings": cfg.max_position or cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_position or cfg.block_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": "float32", **hf_family_fields(cfg),
         **(config_out(cfg) if cfg.n_experts else {}),
     }
     more = {}
     if enc is not None:
-        if enc.n_vocab > cfg.vocab_size:  # every id a row (a padded embedding has rows past the ids)
-            raise ValueError(f"save_hf: tokenizer {enc.name} has {enc.n_vocab} ids but the model has "
+        # every id a row (a padded embedding has rows past the ids)
+        if enc.n_vocab > cfg.vocab_size:
+            raise ValueError(f"save_hf: tokenizer {enc.name} has {enc.n_vocab} ids but the model "
+                             f"has "
                              f"vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.max_position or cfg.block_size)
         more["tokenizer_config.json"] = tok_config
-        more["special_tokens_map.json"] = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token",
-                                                                      "pad_token") if tok_config.get(k) is not None}
+        more["special_tokens_map.json"] = {k: tok_config[k]
+                                           for k in ("bos_token", "eos_token", "unk_token",
+                                                     "pad_token")
+                                           if tok_config.get(k) is not None}
         # the tokenizer config's own: with our tiktoken encodings <|endoftext|> closes every
         # packed document, so it is also what the next one follows (hf_tokenizer names it bos)
         bos = tok_config.get("bos_token")
@@ -432,7 +481,8 @@ def hf_family_fields(cfg):
     """config.json's fields of the model's family: LLaMA's bias switches, Mistral's window,
     Qwen2's window switch (its q/k/v biases are implied)."""
     window, kind = cfg.sliding_window or None, export_type(cfg)
-    assert (cfg.qkv_bias == (kind == "qwen2") or kind == "qwen2_moe") and (kind != "llama" or not window), \
+    assert ((cfg.qkv_bias == (kind == "qwen2") or kind == "qwen2_moe")
+            and (kind != "llama" or not window)), \
         f"a {kind} model with qkv_bias={cfg.qkv_bias}, sliding_window={cfg.sliding_window}"
     if kind == "llama":
         return {"attention_bias": False, "mlp_bias": False}
@@ -441,11 +491,13 @@ def hf_family_fields(cfg):
     # Qwen3's attention_bias would bias q, k, v and o: none here
     qwen3 = {"attention_bias": False} if kind.startswith("qwen3") else {}
     layers = ["sliding_attention" if window else "full_attention"] * cfg.n_layer
-    return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0,
+    return {"use_sliding_window": window is not None, "sliding_window": window,
+            "max_window_layers": 0,
             "layer_types": layers, **qwen3}
 
 
-def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0, more_files=None):
+def write_export_dir(path, config_name, config, weights_name, tensors, shard_bytes=0,
+                     more_files=None):
     """A directory of one JSON config and one safetensors file (what save_pretrained writes),
     built under a temp name and renamed into place (replacing an empty directory), so a crash
     never leaves half an export under `path`. more_files: {file name: JSON object} written
@@ -459,15 +511,18 @@ def write_export_dir(path, config_name, config, weights_name, tensors, shard_byt
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 json.dump(obj, f, indent=2, ensure_ascii=False)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = shard_names(tensors, shard_bytes, weights_name) if 0 < shard_bytes < total else {}
+        weight_map = (shard_names(tensors, shard_bytes, weights_name) if 0 < shard_bytes < total
+                      else {})
         if not weight_map:
             write_safetensors(os.path.join(tmp, weights_name), tensors, {"format": "pt"})
         else:
             for file in sorted(set(weight_map.values())):
-                write_safetensors(os.path.join(tmp, file), {n: t for n, t in tensors.items() if weight_map[n] == file},
+                write_safetensors(os.path.join(tmp, file),
+                                  {n: t for n, t in tensors.items() if weight_map[n] == file},
                                   {"format": "pt"})
             with open(os.path.join(tmp, f"{weights_name}.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -486,7 +541,8 @@ def shard_names(tensors, shard_bytes, weights_name="model.safetensors"):
         shards[-1].append(name)
         size += nbytes
     stem, ext = weights_name.rsplit(".", 1)
-    return {name: f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i, shard in enumerate(shards) for name in shard}
+    return {name: f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}"
+            for i, shard in enumerate(shards) for name in shard}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +563,8 @@ def shard_names(tensors, shard_bytes, weights_name="model.safetensors"):
 def bytes_to_unicode():
     """GPT-2's map from the 256 bytes to printable characters: printable Latin-1 bytes are
     themselves, the rest (controls, space, ...) are shifted to U+0100 and up."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
@@ -521,7 +578,8 @@ def hf_tokenizer(enc, max_length):
     (tokenizer_config's split_special_tokens), while the extra tokens (the chat template's
     among them) become their ids; they are added tokens that are not "special" to HF, which is
     also why decode(..., skip_special_tokens=True) keeps them and drops only <|endoftext|>."""
-    if hasattr(enc, "export"):  # a model's tokenizer.json (hf_tokenizer.HFTokenizer): itself, grown
+    # a model's tokenizer.json (hf_tokenizer.HFTokenizer): itself, grown
+    if hasattr(enc, "export"):
         tokenizer, config = enc.export(max_length)
         return tokenizer, {**config, **chat_template(enc)}
     ranks = enc._mergeable_ranks
@@ -542,8 +600,10 @@ def hf_tokenizer(enc, max_length):
     # of its alternative a bounded repeat needs no possessive, so the plain one is the same
     pattern = re.sub(r"(\{\d+,\d+\})\+", r"\1", enc._pat_str)
     extra = set(getattr(enc, "extra_tokens", ()))
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": t not in extra} for t, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False,
+              "special": t not in extra}
+             for t, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
     vocab = {text(token): rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
     # the added tokens are in the vocabulary too: `tokenizers` numbers an added token that is
     # not, whatever its "id" says, after the vocabulary (wrong past a gap: cl100k_base has no
@@ -551,34 +611,46 @@ def hf_tokenizer(enc, max_length):
     # pat_str splits the special ones ("<|" from "endoftext" from "|>")
     vocab.update({a["content"]: a["id"] for a in added})
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]},
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": True,
                   "vocab": vocab,
                   "merges": [[m[3], m[4]] for m in merges]},
     }
     names = {i: t for t, i in enc._special_tokens.items()}
-    eot, bos = names[enc.eot_token], getattr(enc, "bos_token", None)  # a model's tokenizer: hf_tokenizer.py
+    # a model's tokenizer: hf_tokenizer.py
+    eot, bos = names[enc.eot_token], getattr(enc, "bos_token", None)
     if bos is not None:  # documents start with it, as the model's own tokenizer does
         tokenizer["post_processor"] = {"type": "TemplateProcessing",
-                                       "single": [{"SpecialToken": {"id": names[bos], "type_id": 0}},
+                                       "single": [{"SpecialToken": {"id": names[bos],
+                                                                    "type_id": 0}},
                                                   {"Sequence": {"id": "A", "type_id": 0}}],
                                        "pair": [{"SpecialToken": {"id": names[bos], "type_id": 0}},
                                                 {"Sequence": {"id": "A", "type_id": 0}},
                                                 {"Sequence": {"id": "B", "type_id": 1}}],
-                                       "special_tokens": {names[bos]: {"id": names[bos], "ids": [bos],
+                                       "special_tokens": {names[bos]: {"id": names[bos],
+                                                                       "ids": [bos],
                                                                        "tokens": [names[bos]]}}}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-        "bos_token": eot if bos is None else names[bos], "eos_token": eot, "pad_token": eot, "unk_token": None,
-        "add_bos_token": bos is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "bos_token": eot if bos is None else names[bos], "eos_token": eot, "pad_token": eot,
+        "unk_token": None,
+        "add_bos_token": bos is not None, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
-        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"}
+                                 for a in added},
     }
     return tokenizer, {**config, **chat_template(enc)}
 
@@ -588,6 +660,9 @@ def chat_template(enc):
     roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # tokenizer.CHAT_TOKENS
     if not all(t in getattr(enc, "extra_tokens", ()) for t in roles):
         return {}
-    bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""  # as prepare starts each document
-    return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
-                             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"}
+    # as prepare starts each document
+    bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""
+    return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + "
+                                   "m['content'] + '<|end|>' }}"
+                                   "{% endfor %}{% if add_generation_prompt %}"
+                                   "{{ '<|assistant|>' }}{% endif %}"}

@@ -20,18 +20,25 @@ MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausal
 
 # one Hugging Face tensor = one of ours ({i}: the layer); both families' names, read or written
 HF_MOE_NAMES = {
-    "model.layers.{i}.block_sparse_moe.gate.weight": "layers.{i}.feed_forward.router.weight",  # Mixtral on disk
-    "model.layers.{i}.mlp.gate.weight": "layers.{i}.feed_forward.router.weight",  # Qwen2-MoE; Mixtral in transformers 5
-    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "layers.{i}.feed_forward.shared_expert.w1.weight",
-    "model.layers.{i}.mlp.shared_expert.up_proj.weight": "layers.{i}.feed_forward.shared_expert.w3.weight",
-    "model.layers.{i}.mlp.shared_expert.down_proj.weight": "layers.{i}.feed_forward.shared_expert.w2.weight",
+    # Mixtral on disk
+    "model.layers.{i}.block_sparse_moe.gate.weight": "layers.{i}.feed_forward.router.weight",
+    # Qwen2-MoE; Mixtral in transformers 5
+    "model.layers.{i}.mlp.gate.weight": "layers.{i}.feed_forward.router.weight",
+    "model.layers.{i}.mlp.shared_expert.gate_proj.weight":
+        "layers.{i}.feed_forward.shared_expert.w1.weight",
+    "model.layers.{i}.mlp.shared_expert.up_proj.weight":
+        "layers.{i}.feed_forward.shared_expert.w3.weight",
+    "model.layers.{i}.mlp.shared_expert.down_proj.weight":
+        "layers.{i}.feed_forward.shared_expert.w2.weight",
     "model.layers.{i}.mlp.shared_expert_gate.weight": "layers.{i}.feed_forward.shared_gate.weight",
-    "model.layers.{i}.mlp.experts.down_proj": "layers.{i}.feed_forward.experts.w2",  # fused (E, D, F): ours as is
+    # fused (E, D, F): ours as is
+    "model.layers.{i}.mlp.experts.down_proj": "layers.{i}.feed_forward.experts.w2",
 }
 # one matrix per expert: (layer, expert, its name) -> ours, expert e of the 3-D weight
 PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-FUSED_GATE_UP = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.gate_up_proj")
+FUSED_GATE_UP = re.compile(
+    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.gate_up_proj")
 OURS = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
@@ -58,7 +65,8 @@ def config_fields(hf, refuse):
     transformers reads them (with_defaults; its router_aux_loss_coef, times top_k: ours counts a
     token once, see config_out; the run's aux weight unless it gives one); refuses what the layer
     does not compute."""
-    for field in ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    for field in ("num_local_experts", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size",
                   "shared_expert_intermediate_size", "decoder_sparse_step"):
         if field in hf and (type(hf[field]) is not int or not 0 <= hf[field] <= 2 ** 20):
             raise refuse(field, "not an int in [0, 2**20]")
@@ -89,9 +97,11 @@ def config_fields(hf, refuse):
                       hf.get("shared_expert_intermediate_size", 5632))
     top_k = hf.get("num_experts_per_tok", 8 if hf["model_type"] == "qwen3_moe" else 2)
     if not 1 <= top_k <= E or not ffn:
-        raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, each of a positive "
+        raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, "
+                                            f"each of a positive "
                                             f"width")
-    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax", moe_aux_weight=float(aux) * top_k,
+    return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax",
+                moe_aux_weight=float(aux) * top_k,
                 **fields)
 
 
@@ -121,9 +131,11 @@ def config_out(cfg):
     if family(cfg) == "mixtral":
         if cfg.moe_shared_ffn_dim or cfg.moe_every != 1 or not cfg.moe_norm_topk or cfg.qkv_bias \
                 or dense:
-            raise UserError("export_hf: this model came from Mixtral but has a shared expert, dense layers, "
+            raise UserError("export_hf: this model came from Mixtral but has a shared expert, "
+                            "dense layers, "
                             "q/k/v biases or moe_norm_topk=False, which Mixtral has not")
-        return dict(common, num_local_experts=cfg.n_experts, intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
+        return dict(common, num_local_experts=cfg.n_experts,
+                    intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                     router_jitter_noise=0.0)
     if family(cfg) == "qwen3_moe":
         if cfg.moe_shared_ffn_dim or cfg.qkv_bias or not cfg.qk_norm:
@@ -133,10 +145,14 @@ def config_out(cfg):
                     cfg.ffn_dim, norm_topk_prob=cfg.moe_norm_topk,
                     decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
     if not cfg.moe_shared_ffn_dim:
-        raise UserError("export_hf: a Qwen2-MoE has a shared expert; this model has none (moe_shared_ffn_dim=0) and "
-                        "is no Mixtral either (dense layers or moe_norm_topk=False): it cannot be exported")
-    return dict(common, num_experts=cfg.n_experts, moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
-                shared_expert_intermediate_size=cfg.moe_shared_ffn_dim, norm_topk_prob=cfg.moe_norm_topk,
+        raise UserError("export_hf: a Qwen2-MoE has a shared expert; this model has none "
+                        "(moe_shared_ffn_dim=0) and "
+                        "is no Mixtral either (dense layers or moe_norm_topk=False): it cannot be "
+                        "exported")
+    return dict(common, num_experts=cfg.n_experts,
+                moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
+                shared_expert_intermediate_size=cfg.moe_shared_ffn_dim,
+                norm_topk_prob=cfg.moe_norm_topk,
                 decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense, qkv_bias=cfg.qkv_bias)
 
 
@@ -144,12 +160,14 @@ def tensors_out(state_dict, cfg):
     """{Hugging Face name: tensor} of the MoE layers, as transformers' save_pretrained writes them:
     one matrix per expert. A trained aux-loss-free bias has no place there: refused."""
     mixtral = family(cfg) == "mixtral"
-    block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
-                                                                                      "down_proj"))
+    block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if mixtral
+                    else ("mlp", ("gate_proj", "up_proj", "down_proj")))
     out = {}
     for name, t in state_dict.items():
         m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(.*)", name)
-        if not m or name.endswith(("w1.weight", "w2.weight", "w3.weight")) and ".shared_expert." not in name:
+        if (not m
+            or name.endswith(("w1.weight", "w2.weight", "w3.weight"))
+            and ".shared_expert." not in name):
             continue  # not MoE (a dense feed-forward: hf.py's names)
         i, rest = m[1], m[2]
         if rest == "expert_bias":
@@ -181,8 +199,8 @@ def index_experts(hf_tensors, expected, path):
     for name in list(hf_tensors):
         m, f = PER_EXPERT.fullmatch(name), FUSED_GATE_UP.fullmatch(name)
         if m:
-            pieces.setdefault(f"layers.{m[1]}.feed_forward.experts.{OURS[m[3]]}", {})[int(m[2])] = (
-                name, *hf_tensors.pop(name))
+            pieces.setdefault(f"layers.{m[1]}.feed_forward.experts.{OURS[m[3]]}", {})[
+                int(m[2])] = (name, *hf_tensors.pop(name))
         elif f:
             for half, w in enumerate(("w1", "w3")):
                 pieces.setdefault(f"layers.{f[1]}.feed_forward.experts.{w}", {})["fused"] = (
@@ -191,7 +209,8 @@ def index_experts(hf_tensors, expected, path):
     out = {}
     for ours, got in pieces.items():
         if ours not in expected:
-            raise UserError(f"{path}: expert tensors for '{ours}', which config.json does not make a MoE layer: "
+            raise UserError(f"{path}: expert tensors for '{ours}', which config.json does not "
+                            f"make a MoE layer: "
                             f"config.json does not match the weights")
         E, *shape = expected[ours]
         if "fused" in got:
@@ -199,9 +218,11 @@ def index_experts(hf_tensors, expected, path):
             ok, want = tuple(entry[3]) == (E, 2 * shape[0], shape[1]), (E, 2 * shape[0], shape[1])
         else:
             bad = [n for n, _, _, entry in got.values() if tuple(entry[3]) != tuple(shape)]
-            name, ok, want = (bad or [ours])[0], not bad and sorted(got) == list(range(E)), tuple(shape)
+            name, ok, want = ((bad or [ours])[0], not bad and sorted(got) == list(range(E)),
+                              tuple(shape))
         if not ok:
-            raise UserError(f"{path}: the experts of '{ours}' do not match config.json ({name}: want {E} experts of "
+            raise UserError(f"{path}: the experts of '{ours}' do not match config.json ({name}: "
+                            f"want {E} experts of "
                             f"{want}): config.json does not match the weights")
         out[ours] = ("experts", got)
     return out

@@ -35,14 +35,19 @@ from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json, sha256_file
 
 # Meta's Llama 3 tokenizer.py: its split and its 256 special tokens after the 128,000 ranks
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                  r"?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                  "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
-                  "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+                  "<|reserved_special_token_1|>", "<|reserved_special_token_2|>",
+                  "<|reserved_special_token_3|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>",
+                  "<|eot_id|>",
                   *[f"<|reserved_special_token_{i}|>" for i in range(5, 251)]]
-MAX_ID_GAP = 1024  # unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
-# where transformers 5 saves a tokenizer's chat template (tokenizer_config.json's "chat_template" before)
+# unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
+MAX_ID_GAP = 1024
+# where transformers 5 saves a tokenizer's chat template (tokenizer_config.json's "chat_template"
+# before)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -59,7 +64,8 @@ def sha256(path, template=True):
     tokenizer.json also the tokenizer_config.json beside it (its special tokens and flags
     change ids too) and the chat_template.jinja beside that, when there is one (the chat
     format's ids and loss masks come from it)."""
-    digest, config = sha256_file(path), os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    digest, config = (sha256_file(path),
+                      os.path.join(os.path.dirname(path), "tokenizer_config.json"))
     if path.endswith(".json") and os.path.isfile(config):
         digest = hashlib.sha256(f"{digest} {sha256_file(config)}".encode()).hexdigest()
     jinja = os.path.join(os.path.dirname(path), CHAT_TEMPLATE_FILE)
@@ -71,7 +77,8 @@ def sha256(path, template=True):
 def unchanged(path, recorded):
     """Whether the tokenizer file `path` is still the one recorded with hash `recorded` (by
     sha256, or as recorded before: without the template file, or without the config)."""
-    return os.path.isfile(path) and recorded in (sha256(path), sha256(path, template=False), sha256_file(path))
+    return (os.path.isfile(path)
+            and recorded in (sha256(path), sha256(path, template=False), sha256_file(path)))
 
 
 FIX = "copy the model's tokenizer files again"
@@ -102,40 +109,58 @@ def check_tokenizer_json(tj, path):
     model = tj.get("model")
     kind = model.get("type") if isinstance(model, dict) else None
     if kind != "BPE":
-        what = {"WordPiece": "a WordPiece tokenizer (BERT style)", "Unigram": "a unigram tokenizer (T5, ALBERT "
+        what = {"WordPiece": "a WordPiece tokenizer (BERT style)",
+                "Unigram": "a unigram tokenizer (T5, ALBERT "
                 "style)"}.get(kind, f"a {str(kind)[:40] if kind else 'model-less'} tokenizer")
-        raise UserError(f"{path} is {what}; only BPE tokenizers (what LLaMA-family models ship: byte-level or "
-                        f"SentencePiece-style) are read: use such a model, or train with tokenizer= of your own")
-    if model.get("continuing_subword_prefix"):  # (`tokenizers` panics on its merges, or drops the text)
-        raise _bad(path, f"its BPE has continuing_subword_prefix {str(model['continuing_subword_prefix'])[:20]!r}, a "
-                         f"WordPiece-style marker that no LLaMA-family tokenizer uses; set it to null")
+        raise UserError(f"{path} is {what}; only BPE tokenizers (what LLaMA-family models ship: "
+                        f"byte-level or "
+                        f"SentencePiece-style) are read: use such a model, or train with "
+                        f"tokenizer= of your own")
+    # (`tokenizers` panics on its merges, or drops the text)
+    if model.get("continuing_subword_prefix"):
+        raise _bad(path, f"its BPE has continuing_subword_prefix "
+                         f"{str(model['continuing_subword_prefix'])[:20]!r}, a WordPiece-style "
+                         f"marker that no LLaMA-family tokenizer uses; set it to null")
     vocab, added = model.get("vocab"), tj.get("added_tokens") or []
-    if not isinstance(vocab, dict) or not isinstance(added, list) or not isinstance(model.get("merges", []), list):
+    if (not isinstance(vocab, dict) or not isinstance(added, list)
+        or not isinstance(model.get("merges", []), list)):
         raise _bad(path, "model.vocab is not an object, or model.merges / added_tokens not a list")
     tokens = {}
     for text, i in vocab.items():
         if type(i) is not int or not 0 <= i < MAX_SIZES["vocab_size"]:
-            raise _bad(path, f"the vocabulary id of {text[:40]!r} is {str(i)[:40]}, not an int in [0, 2**31)")
+            raise _bad(path,
+                       f"the vocabulary id of {text[:40]!r} is {str(i)[:40]}, not an int in [0, "
+                       f"2**31)")
         if tokens.setdefault(i, text) != text:
             raise _bad(path, f"vocabulary id {i} is both {tokens[i][:40]!r} and {text[:40]!r}")
     seen, contents = {}, set()
     for a in added:
-        i, text = a.get("id") if isinstance(a, dict) else None, a.get("content") if isinstance(a, dict) else None
+        i, text = (a.get("id") if isinstance(a, dict) else None,
+                   a.get("content") if isinstance(a, dict) else None)
         if type(i) is not int or not isinstance(text, str) or not text:
-            raise _bad(path, f"added token {str(a)[:60]} has no int id and non-empty string content")
+            raise _bad(path,
+                       f"added token {str(a)[:60]} has no int id and non-empty string content")
         if not 0 <= i < MAX_SIZES["vocab_size"]:
             raise _bad(path, f"added token {text[:40]!r} has id {i}, not in [0, 2**31)")
         if i in seen or text in contents:
-            raise _bad(path, f"added token {text[:40]!r} (id {i}) reuses an id or a content of another added token")
+            raise _bad(path,
+                       f"added token {text[:40]!r} (id {i}) reuses an id or a content of another "
+                       f"added token")
         seen[i] = text
         contents.add(text)
         if tokens.get(i, text) != text:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, the vocabulary's id of {tokens[i][:40]!r}")
+            raise _bad(path,
+                       f"added token {text[:40]!r} has id {i}, the vocabulary's id "
+                       f"of {tokens[i][:40]!r}")
         if vocab.get(text, i) != i:
-            raise _bad(path, f"added token {text[:40]!r} has id {i}, but the vocabulary gives it {vocab[text]}")
+            raise _bad(path,
+                       f"added token {text[:40]!r} has id {i}, but the vocabulary gives "
+                       f"it {vocab[text]}")
     tokens.update(seen)
     if tokens and max(tokens) >= len(tokens) + MAX_ID_GAP:
-        raise _bad(path, f"ids run to {max(tokens)} for {len(tokens)} tokens: more than {MAX_ID_GAP} unused ids")
+        raise _bad(path,
+                   f"ids run to {max(tokens)} for {len(tokens)} tokens: more than {MAX_ID_GAP} "
+                   f"unused ids")
     return tokens
 
 
@@ -147,7 +172,8 @@ def _config(path, tokens):
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         name = _token_name(cfg.get(key))
         if name is not None and (not isinstance(name, str) or name not in names):
-            raise _bad(cfg_path, f"{key} {str(name)[:40]!r} is not a token of {os.path.basename(path)}")
+            raise _bad(cfg_path,
+                       f"{key} {str(name)[:40]!r} is not a token of {os.path.basename(path)}")
     for key in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space"):
         if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
             raise _bad(cfg_path, f"{key} is {str(cfg[key])[:40]!r}, not true or false")
@@ -167,9 +193,11 @@ def _as_transformers_reads(tj, cfg):
     scheme = ("always" if cfg.get("legacy") else "first") if prefix else "never"
     strip = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else []
     return {**tj, "normalizer": None,
-            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": False},
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme,
+                              "split": False},
             "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
                 {"type": "Fuse"}, *strip]},
             "model": {**tj["model"], "fuse_unk": True, "byte_fallback": True, "dropout": None,
                       "ignore_merges": False, "unk_token": None}}
@@ -181,7 +209,9 @@ def _tokenizer(tj, path):
     except UserError:
         raise
     except Exception as e:  # the library's parse error, whatever its kind: one line
-        raise _bad(path, f"the tokenizers library cannot read it ({str(e).splitlines()[0][:120] if str(e) else e!r})")
+        raise _bad(path,
+                   f"the tokenizers library cannot read it "
+                   f"({str(e).splitlines()[0][:120] if str(e) else e!r})")
 
 
 def _panic(e):  # pyo3's PanicException derives from BaseException, not Exception
@@ -215,8 +245,10 @@ def guarded(path, source, method=None, *args, **kwargs):
             except BaseException as again:
                 if not _panic(again) and not isinstance(again, Exception):
                     raise
-        raise UserError(f"{path}: the tokenizers library fails on its {' or '.join(parts) or 'model'} ("
-                        f"{str(e).splitlines()[0][:80] if str(e) else 'a panic'}): fix or remove that part, or "
+        raise UserError(f"{path}: the tokenizers library fails on "
+                        f"its {' or '.join(parts) or 'model'} ("
+                        f"{str(e).splitlines()[0][:80] if str(e) else 'a panic'}): fix or remove "
+                        f"that part, or "
                         f"{FIX}") from None
     finally:
         os.dup2(saved, 2)
@@ -250,7 +282,8 @@ def load_tokenizer_json(path):
     tj = _as_transformers_reads(tj, cfg)
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in tj["model"]["vocab"]]
     if tj["model"].get("byte_fallback") and missing and not _byte_level(tj):
-        raise _bad(path, f"its BPE has byte_fallback but lacks {len(missing)} of the 256 byte tokens (e.g. "
+        raise _bad(path, f"its BPE has byte_fallback but lacks {len(missing)} of the 256 byte "
+                         f"tokens (e.g. "
                          f"{missing[0]}): every character outside its vocabulary would be dropped")
     tok = _tokenizer(tj, path)
     from tokenizers import AddedToken, processors
@@ -258,31 +291,41 @@ def load_tokenizer_json(path):
     # post-processor from add_bos_token / add_eos_token when the config gives one of them
     named = [_token_name(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
     have = {a.content for a in tok.get_added_tokens_decoder().values()}
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named if t not in (None, *have)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named
+                            if t not in (None, *have)])
     if "add_bos_token" in cfg or "add_eos_token" in cfg or tok.post_processor is None:
-        bos, eos = named[0] if cfg.get("add_bos_token") else None, named[1] if cfg.get("add_eos_token") else None
+        bos, eos = (named[0] if cfg.get("add_bos_token") else None,
+                    named[1] if cfg.get("add_eos_token") else None)
         single = " ".join(t for t in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if t)
         pair = " ".join(t for t in (single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if t)
         try:
             tok.post_processor = processors.TemplateProcessing(
-                single=single, pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
+                single=single, pair=pair,
+                special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
         except Exception as e:
             raise _bad(path, f"its bos/eos tokens make no template ({str(e)[:80]})") from None
     for i, text in tokens.items():
-        if tok.token_to_id(text) != i:  # `tokenizers` numbers an added token past a gap its own way
-            raise _bad(path, f"token {text[:40]!r} has id {i} in the file but {tok.token_to_id(text)} in the "
-                             f"tokenizers library (an added token's id must follow the vocabulary's without a gap)")
-    eos = named[1] if named[1] is not None else "<|endoftext|>"  # GPT-2's, if the config names none
+        # `tokenizers` numbers an added token past a gap its own way
+        if tok.token_to_id(text) != i:
+            raise _bad(path, f"token {text[:40]!r} has id {i} in the file "
+                             f"but {tok.token_to_id(text)} in the "
+                             f"tokenizers library (an added token's id must follow the "
+                             f"vocabulary's without a gap)")
+    # GPT-2's, if the config names none
+    eos = named[1] if named[1] is not None else "<|endoftext|>"
     if tok.token_to_id(eos) is None:
-        raise UserError(f"{path}: no end-of-sequence token (eos_token in tokenizer_config.json) to separate "
+        raise UserError(f"{path}: no end-of-sequence token (eos_token in tokenizer_config.json) "
+                        f"to separate "
                         f"documents: add eos_token to tokenizer_config.json")
     name = f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
     return HFTokenizer(name, tok, cfg, tok.token_to_id(eos), path)
 
 
 # text of every kind a corpus holds: tiktoken_twin's encodings must equal the library's on it
-PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
-         "\tdef f(x):\n        return x**2  # 1234567 3.14e-10\r\n   trailing  \u00a0nbsp\u3000 e\u0301 ｆｕｌｌ "
+PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, "
+         "مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
+         "\tdef f(x):\n        return x**2  # 1234567 3.14e-10\r\n   trailing  \u00a0nbsp\u3000 "
+         "e\u0301 ｆｕｌｌ "
          "'S 'll I'M aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa {}[]()<>|~`^$@ \x00\x1f\x7f\u200b ")
 
 
@@ -298,15 +341,18 @@ def tiktoken_twin(tj):
     from hf import bytes_to_unicode
     model, pre, added = tj["model"], tj.get("pre_tokenizer") or {}, tj.get("added_tokens") or []
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if tj.get("normalizer") or model.get("byte_fallback") or not model.get("ignore_merges") or len(steps) != 2:
+    if (tj.get("normalizer") or model.get("byte_fallback") or not model.get("ignore_merges")
+        or len(steps) != 2):
         return None
     split, byte_level = steps
     names = sorted(a["content"] for a in added)
     if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
-            or not isinstance((split.get("pattern") or {}).get("Regex"), str) or byte_level.get("type") != "ByteLevel"
+            or not isinstance((split.get("pattern") or {}).get("Regex"), str)
+        or byte_level.get("type") != "ByteLevel"
             or byte_level.get("add_prefix_space") or byte_level.get("use_regex", True)
             or any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added)
-            or any(b.startswith(a) for a, b in zip(names, names[1:]))):  # sorted: a prefix sorts right before
+            # sorted: a prefix sorts right before
+            or any(b.startswith(a) for a, b in zip(names, names[1:]))):
         return None
     char_byte = {c: b for b, c in bytes_to_unicode().items()}
     ranks = {}
@@ -323,10 +369,12 @@ def tiktoken_twin(tj):
             return None
         last = ranks[token]
         made.add(token)
-    if any(bytes([b]) not in ranks for b in range(256)) or any(len(t) > 1 and t not in made for t in ranks):
+    if (any(bytes([b]) not in ranks for b in range(256))
+        or any(len(t) > 1 and t not in made for t in ranks)):
         return None
     try:
-        return tiktoken.Encoding(name="twin", pat_str=split["pattern"]["Regex"], mergeable_ranks=ranks,
+        return tiktoken.Encoding(name="twin", pat_str=split["pattern"]["Regex"],
+                                 mergeable_ranks=ranks,
                                  special_tokens={a["content"]: a["id"] for a in added})
     except ValueError:  # a pattern tiktoken's regex engine reads otherwise: `tokenizers` alone
         return None
@@ -344,7 +392,8 @@ class HFTokenizer:
     transformers' split_special_tokens=True reads them (encode_special_tokens here)."""
 
     def __init__(self, name, tok, config, eot_token, path):
-        self.name, self._tok, self.config, self.eot_token, self._path = name, tok, config, eot_token, path
+        self.name, self._tok, self.config, self.eot_token, self._path = (
+            name, tok, config, eot_token, path)
         added = tok.get_added_tokens_decoder()  # {id: AddedToken}
         self.n_vocab = 1 + max([*tok.get_vocab(with_added_tokens=False).values(), *added])
         self.max_token_value = self.n_vocab - 1
@@ -353,21 +402,28 @@ class HFTokenizer:
         self.extra_tokens = tuple(a.content for _, a in sorted(added.items()) if not a.special)
         tj = json.loads(tok.to_str())
         self._byte_level = _byte_level(tj)
-        for pp in (tj.get("post_processor") or {}).get("processors") or [tj.get("post_processor") or {}]:
-            named = {piece["SpecialToken"]["id"] for side in ("single", "pair") for piece in pp.get(side) or []
+        for pp in ((tj.get("post_processor") or {}).get("processors")
+                   or [tj.get("post_processor") or {}]):
+            named = {piece["SpecialToken"]["id"] for side in ("single", "pair")
+                     for piece in pp.get(side) or []
                      if pp.get("type") == "TemplateProcessing" and "SpecialToken" in piece}
-            if missing := sorted(named - set(pp.get("special_tokens") or {})):  # (`tokenizers` would panic in Rust)
-                raise UserError(f"{path}: its post-processor's template names {missing} but defines no such special "
+            # (`tokenizers` would panic in Rust)
+            if missing := sorted(named - set(pp.get("special_tokens") or {})):
+                raise UserError(f"{path}: its post-processor's template names {missing} but "
+                                f"defines no such special "
                                 f"token: add it to special_tokens, or remove it")
         plain = guarded(path, tok, "encode", "x", add_special_tokens=False).ids
         marked = guarded(path, tok, "encode", "x").ids
         if any(not 0 <= i < self.n_vocab for i in marked):
-            raise UserError(f"{path}: its post-processor adds id {max(marked)}, past the {self.n_vocab:,} ids of the "
+            raise UserError(f"{path}: its post-processor adds id {max(marked)}, past "
+                            f"the {self.n_vocab:,} ids of the "
                             f"tokenizer: fix the ids in post_processor's special_tokens")
         start = next((k for k in range(len(marked)) if marked[k:k + len(plain)] == plain), None)
         if start is None or start > 1 or marked[start + len(plain):] not in ([], [eot_token]):
-            raise UserError(f"{path}: its post-processor wraps text as {marked} (text alone: {plain}); only a BOS "
-                            f"before and an EOS after are supported: edit post_processor or add_bos_token")
+            raise UserError(f"{path}: its post-processor wraps text as {marked} (text "
+                            f"alone: {plain}); only a BOS "
+                            f"before and an EOS after are supported: edit post_processor or "
+                            f"add_bos_token")
         self.bos_token = marked[0] if start else None
         # the model's chat format (chat_template.py renders it), or None: the project's own then
         self.chat_template = config.get("chat_template")
@@ -379,7 +435,8 @@ class HFTokenizer:
             self.chat_template = named[-1] if named else self.chat_template
         self._variants = {}
         # the fast path where it is exact (and encodes a probe text alike), else None
-        twin, probe = tiktoken_twin(tj), guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids
+        twin, probe = (tiktoken_twin(tj),
+                       guarded(path, tok, "encode", PROBE, add_special_tokens=False).ids)
         self.twin = twin if twin and twin.encode_ordinary(PROBE) == probe else None
 
     def _variant(self, allowed, inner=False):
@@ -401,16 +458,20 @@ class HFTokenizer:
 
     def encode(self, text, allowed_special=(), disallowed_special=()):
         if self.twin:
-            return self.twin.encode(text, allowed_special=_set(allowed_special), disallowed_special=())
-        return guarded(self._path, self._variant(allowed_special), "encode", text, add_special_tokens=False).ids
+            return self.twin.encode(text, allowed_special=_set(allowed_special),
+                                    disallowed_special=())
+        return guarded(self._path, self._variant(allowed_special), "encode", text,
+                       add_special_tokens=False).ids
 
     def encode_batch(self, texts, num_threads=8, allowed_special=(), disallowed_special=()):
         if self.twin:
-            return self.twin.encode_batch(texts, num_threads=num_threads, allowed_special=_set(allowed_special),
+            return self.twin.encode_batch(texts, num_threads=num_threads,
+                                          allowed_special=_set(allowed_special),
                                           disallowed_special=())
         # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
-        return [e.ids for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast", texts,
-                                       add_special_tokens=False)]
+        return [e.ids
+                for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast",
+                                 texts, add_special_tokens=False)]
 
     def encode_inner_batch(self, texts, allowed_special=()):
         """encode_batch of texts that each follow a token in a longer text (a chat message after
@@ -419,8 +480,9 @@ class HFTokenizer:
         piece only, not after a token."""
         if self.twin:  # (a byte-level split has no first piece of its own)
             return self.encode_batch(texts, allowed_special=allowed_special)
-        return [e.ids for e in guarded(self._path, self._variant(allowed_special, True), "encode_batch_fast", texts,
-                                       add_special_tokens=False)]
+        return [e.ids
+                for e in guarded(self._path, self._variant(allowed_special, True),
+                                 "encode_batch_fast", texts, add_special_tokens=False)]
 
     def encode_with_offsets(self, text, as_text=False, first=True):
         """(ids, each token's character span) of a piece of a rendered chat, as transformers
@@ -471,12 +533,16 @@ class HFTokenizer:
         tok = _tokenizer(json.loads(self._tok.to_str()), self._path)  # a copy
         for i, t in enumerate(tokens):
             if tok.token_to_id(t) is not None:
-                raise UserError(f"extra token {t!r} is already a token of {self.name}: drop it from the list")
+                raise UserError(f"extra token {t!r} is already a token of {self.name}: drop it "
+                                f"from the list")
             tok.add_tokens([AddedToken(t, special=False, normalized=False)])
             if tok.token_to_id(t) != self.n_vocab + i:
-                raise UserError(f"extra token {t!r} got id {tok.token_to_id(t)}, not {self.n_vocab + i}: {self.name} "
-                                f"has ids past its vocabulary that are not added tokens; add tokens to it by hand")
-        return HFTokenizer(f"{self.name}+{len(tokens)}", tok, self.config, self.eot_token, self._path)
+                raise UserError(f"extra token {t!r} got id {tok.token_to_id(t)}, "
+                                f"not {self.n_vocab + i}: {self.name} "
+                                f"has ids past its vocabulary that are not added tokens; add "
+                                f"tokens to it by hand")
+        return HFTokenizer(f"{self.name}+{len(tokens)}", tok, self.config, self.eot_token,
+                           self._path)
 
     def export(self, max_length):
         """(tokenizer.json, tokenizer_config.json) as dicts for hf.hf_tokenizer: this tokenizer as
@@ -484,8 +550,9 @@ class HFTokenizer:
         special tokens and model_max_length (`max_length` where it has none); added_tokens_decoder
         follows the tokenizer; code (auto_map) stays behind."""
         tj = json.loads(self._tok.to_str())
-        config = {k: v for k, v in self.config.items() if k not in ("auto_map", "added_tokens_decoder",
-                                                                     "name_or_path", "tokenizer_file")}
+        config = {k: v for k, v in self.config.items()
+                  if k not in ("auto_map", "added_tokens_decoder", "name_or_path",
+                               "tokenizer_file")}
         config.setdefault("model_max_length", max_length)
         config["added_tokens_decoder"] = {str(a["id"]): {k: v for k, v in a.items() if k != "id"}
                                           for a in tj["added_tokens"]}
@@ -516,10 +583,13 @@ def load_rank_file(path):
                 token, rank = line.split()
                 token = base64.b64decode(token, validate=True)
             except ValueError:
-                raise UserError(f"{path} is a SentencePiece model (not a tiktoken rank file of base64-token rank "
-                                f"lines), which this trainer does not read: use the model's tokenizer.json") from None
+                raise UserError(f"{path} is a SentencePiece model (not a tiktoken rank file of "
+                                f"base64-token rank "
+                                f"lines), which this trainer does not read: use the model's "
+                                f"tokenizer.json") from None
             if not rank.isdigit() or len(rank) > 10 or int(rank) in seen or token in ranks:
-                raise _bad(path, f"line {n}: rank {rank[:20].decode(errors='replace')!r} is not a non-negative "
+                raise _bad(path, f"line {n}: rank {rank[:20].decode(errors='replace')!r} is not a "
+                                 f"non-negative "
                                  f"integer, or it or its token is listed twice")
             ranks[token] = int(rank)
             seen.add(int(rank))
@@ -527,7 +597,8 @@ def load_rank_file(path):
         raise _bad(path, f"its {len(ranks)} ranks are not 0 .. {len(ranks) - 1}")
     special = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIAL)}
     try:
-        enc = Encoding(name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+        enc = Encoding(name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                       special_tokens=special)
     except ValueError as e:
         raise _bad(path, f"tiktoken refuses its ranks ({str(e)[:80]})") from None
     enc.eot_token, enc.bos_token = special["<|end_of_text|>"], special["<|begin_of_text|>"]
@@ -538,11 +609,13 @@ def load(path):
     """The tokenizer of a tokenizer file (tokenizer.json: an HFTokenizer; a tiktoken rank file:
     a tiktoken Encoding)."""
     if not os.path.isfile(path):
-        raise UserError(f"tokenizer file {path} not found: copy the model's tokenizer.json (or tokenizer.model) back")
+        raise UserError(f"tokenizer file {path} not found: copy the model's tokenizer.json (or "
+                        f"tokenizer.model) back")
     try:
         return load_tokenizer_json(path) if path.endswith(".json") else load_rank_file(path)
     except UserError:
         raise
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, StopIteration) as e:
         # a field missing or of the wrong type (a file from outside: one line, not a traceback)
-        raise UserError(f"{path} is malformed ({type(e).__name__}: {str(e)[:80]}): {FIX}") from None
+        raise UserError(f"{path} is malformed "
+                        f"({type(e).__name__}: {str(e)[:80]}): {FIX}") from None

@@ -40,11 +40,15 @@ class LoRALinear(nn.Module):
     def __init__(self, base, rank, alpha, dropout=0.0):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias  # the same Parameters: frozen by apply_lora, not copied
+        # the same Parameters: frozen by apply_lora, not copied
+        self.weight, self.bias = base.weight, base.bias
         # skip_init: no draw from the global RNG here (reset_adapter has its own generator)
         dev = base.weight.device
-        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device=dev)   # weight (r, in)
-        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, device=dev)  # weight (out, r)
+        # weight (r, in)
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device=dev)
+        # weight (out, r)
+        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False,
+                                         device=dev)
         self.scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout)
         self.merged = False
@@ -74,7 +78,8 @@ class LoRALinear(nn.Module):
         path's (s A x, B) unless merged (model.ChunkedCrossEntropy on a LoRA head)."""
         if self.merged:
             return [(x, self.weight)]
-        return [(x, self.weight), (self.lora_A(self.lora_dropout(x)) * self.scaling, self.lora_B.weight)]
+        return [(x, self.weight),
+                (self.lora_A(self.lora_dropout(x)) * self.scaling, self.lora_B.weight)]
 
     @torch.no_grad()
     def merge(self):
@@ -140,7 +145,8 @@ def base_reference(path, mesh=None):
         path = os.path.abspath(path)
         if os.path.isfile(os.path.join(path, "config.json")):
             kind = "hf"
-            files = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith(".safetensors")
+            files = sorted(f for f in os.listdir(path)
+                           if f == "config.json" or f.endswith(".safetensors")
                            or f == "model.safetensors.index.json")
         else:
             kind, files = "ckpt", ["manifest.json"]
@@ -155,13 +161,18 @@ def load_base(model, ref, mesh=None):
     """Reads the base that `ref` (see base_reference) names into `model` (whole, before
     apply_lora), after checking that it is still there and still the same."""
     path = ref["path"]
-    if not os.path.isfile(os.path.join(path, "config.json" if ref["kind"] == "hf" else "manifest.json")):
-        raise UserError(f"the base model of this LoRA run, {path}, is gone: the run's checkpoints hold only the "
-                        f"adapters and reference the base; put it back there, or start a new out_dir")
+    if not os.path.isfile(os.path.join(path,
+                                       "config.json" if ref["kind"] == "hf" else "manifest.json")):
+        raise UserError(f"the base model of this LoRA run, {path}, is gone: the run's checkpoints "
+                        f"hold only the "
+                        f"adapters and reference the base; put it back there, or start a new "
+                        f"out_dir")
     now = base_reference(path, mesh)
     if now["sha256"] != ref["sha256"]:
-        raise UserError(f"the base model {path} has changed since this LoRA run started (sha256 {now['sha256'][:12]}, "
-                        f"was {ref['sha256'][:12]}): the adapters were trained on the old weights; restore them, or "
+        raise UserError(f"the base model {path} has changed since this LoRA run started "
+                        f"(sha256 {now['sha256'][:12]}, "
+                        f"was {ref['sha256'][:12]}): the adapters were trained on the old "
+                        f"weights; restore them, or "
                         f"start a new out_dir")
     if ref["kind"] == "hf":
         _, sd = load_hf(path)
@@ -182,7 +193,8 @@ def load_lora_whole(path):
     if not lora:
         return checkpoint.load_whole(path)
     model = load_base(Transformer(ModelConfig(**meta["model"])), lora["base"])
-    apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed=0)  # A is loaded next
+    # A is loaded next
+    apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed=0)
     checkpoint.load(path, model, no_dist=True)
     return model, meta
 
@@ -212,15 +224,19 @@ def save_peft_lora(path, model, lora):
     Returns the base it names (base_model_name_or_path, what AutoPeftModelForCausalLM loads):
     the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or None."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise UserError(f"{path} already exists and is not an empty directory: remove it or export elsewhere")
-    assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), "save_peft_lora: unmerge first"
+        raise UserError(f"{path} already exists and is not an empty directory: remove it or "
+                        f"export elsewhere")
+    assert not any(isinstance(m, LoRALinear) and m.merged for m in model.modules()), (
+        "save_peft_lora: unmerge first")
     to_hf = {v: k for k, v in HF_NAMES.items()}
     tensors = {_peft_name(n, to_hf): t.detach().to("cpu", torch.float32)
                for n, t in model.state_dict().items() if ".lora_A." in n or ".lora_B." in n}
     base = lora.get("base") or {}
-    config = {  # the keys of peft.LoraConfig that change what the adapter computes, at their meaning here
+    # the keys of peft.LoraConfig that change what the adapter computes, at their meaning here
+    config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "inference_mode": True,
-        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf" else base.get("hf"),
+        "base_model_name_or_path": base.get("path") if base.get("kind") == "hf"
+        else base.get("hf"),
         "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
         "target_modules": sorted(PEFT_TARGETS[t] for t in lora["targets"]),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
@@ -239,22 +255,27 @@ def load_peft_lora(path):
         return UserError(f"{path}: {problem}; {fix}")
 
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
-        raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what save_pretrained "
+        raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what "
+                                            "save_pretrained "
                                             "or export_lora writes)")
     for name in ("adapter_config.json", "adapter_model.safetensors"):  # (not a link out of it)
         guard_chat.check_in_model_dir(os.path.join(path, name), "copy or export it again")
     cfg = read_json(os.path.join(path, "adapter_config.json"), "copy or export it again")
     if cfg.get("peft_type") != "LORA":
-        raise bad(f"peft_type={cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'")
-    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
+        raise bad(f"peft_type={cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not "
+                  f"'LORA'")
+    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False),
+                       ("bias", "none"),
                        ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
                        ("modules_to_save", None), ("lora_bias", False)):
         if cfg.get(key, plain) not in (plain, None):
             raise bad(f"{key}={cfg[key]!r} is a LoRA variant that is not implemented here")
     r, alpha, drop = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("lora_dropout", 0.0)
-    if (type(r) is not int or not 1 <= r <= 65536 or type(alpha) not in (int, float) or not 0 < alpha < 1e30
+    if (type(r) is not int or not 1 <= r <= 65536 or type(alpha) not in (int, float)
+        or not 0 < alpha < 1e30
             or type(drop) not in (int, float) or not 0 <= drop < 1):
-        raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r}: r must be an int in [1, 65536], lora_alpha "
+        raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r}: r must be an int in [1, "
+                  f"65536], lora_alpha "
                   f"a positive finite number, lora_dropout in [0, 1)", "fix adapter_config.json")
     modules = cfg.get("target_modules")
     from_hf = {v: k for k, v in PEFT_TARGETS.items()}
@@ -270,7 +291,8 @@ def load_peft_lora(path):
         m = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.*)\.(lora_[AB])\.weight", name)
         module = m and rename(m[1] + ".weight", HF_NAMES)
         if not module or module.split(".")[-2] not in targets:
-            raise bad(f"unexpected tensor '{name}' (base weights saved beside the adapter, e.g. PEFT's "
+            raise bad(f"unexpected tensor '{name}' (base weights saved beside the adapter, e.g. "
+                      f"PEFT's "
                       f"save_embedding_layers, or a module outside target_modules)",
                       "save the adapter alone (save_embedding_layers=False)")
         sd[f"{module.removesuffix('.weight')}.{m[2]}.weight"] = t
@@ -284,13 +306,17 @@ def load_lora_adapter(model, adapter, path):
     ours = {n for n in model.state_dict() if ".lora_A." in n or ".lora_B." in n}
     missing, extra = sorted(ours - set(adapter)), sorted(set(adapter) - ours)
     if missing or extra:
-        raise UserError(f"{path}: the adapter {'lacks ' + ', '.join(missing[:3]) if missing else ''}"
-                        f"{'; ' if missing and extra else ''}{'has extra ' + ', '.join(extra[:3]) if extra else ''} "
-                        f"for this {model.cfg.n_layer}-layer base: is it the adapter of this base model?")
+        raise UserError(f"{path}: the adapter "
+                        f"{'lacks ' + ', '.join(missing[:3]) if missing else ''}"
+                        f"{'; ' if missing and extra else ''}"
+                        f"{'has extra ' + ', '.join(extra[:3]) if extra else ''} "
+                        f"for this {model.cfg.n_layer}-layer base: is it the adapter of this base "
+                        f"model?")
     shapes = model.state_dict()
     for n, t in adapter.items():
         if tuple(t.shape) != tuple(shapes[n].shape):
-            raise UserError(f"{path}: {n} has shape {tuple(t.shape)}, this base needs {tuple(shapes[n].shape)}: "
+            raise UserError(f"{path}: {n} has shape {tuple(t.shape)}, this base "
+                            f"needs {tuple(shapes[n].shape)}: "
                             f"is it the adapter of this base model?")
     model.load_state_dict(adapter, strict=False)
 
@@ -306,24 +332,30 @@ def settings(c, overrides, src):
     checkpoints) and lora_from's tensors (or None): from the LoRA run being resumed, from an
     adapter directory, or from the keys. An explicit key that disagrees is a mistake."""
     adapter, targets = None, lora_targets(c)
-    if src.kind == "resume" and src.lora:  # resuming a LoRA run: the settings and the base come from its checkpoint
+    # resuming a LoRA run: the settings and the base come from its checkpoint
+    if src.kind == "resume" and src.lora:
         lora, where = dict(src.lora), src.where
     elif src.kind == "resume":
-        raise UserError(f"lora_rank / lora_from given but {c['out_dir']} holds a full fine-tuning run: LoRA on top "
+        raise UserError(f"lora_rank / lora_from given but {c['out_dir']} holds a full fine-tuning "
+                        f"run: LoRA on top "
                         f"of it needs a new out_dir with init_from={c['out_dir']}")
     elif c["lora_from"]:
         lora, adapter = load_peft_lora(c["lora_from"])
         where = f"the adapter in {c['lora_from']}"
     else:
-        lora = {"rank": c["lora_rank"], "alpha": c["lora_alpha"], "dropout": c["lora_dropout"], "targets": targets}
+        lora = {"rank": c["lora_rank"], "alpha": c["lora_alpha"], "dropout": c["lora_dropout"],
+                "targets": targets}
         where = ""
-    for key, value in (("lora_rank", c["lora_rank"]), ("lora_alpha", c["lora_alpha"]), ("lora_targets", targets)):
+    for key, value in (("lora_rank", c["lora_rank"]), ("lora_alpha", c["lora_alpha"]),
+                       ("lora_targets", targets)):
         have = lora[key.removeprefix("lora_")]
         if key in overrides and value != have:
             raise UserError(f"{key}={overrides[key]} but {where} has {have}: drop the override")
-    lora["dropout"] = c["lora_dropout"] if "lora_dropout" in overrides else lora["dropout"]  # a run key, like dropout
+    # a run key, like dropout
+    lora["dropout"] = c["lora_dropout"] if "lora_dropout" in overrides else lora["dropout"]
     if src.kind == "fresh":
-        raise UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA directory or a run's "
+        raise UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA "
+                        "directory or a run's "
                         "out_dir (the base, which stays frozen)")
     ffn = [t for t in lora["targets"] if t in ("w1", "w2", "w3")]
     # (apply_lora wraps linears; routed experts are 3-D weights)
@@ -339,26 +371,33 @@ def attach(model, lora, adapter, src, meta, mesh, seed, lora_from=""):
     """Puts the adapters on `model` (whole, its base's weights in; on resume they are read here
     from the base the checkpoint references) and loads lora_from's tensors, in place."""
     if model.cfg.vocab_size < meta["vocab_size"]:
-        raise UserError(f"the data has {meta['vocab_size']} token ids but the base has {model.cfg.vocab_size}: LoRA "
-                        f"keeps the embeddings frozen, so new tokens would never be learned; prepare the data "
+        raise UserError(f"the data has {meta['vocab_size']} token ids but the base "
+                        f"has {model.cfg.vocab_size}: LoRA "
+                        f"keeps the embeddings frozen, so new tokens would never be learned; "
+                        f"prepare the data "
                         f"without added tokens, or use lora_rank=0")
     if model.cfg.tie_embeddings and "output" in lora["targets"]:
-        raise UserError("lora_targets has output but the base ties the head to the embedding: merging would change "
+        raise UserError("lora_targets has output but the base ties the head to the embedding: "
+                        "merging would change "
                         "the embedding too; drop output from lora_targets")
     if mesh.pp > 1 and lora["targets"] == ["output"]:
-        raise UserError("lora_targets=output with pp > 1: the first stages would have nothing to train; add a "
+        raise UserError("lora_targets=output with pp > 1: the first stages would have nothing to "
+                        "train; add a "
                         "per-layer target (wq, ...) or use pp=1")
     if src.kind == "resume":  # the checkpoint references its base (path + sha256); read it again
         load_base(model, lora["base"], mesh)
     else:
         lora["base"] = base_reference(src.path, mesh)
         export = (src.meta or {}).get("config", {}).get("export_hf") if src.kind == "run" else None
-        if export and os.path.isfile(os.path.join(export, "config.json")):  # the base run's own Hugging Face export
+        # the base run's own Hugging Face export
+        if export and os.path.isfile(os.path.join(export, "config.json")):
             lora["base"]["hf"] = os.path.abspath(export)
     apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], seed)
     if adapter is not None:
         load_lora_adapter(model, adapter, lora_from)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     mesh.print0(f"lora: r={lora['rank']} alpha={lora['alpha']:g} on {','.join(lora['targets'])}"
-                f"{f' from {lora_from}' if adapter is not None else ''}: {trainable:,} trainable parameters "
-                f"({trainable / model.num_params():.2%}); the base ({lora['base']['path']}) is frozen")
+                f"{f' from {lora_from}' if adapter is not None else ''}: {trainable:,} trainable "
+                f"parameters "
+                f"({trainable / model.num_params():.2%}); the base ({lora['base']['path']}) is "
+                f"frozen")

@@ -40,27 +40,32 @@ The scale is a power of two with the defaults, so multiplying by it and dividing
 import torch
 from torch.distributed.tensor import DTensor
 
-FLOAT32_MAX = torch.finfo(torch.float32).max  # GradScaler keeps its scale in a float32: it grows no further
+# GradScaler keeps its scale in a float32: it grows no further
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class LossScaler:
-    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000,
                  min_scale=1.0):
         self.scale = float(init_scale)
-        self.growth_tracker = 0  # clean steps in a row since the scale last changed (GradScaler's name)
+        # clean steps in a row since the scale last changed (GradScaler's name)
+        self.growth_tracker = 0
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
 
     @classmethod
     def from_config(cls, c):
         """From train.py's keys (min_scale is no key: 1.0, see above)."""
-        return cls(c["loss_scale_init"], c["loss_scale_growth"], c["loss_scale_backoff"], c["loss_scale_interval"])
+        return cls(c["loss_scale_init"], c["loss_scale_growth"], c["loss_scale_backoff"],
+                   c["loss_scale_interval"])
 
     @torch.no_grad()
     def unscale_(self, params, loss):
         """Divides the gradients of `params` (this rank's: whole, a stage's, shards or slices) by
         the scale, in place, before anything reads them; returns loss / scale, the true loss."""
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)
+                 if g is not None]
         if grads:  # one kernel for all of them, as GradScaler's (a power-of-two scale: exact)
             torch._foreach_mul_(grads, 1.0 / self.scale)
         return loss / self.scale

@@ -18,7 +18,8 @@ def temper(weights, temperature):
     """weights ** (1 / temperature), normalized: T > 1 flattens the mixture toward uniform,
     T < 1 sharpens it, T = 1 only normalizes."""
     if not temperature > 0:
-        raise UserError(f"mix_temperature={temperature} must be positive (1.0: the weights as given)")
+        raise UserError(f"mix_temperature={temperature} must be positive (1.0: the weights as "
+                        f"given)")
     # in logs: 0.1 ** (1 / 0.001) underflows to 0, and 0 / 0 would be NaN weights
     logw = np.log(np.asarray(weights, dtype=np.float64)) / temperature
     w = np.exp(logw - logw.max())
@@ -38,8 +39,10 @@ def check_tokenizers(metas):
         theirs = (widest["tokenizer"], widest.get("base_vocab_size", widest["vocab_size"]))
         a, b = list(meta.get("extra_tokens", [])), list(widest.get("extra_tokens", []))
         if ours != theirs or (a[:len(b)] != b and b[:len(a)] != a):
-            raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different tokenizers "
-                            f"({theirs[0]}/{theirs[1]} + {len(b)} extra tokens vs {ours[0]}/{ours[1]} + {len(a)}): "
+            raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different "
+                            f"tokenizers "
+                            f"({theirs[0]}/{theirs[1]} + {len(b)} extra tokens "
+                            f"vs {ours[0]}/{ours[1]} + {len(a)}): "
                             f"prepare them with the same tokenizer, vocab_size and extra tokens")
         if len(a) > len(b):
             widest_name, widest = name, meta
@@ -89,11 +92,13 @@ class MixtureLoader:
     def __init__(self, loaders, names, base_weights, phases=(), temperature=1.0):
         self.loaders, self.names = loaders, list(names)
         first = loaders[0]
-        self.seed, self.batch_size, self.global_batch = first.seed, first.batch_size, first.global_batch
+        self.seed, self.batch_size, self.global_batch = (first.seed, first.batch_size,
+                                                         first.global_batch)
         self.micro_steps, self.first_micro = first.micro_steps, first.first_micro
         self.chat = any(loader.masked for loader in loaders)  # (chat data, or padded rows)
         self.eot_tokens = torch.tensor([loader.eot_token for loader in loaders])  # each source's
-        # phase table: starts, and per phase the cumulative tempered weights (over self.names) and LR scale
+        # phase table: starts, and per phase the cumulative tempered weights (over self.names) and
+        # LR scale
         table = [(0, dict(zip(names, base_weights)), 1.0)] + [p for p in phases if p[0] > 0]
         if phases and phases[0][0] == 0:
             table[0] = phases[0]
@@ -102,7 +107,8 @@ class MixtureLoader:
         self.cdf = np.cumsum(self.weights, axis=1)
         self.cdf[:, -1] = 1.0  # a uniform < 1 always lands on some source
         self.scales = [p[2] for p in table]
-        self._counts = np.zeros((1, len(names)), dtype=np.int64)  # row i: draws per source before iteration i
+        # row i: draws per source before iteration i
+        self._counts = np.zeros((1, len(names)), dtype=np.int64)
 
     @property
     def n_chunks(self):
@@ -140,7 +146,8 @@ class MixtureLoader:
             lo = len(self._counts) - 1
             src = self.sources(np.arange(lo, lo + self.BLOCK))
             per_iter = np.stack([(src == s).sum(1) for s in range(len(self.names))], axis=1)
-            self._counts = np.concatenate([self._counts, self._counts[-1] + np.cumsum(per_iter, axis=0)])
+            self._counts = np.concatenate([self._counts,
+                                           self._counts[-1] + np.cumsum(per_iter, axis=0)])
         return self._counts[it]
 
     def global_samples(self, it):
@@ -207,12 +214,16 @@ def val_losses(val, weights):
 
 def train_losses(sums, sources):
     """{"loss/<source>": mean over its target tokens in the global batch} from SourceLosses' all-reduced sums."""
-    return {f"loss/{source_name(s)}": total / n for s, (total, n) in zip(sources, sums.tolist()) if n > 0}
+    return {f"loss/{source_name(s)}": total / n for s, (total, n) in zip(sources, sums.tolist())
+            if n > 0}
 
 
 def compact(by_source):
     """' [a 3.210, b 4.021]' of {'loss/a': 3.21, ...} for stdout."""
-    return " [" + ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in by_source.items()) + "]"
+    return (" "
+            "["
+            + ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in by_source.items())
+            + "]")
 
 
 class SourceLosses:

@@ -34,11 +34,13 @@ class ModelConfig:
     block_size: int = 256      # the longest sequence (rotary tables are built for it)
     n_layer: int = 4
     n_head: int = 4
-    n_kv_head: int = 4         # < n_head: grouped-query attention, each kv head serves n_head // n_kv_head query heads
+    # < n_head: grouped-query attention, each kv head serves n_head // n_kv_head query heads
+    n_kv_head: int = 4
     n_embd: int = 128
     head_dim: int = 0          # each head's width (0: n_embd // n_head; Qwen3's may differ)
     qk_norm: bool = False      # RMSNorms over each head's q and k before RoPE (Qwen3)
-    ffn_dim: int = 0           # SwiGLU hidden width; 0: 8/3 * n_embd rounded up to a multiple of 32
+    # SwiGLU hidden width; 0: 8/3 * n_embd rounded up to a multiple of 32
+    ffn_dim: int = 0
     dropout: float = 0.0
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
@@ -51,22 +53,31 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
     rope_attn_factor: float = 1.0  # yarn: attention_factor, cos and sin multiplied by it
-    sliding_window: int = 0    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
+    # > 0: a token attends to itself and the sliding_window - 1 before it (Mistral)
+    sliding_window: int = 0
     qkv_bias: bool = False     # biases on wq, wk, wv (Qwen2)
-    max_position: int = 0      # the context the model is made for (a base's max_position_embeddings; 0: block_size)
+    # the context the model is made for (a base's max_position_embeddings; 0: block_size)
+    max_position: int = 0
     hf_model_type: str = "llama"  # what an export declares: one of MODEL_TYPES (hf.py)
     norm_eps: float = 1e-5
-    grad_ckpt: bool = False    # recompute each block in backward instead of keeping its activations
-    neftune_alpha: float = 0.0  # > 0: NEFTune noise on the token embeddings while training (see neftune)
-    loss_chunk: int = 0        # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
-    # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a MoE
+    # recompute each block in backward instead of keeping its activations
+    grad_ckpt: bool = False
+    # > 0: NEFTune noise on the token embeddings while training (see neftune)
+    neftune_alpha: float = 0.0
+    # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
+    loss_chunk: int = 0
+    # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a
+    # MoE
     n_experts: int = 0
     moe_top_k: int = 2         # experts per token
-    moe_every: int = 1         # every moe_every-th layer is MoE (is_moe_layer; Qwen2-MoE's decoder_sparse_step)
+    # every moe_every-th layer is MoE (is_moe_layer; Qwen2-MoE's decoder_sparse_step)
+    moe_every: int = 1
     moe_dense_layers: str = ""  # and not listed here, e.g. '0,3' (Qwen-MoE's mlp_only_layers)
     moe_ffn_dim: int = 0       # each expert's SwiGLU width (0: ffn_dim)
-    moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
-    moe_norm_topk: bool = True  # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
+    # router scores: softmax (Mixtral, Qwen2-MoE) or sigmoid (DeepSeek-V3)
+    moe_score: str = "softmax"
+    # the top_k weights renormalised to sum 1 (Mixtral yes, Qwen2-MoE's default no)
+    moe_norm_topk: bool = True
     moe_shared_ffn_dim: int = 0  # > 0: a shared expert of this width, sigmoid-gated (Qwen2-MoE)
     moe_aux_weight: float = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_weight: float = 0.0  # router z-loss weight
@@ -76,8 +87,10 @@ class ModelConfig:
         check(self.head_dim or self.n_embd % self.n_head == 0,
               f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: make n_embd a "
               f"multiple of n_head")
-        check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by n_kv_head="
-                                                 f"{self.n_kv_head}: each key/value head serves a whole group of "
+        check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by "
+                                                 f"n_kv_head="
+                                                 f"{self.n_kv_head}: each key/value head serves a "
+                                                 f"whole group of "
                                                  f"query heads; use a divisor of n_head")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         check(self.head_dim % 2 == 0,
@@ -116,8 +129,10 @@ def rope_tables(head_dim, block_size, theta, cfg=None):
     Using HF's layout means HF q/k weights load without a permutation. cfg: its rotary scaling
     (YaRN's also scales cos and sin, by rope_attn_factor: 1 elsewhere)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    inv_freq = inv_freq if cfg is None or cfg.rope_type == "default" else scaled_frequencies(inv_freq, cfg)
-    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
+    inv_freq = (inv_freq if cfg is None or cfg.rope_type == "default"
+                else scaled_frequencies(inv_freq, cfg))
+    # (T, head_dim/2)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)                                  # (T, head_dim)
     scale = cfg.rope_attn_factor if cfg is not None and cfg.rope_type == "yarn" else 1.0
     return angles.cos() * scale, angles.sin() * scale
@@ -134,9 +149,11 @@ def scaled_frequencies(inv_freq, cfg):
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "yarn":
         return yarn_frequencies(inv_freq, cfg)
-    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg  # (hf.py and guard_ckpt.py check)
+    # (hf.py and guard_ckpt.py check)
+    assert cfg.rope_type == "llama3" and cfg.rope_low_freq < cfg.rope_high_freq, cfg
     wavelen = 2 * math.pi / inv_freq
-    smooth = (cfg.rope_original_len / wavelen - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
+    smooth = ((cfg.rope_original_len / wavelen - cfg.rope_low_freq)
+              / (cfg.rope_high_freq - cfg.rope_low_freq))
     blend = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
     slow = wavelen > cfg.rope_original_len / cfg.rope_low_freq
     fast = wavelen < cfg.rope_original_len / cfg.rope_high_freq
@@ -194,7 +211,8 @@ class KVCache:
         # SDPA's is_causal aligns the mask top-left, i.e. as if x started at position 0; the new
         # queries sit at past..past+T-1 and see every key up to their own position. One new
         # token, the usual case, sees them all: no mask at all.
-        mask = torch.ones(T, past + T, dtype=torch.bool, device=k.device).tril(diagonal=past) if T > 1 else None
+        mask = (torch.ones(T, past + T, dtype=torch.bool, device=k.device).tril(diagonal=past)
+                if T > 1 else None)
         return k, v, mask, False
 
 
@@ -204,10 +222,13 @@ def attend(q, k, v, mask, is_causal, dropout, gqa, recompute):
     again: float32 ones are twice what transformers keeps (docs/benchmarks.md, bench real)."""
     f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     if f32 and recompute and torch.is_grad_enabled():
-        return checkpoint(attend, q, k, v, mask, is_causal, dropout, gqa, False, use_reentrant=False)
+        return checkpoint(attend, q, k, v, mask, is_causal, dropout, gqa, False,
+                          use_reentrant=False)
     with torch.autocast("cpu", enabled=False) if f32 else nullcontext():
-        return F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)), attn_mask=mask,
-                                              is_causal=is_causal, dropout_p=dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(*(t.float() if f32 else t for t in (q, k, v)),
+                                              attn_mask=mask,
+                                              is_causal=is_causal, dropout_p=dropout,
+                                              enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -236,8 +257,8 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where attending is allowed
-        # cache: generation's KVCache of the tokens before x (KVCache.extend)
+        # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where
+        # attending is allowed cache: generation's KVCache of the tokens before x (KVCache.extend)
         B, T, C = x.shape
         q, k, v = self.heads(x)
         n_head, n_kv_head = q.shape[1], k.shape[1]
@@ -252,7 +273,8 @@ class Attention(nn.Module):
         if n_kv_head != n_head and not gqa:
             k = k.repeat_interleave(n_head // n_kv_head, dim=1)
             v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-        y = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, gqa, self.recompute)
+        y = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, gqa,
+                   self.recompute)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 
@@ -295,8 +317,10 @@ def init_tensor(name, shape, n_layer, seed):
     1/sqrt(2 * n_layer) so that the residual's variance does not grow with depth; biases 0."""
     if name.endswith(("norm.weight", ".bias")):
         return (torch.zeros if name.endswith(".bias") else torch.ones)(shape, device="cpu")
-    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
-    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
+    std = (0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+           else 0.02)
+    return torch.empty(shape, device="cpu").normal_(
+        0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
 
 def document_mask(doc_ids):
@@ -338,7 +362,8 @@ class Transformer(nn.Module):
         # swaps in one that works on a vocabulary slice (tensor_parallel.vocab_parallel_losses)
         self.loss_fn = cross_entropy_losses
         self.init_rope()
-        if not self.norm.weight.is_meta:  # on the meta device there is nothing to fill (build.py fills the shards)
+        # on the meta device there is nothing to fill (build.py fills the shards)
+        if not self.norm.weight.is_meta:
             self.init_weights()
 
     def init_rope(self, device=None):
@@ -366,7 +391,8 @@ class Transformer(nn.Module):
         T = idx.shape[1]
         start = len(next(iter(cache.values()))) if cache else 0  # the position of idx[:, 0]
         if start + T > self.cfg.block_size:
-            raise ValueError(f"sequence of length {start + T} is longer than block_size={self.cfg.block_size}")
+            raise ValueError(f"sequence of length {start + T} is longer than "
+                             f"block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         mask = None if doc_ids is None else document_mask(doc_ids)  # None: SDPA's own causal mask
         if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
@@ -402,7 +428,9 @@ class Transformer(nn.Module):
         the attention scores and values, 12 * n_layer * n_head * head_dim * block_size."""
         emb = self.tok_embeddings.weight
         matmul = [p for p in self.parameters() if p is not emb or self.cfg.tie_embeddings]
-        n = sum((6 if p.requires_grad else 4) * p.numel() * getattr(p, "_active", 1) for p in matmul)  # (moe.py)
+        # (moe.py)
+        n = sum((6 if p.requires_grad else 4) * p.numel() * getattr(p, "_active", 1)
+                for p in matmul)
         cfg = self.cfg
         return n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
 
@@ -422,7 +450,8 @@ class Transformer(nn.Module):
         for _ in range(max_new_tokens):
             if not kv_cache:
                 logits, _ = self(idx[:, -block_size:])
-            elif cache is None or len(cache[next(iter(cache))]) == block_size:  # the first step, or a full window
+            # the first step, or a full window
+            elif cache is None or len(cache[next(iter(cache))]) == block_size:
                 cache = {name: KVCache() for name in self.layers}
                 logits, _ = self(idx[:, -block_size:], cache=cache)
             else:
@@ -449,13 +478,15 @@ def grow_vocab(model, new_vocab_size):
     weights are new Parameters."""
     old = model.cfg.vocab_size
     if new_vocab_size < old:
-        raise ValueError(f"grow_vocab: new_vocab_size={new_vocab_size} is smaller than vocab_size={old}")
+        raise ValueError(f"grow_vocab: new_vocab_size={new_vocab_size} is smaller than "
+                         f"vocab_size={old}")
     if new_vocab_size == old:
         return model
 
     def grown(w):  # (old, n_embd) -> (new_vocab_size, n_embd)
         mean = w.float().mean(0, keepdim=True).to(w.dtype)
-        return nn.Parameter(torch.cat([w, mean.expand(new_vocab_size - old, -1)]), requires_grad=w.requires_grad)
+        return nn.Parameter(torch.cat([w, mean.expand(new_vocab_size - old, -1)]),
+                            requires_grad=w.requires_grad)
 
     if model.tok_embeddings is not None:
         model.tok_embeddings.weight = grown(model.tok_embeddings.weight)
@@ -481,7 +512,8 @@ def masked_mean(losses, loss_mask=None):
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1)  # clamp: no target tokens give 0, not NaN
+    # clamp: no target tokens give 0, not NaN
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
 def cross_entropy_losses(h, head, targets, chunk=0):
@@ -489,7 +521,8 @@ def cross_entropy_losses(h, head, targets, chunk=0):
     (chunk=0: B x T x vocab floats), or ChunkedCrossEntropy's chunks of rows."""
     if not chunk:
         logits = head(h).float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                               reduction="none").view(targets.shape)
     return chunked_losses(h, head, targets, chunk)
 
 
@@ -499,7 +532,8 @@ def chunked_losses(h, head, targets, chunk, vocab=None):
     (lora.LoRALinear.pairs). vocab: see ChunkedCrossEntropy."""
     x = h.flatten(0, 1)
     pairs = head.pairs(x) if hasattr(head, "pairs") else [(x, head.weight)]
-    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab, *(t for pair in pairs for t in pair)).view(
+    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab,
+                                     *(t for pair in pairs for t in pair)).view(
         targets.shape)
 
 
@@ -538,8 +572,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         mine = (local >= 0) & (local < ws[0].shape[0])  # is the target's row in this slice?
         local = local.masked_fill(~mine, 0)
         mm = _matmul_weights(ws, dev)
-        lse = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)  # log-sum-exp per row
-        picked = torch.empty_like(lse)                                                 # the target's logit
+        # log-sum-exp per row
+        lse = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)
+        # the target's logit
+        picked = torch.empty_like(lse)
         for a in range(0, targets.shape[0], chunk):
             b = min(a + chunk, targets.shape[0])
             logits = _logits(xs, mm, a, b)  # (chunk, vocab)
@@ -571,10 +607,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         mm = _matmul_weights(ws, ctx.autocast[0])
         need = ctx.needs_input_grad[3:]
         gx = [torch.zeros_like(x) if need[2 * i] else None for i, x in enumerate(xs)]
-        gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None for i, w in enumerate(ws)]
+        gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None
+              for i, w in enumerate(ws)]
         for a in range(0, local.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, local.shape[0])
-            g = _logits(xs, mm, a, b).sub_(lse[a:b, None]).exp_()  # softmax, minus 1 at the target, times grad
+            # softmax, minus 1 at the target, times grad
+            g = _logits(xs, mm, a, b).sub_(lse[a:b, None]).exp_()
             g[torch.arange(b - a, device=g.device), local[a:b]] -= mine[a:b].to(g.dtype)
             g.mul_(grad[a:b, None])
             for i, (x, w) in enumerate(zip(xs, mm)):
@@ -582,7 +620,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     gx[i][a:b] = (g.to(w.dtype) @ w).to(x.dtype)
                 if gw[i] is not None and not autocast:
                     gw[i].addmm_(g.T, x[a:b].to(g.dtype))
-                elif gw[i] is not None:  # (an in-place addmm_ would leave autocast's dtype: float32)
+                # (an in-place addmm_ would leave autocast's dtype: float32)
+                elif gw[i] is not None:
                     gw[i] += (g.T @ x[a:b]).float()
-        return (None, None, None, *(t for i in range(len(xs)) for t in (gx[i], None if gw[i] is None
-                                                                        else gw[i].to(ws[i].dtype))))
+        return (None, None, None,
+                *(t for i in range(len(xs))
+                  for t in (gx[i], None if gw[i] is None else gw[i].to(ws[i].dtype))))

@@ -87,12 +87,15 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.cfg = E, cfg.moe_top_k, cfg
         self.router = nn.Linear(dim, E, bias=False)
         self.experts = GroupedExperts(E, dim, ffn)
-        for p in self.experts.parameters():  # a token uses top_k of the E experts (model.flops_per_token)
+        # a token uses top_k of the E experts (model.flops_per_token)
+        for p in self.experts.parameters():
             p._active = self.top_k / E
-        if cfg.moe_shared_ffn_dim:  # Qwen2-MoE's shared expert, every token through it, with a sigmoid gate
+        # Qwen2-MoE's shared expert, every token through it, with a sigmoid gate
+        if cfg.moe_shared_ffn_dim:
             self.shared_expert = SharedExpert(dim, cfg.moe_shared_ffn_dim)
             self.shared_gate = nn.Linear(dim, 1, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing: chooses, never weighs
+        # aux-loss-free balancing: chooses, never weighs
+        self.register_buffer("expert_bias", torch.zeros(E))
         self.run_experts = run_local
         self.last = None
 
@@ -113,10 +116,14 @@ class MoE(nn.Module):
         chosen, weights, logits, scores = self.route(x)
         flat = chosen.flatten()  # (N k): token t's j-th choice at t * k + j
         counts = torch.bincount(flat, minlength=self.n_experts)
-        order = flat.argsort(stable=True)  # the token slots grouped by expert, in token order within one
-        y = self.run_experts(self.experts, x[order // self.top_k], counts)  # (N k, D) in that order
-        y = torch.empty_like(y).index_copy_(0, order, y).view(-1, self.top_k, D)  # back to (N, k, D)
-        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # the k outputs of a token, in k order
+        # the token slots grouped by expert, in token order within one
+        order = flat.argsort(stable=True)
+        # (N k, D) in that order
+        y = self.run_experts(self.experts, x[order // self.top_k], counts)
+        # back to (N, k, D)
+        y = torch.empty_like(y).index_copy_(0, order, y).view(-1, self.top_k, D)
+        # the k outputs of a token, in k order
+        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
         if self.training:
@@ -137,7 +144,8 @@ def balancing_losses(logits, scores, counts, kind):
 
 def moe_layers(model):
     """{layer name: MoE} of the layers this model (or pipeline stage) holds."""
-    return {name: b.feed_forward for name, b in model.layers.items() if isinstance(b.feed_forward, MoE)}
+    return {name: b.feed_forward for name, b in model.layers.items()
+            if isinstance(b.feed_forward, MoE)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,7 +191,8 @@ def _after_forward(model, args, out):
         counts, aux, z = layer.last
         layer.last = None
         row = stats.names.index(name)
-        if stats.counts.device != counts.device:  # (on the model's device: no sync per micro-batch)
+        # (on the model's device: no sync per micro-batch)
+        if stats.counts.device != counts.device:
             stats.to(counts.device)
         stats.counts[row] += counts
         stats.aux[row] += aux.detach()

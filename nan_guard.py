@@ -37,7 +37,8 @@ class NanGuard:
             log({"iter": it, "loss": None, "grad_norm": None, "skipped": skipped})
             return False
         if skipped == "fp16 overflow":
-            mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale now {scaler.scale:g}")
+            mesh.print0(f"iter {it}: fp16 gradient overflow: step skipped, loss scale "
+                        f"now {scaler.scale:g}")
             log({"iter": it, "loss": loss, "skipped": skipped, "loss_scale": scaler.scale})
             return False
         self.skip_iters.add(it)
@@ -51,26 +52,33 @@ class NanGuard:
         """roll_back below; again (no finite step since the last rollback) when this run of
         skips began where the last rollback went. Returns the iteration to go on from."""
         again = self.rolled_back_to is not None and self.run_start == self.rolled_back_to
-        back = roll_back(out_dir, model, optimizer, mesh, self.skip_iters, self.streak, it, self.action, scaler, again)
+        back = roll_back(out_dir, model, optimizer, mesh, self.skip_iters, self.streak, it,
+                         self.action, scaler, again)
         # the iterations from `back` on continue this run of skips until a finite step
         self.streak, self.last, self.run_start, self.rolled_back_to = 0, back - 1, back, back
         return back
 
 
-def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None, again=False):
+def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_action, scaler=None,
+              again=False):
     """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
     checkpoint back into the model, the optimizer, the random streams (and fp16's loss
     scaler), metrics.jsonl cut
     back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
     their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
     and `again` (no finite step since the last rollback): the fault is not in a few batches."""
-    check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or gradient norm right "
-                     f"after rolling back: the fault outlives a rollback, so it is not a few bad batches; lower "
-                     f"learning_rate, check the data from there on, or resume from an earlier checkpoint")
+    check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or "
+                     f"gradient norm right "
+                     f"after rolling back: the fault outlives a rollback, so it is not a few bad "
+                     f"batches; lower "
+                     f"learning_rate, check the data from there on, or resume from an earlier "
+                     f"checkpoint")
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or path is None:
-        raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or gradient norm"
-                        f"{'' if path else ' and there is no checkpoint to roll back to'}: lower learning_rate, "
+        raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or "
+                        f"gradient norm"
+                        f"{'' if path else ' and there is no checkpoint to roll back to'}: lower "
+                        f"learning_rate, "
                         f"check the data around these iterations, or raise nan_max_consecutive")
     meta, state = guard_ckpt.read_meta(path)
     checkpoint.load(path, model, optimizer)

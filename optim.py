@@ -18,7 +18,8 @@ from parallel import tp_gather, tp_slice
 # ---- the optimizer: Muon for the hidden matrices, AdamW for the rest -----------------------
 
 
-def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, dtype=torch.bfloat16):
+def newton_schulz(g, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7,
+                  dtype=torch.bfloat16):
     """An approximately orthogonal matrix with the row and column spaces of g (2-D, or a stack
     (k, m, n) of matrices of one shape, each on its own): U V^T of its SVD g = U S V^T, by a
     quintic Newton-Schulz iteration on X = g / |g| (every singular value in (0, 1]) that pushes
@@ -48,7 +49,9 @@ def newton_schulz_each(gs, dtype):
     for i, g in enumerate(gs):
         by_shape.setdefault(tuple(g.shape), []).append(i)
     for idx in by_shape.values():
-        for i, update in zip(idx, newton_schulz(torch.stack([gs[i].to(dtype) for i in idx]), dtype=dtype)):
+        for i, update in zip(idx,
+                             newton_schulz(torch.stack([gs[i].to(dtype) for i in idx]),
+                                           dtype=dtype)):
             out[i] = update
     return out
 
@@ -110,13 +113,16 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
     follow torch.optim.AdamW (single-tensor) step by step; tests check both halves against
     torch's own optimizers."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                 momentum=0.95,
                  ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      muon=False))
+        super().__init__(params,
+                         dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              momentum=momentum, muon=False))
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
-            assert not group["muon"] or all(len(whole_shape(p)) in (2, 3) for p in group["params"]), \
+            assert not group["muon"] or all(len(whole_shape(p)) in (2, 3)
+                                            for p in group["params"]), \
                 "Muon is for 2-D matrices (or a stack of them: a MoE layer's experts)"
 
     def orthogonalize(self, params, gs):
@@ -140,12 +146,14 @@ class MuonWithAdamW(NamedState, torch.optim.Optimizer):
                 if group["muon"]:
                     buf, mu = state["momentum_buffer"], group["momentum"]
                     buf.lerp_(p.grad, 1 - mu)                           # B = mu B + (1 - mu) G
-                    muon.append((p, p.grad.lerp(buf, mu), lr))          # Nesterov: (1 - mu) G + mu B
+                    # Nesterov: (1 - mu) G + mu B
+                    muon.append((p, p.grad.lerp(buf, mu), lr))
                 else:
                     (beta1, beta2), step = group["betas"], state["step"].add_(1).item()
                     state["exp_avg"].lerp_(p.grad, 1 - beta1)
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+                    denom = (state["exp_avg_sq"].sqrt()
+                             / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         updates = self.orthogonalize([p for p, _, _ in muon], [g for _, g, _ in muon])
         for (p, _, lr), update in zip(muon, updates):
@@ -187,10 +195,12 @@ def orthogonalize_shared(shapes, whole, part, ranks, dtype, device):
             full = whole(i)
             if r == me:
                 mine = newton_schulz(full, dtype=dtype).to(full.dtype)
-        flat = torch.zeros(max(math.prod(shapes[i]) for i in round_), device=device)  # padded to the largest
+        # padded to the largest
+        flat = torch.zeros(max(math.prod(shapes[i]) for i in round_), device=device)
         if mine is not None:
             flat[:mine.numel()] = mine.flatten()
-        for group, size, _ in ranks:  # every rank's result: [rank 0's, rank 1's, ...] in that order
+        # every rank's result: [rank 0's, rank 1's, ...] in that order
+        for group, size, _ in ranks:
             if size > 1:
                 every = [torch.empty_like(flat) for _ in range(size)]
                 dist.all_gather(every, flat, group=group)
@@ -222,7 +232,8 @@ def sharded_orthogonalize(mesh, dtype):
             update = tp_slice(update, p) if hasattr(p, "_split_dim") else update
             return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None) \
                 if isinstance(p, DTensor) else update
-        return orthogonalize_shared([whole_shape(p) for p in params], whole, part, sharing_ranks(mesh), dtype,
+        return orthogonalize_shared([whole_shape(p) for p in params], whole, part,
+                                    sharing_ranks(mesh), dtype,
                                     mesh.device)
     return orthogonalize
 
@@ -239,24 +250,36 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
     trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     lora = len(trains) < len(list(raw_model.parameters()))  # a frozen base: LoRA
     if c["optim"] == "muon" and lora:
-        mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole weight matrices)")
+        mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole "
+                    "weight matrices)")
     muon = c["optim"] == "muon" and not lora
-    hidden = [p for n, p in trains if muon and p.dim() in (2, 3) and n.startswith("layers.")]  # (3: experts)
-    tied = raw_model.cfg.tie_embeddings  # the head is the embedding (on the last pipeline stage: its copy)
-    embedding = [p for n, p in trains if n == "tok_embeddings.weight" or (tied and n == "output.weight")]
-    decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]  # head (+ AdamW: matmuls)
-    no_decay = [p for n, p in trains if p.dim() < 2]                                                # norm gains
-    groups = [{"params": embedding, "weight_decay": c["weight_decay"], "lr_scale": c["embed_lr_scale"]},
-              {"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0},
+    # (3: experts)
+    hidden = [p for n, p in trains if muon and p.dim() in (2, 3) and n.startswith("layers.")]
+    # the head is the embedding (on the last pipeline stage: its copy)
+    tied = raw_model.cfg.tie_embeddings
+    embedding = [p for n, p in trains
+                 if n == "tok_embeddings.weight" or (tied and n == "output.weight")]
+    # head (+ AdamW: matmuls)
+    decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]
+    # norm gains
+    no_decay = [p for n, p in trains if p.dim() < 2]
+    groups = [{"params": embedding, "weight_decay": c["weight_decay"],
+               "lr_scale": c["embed_lr_scale"]},
+              {"params": decay, "weight_decay": c["weight_decay"]},
+              {"params": no_decay, "weight_decay": 0.0},
               {"params": hidden, "weight_decay": c["weight_decay"], "muon": True}]
-    groups = [g for g in groups if g["params"]]  # a pipeline stage without the embedding, LoRA (frozen embedding)
+    # a pipeline stage without the embedding, LoRA (frozen embedding)
+    groups = [g for g in groups if g["params"]]
     # fused AdamW: one pass over each tensor. On a CPU the default loop over tensors reads and
     # writes each weight-sized tensor ~10 times: 6x slower, at 135M parameters a third of a step
-    betas, fused = (c["beta1"], c["beta2"]), mesh.device.type in ("cuda", "cpu") and not c["offload"]
+    betas, fused = ((c["beta1"], c["beta2"]),
+                    mesh.device.type in ("cuda", "cpu") and not c["offload"])
     muon_kw = dict(lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],
                    ns_dtype=torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
-    if sharded:  # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)
-        optimizer = sharded(model, groups, c["offload"], muon_kw if muon else None, lr=c["learning_rate"],
+    # ZeRO: zero.py (AdamW / Muon on this rank's slices, then an all-gather of the updated weights)
+    if sharded:
+        optimizer = sharded(model, groups, c["offload"], muon_kw if muon else None,
+                            lr=c["learning_rate"],
                             betas=betas, fused=fused)
         return optimizer, optimizer.params
     if muon:
@@ -288,8 +311,10 @@ def get_lr(it, c):
 def schedule_note(c):
     """A line on what the schedule does when max_iters ends inside the warmup (train.py asks only then)."""
     top = c["learning_rate"] * c["max_iters"] / c["warmup_iters"]
-    return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning rate only warms up, "
-            f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never reached, and there is "
+    return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning "
+            f"rate only warms up, "
+            f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never "
+            f"reached, and there is "
             f"no decay); lower warmup_iters for a full schedule")
 
 

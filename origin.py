@@ -35,8 +35,10 @@ class Source:
 
 def weights_source(out_dir, init_from, mesh):
     """The Source of this run's weights: the first of train.py's (1)-(4) that matches."""
-    saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)  # rank 0's view decides
-    if not saved and init_from in ("auto", "scratch"):                     # (4), nothing saved here
+    # rank 0's view decides
+    saved = broadcast_object(os.path.isdir(os.path.join(out_dir, "ckpt")), mesh)
+    # (4), nothing saved here
+    if not saved and init_from in ("auto", "scratch"):
         return Source("fresh")
     return _found_source(out_dir, init_from, mesh, saved)
 
@@ -44,15 +46,20 @@ def weights_source(out_dir, init_from, mesh):
 def _found_source(out_dir, init_from, mesh, saved):
     """weights_source where out_dir holds checkpoints or init_from names where to start."""
     ckpt = checkpoint.find(out_dir, mesh, warn=mesh.print0) if saved else None
-    check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has no checkpoint: use "
-                                                        f"init_from=auto (or scratch), or the out_dir of the run to "
+    check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has "
+                                                        f"no checkpoint: use "
+                                                        f"init_from=auto (or scratch), or the "
+                                                        f"out_dir of the run to "
                                                         f"continue")
-    check(not (init_from == "scratch" and ckpt), f"init_from=scratch but {out_dir} holds checkpoints of an earlier "
-                                                 f"run: continue it with init_from=auto, or pick a new out_dir (or "
+    check(not (init_from == "scratch" and ckpt), f"init_from=scratch but {out_dir} holds "
+                                                 f"checkpoints of an earlier "
+                                                 f"run: continue it with init_from=auto, or pick "
+                                                 f"a new out_dir (or "
                                                  f"delete {out_dir}/ckpt)")
     if ckpt:                                                                # (1)
         meta, state = guard_ckpt.read_meta(ckpt)
-        return Source("resume", ckpt, meta, state, meta["model"], f"the checkpoint in {out_dir}", lora=meta.get("lora"))
+        return Source("resume", ckpt, meta, state, meta["model"], f"the checkpoint in {out_dir}",
+                      lora=meta.get("lora"))
     if init_from in ("auto", "scratch", "resume"):                          # (4)
         return Source("fresh")
     return start_from(init_from, mesh)
@@ -62,15 +69,19 @@ def start_from(init_from, mesh):
     """(2) or (3): the Source of a run that starts from another model's weights."""
     if os.path.isdir(os.path.join(init_from, "ckpt")):                      # (2)
         ckpt = checkpoint.find(init_from, mesh, warn=mesh.print0)
-        check(ckpt is not None, f"init_from={init_from} is a run directory with no checkpoint in ckpt/: train it "
+        check(ckpt is not None, f"init_from={init_from} is a run directory with no checkpoint in "
+                                f"ckpt/: train it "
                                 f"first, or point at another run or a Hugging Face model")
         meta = guard_ckpt.read_meta(ckpt)[0]
-        check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged model (export_hf= of "
-                                    f"train.py or sample.py), or its base with lora_from= its export_lora")
+        check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged "
+                                    f"model (export_hf= of "
+                                    f"train.py or sample.py), or its base with lora_from= its "
+                                    f"export_lora")
         return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
     import hf                                                               # (3)
     saved, index = hf.hf_index(init_from)
-    return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+    return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}",
+                  hf_index=index)
 
 
 def finished(src, c, out_dir, mesh):
@@ -80,12 +91,16 @@ def finished(src, c, out_dir, mesh):
     if it >= c["max_iters"]:
         done = f"{out_dir} holds a finished run (iteration {it}, max_iters={c['max_iters']})"
         # an export is written by the run that ends: a finished one must not skip it silently
-        check(not c["export_hf"], f"{done}, and export_hf= is written when a run ends: `python sample.py "
+        check(not c["export_hf"], f"{done}, and export_hf= is written when a run ends: `python "
+                                  f"sample.py "
                                   f"out_dir={out_dir} export_hf={c['export_hf']}` exports it now")
-        check(not c["export_lora"], f"{done}, and export_lora= is written when a run ends: raise max_iters= (it "
-                                    f"exports after the last iteration), or export the merged model with "
+        check(not c["export_lora"], f"{done}, and export_lora= is written when a run ends: raise "
+                                    f"max_iters= (it "
+                                    f"exports after the last iteration), or export the merged "
+                                    f"model with "
                                     f"`python sample.py out_dir={out_dir} export_hf=DIR`")
-        mesh.print0(f"{done}: nothing to do; raise max_iters= to train further, or pick a new out_dir")
+        mesh.print0(f"{done}: nothing to do; raise max_iters= to train further, or pick a new "
+                    f"out_dir")
         return True
     return False
 
@@ -93,8 +108,9 @@ def finished(src, c, out_dir, mesh):
 def saved_shape(src, overrides, base_vocab, c, world):
     """The ModelConfig of a model that comes from a checkpoint or a model directory: its shape
     from there, the run's own keys (block_size, dropout, ...) from the config `c`."""
-    run_keys = {k: c[k] for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk", "moe_aux_weight",
-                                  "moe_z_weight", "moe_bias_rate")
+    run_keys = {k: c[k]
+                for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk",
+                          "moe_aux_weight", "moe_z_weight", "moe_bias_rate")
                 # (the aux weight: a base's own, unless the run gives one)
                 if k != "moe_aux_weight" or k in overrides or k not in src.saved}
     cfg = ModelConfig(**{**src.saved, **run_keys})

@@ -97,9 +97,11 @@ class Packed:
         self.padding = 1 - lengths.sum() / (self.n_rows * row)
 
     def note(self, name):
-        return (f"{name}: {self.n_docs:,} documents in {self.n_rows:,} rows of {self.row:,} tokens, "
+        return (f"{name}: {self.n_docs:,} documents in {self.n_rows:,} rows of {self.row:,} "
+                f"tokens, "
                 f"best fit, each whole but {self.n_split:,} split at a turn boundary and "
-                f"{self.n_cut:,} cut (longer than a row); {self.padding:.1%} of the rows is padding")
+                f"{self.n_cut:,} cut (longer than a row); {self.padding:.1%} of the rows is "
+                f"padding")
 
     def rows(self, rows, tokens, mask):
         """(x, y, loss_mask) of the given rows: each (len(rows), row - 1); padding counts nothing,

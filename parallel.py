@@ -50,14 +50,17 @@ class Mesh:
     pp_rank: int       # this rank's stage
     device: torch.device
     backend: str       # "gloo" | "nccl" | "" for a single process
-    dp_group: object = None  # the ranks with the same stage and tp slice: gradients are averaged here (None: all)
+    # the ranks with the same stage and tp slice: gradients are averaged here (None: all)
+    dp_group: object = None
     pp_group: object = None  # the stages of this rank's pipeline (same dp_rank, same tp_rank)
     dp_mesh: object = None   # dp_group as a DeviceMesh, for FSDP2
     tp: int = 1        # tensor-parallel ranks: each holds a slice of every block's matmuls
     tp_rank: int = 0
     tp_group: object = None  # the ranks that share one stage's matmuls (consecutive ranks)
-    tp_mesh: object = None   # tp_group as a DeviceMesh (the peer test against torch's tensor parallel)
-    cp: int = 1        # context-parallel ranks: each holds a part of every sequence, the weights replicated
+    # tp_group as a DeviceMesh (the peer test against torch's tensor parallel)
+    tp_mesh: object = None
+    # context-parallel ranks: each holds a part of every sequence, the weights replicated
+    cp: int = 1
     cp_rank: int = 0
     cp_group: object = None  # the ranks that share one sequence (same dp_rank, stage and tp_rank)
 
@@ -87,7 +90,8 @@ def pick_device(device):
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={device} but CUDA is not available here: use device=cpu or device=auto")
+        raise UserError(f"device={device} but CUDA is not available here: use device=cpu or "
+                        f"device=auto")
     if device.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise UserError(f"device={device} is not one of auto, cpu, cuda, mps")
     return torch.device(device)
@@ -98,9 +102,11 @@ def setup(device="auto", dist_timeout_s=300, backend="auto", pp=1, tp=1, cp=1):
     process group; under torchrun, start_process_group."""
     dev = pick_device(device)
     if backend == "nccl" and dev.type != "cuda":
-        raise UserError(f"backend=nccl needs CUDA tensors but device is {dev.type}: use backend=gloo (or auto)")
+        raise UserError(f"backend=nccl needs CUDA tensors but device is {dev.type}: use "
+                        f"backend=gloo (or auto)")
     if "RANK" not in os.environ:
-        return Mesh(rank=0, local_rank=0, world=1, dp=1, pp=1, dp_rank=0, pp_rank=0, device=dev, backend="")
+        return Mesh(rank=0, local_rank=0, world=1, dp=1, pp=1, dp_rank=0, pp_rank=0, device=dev,
+                    backend="")
     return start_process_group(dev, dist_timeout_s, backend, pp, tp, cp)
 
 
@@ -110,7 +116,8 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
     waits longer than dist_timeout_s (a dead or hung peer) raises instead of hanging."""
     world, rank, local_rank = (int(os.environ[k]) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
     die_with_parent()
-    assert world % (pp * cp * tp) == 0, f"pp={pp} x cp={cp} x tp={tp} does not divide the world of {world}"
+    assert world % (pp * cp * tp) == 0, (
+        f"pp={pp} x cp={cp} x tp={tp} does not divide the world of {world}")
     if dev.type == "cuda":
         dev = _local_gpu(local_rank)
     if backend == "auto":
@@ -119,18 +126,22 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # under torchrun the store outlives a restart of the workers (--max-restarts): prefix
         # our keys with the attempt, or the new workers can read the dead ones' addresses
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-            timeout=timedelta(seconds=dist_timeout_s)))
-    dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s), rank=rank,
+        store = dist.PrefixStore(
+            f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                timeout=timedelta(seconds=dist_timeout_s)))
+    dist.init_process_group(backend, store=store, timeout=timedelta(seconds=dist_timeout_s),
+                            rank=rank,
                             world_size=world, device_id=dev if backend == "nccl" else None)
     dp = world // (pp * cp * tp)
     # the grid torch.arange(world).view(dp, pp, cp, tp), row-major as Mesh's docstring says:
     # grid[:, s, c, t] is a dp group, grid[d, :, c, t] a pipeline, grid[d, s, :, t] a cp group,
     # grid[d, s, c, :] a tp group
     grid = init_device_mesh(dev.type, (dp, pp, cp, tp), mesh_dim_names=("dp", "pp", "cp", "tp"))
-    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp, dp_rank=rank // (pp * cp * tp),
-                pp_rank=rank // (cp * tp) % pp, device=dev, backend=backend, dp_group=grid.get_group("dp"),
+    return Mesh(rank=rank, local_rank=local_rank, world=world, dp=dp, pp=pp,
+                dp_rank=rank // (pp * cp * tp),
+                pp_rank=rank // (cp * tp) % pp, device=dev, backend=backend,
+                dp_group=grid.get_group("dp"),
                 pp_group=grid.get_group("pp"), dp_mesh=grid["dp"], tp=tp, tp_rank=rank % tp,
                 tp_group=grid.get_group("tp"), tp_mesh=grid["tp"], cp=cp, cp_rank=rank // tp % cp,
                 cp_group=grid.get_group("cp"))
@@ -139,7 +150,8 @@ def start_process_group(dev, dist_timeout_s, backend, pp, tp, cp=1):
 def _local_gpu(local_rank):
     """This rank's GPU: one per local rank."""
     if local_rank >= torch.cuda.device_count():
-        raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
+        raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} "
+                        f"GPUs: "
                         f"start at most that many processes per node (--nproc_per_node)")
     dev = torch.device("cuda", local_rank)
     torch.cuda.set_device(dev)
@@ -220,9 +232,10 @@ def all_reduce_sum(t, mesh, group=None):
     return t
 
 
-# A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_split_dim` (the dimension
-# it is cut along) and `_split_group`, and from those marks alone its whole tensor is gathered, or a
-# whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
+# A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_split_dim` (the
+# dimension
+# it is cut along) and `_split_group`, and from those marks alone its whole tensor is gathered, or
+# a whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
 
 
 def tp_gather(t, p):
@@ -234,7 +247,8 @@ def tp_gather(t, p):
 
 def tp_slice(full, p):
     """This rank's slice of the full tensor `full`, cut like parameter `p`."""
-    return full.chunk(dist.get_world_size(p._split_group), p._split_dim)[dist.get_rank(p._split_group)]
+    return full.chunk(dist.get_world_size(p._split_group),
+                      p._split_dim)[dist.get_rank(p._split_group)]
 
 
 def set_grad_sync(model, sync):
@@ -257,7 +271,8 @@ def wait_grad_sync(model):
 def all_reduce_named(values, mesh):
     """{name: sum over all ranks} for {name: a number, bool or tensor}: one all-reduce (float64)
     for all of them, one collective per step for everything the ranks must agree on."""
-    parts = {k: torch.as_tensor(v, dtype=torch.float64).to(mesh.device).reshape(-1) for k, v in values.items()}
+    parts = {k: torch.as_tensor(v, dtype=torch.float64).to(mesh.device).reshape(-1)
+             for k, v in values.items()}
     flat = all_reduce_sum(torch.cat(list(parts.values())), mesh)
     sums = flat.split([part.numel() for part in parts.values()])
     return {k: s.view(torch.as_tensor(v).shape) for (k, v), s in zip(values.items(), sums)}
@@ -277,21 +292,25 @@ def memory_bytes(model, optimizer):
         grads += [b.grad_chunk for b in optimizer.model.buckets if b.grad_chunk is not None]
     return {"params": size(model.parameters()),
             "grads": size(grads),
-            "optimizer": size(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))}
+            "optimizer": size(v for st in optimizer.state.values() for v in st.values()
+                              if torch.is_tensor(v))}
 
 
 def memory_line(model, optimizer, mesh, zero, fsdp, offload):
     """'memory per rank: params .. MB, grads .. MB, optimizer .. MB' and what is sharded."""
     mem = memory_bytes(model, optimizer)
     split = _what_is_split(mesh, zero, fsdp, offload) if zero or fsdp or mesh.tp > 1 else ""
-    return "memory per rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split
+    return ("memory per "
+            "rank: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MB" for k, v in mem.items()) + split)
 
 
 def _what_is_split(mesh, zero, fsdp, offload):
     split = (f" (fsdp: 1/{mesh.dp} of each)" if fsdp else
-             f" (zero={zero}: 1/{mesh.dp} of the optimizer{' and grads' if zero == 2 else ''})" if zero else "")
+             f" (zero={zero}: 1/{mesh.dp} of the "
+             f"optimizer{' and grads' if zero == 2 else ''})" if zero else "")
     if mesh.tp > 1:
-        split += f" (tp: the matrices' 1/{mesh.tp} slices{', sharded over dp' if zero or fsdp else ''})"
+        split += (f" (tp: the matrices' 1/{mesh.tp} "
+                  f"slices{', sharded over dp' if zero or fsdp else ''})")
     if offload and (zero or fsdp) and mesh.device.type == "cuda":
         split += " (optimizer in CPU memory)"
     return split
@@ -302,7 +321,8 @@ def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
     neighbour's load slows some, not the best): the peak that MFU is measured against when
     peak_flops is not given (nobody publishes one for your laptop's CPU). Timed in groups of
     at least 5 ms, so that a GPU's launch and synchronize latency does not count."""
-    g = torch.Generator(device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
+    # its own generator: the run's RNG stream is untouched
+    g = torch.Generator(device).manual_seed(0)
     a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
     b = torch.rand(n, n, device=device, dtype=dtype, generator=g)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
@@ -316,7 +336,8 @@ def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
         sync()
         dt = time.perf_counter() - t0
         best = min(best, dt / group)
-        if dt < 0.005:  # mostly launch latency (a GPU): time more of them at once (a CPU's takes ~10 ms)
+        # mostly launch latency (a GPU): time more of them at once (a CPU's takes ~10 ms)
+        if dt < 0.005:
             group *= 2
     return 2 * n ** 3 / best
 
@@ -326,8 +347,10 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
     (0: only measure it); returns that norm, the same on every rank. (Clipping each stage or
     shard by its own norm would be a different, layout-dependent update.)"""
     params = [p for p in params if p.grad is not None]
-    # plain data-parallel (and cp) replicas hold the same, whole gradient: their own norm is the model's
-    spread = sharded or mesh.pp > 1 or mesh.tp > 1 or any(isinstance(p.grad, DTensor) or hasattr(p, "_ep")
+    # plain data-parallel (and cp) replicas hold the same, whole gradient: their own norm is the
+    # model's
+    spread = sharded or mesh.pp > 1 or mesh.tp > 1 or any(isinstance(p.grad, DTensor)
+                                                          or hasattr(p, "_ep")
                                                           for p in params)
     if spread:  # the parts of the gradient other ranks hold
         sq = global_grad_squared_norm(params, mesh, sharded)
@@ -357,13 +380,17 @@ def global_grad_squared_norm(params, mesh, sharded=False):
     FSDP's shards."""
     sq = torch.zeros((), device=mesh.device)
     sq_tp = torch.zeros((), device=mesh.device)  # tp slices: each tp rank holds a different part
-    experts = torch.zeros((), device=mesh.device)  # expert_parallel.py: each rank of an ep group its own experts
+    # expert_parallel.py: each rank of an ep group its own experts
+    experts = torch.zeros((), device=mesh.device)
     for p in params:
         s = squared_norm(_local(p.grad))
-        whole = getattr(p, "_whole", p)  # a ZeRO piece: its marks are its parameter's, as for Muon's whole_shape
-        if getattr(whole, "_tied_copy", False):  # tied across stages: the embedding's gradient again
+        # a ZeRO piece: its marks are its parameter's, as for Muon's whole_shape
+        whole = getattr(p, "_whole", p)
+        # tied across stages: the embedding's gradient again
+        if getattr(whole, "_tied_copy", False):
             continue
-        if hasattr(whole, "_ep") and not isinstance(p.grad, DTensor):  # (the same on the ranks holding the same
+        # (the same on the ranks holding the same
+        if hasattr(whole, "_ep") and not isinstance(p.grad, DTensor):
             # experts: counted once, after dp's sum; under fsdp a shard like the others)
             experts += s
         elif hasattr(whole, "_split_dim"):
@@ -373,9 +400,11 @@ def global_grad_squared_norm(params, mesh, sharded=False):
     if mesh.tp > 1:
         dist.all_reduce(sq_tp, group=mesh.tp_group)
     sq += sq_tp
-    if sharded or any(isinstance(p.grad, DTensor) for p in params):  # FSDP, ZeRO: each dp rank holds a different part
+    # FSDP, ZeRO: each dp rank holds a different part
+    if sharded or any(isinstance(p.grad, DTensor) for p in params):
         dist.all_reduce(sq, group=mesh.dp_group)
-    ep_group = next((w._split_group for w in (getattr(p, "_whole", p) for p in params) if hasattr(w, "_ep")), None)
+    ep_group = next((w._split_group for w in (getattr(p, "_whole", p) for p in params)
+                     if hasattr(w, "_ep")), None)
     if ep_group is not None:
         dist.all_reduce(experts, group=ep_group)
         sq += experts

@@ -82,9 +82,11 @@ def make_stage(model, stage, pp, counts=None, virtual=1):
         return model
     counts = counts or pipeline_split(model.cfg, pp * virtual)
     assert len(counts) == pp * virtual and sum(counts) == model.cfg.n_layer and min(counts) >= 1, \
-        f"layer counts {counts} do not split {model.cfg.n_layer} layers into {pp} x {virtual} stages"
+        (f"layer counts {counts} do not split {model.cfg.n_layer} layers into {pp} x {virtual} "
+         f"stages")
     model.chunks = [stage_layers(counts, v * pp + stage) for v in range(virtual)]
-    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for chunk in model.chunks for i in chunk})
+    model.layers = nn.ModuleDict({str(i): model.layers[str(i)] for chunk in model.chunks
+                                  for i in chunk})
     if stage > 0:
         model.tok_embeddings = None
     if stage < pp - 1:
@@ -128,8 +130,9 @@ def p2p(mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None, ri
     neighbours are one rank, and the two messages between them pair up in that order."""
     prv = None if mesh.first_stage and not ring else mesh.stage_rank((mesh.pp_rank - 1) % mesh.pp)
     nxt = None if mesh.last_stage and not ring else mesh.stage_rank((mesh.pp_rank + 1) % mesh.pp)
-    ops = [dist.P2POp(op, t, peer) for op, t, peer in ((dist.isend, send_next, nxt), (dist.isend, send_prev, prv),
-                                                      (dist.irecv, recv_prev, prv), (dist.irecv, recv_next, nxt))
+    ops = [dist.P2POp(op, t, peer)
+           for op, t, peer in ((dist.isend, send_next, nxt), (dist.isend, send_prev, prv),
+                               (dist.irecv, recv_prev, prv), (dist.irecv, recv_next, nxt))
            if t is not None and peer is not None]
     if ops:
         for work in dist.batch_isend_irecv(ops):
@@ -199,10 +202,12 @@ class PipelineState:
     shape: tuple           # activations between stages: (B, T, n_embd)
     autocast: object
     weights: list          # micro-batch k's backward starts from weights[k] * loss_k
-    trace: list            # None, or a list that receives (kind, micro-batch, start, end, chunk) per forward / backward
+    # None, or a list that receives (kind, micro-batch, start, end, chunk) per forward / backward
+    trace: list
     loss_sum: torch.Tensor  # sum_k weights[k] * loss_k so far (on the last stage; 0 elsewhere)
     virtual: int = 1       # chunks per rank (interleaved); 1: one stage per rank
-    alive: dict = field(default_factory=dict)  # (chunk, k) -> (input, output) of a forward whose backward is to come
+    # (chunk, k) -> (input, output) of a forward whose backward is to come
+    alive: dict = field(default_factory=dict)
     peak: int = 0          # the most micro-batch chunks alive at once
 
 
@@ -218,13 +223,16 @@ def forward_step(st, k, micro, inp, chunk=0):
     t0 = _clock(st)
     if inp is not None:
         inp.requires_grad_()  # we need the gradient of the stage's input, to send it back
-    out, loss = stage_forward(st.stage, st.mesh, micro, inp, st.autocast, chunk if st.virtual > 1 else None,
+    out, loss = stage_forward(st.stage, st.mesh, micro, inp, st.autocast,
+                              chunk if st.virtual > 1 else None,
                               st.virtual)
     send = out
-    if st.mesh.last_stage and (st.virtual == 1 or chunk == st.virtual - 1):  # the last (virtual) stage
+    # the last (virtual) stage
+    if st.mesh.last_stage and (st.virtual == 1 or chunk == st.virtual - 1):
         out = send = loss * st.weights[k]  # the backward starts here
         st.loss_sum += loss.detach() * st.weights[k]
-    elif loss is not None:  # a stage's own loss terms (a mixture of experts' balancing losses: moe.attach)
+    # a stage's own loss terms (a mixture of experts' balancing losses: moe.attach)
+    elif loss is not None:
         out = (out, loss * st.weights[k])  # their backward starts with the output's
     st.alive[chunk, k] = (inp, out)
     st.peak = max(st.peak, len(st.alive))
@@ -311,7 +319,8 @@ def interleaved_rounds(pp, virtual, m):
     pair, on gloo and nccl alike."""
     orders = [interleaved_order(pp, r, virtual, m) for r in range(pp)]
     pos = [0] * pp  # each rank's next op in its order
-    done, rounds = {}, [[] for _ in range(pp)]  # done: (kind, virtual stage, k) -> the round it ran in
+    # done: (kind, virtual stage, k) -> the round it ran in
+    done, rounds = {}, [[] for _ in range(pp)]
     last = pp * virtual - 1
     while any(pos[r] < len(orders[r]) for r in range(pp)):
         t = len(rounds[0])
@@ -321,9 +330,11 @@ def interleaved_rounds(pp, virtual, m):
             if op is not None:
                 kind, chunk, k = op
                 s = chunk * pp + r  # its virtual stage
+                # (its own forward ran earlier on this rank)
                 need = (("F", s - 1, k) if s > 0 else None) if kind == "F" else \
-                       (("B", s + 1, k) if s < last else None)  # (its own forward ran earlier on this rank)
-                if need is not None and done.get(need, t) >= t:  # its input is not here yet: idle this round
+                       (("B", s + 1, k) if s < last else None)
+                # its input is not here yet: idle this round
+                if need is not None and done.get(need, t) >= t:
                     op = None
             rounds[r].append(op)
         for r in range(pp):
@@ -363,11 +374,13 @@ def interleaved(st, micro_batches):
         if nxt is not None and nxt[0] == "B" and nxt[1] * pp + (rank + 1) % pp > 0:
             s = nxt[1] * pp + (rank + 1) % pp - 1
             recv_next = grads[s // pp, nxt[2]] = torch.empty(shape, device=mesh.device)
-        p2p(mesh, send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next, ring=True)
+        p2p(mesh, send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next,
+            ring=True)
     assert not inputs and not grads, "interleaved: a received tensor was never used"
 
 
-def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=nullcontext(), trace=None, weights=None,
+def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=nullcontext(),
+                  trace=None, weights=None,
                   virtual=1):
     """This stage's share of one iteration: the forward and backward of every micro-batch
     (a list of (x, y, loss_mask, doc_ids) tuples, tensors or None: x is used by the first
@@ -385,16 +398,20 @@ def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=null
     schedules = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
     if schedule not in schedules:
         raise ValueError(f"unknown pipeline schedule {schedule!r}")
-    assert (schedule == "interleaved") == (virtual > 1), f"pp_schedule={schedule} with {virtual} chunks per stage"
-    assert schedule != "interleaved" or m % mesh.pp == 0, f"interleaved: m={m} micro-batches, not a multiple of pp"
-    st = PipelineState(stage, mesh, act_shape, autocast, weights, trace, torch.zeros((), device=mesh.device), virtual)
+    assert (schedule == "interleaved") == (virtual > 1), (
+        f"pp_schedule={schedule} with {virtual} chunks per stage")
+    assert schedule != "interleaved" or m % mesh.pp == 0, (
+        f"interleaved: m={m} micro-batches, not a multiple of pp")
+    st = PipelineState(stage, mesh, act_shape, autocast, weights, trace,
+                       torch.zeros((), device=mesh.device), virtual)
     schedules[schedule](st, micro_batches)
     assert not st.alive, f"{len(st.alive)} micro-batches were never run backward"
     return st.loss_sum, st.peak
 
 
 @torch.no_grad()
-def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext(), weights=None, virtual=1):
+def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext(), weights=None,
+                     virtual=1):
     """Forward only, for evaluation: sum_k weights[k] * loss_k on the last stage (default
     weights 1: the plain sum of the micro-batch losses), 0 elsewhere. With `virtual` chunks
     per stage each micro-batch goes round the ring V times (all ranks in the same order of
@@ -402,9 +419,11 @@ def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext
     loss_sum = torch.zeros((), device=mesh.device)
     for k, micro in enumerate(micro_batches):
         for c in range(virtual):
-            inp = None if mesh.first_stage and c == 0 else torch.empty(act_shape, device=mesh.device)
+            inp = (None if mesh.first_stage and c == 0
+                   else torch.empty(act_shape, device=mesh.device))
             p2p(mesh, recv_prev=inp, ring=True)
-            out, loss = stage_forward(stage, mesh, micro, inp, autocast, c if virtual > 1 else None, virtual)
+            out, loss = stage_forward(stage, mesh, micro, inp, autocast,
+                                      c if virtual > 1 else None, virtual)
             if loss is None:
                 p2p(mesh, send_next=out, ring=True)
             else:
@@ -423,28 +442,32 @@ def pipeline_timeline(traces, m, width=96, virtual=1):
     pp = len(traces)
     lines = [f"pipeline schedule, {pp} stages x {m} micro-batches ({span * 1000:.0f} ms; "
              f"Fk = forward of micro-batch k, Bk = its backward, " +
-             ("Fk/c on chunk c (virtual stage c * pp + stage), " if virtual > 1 else "") + ". = idle)"]
+             ("Fk/c on chunk c (virtual stage c * pp + stage), " if virtual > 1 else "")
+             + ". = idle)"]
     idle = []
     for s, tr in enumerate(traces):
         row = ["."] * width
         for kind, k, a, b, c in tr:
             lo = int((a - t0) / span * width)
             hi = max(lo + 1, int((b - t0) / span * width))
-            label = f"{kind}{k}" + (f"/{c}" if virtual > 1 else "") + ("-" if kind == "F" else "=") * width
+            label = (f"{kind}{k}" + (f"/{c}" if virtual > 1 else "")
+                     + ("-" if kind == "F" else "=") * width)
             row[lo:hi] = label[:hi - lo]
         busy = sum(e[3] - e[2] for e in tr)
         idle.append(1 - busy / span)
         lines.append(f"stage {s} |{''.join(row)}| idle {idle[-1]:4.0%}")
     measured, theory = sum(idle) / pp, (pp - 1) / (virtual * m + pp - 1)
     formula = "(p-1)/(m+p-1)" if virtual == 1 else f"(p-1)/(V*m+p-1), V={virtual},"
-    lines.append(f"bubble: measured {measured:.1%} (mean idle share of the stages), theory {formula} = {theory:.1%}")
+    lines.append(f"bubble: measured {measured:.1%} (mean idle share of the stages), "
+                 f"theory {formula} = {theory:.1%}")
     return "\n".join(lines), measured
 
 
 def print_pipeline_timeline(trace, mesh, m, virtual=1):
     """Gathers every rank's trace (a collective: every rank calls it) and prints pipeline 0's
     timeline on rank 0."""
-    traces = all_gather_object(trace, mesh)[:mesh.pp * mesh.tp:mesh.tp]  # the stages of pipeline 0 (tp rank 0)
+    # the stages of pipeline 0 (tp rank 0)
+    traces = all_gather_object(trace, mesh)[:mesh.pp * mesh.tp:mesh.tp]
     mesh.print0(pipeline_timeline(traces, m, virtual=virtual)[0])
 
 
@@ -453,7 +476,8 @@ def cut_stage(model, mesh, counts=None, virtual=1):
     the layers per stage from pp_layers (`counts`) or balanced by cost, and says who holds what."""
     counts = counts or pipeline_split(model.cfg, mesh.pp * virtual)
     mesh.print0("pipeline: " + "; ".join(f"stage {s}: layers " + ", ".join(
-        f"{r.start}-{r.stop - 1}" for r in (stage_layers(counts, v * mesh.pp + s) for v in range(virtual)))
+        f"{r.start}-{r.stop - 1}"
+        for r in (stage_layers(counts, v * mesh.pp + s) for v in range(virtual)))
         for s in range(mesh.pp)))
     make_stage(model, mesh.pp_rank, mesh.pp, counts, virtual)
     if model.cfg.tie_embeddings:
@@ -489,7 +513,8 @@ def tied_copy(module):
     the last), or None (a middle stage, or no tie)."""
     if getattr(module, "tied_group", None) is None:
         return None
-    return module.tok_embeddings.weight if module.tok_embeddings is not None else module.output.weight
+    return (module.tok_embeddings.weight if module.tok_embeddings is not None
+            else module.output.weight)
 
 
 def all_reduce_tied(model, params):
@@ -502,6 +527,8 @@ def all_reduce_tied(model, params):
         return
     p._tied_copy = model.tok_embeddings is None
     for t in params:
-        if getattr(t, "_whole", t) is p and t.grad is not None:  # None on both stages when frozen (LoRA)
-            grad = t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad  # FSDP: both stages shard it alike
+        # None on both stages when frozen (LoRA)
+        if getattr(t, "_whole", t) is p and t.grad is not None:
+            # FSDP: both stages shard it alike
+            grad = t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad
             dist.all_reduce(grad, group=model.tied_group)

@@ -27,14 +27,18 @@ def read_run(path):
     which drops a torn tail, a plot says so: a torn or empty log is one error line."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
-    check(os.path.isfile(path), f"{path} does not exist: give a run's out_dir (it holds metrics.jsonl) or the file")
+    check(os.path.isfile(path),
+          f"{path} does not exist: give a run's out_dir (it holds metrics.jsonl) or the file")
     rows = []
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            r = loads_json(line, f"{path} line {n}", "the write was cut short (a killed run or a full disk): "
-                                                     "resume the run, which rewrites its log, or delete that line")
+            r = loads_json(line, f"{path} line {n}", "the write was cut short (a killed run or a "
+                                                     "full disk): "
+                                                     "resume the run, which rewrites its log, or "
+                                                     "delete that line")
             check(isinstance(r, dict) and type(r.get("iter")) is int,
-                  f"{path} line {n} is not a metrics record (an object with an integer 'iter'): this is no "
+                  f"{path} line {n} is not a metrics record (an object with an integer 'iter'): "
+                  f"this is no "
                   f"metrics.jsonl of train.py")
             for key in ("tokens", "elapsed_s"):  # the x axes: a string would plot as a category
                 v = r.get(key)
@@ -42,7 +46,9 @@ def read_run(path):
                       f"{str(v)[:40]!r} is not a number: this is no metrics.jsonl of train.py; "
                       f"fix or delete that line")
             rows.append(r)
-    check(rows, f"{path} is empty: the run logged nothing yet (wait for its first log_interval), or plot another run")
+    check(rows,
+          f"{path} is empty: the run logged nothing yet (wait for its first log_interval), or "
+          f"plot another run")
     return rows
 
 
@@ -66,8 +72,9 @@ def curves(rows, x_key):
     for r, x in zip(rows, xs):
         for key, value in r.items():
             kind, _, source = key.partition("/")
-            if kind not in ("loss", "val_loss") or x is None or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value):  # a skipped step (null), or a line with no x (an older log)
+            # a skipped step (null), or a line with no x (an older log)
+            if kind not in ("loss", "val_loss") or x is None \
+                    or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
             train, val = panels.setdefault(source, ([], []))
             (train if kind == "loss" else val).append((x, value))
@@ -88,22 +95,27 @@ def plot(runs, out, x_key="tokens", alpha=0.6):
     try:
         import matplotlib
     except ImportError:
-        raise UserError("plot.py draws with matplotlib, which is not installed: pip install matplotlib") from None
+        raise UserError("plot.py draws with matplotlib, which is not installed: pip install "
+                        "matplotlib") from None
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
     drawn = [(label, curves(rows, x_key)) for label, rows in runs]
     names = sorted({name for _, panels in drawn for name in panels})
     check(names, f"no loss in {', '.join(label for label, _ in runs)}" + (
-        " with elapsed_s (a log from before wall time was recorded): plot against tokens" if x_key == "time" else ""))
-    fig, axes = plt.subplots(1, len(names), figsize=(PANEL_INCHES[0] * len(names), PANEL_INCHES[1]), dpi=DPI,
+        " with elapsed_s (a log from before wall time was recorded): plot against "
+        "tokens" if x_key == "time" else ""))
+    fig, axes = plt.subplots(1, len(names),
+                             figsize=(PANEL_INCHES[0] * len(names), PANEL_INCHES[1]), dpi=DPI,
                              squeeze=False)
     for ax, name in zip(axes[0], names):
         for i, (label, panels) in enumerate(drawn):
             train, val = panels.get(name, ([], []))
             if train:
-                ax.plot([x for x, _ in train], smooth([y for _, y in train], alpha), color=f"C{i}", label=label)
+                ax.plot([x for x, _ in train], smooth([y for _, y in train], alpha), color=f"C{i}",
+                        label=label)
             if val:
-                ax.plot([x for x, _ in val], [y for _, y in val], "o--", color=f"C{i}", markersize=4,
+                ax.plot([x for x, _ in val], [y for _, y in val], "o--", color=f"C{i}",
+                        markersize=4,
                         label=f"{label} (val)")
         ax.set_title(f"source {name}" if name else "loss")
         ax.set_xlabel("wall time (s)" if x_key == "time" else "tokens")
@@ -138,10 +150,13 @@ def check_out(out, runs):
 
 def main(argv):
     ap = _Arguments(description="Loss curves of runs (their metrics.jsonl) as a PNG.")
-    ap.add_argument("runs", nargs="+", help="out_dirs (or metrics.jsonl files), one line each, labelled by it")
+    ap.add_argument("runs", nargs="+",
+                    help="out_dirs (or metrics.jsonl files), one line each, labelled by it")
     ap.add_argument("--out", default="curves.png", help="the PNG to write (default curves.png)")
-    ap.add_argument("--x", choices=("tokens", "time"), default="tokens", help="the x axis: tokens, or wall seconds")
-    ap.add_argument("--smooth", type=float, default=0.6, help="train loss EMA factor in [0, 1) (0: raw)")
+    ap.add_argument("--x", choices=("tokens", "time"), default="tokens",
+                    help="the x axis: tokens, or wall seconds")
+    ap.add_argument("--smooth", type=float, default=0.6,
+                    help="train loss EMA factor in [0, 1) (0: raw)")
     args = ap.parse_args(argv)
     check(0 <= args.smooth < 1, f"--smooth {args.smooth} must be in [0, 1) (0: the raw loss)")
     check_out(args.out, args.runs)

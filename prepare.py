@@ -30,7 +30,8 @@ import zlib
 import common
 import guard_errors
 
-if __name__ == "__main__":  # Ctrl-C and SIGTERM as the run's own from here (guard_errors.start_command)
+# Ctrl-C and SIGTERM as the run's own from here (guard_errors.start_command)
+if __name__ == "__main__":
     guard_errors.start_command()
 import numpy as np
 
@@ -69,7 +70,8 @@ def stdlib_files():
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in ("site-packages", "dist-packages", "__pycache__"))
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     return root, files
 
@@ -91,13 +93,16 @@ def resolve_source(source):
         files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
         root = os.path.dirname(source.split("*")[0]) or "."
         if not files:
-            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of .txt files, "
+            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of "
+                            f".txt files, "
                             f"a glob such as 'notes/*.txt', or a .jsonl or .parquet file")
     if not files:
-        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or a .jsonl file")
+        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or "
+                        f"a .jsonl file")
     jsonl = [sources.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
-        raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other files: "
+        raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
+                        f"files: "
                         f"prepare them separately")
     sources.check_readers(files)
     real = {}  # real path -> the name kept: the file's own rather than a link's
@@ -109,7 +114,8 @@ def resolve_source(source):
 
 
 def _is_chat(record):
-    return isinstance(record, dict) and ("messages" in record or "prompt" in record or "response" in record)
+    return (isinstance(record, dict)
+            and ("messages" in record or "prompt" in record or "response" in record))
 
 
 def detect_format(kind, files, text_field="text", format="auto"):
@@ -118,7 +124,8 @@ def detect_format(kind, files, text_field="text", format="auto"):
         raise UserError(f"format='{format}' is unknown: use auto, text or chat")
     if kind == "text":
         if format == "chat":
-            raise UserError("format=chat needs .jsonl or .parquet files of {\"messages\": [...]} or "
+            raise UserError("format=chat needs .jsonl or .parquet files of {\"messages\": [...]} "
+                            "or "
                             "{\"prompt\", \"response\"} records: convert the data or use "
                             "format=text")
         return "text"
@@ -130,34 +137,45 @@ def detect_format(kind, files, text_field="text", format="auto"):
     return "text"
 
 
-CHAT_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+CHAT_EXAMPLE = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
+                '"content": "..."}]}')
 
 
 def chat_messages(record, where, roles=ROLES):
     """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
     if not _is_chat(record):
-        raise UserError(f"{where}: not a chat record (the source's first record is one): write every line as "
-                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or prepare text separately")
+        raise UserError(f"{where}: not a chat record (the source's first record is one): write "
+                        f"every line as "
+                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or "
+                        f"prepare text separately")
     if "messages" not in record:
-        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("response"), str):
+        if (not isinstance(record.get("prompt"), str)
+            or not isinstance(record.get("response"), str)):
             raise UserError(f"{where}: 'prompt' and 'response' must both be strings: write "
                             f"{{\"prompt\": \"...\", \"response\": \"...\"}}")
-        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["response"]}]
     messages = record["messages"]
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise UserError(f"{where}: 'messages' is not a list of {{\"role\", \"content\"}} objects: write {CHAT_EXAMPLE}")
+        raise UserError(f"{where}: 'messages' is not a list of {{\"role\", \"content\"}} objects: "
+                        f"write {CHAT_EXAMPLE}")
     if not messages:
-        raise UserError(f"{where}: empty conversation: give at least a user and an assistant message, or drop the line")
+        raise UserError(f"{where}: empty conversation: give at least a user and an assistant "
+                        f"message, or drop the line")
     for i, m in enumerate(messages, 1):
         if m.get("role") not in roles:
-            tool = "" if "tool" in roles else " (tool: only a model whose own chat template renders it)"
-            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: use {', '.join(roles[:-1])} or "
+            tool = ("" if "tool" in roles else " (tool: only a model whose own chat template "
+                                               "renders it)")
+            raise UserError(f"{where}: message {i} has role {m.get('role')!r}: "
+                            f"use {', '.join(roles[:-1])} or "
                             f"{roles[-1]}{tool}")
         if not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: message {i}'s content is {type(m.get('content')).__name__}, not a string: "
+            raise UserError(f"{where}: message {i}'s content "
+                            f"is {type(m.get('content')).__name__}, not a string: "
                             f"write the text as \"content\": \"...\"")
     if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only counts assistant "
+        raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only "
+                        f"counts assistant "
                         f"replies): add one or drop the line")
     return messages
 
@@ -178,9 +196,11 @@ def iter_documents(kind, root, files, text_field="text", format="text", roles=RO
                 continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 if _is_chat(record):
-                    raise UserError(f"{path}:{lineno}: a chat record in a text source (its first record is text): "
+                    raise UserError(f"{path}:{lineno}: a chat record in a text source (its first "
+                                    f"record is text): "
                                     f"prepare chat and text files separately")
-                raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line needs one "
+                raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line "
+                                f"needs one "
                                 f"(or pass --text_field NAME)")
             yield f"{rel}:{lineno}", record[text_field], bad
 
@@ -223,7 +243,8 @@ def remove_half_prepared(final):
     for n in os.listdir(parent or ".") if os.path.isdir(parent or ".") else []:
         m = re.fullmatch(re.escape(base) + r"\.(tmp|old)(\d+)", n)
         if m and not _alive(int(m[2])) and m[1] == "old" and not os.path.exists(final):
-            os.replace(os.path.join(parent, n), final)  # killed between the swap's two renames: the old one back
+            # killed between the swap's two renames: the old one back
+            os.replace(os.path.join(parent, n), final)
         elif m and not _alive(int(m[2])):
             shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
 
@@ -239,7 +260,8 @@ def _alive(pid):
 
 
 def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
-            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto", model_tokens=()):
+            text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto",
+            model_tokens=()):
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
 
     A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
@@ -258,21 +280,29 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         extra_tokens = load_extra_tokens(extra_tokens)
     kind, root, files, skipped = resolve_source(source)
     if skipped and verbose:
-        print(f"prepare: {skipped} files of {source} are links to others of it: each text is prepared once", flush=True)
+        print(f"prepare: {skipped} files of {source} are links to others of it: each text is "
+              f"prepared once", flush=True)
     fmt = detect_format(kind, files, text_field, format)
     chat = fmt == "chat"
     base = get_tokenizer(tokenizer, vocab_size)
-    # the model's own chat format, unless an earlier stage taught it ours (its tokens are the model's)
-    own = chat and getattr(base, "chat_template", None) is not None and not set(CHAT_TOKENS) & set(model_tokens)
-    first = list(model_tokens) + [t for t in (CHAT_TOKENS if chat and not own else []) if t not in model_tokens]
-    asked = [t for t in extra_tokens if t not in first and t not in getattr(base, "extra_tokens", ())]
+    # the model's own chat format, unless an earlier stage taught it ours (its tokens are the
+    # model's)
+    own = (chat and getattr(base, "chat_template", None) is not None
+           and not set(CHAT_TOKENS) & set(model_tokens))
+    first = (list(model_tokens)
+             + [t for t in (CHAT_TOKENS if chat and not own else []) if t not in model_tokens])
+    asked = [t for t in extra_tokens
+             if t not in first and t not in getattr(base, "extra_tokens", ())]
     new, known = split_known(base, asked)
     if known and verbose:
-        print(f"prepare: {len(known)} of the {len(asked)} extra tokens are already tokens of {tokenizer} and are not "
-              f"added again: {', '.join(map(repr, known[:8]))}{' ...' if len(known) > 8 else ''}", flush=True)
+        print(f"prepare: {len(known)} of the {len(asked)} extra tokens are already tokens "
+              f"of {tokenizer} and are not "
+              f"added again: {', '.join(map(repr, known[:8]))}{' ...' if len(known) > 8 else ''}",
+              flush=True)
     extra_tokens = first + new
     enc = get_tokenizer(tokenizer, vocab_size, extra_tokens)
-    bos = [enc.bos_token] if getattr(enc, "bos_token", None) is not None else []  # a model's tokenizer may start documents
+    # a model's tokenizer may start documents
+    bos = [enc.bos_token] if getattr(enc, "bos_token", None) is not None else []
     eot = enc.eot_token
     if own:  # the template writes the BOS it wants
         bos, eot = [], chat_template.separator(enc, enc.chat_template)
@@ -290,15 +320,19 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     try:
         os.makedirs(work)
     except OSError as e:
-        raise UserError(f"cannot create {work} beside the dataset {final} ({e.strerror or e}): pick another output "
+        raise UserError(f"cannot create {work} beside the dataset {final} ({e.strerror or e}): "
+                        f"pick another output "
                         f"directory (--out, or dataset=)") from None
-    names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat] for split in ("train", "val")]
+    names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat]
+             for split in ("train", "val")]
     out = {name: open(os.path.join(work, name), "wb") for name in names}
     tokens = {"train": 0, "val": 0}
     learned = {"train": 0, "val": 0}  # tokens with mask 1
     docs = {"train": 0, "val": 0}
-    per_file = {"train": {}, "val": {}}  # source file -> its documents in each split (meta.json lists the files)
-    nearest = {"score": 10_000}  # the train document nearest to val: it moves there if val gets none
+    # source file -> its documents in each split (meta.json lists the files)
+    per_file = {"train": {}, "val": {}}
+    # the train document nearest to val: it moves there if val gets none
+    nearest = {"score": 10_000}
     n_chars = n_replaced = files_with_replaced = 0
     t0 = last_print = time.time()
 
@@ -310,11 +344,13 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             nearest.update(score=val_score(doc_id), doc=doc_id, file=name, start=tokens["train"],
                            n=len(bos) + len(ids) + 1, learned=sum(mask) if mask else 0)
         if own and eot in ids:  # (only the template can write it: in a message it is text)
-            raise UserError(f"{doc_id}: the chat template wrote {enc.decode([eot])!r}, the token that ends "
+            raise UserError(f"{doc_id}: the chat template wrote {enc.decode([eot])!r}, the token "
+                            f"that ends "
                             f"conversations in packed data: remove it from the template")
         np.asarray(bos + ids + [eot], dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
-            np.asarray([0] * len(bos) + mask + [0], dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
+            np.asarray([0] * len(bos) + mask + [0],
+                       dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
             learned[split] += sum(mask)
         tokens[split] += len(bos) + len(ids) + 1
         docs[split] += 1
@@ -324,11 +360,14 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             for doc_id, messages in batch:
                 write(doc_id, *chat_template.encode(enc, messages, doc_id))
         elif chat:
-            contents = encode_chat_contents(enc, [messages for _, messages in batch], num_threads=workers)
+            contents = encode_chat_contents(enc, [messages for _, messages in batch],
+                                            num_threads=workers)
             for (doc_id, messages), content in zip(batch, contents):
                 write(doc_id, *render_chat(enc, messages, content))
         else:
-            for (doc_id, _), ids in zip(batch, encode_batch(enc, [t for _, t in batch], num_threads=workers)):
+            for (doc_id, _), ids in zip(batch,
+                                        encode_batch(enc, [t for _, t in batch],
+                                                     num_threads=workers)):
                 write(doc_id, ids)
 
     def discard():
@@ -338,7 +377,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
     try:
         batch, batch_bytes = [], 0
-        # a tool's results (function calling) have no token of ours; a model's template renders them
+        # a tool's results (function calling) have no token of ours; a model's template renders
+        # them
         roles = ROLES + ("tool",) if own else ROLES
         for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt, roles):
             if not doc:
@@ -355,8 +395,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                 if verbose and time.time() - last_print > 2:
                     last_print = time.time()
                     n = tokens["train"] + tokens["val"]
-                    print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M chars, "
-                          f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s", flush=True)
+                    print(f"prepare: {docs['train'] + docs['val']} docs, {n_chars / 1e6:.1f}M "
+                          f"chars, "
+                          f"{n / 1e6:.2f}M tokens, {n / (last_print - t0) / 1e3:.0f}k tokens/s",
+                          flush=True)
         flush(batch)
         guard_chat.check_learned(chat, learned, source)
     except BaseException:
@@ -366,20 +408,25 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         f.close()
     if tokens["train"] == 0:
         discard()
-        raise UserError(f"data source '{source}' has no documents{' for train' if docs['val'] else ''}: "
+        raise UserError(f"data source '{source}' has no "
+                        f"documents{' for train' if docs['val'] else ''}: "
                         f"add non-empty files or lower val_fraction")
-    if tokens["val"] == 0 and docs["train"] >= 2:  # a small corpus: val gets one document all the same
+    # a small corpus: val gets one document all the same
+    if tokens["val"] == 0 and docs["train"] >= 2:
         move_to_val(work, chat, dtype, nearest)
         for split, sign in (("train", -1), ("val", 1)):
             tokens[split] += sign * nearest["n"]
             learned[split] += sign * nearest["learned"]
             docs[split] += sign
             per_file[split][nearest["file"]] = per_file[split].get(nearest["file"], 0) + sign
-        print(f"prepare: note: val_fraction={val_fraction} put none of the {docs['train'] + 1} documents in val, "
-              f"so {nearest['doc']} went there (a function of its name, like every split)", flush=True)
+        print(f"prepare: note: val_fraction={val_fraction} put none of the {docs['train'] + 1} "
+              f"documents in val, "
+              f"so {nearest['doc']} went there (a function of its name, like every split)",
+              flush=True)
     if tokens["val"] == 0:
         discard()
-        raise UserError(f"data source '{source}' has one document, and val needs one of its own beside train's: "
+        raise UserError(f"data source '{source}' has one document, and val needs one of its own "
+                        f"beside train's: "
                         f"add a document (or split the file in two)")
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": eot, "format": fmt,
@@ -387,9 +434,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             "dtype": np.dtype(dtype).name, "source": source, "val_fraction": val_fraction,
             "train_tokens": tokens["train"], "val_tokens": tokens["val"],
             "train_docs": docs["train"], "val_docs": docs["val"],
-            **{f"{split}_files": sorted(f for f, n in per_file[split].items() if n) for split in ("train", "val")},
+            **{f"{split}_files": sorted(f for f, n in per_file[split].items() if n)
+               for split in ("train", "val")},
             "text_chars": n_chars, "replaced_bytes": n_replaced}
-    if "eot_token" in vars(base):  # a model's tokenizer file (hf_tokenizer.py): checked when read again
+    # a model's tokenizer file (hf_tokenizer.py): checked when read again
+    if "eot_token" in vars(base):
         import hf_tokenizer
         meta.update(tokenizer_sha256=hf_tokenizer.sha256(tokenizer))
     if chat:
@@ -398,10 +447,13 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     np.save(os.path.join(work, "token_bytes.npy"), evals.byte_lengths(enc).astype(np.int32))
     with open(os.path.join(work, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    with common.uninterrupted():  # a Ctrl-C or SIGTERM now waits: the old dataset or the new one, whole
-        if os.path.isdir(final):  # the old dataset: its files other than ours move along, the rest goes
+    # a Ctrl-C or SIGTERM now waits: the old dataset or the new one, whole
+    with common.uninterrupted():
+        # the old dataset: its files other than ours move along, the rest goes
+        if os.path.isdir(final):
             for name in os.listdir(final):
-                if name not in names + ["meta.json", "train.mask.bin", "val.mask.bin", "token_bytes.npy"]:
+                if (name not in names
+                    + ["meta.json", "train.mask.bin", "val.mask.bin", "token_bytes.npy"]):
                     os.replace(os.path.join(final, name), os.path.join(work, name))
             old = f"{final}.old{os.getpid()}"
             os.replace(final, old)
@@ -412,33 +464,41 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if verbose:
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
-        print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val {'conversations' if chat else 'docs'}, "
-              f"{tokens['train']:,}/{tokens['val']:,} tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
+        print(f"prepare: {final}: {docs['train']}/{docs['val']} "
+              f"train/val {'conversations' if chat else 'docs'}, "
+              f"{tokens['train']:,}/{tokens['val']:,} tokens "
+              f"({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
               f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
         if chat:
-            print(f"prepare: chat in {'the model' if own else 'the project'}'s chat template: {learned['train']:,}/"
-                  f"{learned['val']:,} train/val tokens are assistant replies (the loss counts only those)", flush=True)
+            print(f"prepare: chat in {'the model' if own else 'the project'}'s chat "
+                  f"template: {learned['train']:,}/"
+                  f"{learned['val']:,} train/val tokens are assistant replies (the loss counts "
+                  f"only those)", flush=True)
         if n_replaced:
             print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
-                  f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD", flush=True)
+                  f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD",
+                  flush=True)
     return meta
 
 
-def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec=None):
+def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens,
+                    mesh, spec=None):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
     from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (tokenizer.model_spec:
     the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
     its last id."""
     prep = prep or ("stdlib" if source == "stdlib" else "")
     if not prep:
-        raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set data_source= to "
+        raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set "
+                        f"data_source= to "
                         f"a directory, glob, .jsonl or .parquet file to prepare it from (or run "
                         f"`python prepare.py SOURCE --out {data_dir}`)")
     if mesh.master:
         mesh.print0(f"preparing {data_dir} from {prep} (once)")
         if spec:
             tokenizer, vocab_size = spec["tokenizer"], spec["base_vocab_size"]
-        prepare(prep, data_dir, tokenizer, vocab_size, val_fraction, extra_tokens=extra_tokens or (),
+        prepare(prep, data_dir, tokenizer, vocab_size, val_fraction,
+                extra_tokens=extra_tokens or (),
                 model_tokens=spec["extra_tokens"] if spec else ())
     if mesh.backend:
         import torch.distributed
@@ -448,7 +508,8 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
 # ---------------------------------------------------------------------------------------
 
 class _Arguments(argparse.ArgumentParser):
-    def error(self, message):  # one line, as train.py and sample.py say it (not a usage block and exit 2)
+    # one line, as train.py and sample.py say it (not a usage block and exit 2)
+    def error(self, message):
         raise UserError(f"{message}: `python prepare.py --help` lists the arguments")
 
     def exit(self, status=0, message=None):  # after --help: output that never arrived is a failure
@@ -457,35 +518,46 @@ class _Arguments(argparse.ArgumentParser):
 
 def main():
     ap = _Arguments(description="Tokenize a corpus into data/NAME/{train,val}.bin + meta.json",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help: the defaults too
+                    # --help: the defaults too
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("source", help="'stdlib', a directory of .txt files, a glob, or .jsonl, "
                     ".jsonl.gz, .jsonl.zst or .parquet files (of text, or of chat conversations "
                     "for SFT)")
     ap.add_argument("--name", help="dataset name (None: stdlib, or the source's base name)")
     ap.add_argument("--out", help="output directory (None: data/NAME)")
     ap.add_argument("--tokenizer", default="cl100k_base", help="any tiktoken encoding name")
-    ap.add_argument("--vocab_size", type=int, default=8192, help="truncate the BPE to N ids (0: keep it whole)")
-    ap.add_argument("--val_fraction", type=float, default=0.01, help="share of documents that go to val")
+    ap.add_argument("--vocab_size", type=int, default=8192,
+                    help="truncate the BPE to N ids (0: keep it whole)")
+    ap.add_argument("--val_fraction", type=float, default=0.01,
+                    help="share of documents that go to val")
     ap.add_argument("--text_field", default="text", help="the JSONL field that holds the text")
     ap.add_argument("--workers", type=int, default=0, help="encoding threads (0: one per core)")
-    ap.add_argument("--extra_tokens", metavar="FILE", help="new tokens, one per line, added after the vocabulary")
-    ap.add_argument("--init_from", metavar="MODEL", help="tokenize for this model (a run's out_dir or a Hugging Face "
-                    "directory): its tokenizer, with its added tokens at their ids (--tokenizer/--vocab_size unused)")
+    ap.add_argument("--extra_tokens", metavar="FILE",
+                    help="new tokens, one per line, added after the vocabulary")
+    ap.add_argument("--init_from", metavar="MODEL",
+                    help="tokenize for this model (a run's out_dir or a Hugging Face "
+                    "directory): its tokenizer, with its added tokens at their ids "
+                    "(--tokenizer/--vocab_size unused)")
     ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
-                    help="JSONL records: text, chat conversations, or auto (from the first record)")
+                    help="JSONL records: text, chat conversations, or auto (from the first "
+                         "record)")
     args = ap.parse_args()
     name = args.name or sources.stem(args.source.rstrip("/*")) or "data"
     model_tokens = ()
-    if args.init_from:  # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
+    # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
+    if args.init_from:
         import parallel
         import origin
         from tokenizer import model_spec
-        spec = model_spec(origin.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer, args.vocab_size)
+        spec = model_spec(origin.start_from(args.init_from, parallel.setup("cpu")), args.tokenizer,
+                          args.vocab_size)
         if spec:
-            args.tokenizer, args.vocab_size, model_tokens = spec["tokenizer"], spec["base_vocab_size"], spec["extra_tokens"]
+            args.tokenizer, args.vocab_size, model_tokens = (
+                spec["tokenizer"], spec["base_vocab_size"], spec["extra_tokens"])
     prepare(args.source, args.out or os.path.join("data", name), args.tokenizer, args.vocab_size,
             args.val_fraction, args.text_field, args.workers,
-            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (), format=args.format,
+            extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (),
+            format=args.format,
             model_tokens=model_tokens)
 
 

@@ -51,7 +51,8 @@ def attach(profile_iters, start_iter, out_dir, mesh, model, optimizer, memory=Fa
     (a resumed run past a: nothing to profile, one line says so)."""
     a, b = (int(n) for n in profile_iters.split(":"))
     if a < start_iter:
-        mesh.print0(f"profiler: profile_iters={profile_iters} starts before iteration {start_iter}, where "
+        mesh.print0(f"profiler: profile_iters={profile_iters} starts before "
+                    f"iteration {start_iter}, where "
                     f"this run resumed: nothing profiled")
         return None
     cuda = mesh.device.type == "cuda"
@@ -60,10 +61,12 @@ def attach(profile_iters, start_iter, out_dir, mesh, model, optimizer, memory=Fa
     if memory and cuda:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     elif memory:
-        mesh.print0("profiler: profile_memory=True records CUDA's allocator; on the CPU: no snapshot")
+        mesh.print0("profiler: profile_memory=True records CUDA's allocator; on the CPU: no "
+                    "snapshot")
     ready = functools.partial(_write, trace_dir, mesh, f"{a}-{b - 1}", memory and cuda)
     # wait until the iteration before the window, warm up on it, record the window
-    schedule = torch.profiler.schedule(wait=max(a - start_iter - 1, 0), warmup=min(a - start_iter, 1),
+    schedule = torch.profiler.schedule(wait=max(a - start_iter - 1, 0),
+                                       warmup=min(a - start_iter, 1),
                                        active=b - a, repeat=1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = torch.profiler.profile(activities=activities, record_shapes=True, schedule=schedule,

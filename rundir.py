@@ -32,20 +32,23 @@ def write_file(path, text):
     try:
         write_atomic(path, lambda f: f.write(text.encode()))
     except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the permissions of "
+        raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the "
+                        f"permissions of "
                         f"{os.path.dirname(path) or '.'}") from None
 
 
 def append_metrics(path, record):
     """One line of metrics.jsonl: JSON (a non-finite number becomes null, which JSON has),
     appended without following a link; a full disk is one line."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+             for k, v in record.items()}
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "a") as f:
             f.write(json.dumps(clean) + "\n")
     except OSError as e:
-        raise UserError(f"cannot append to {path} ({e.strerror or e}): free disk space, then resume "
+        raise UserError(f"cannot append to {path} ({e.strerror or e}): free disk space, then "
+                        f"resume "
                         f"(init_from=auto)") from None
 
 
@@ -80,7 +83,8 @@ def truncate_metrics(path, upto):
 def rng_states(mesh):
     """Every rank's random streams (dropout, NEFTune) on rank 0, as checkpoints keep them:
     {"rng_cpu": [rank 0's, rank 1's, ...], "rng_cuda": [...]} (None on the other ranks)."""
-    mine = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if mesh.device.type == "cuda" else {})}
+    mine = {"cpu": torch.get_rng_state(),
+            **({"cuda": torch.cuda.get_rng_state()} if mesh.device.type == "cuda" else {})}
     every = gather_to_master(mine, mesh)
     return None if every is None else {f"rng_{k}": [r[k] for r in every] for k in every[0]}
 
@@ -106,7 +110,8 @@ def restore_streams(state, meta, mesh, scaler=None):
     """A checkpoint's random streams (set_rng_states), and fp16's loss scale: what a resume and
     a rollback (nan_guard.py) take back beside the weights."""
     set_rng_states(state, mesh, meta)
-    if scaler is not None and meta.get("loss_scale"):  # (a checkpoint of a run that was not fp16: none)
+    # (a checkpoint of a run that was not fp16: none)
+    if scaler is not None and meta.get("loss_scale"):
         scaler.load_state_dict(meta["loss_scale"])
 
 
@@ -125,7 +130,8 @@ def start_wandb(config, out_dir, project, name, run_id):
     import uuid
     import wandb
     return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)),
-                      id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config, dir=out_dir)
+                      id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config,
+                      dir=out_dir)
 
 
 def summary(out_dir, c, started, world, exports, stopped):
@@ -136,23 +142,29 @@ def summary(out_dir, c, started, world, exports, stopped):
     val = [r for r in rows if "val_loss" in r]
     losses = [f"train loss {r['loss']:.4f} (iteration {r['iter']})" for r in train[-1:]]
     losses += [f"val loss {r['val_loss']:.4f} (after {r['iter']})" for r in val[-1:]]
-    losses += [f"{k} {v:.4f}" for r in train[-1:] + val[-1:] for k, v in r.items() if "/" in k and v is not None]
+    losses += [f"{k} {v:.4f}" for r in train[-1:] + val[-1:] for k, v in r.items()
+               if "/" in k and v is not None]
     mean = {k: sum(r[k] for r in train) / max(len(train), 1) for k in ("tok_per_s", "mfu")}
     latest = os.path.join(out_dir, "ckpt", "latest")
     with open(latest) if os.path.exists(latest) else io.StringIO("(none)") as f:
         latest = os.path.join(out_dir, "ckpt", f.read().strip())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"] \
-        if local == world else ["torchrun", "...(as launched, on each node)"]
+    launch = (["python"] if world == 1
+              else ["torchrun", "--standalone", f"--nproc_per_node={world}"] if local == world
+              else ["torchrun", "...(as launched, on each node)"])
     # a finished run goes on twice as long, its decay held where it ended; a stopped one as it was
-    again = [a for a in sys.argv[1:] if stopped or not a.lstrip("-").startswith(("max_iters=", "lr_decay_iters="))]
+    again = [a for a in sys.argv[1:]
+             if stopped or not a.lstrip("-").startswith(("max_iters=", "lr_decay_iters="))]
     if not stopped:
-        again += [f"max_iters={2 * c['max_iters']}", f"lr_decay_iters={c['lr_decay_iters'] or c['max_iters']}"]
+        again += [f"max_iters={2 * c['max_iters']}",
+                  f"lr_decay_iters={c['lr_decay_iters'] or c['max_iters']}"]
     return "\n".join([
         "-" * 30 + " run summary " + "-" * 30,
         ", ".join(losses),
-        f"{(train[-1]['tokens'] if train else 0):,} tokens trained, {time.time() - started:.0f} s wall time "
-        f"(this launch), {mean['tok_per_s']:,.0f} tok/s and mfu {mean['mfu']:.1%} (the logged iterations' mean)",
+        f"{(train[-1]['tokens'] if train else 0):,} tokens trained, {time.time() - started:.0f} s "
+        f"wall time "
+        f"(this launch), {mean['tok_per_s']:,.0f} tok/s and mfu {mean['mfu']:.1%} (the logged "
+        f"iterations' mean)",
         f"checkpoint {latest}" + "".join(f"; {kind} {path}" for kind, path in exports if path),
         f"continue{'' if stopped else ' (twice as long, the decay kept where it ended)'}: "
         + shlex.join([*launch, "train.py", *again]),
@@ -186,5 +198,6 @@ def _stop_on_signal(received, rank, signum, frame):
     if signum == signal.SIGINT and received:  # a second Ctrl-C: quit at once
         os._exit(130)
     received.append(signum)
-    print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+    print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a "
+          f"checkpoint "
           f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)

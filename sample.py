@@ -49,30 +49,36 @@ def load_model(path):
     return model, meta
 
 
-def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_k=50, autocast=None):
+def sample_text(model, enc, prompt="", max_new_tokens=200, temperature=0.8, top_k=50,
+                autocast=None):
     """One sample from `model` (on its device, in eval mode) as text. An empty prompt starts
     from <|endoftext|>, i.e. the beginning of a document, which is not printed."""
     bos = getattr(enc, "bos_token", None)  # a model's tokenizer that starts documents with one
-    start = enc.encode(prompt, allowed_special="all") if prompt else [enc.eot_token if bos is None else bos]
+    start = (enc.encode(prompt, allowed_special="all") if prompt
+             else [enc.eot_token if bos is None else bos])
     idx = torch.tensor([start], device=next(model.parameters()).device)
     with autocast or nullcontext():
         out = model.generate(idx, max_new_tokens, temperature, top_k or None)
     ids = out[0].tolist() if prompt else out[0, 1:].tolist()
-    return enc.decode([i for i in ids if i < enc.n_vocab])  # a padded embedding's rows past the ids: no text
+    # a padded embedding's rows past the ids: no text
+    return enc.decode([i for i in ids if i < enc.n_vocab])
 
 
-def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb, sample_tokens, autocast, device):
+def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb, sample_tokens,
+               autocast, device):
     """train.py's end on rank 0: the trained model (`model`, or None where this rank held only a
     part of it: read back whole from the checkpoint just written) exported as PEFT adapters
     (export_lora) and as a Hugging Face LLaMA (export_hf), merged when LoRA, then a sample."""
     if model is None:
-        load = load_lora_whole if lora else checkpoint.load_whole  # LoRA: the adapters onto their base
+        # LoRA: the adapters onto their base
+        load = load_lora_whole if lora else checkpoint.load_whole
         model = load(checkpoint.find(out_dir, None))[0].to(device)
     model.eval()
     if export_lora and lora:
         named = save_peft_lora(export_lora, model, lora)
-        print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base " + (named or "(unnamed: "
-              "the base run made no export_hf; start LoRA from its export for AutoPeftModelForCausalLM)"), flush=True)
+        print(f"exported the LoRA adapters in PEFT's format to {export_lora}, on the base "
+              + (named or "(unnamed: the base run made no export_hf; start LoRA from its export "
+                          "for AutoPeftModelForCausalLM)"), flush=True)
     if lora:  # W + (alpha / r) B A, which export_hf writes and sampling runs
         merge_lora(model)
     if export_hf:
@@ -86,7 +92,8 @@ def end_of_run(model, out_dir, lora, cfg, meta, export_hf, export_lora, shard_mb
 def final_sample(model, enc, max_new_tokens, autocast, out_dir):
     """The end-of-run sample, once the run is over and saved: a line first (a big model samples for
     minutes on a CPU), and Ctrl-C ends it at once (not the loop's "finish the step, then save")."""
-    print(f"sampling {max_new_tokens} tokens from the final model (Ctrl-C skips it: the run is saved) ...",
+    print(f"sampling {max_new_tokens} tokens from the final model (Ctrl-C skips it: the run is "
+          f"saved) ...",
           flush=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -103,13 +110,16 @@ def load_from(init_from):
     Face LLaMA directory (a base, an export) or a run's out_dir (its newest intact checkpoint)."""
     if os.path.isdir(os.path.join(init_from, "ckpt")):
         path = checkpoint.find(init_from, None)
-        guard_errors.check(path is not None, f"init_from={init_from} has no checkpoint in ckpt/: train it first")
+        guard_errors.check(path is not None,
+                           f"init_from={init_from} has no checkpoint in ckpt/: train it first")
         model, meta = load_model(path)
         return model, tokenizer.checkpoint_spec(meta), meta.get("config") or {}
     saved, index = hf.hf_index(init_from)
-    guard_errors.check(hf_tokenizer.find(init_from) is not None, f"{init_from} has no tokenizer.json (or tokenizer.model): "
-                                                        f"put the model's beside its config.json, so its ids are known")
-    src = origin.Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}", hf_index=index)
+    guard_errors.check(hf_tokenizer.find(init_from) is not None,
+                       f"{init_from} has no tokenizer.json (or tokenizer.model): "
+                       f"put the model's beside its config.json, so its ids are known")
+    src = origin.Source("hf", init_from, saved=saved,
+                        where=f"the Hugging Face model in {init_from}", hf_index=index)
     spec = tokenizer.model_spec(src, "cl100k_base", 0)
     model = Transformer(ModelConfig(**saved))
     origin.load_whole_into(model, src)
@@ -129,7 +139,8 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
         x, y, mask = loader.rows(np.arange(start, min(start + batch_size, loader.n_chunks)))
         mask = torch.ones(y.shape) if mask is None else mask
         with autocast or nullcontext():
-            losses, _ = model(x.to(device), y.to(device), None, data.doc_ids(x, eot).to(device) if doc_mask else None)
+            losses, _ = model(x.to(device), y.to(device), None,
+                              data.doc_ids(x, eot).to(device) if doc_mask else None)
         loss_sum += (losses.double().cpu() * mask).sum()
         count += int(mask.sum())
     return loss_sum.item() / max(count, 1), count
@@ -138,14 +149,17 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
 def evaluate_checkpoint(c):
     """eval=True: one line with the val loss (and bits per byte) of the model on each dataset of
     c["dataset"], one with its scores on each task of c["eval_tasks"]."""
-    guard_errors.check(c["dataset"] or c["eval_tasks"], "eval=True needs dataset= (a prepared dataset, or several: "
-                                                  "dataset=a,b) or eval_tasks= (JSONL multiple-choice tasks)")
+    guard_errors.check(c["dataset"] or c["eval_tasks"],
+                       "eval=True needs dataset= (a prepared dataset, or several: "
+                       "dataset=a,b) or eval_tasks= (JSONL multiple-choice tasks)")
     what = c["init_from"] or c["ckpt"] or c["out_dir"]
     if c["init_from"]:
         model, spec, run = load_from(c["init_from"])
     else:
         path = c["ckpt"] or checkpoint.find(c["out_dir"], None)
-        guard_errors.check(path is not None, f"no checkpoint in {c['out_dir']}/ckpt: train first, or pass init_from=")
+        guard_errors.check(path is not None,
+                           f"no checkpoint in {c['out_dir']}/ckpt: train first, or pass "
+                           f"init_from=")
         model, meta = load_model(path)
         spec, run = tokenizer.checkpoint_spec(meta), meta.get("config") or {}
     block = c["block_size"] or run.get("block_size") or min(model.cfg.max_position or 1024, 1024)
@@ -157,21 +171,29 @@ def evaluate_checkpoint(c):
         data_dir = data.dataset_dir(name)
         meta = guard_data.read_meta(data_dir)
         tokenizer.check_model_tokenizer(meta, data_dir, spec, what)
-        if model.cfg.vocab_size < meta["vocab_size"]:  # tokens the model has never seen: as training's first eval
-            print(f"note: {data_dir} has {meta['vocab_size'] - model.cfg.vocab_size} tokens {what} lacks: their rows "
+        # tokens the model has never seen: as training's first eval
+        if model.cfg.vocab_size < meta["vocab_size"]:
+            print(f"note: {data_dir} has {meta['vocab_size'] - model.cfg.vocab_size} "
+                  f"tokens {what} lacks: their rows "
                   f"start as the mean row, as a run's first evaluation does")
             grow_vocab(model, meta["vocab_size"])
         model.to(parallel.pick_device(c["device"])).eval()
-        print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val split of "
-              f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...", flush=True)
+        print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val "
+              f"split of "
+              f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...",
+              flush=True)
         loss, n = val_loss(model, data_dir, block, c["batch_size"], c["doc_mask"])
-        guard_errors.check(math.isfinite(loss), f"the val loss of {what} on {data_dir} is {loss}: its "
+        guard_errors.check(math.isfinite(loss),
+                           f"the val loss of {what} on {data_dir} is {loss}: its "
                            f"weights hold non-finite values (NaN or inf); load an intact model")
-        counted = evals.split_bytes(data_dir, block, tokenizer.tokenizer_from_meta(meta))  # evals.py
+        # evals.py
+        counted = evals.split_bytes(data_dir, block, tokenizer.tokenizer_from_meta(meta))
         bpb = evals.bits_per_byte(loss, *counted)
         results.append(f"{name} {loss:.4f} ({n:,} target tokens, {bpb:.4f} bits/byte)")
     if results:
-        print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, doc_mask={c['doc_mask']} "
+        print(f"val loss "
+              f"of {what}: " + ", ".join(results) + f"; block_size={block}, "
+                                                    f"doc_mask={c['doc_mask']} "
               f"({time.time() - t0:.0f} s)", flush=True)
     evals.score_tasks(model, c["eval_tasks"], tokenizer.tokenizer_from_meta(spec), block, c, what)
 
@@ -186,16 +208,24 @@ def main(argv):
     top_k = 50                  # 0: sample from the whole distribution
     seed = 1337                 # the samples' random draws
     device = "auto"             # 'auto': cuda if available, else cpu
-    export = ""                 # write the checkpoint's weights, consolidated, to this file and exit
+    export = ""                 # write the checkpoint's weights, consolidated, to this file and
+                                # exit
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
-    export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many MB (0: one file)
-    init_from = ""              # eval=True: a Hugging Face LLaMA directory (a base, an export) or a run's out_dir
-    eval = False                # print the val loss of the model on dataset= (the whole val split) and exit
-    dataset = ""                # eval=True: a prepared dataset (a name under data/, or a directory), or several: a,b
-    block_size = 0              # eval=True: tokens per sequence (0: the run's; a Hugging Face model: 1024 at most)
+    export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many
+                                # MB (0: one file)
+    init_from = ""              # eval=True: a Hugging Face LLaMA directory (a base, an export) or
+                                # a run's out_dir
+    eval = False                # print the val loss of the model on dataset= (the whole val split)
+                                # and exit
+    dataset = ""                # eval=True: a prepared dataset (a name under data/, or a
+                                # directory), or several: a,b
+    block_size = 0              # eval=True: tokens per sequence (0: the run's; a Hugging Face
+                                # model: 1024 at most)
     batch_size = 8              # eval=True: sequences per forward
-    doc_mask = False            # eval=True: attention stays inside each document, as a run with doc_mask=True
-    eval_tasks = ""             # eval=True: multiple-choice tasks (JSONL) to score, 'a.jsonl,b.jsonl'
+    doc_mask = False            # eval=True: attention stays inside each document, as a run with
+                                # doc_mask=True
+    eval_tasks = ""             # eval=True: multiple-choice tasks (JSONL) to score,
+                                # 'a.jsonl,b.jsonl'
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 
@@ -204,40 +234,54 @@ def main(argv):
           f"temperature={cfg['temperature']} must be a finite number >= 0 (0: greedy)")
     for key in ("max_new_tokens", "num_samples", "top_k"):
         check(0 <= cfg[key] <= 10 ** 6, f"{key}={cfg[key]} must be in [0, 10**6]")
-    check(0 <= cfg["seed"] < 2 ** 32, f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
-    check(math.isfinite(cfg["export_shard_mb"]), f"export_shard_mb={cfg['export_shard_mb']} is not finite")
-    # checked before the checkpoint is read: never into a run's own files or a checkpoint, nor over a device
-    guard_files.check_exports({"export": cfg["export"], "export_hf": cfg["export_hf"]}, files=("export",))
+    check(0 <= cfg["seed"] < 2 ** 32,
+          f"seed={cfg['seed']} is out of range: use an integer in [0, 2**32)")
+    check(math.isfinite(cfg["export_shard_mb"]),
+          f"export_shard_mb={cfg['export_shard_mb']} is not finite")
+    # checked before the checkpoint is read: never into a run's own files or a checkpoint, nor over
+    # a device
+    guard_files.check_exports({"export": cfg["export"], "export_hf": cfg["export_hf"]},
+                              files=("export",))
     check(0 <= cfg["block_size"] <= 2 ** 20 and 1 <= cfg["batch_size"] <= 2 ** 16,
-          f"block_size={cfg['block_size']} and batch_size={cfg['batch_size']} must be in [0, 2**20] and [1, 2**16]")
+          f"block_size={cfg['block_size']} and batch_size={cfg['batch_size']} must be in [0, "
+          f"2**20] and [1, 2**16]")
     if cfg["eval"]:
         return evaluate_checkpoint(cfg)
-    check(not cfg["init_from"], "init_from= names the model for eval=True; to sample or export a run, use out_dir=")
-    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)  # (find verifies, and falls back to an intact one)
-    check(not cfg["ckpt"] or os.path.isdir(path), f"ckpt={path} is not a directory: give a checkpoint's directory, "
+    check(not cfg["init_from"],
+          "init_from= names the model for eval=True; to sample or export a run, use out_dir=")
+    # (find verifies, and falls back to an intact one)
+    path = cfg["ckpt"] or checkpoint.find(cfg["out_dir"], None)
+    check(not cfg["ckpt"] or os.path.isdir(path),
+          f"ckpt={path} is not a directory: give a checkpoint's directory, "
           f"e.g. {cfg['out_dir']}/ckpt/iter_0000350, or drop ckpt= for out_dir's latest")
     problem = guard_ckpt.verify(path) if cfg["ckpt"] else None
-    check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or drop ckpt= to "
+    check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or "
+                           f"drop ckpt= to "
                            f"use the newest intact one of out_dir")
     if path is None:
-        raise guard_errors.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or pass "
-                               f"ckpt=path/to/iter_XXXXXXX")
+        raise guard_errors.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or "
+                                     f"pass ckpt=path/to/iter_XXXXXXX")
     if cfg["export_shard_mb"] < 0:
-        raise guard_errors.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be negative (0: one file)")
+        raise guard_errors.UserError(f"export_shard_mb={cfg['export_shard_mb']} must not be "
+                                     f"negative (0: one file)")
     model, meta = load_model(path)
     enc = tokenizer.tokenizer_from_meta(tokenizer.checkpoint_spec(meta))
     if cfg["export"]:
         tmp = cfg["export"] + ".tmp"
-        weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}  # merged above
+        # merged above
+        weights = {k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" not in k}
         if os.path.lexists(tmp):
             os.remove(tmp)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
+                       "wb") as f:
             torch.save(weights, f)  # a new file, never through a link
         os.replace(tmp, cfg["export"])
-        print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) to {cfg['export']}")
+        print(f"exported {len(weights)} tensors of {path} (iteration {meta['iter']}) "
+              f"to {cfg['export']}")
     if cfg["export_hf"]:
         hf.save_hf(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
-        print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its tokenizer) to "
+        print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its "
+              f"tokenizer) to "
               f"{cfg['export_hf']}")
     if cfg["export"] or cfg["export_hf"]:
         return
@@ -245,7 +289,8 @@ def main(argv):
     torch.manual_seed(cfg["seed"])
     print(f"{os.path.relpath(path)}: iteration {meta['iter']}")
     for _ in range(cfg["num_samples"]):
-        print(sample_text(model, enc, cfg["prompt"], cfg["max_new_tokens"], cfg["temperature"], cfg["top_k"]))
+        print(sample_text(model, enc, cfg["prompt"], cfg["max_new_tokens"], cfg["temperature"],
+                          cfg["top_k"]))
         print("-" * 60)
 
 

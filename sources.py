@@ -100,7 +100,8 @@ def _parquet_rows(path, text_field):
             columns = None
         elif not columns:
             raise UserError(f"{path} has no column '{text_field}' or 'messages' (its columns: "
-                            f"{', '.join(names[:12])}): pass --text_field NAME for the text column")
+                            f"{', '.join(names[:12])}): pass --text_field NAME for the text "
+                            f"column")
         for i in range(pf.num_row_groups):
             yield from pf.read_row_group(i, columns=columns).to_pylist()
     except (pyarrow.ArrowException, OSError, EOFError) as e:

@@ -79,7 +79,8 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()  # the all-reduce is in place; the partial sum may be saved for backward elsewhere
+        # the all-reduce is in place; the partial sum may be saved for backward elsewhere
+        x = x.contiguous().clone()
         dist.all_reduce(x, group=group)
         return x
 
@@ -160,7 +161,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, start, group):
         logits = logits.float()
         m = logits.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # the global row max, for a stable exp
+        # the global row max, for a stable exp
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - m[:, None]
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[-1])  # is the target's column on this rank?
@@ -194,7 +196,8 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None
     (CopyToTP; GatherFromSP under sequence parallelism, where h is this rank's slice of T)."""
     if not chunk:
         logits = head(h)  # (its forward pre-hook is CopyToTP)
-        losses = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, group)
+        losses = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start,
+                                                 group)
         return losses.view(targets.shape)
     h = (f or CopyToTP).apply(h, group)  # what the head's pre-hook does when the head is called
     vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
@@ -205,7 +208,8 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None
 def _shard(module, dim, mesh, key="weight"):
     """module.weight (or .bias) -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
     full = getattr(module, key)
-    part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(), requires_grad=full.requires_grad)
+    part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(),
+                        requires_grad=full.requires_grad)
     part._split_dim, part._split_group = dim, mesh.tp_group
     setattr(module, key, part)
     return part
@@ -222,7 +226,8 @@ def _shard_linear(lin, dim, mesh):
     B's gradient g (A_i x_i)^T over their input slices. So its gradient is all-reduced over
     the tp group in backward (_SummedWeightGrad, per backward, before accumulation),
     and it stays the same replicated tensor on every tp rank."""
-    assert dim == 0 or lin.bias is None, "a row-parallel bias is added once, after the sum: not implemented"
+    assert dim == 0 or lin.bias is None, (
+        "a row-parallel bias is added once, after the sum: not implemented")
     _shard(lin, dim, mesh)
     if dim == 0:
         if lin.bias is not None:
@@ -276,18 +281,22 @@ def tensor_parallel(model, mesh, sp=False):
     cfg, tp, group = model.cfg, mesh.tp, mesh.tp_group
     # (guard_config.check_layout refuses the heads and widths tp does not divide; the vocabulary is
     # known only once the data and the model are)
-    assert cfg.n_head % tp == cfg.n_kv_head % tp == cfg.ffn_dim % tp == 0, f"tp={tp} does not divide the heads or width"
+    assert cfg.n_head % tp == cfg.n_kv_head % tp == cfg.ffn_dim % tp == 0, (
+        f"tp={tp} does not divide the heads or width")
     if cfg.vocab_size % tp:
-        raise UserError(f"tp={tp} does not divide vocab_size={cfg.vocab_size}: every tp rank needs an equal slice of "
+        raise UserError(f"tp={tp} does not divide vocab_size={cfg.vocab_size}: every tp rank "
+                        f"needs an equal slice of "
                         f"the vocabulary; use a tp that divides it")
     fn, gn = (GatherFromSP, ScatterToSP) if sp else (CopyToTP, ReduceFromTP)
     f = lambda module, args: (fn.apply(args[0], group), *args[1:])  # noqa: E731
     g = lambda module, args, out: gn.apply(out, group)  # noqa: E731
     for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
-        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):  # column-parallel: a slice of the outputs
+        # column-parallel: a slice of the outputs
+        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):
             _shard_linear(lin, 0, mesh)
-        for lin in (att.wo, ffn.w2):  # row-parallel: a slice of the inputs, a partial sum of the output
+        # row-parallel: a slice of the inputs, a partial sum of the output
+        for lin in (att.wo, ffn.w2):
             _shard_linear(lin, 1, mesh)
         for m in (att, ffn):  # one f before and one g after each half of the block
             m.register_forward_pre_hook(f)
@@ -302,7 +311,8 @@ def tensor_parallel(model, mesh, sp=False):
     for norm in [m for m in model.modules() if isinstance(m, RMSNorm)] if sp else qk:
         norm.forward = partial(_rmsnorm_summed_gain, norm, group)
     if sp:  # dropout: a stream per slice
-        for drop in [b.drop for b in model.layers.values()] + [model.drop] if cfg.dropout > 0 else []:
+        for drop in ([b.drop for b in model.layers.values()] + [model.drop] if cfg.dropout > 0
+                     else []):
             drop.register_forward_pre_hook(lambda m, args: own_stream(m, mesh, True))
             drop.register_forward_hook(lambda m, args, out: own_stream(m, mesh, False))
     start = mesh.tp_rank * cfg.vocab_size // tp  # this rank's first vocabulary row
@@ -310,7 +320,8 @@ def tensor_parallel(model, mesh, sp=False):
         emb = model.tok_embeddings
         model.tok_embeddings = VocabParallelEmbedding(_shard(emb, 0, mesh), start, group, gn)
     if model.output is not None:
-        if cfg.tie_embeddings and model.tok_embeddings is not None:  # the same rows of the same table
+        # the same rows of the same table
+        if cfg.tie_embeddings and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
             model.output.out_features //= tp
         else:
@@ -324,7 +335,8 @@ def _rmsnorm_summed_gain(norm, group, x):
     """RMSNorm's own forward on this rank's slice of T, its gain through f (CopyToTP): the
     gain's gradient all-reduced over the tp group in backward, in the graph (as
     _SummedWeightGrad, so that it holds under FSDP's gathered parameters)."""
-    return type(norm).forward(SimpleNamespace(eps=norm.eps, weight=CopyToTP.apply(norm.weight, group)), x)
+    return type(norm).forward(SimpleNamespace(eps=norm.eps,
+                                              weight=CopyToTP.apply(norm.weight, group)), x)
 
 
 def own_stream_for_heads(att, mesh, enter, module, args, out):
@@ -337,8 +349,10 @@ def own_stream(holder, mesh, enter):
     """Enter (while `holder` trains) or leave this tp rank's own random stream, seeded from one
     draw of the shared stream (the same on every tp rank) and the tp rank."""
     if enter and holder.training:
-        seed = int(torch.randint(2 ** 31, ()))  # one draw of the shared stream: the same on every tp rank
-        holder._own_stream = torch.random.fork_rng(devices=[mesh.device] if mesh.device.type == "cuda" else [])
+        # one draw of the shared stream: the same on every tp rank
+        seed = int(torch.randint(2 ** 31, ()))
+        holder._own_stream = torch.random.fork_rng(devices=[mesh.device]
+                                                   if mesh.device.type == "cuda" else [])
         holder._own_stream.__enter__()  # the shared stream's state, restored on leaving
         torch.manual_seed(seed * mesh.tp + mesh.tp_rank)
     elif not enter and "_own_stream" in holder.__dict__:

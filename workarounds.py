@@ -24,7 +24,8 @@ def keep_freed_memory(mmap_mb=32):
     except OSError:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_mb << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_mb << 20)
+                and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 def exit_now(code=0):
     """Ends a process that has torn its process group down and written everything, without

@@ -60,24 +60,31 @@ class ZeroDataParallel(DataParallel):
         assert stage in (1, 2), f"ZeRO stage {stage}: 1 or 2 here (stage 3 is fsdp=True)"
         super().__init__(module, mesh, bucket_mb)
         self.stage = stage
-        self.had_grad = {}  # stage 2: did p have a gradient here when its bucket went (its .grad is freed then)
+        # stage 2: did p have a gradient here when its bucket went (its .grad is freed then)
+        self.had_grad = {}
         self.shards = []
         for bucket in self.buckets:
             numel = sum(p.numel() for p in bucket.params)
-            bucket.chunk = -(-numel // mesh.dp)  # elements per rank; the bucket is padded to chunk * dp
-            lo, hi = mesh.dp_rank * bucket.chunk, (mesh.dp_rank + 1) * bucket.chunk  # this rank's chunk
+            # elements per rank; the bucket is padded to chunk * dp
+            bucket.chunk = -(-numel // mesh.dp)
+            # this rank's chunk
+            lo, hi = mesh.dp_rank * bucket.chunk, (mesh.dp_rank + 1) * bucket.chunk
             kw = dict(dtype=bucket.flat.dtype, device=bucket.flat.device)
-            # stage 1 all-reduces the whole padded bucket through a persistent buffer, as DataParallel;
-            # stage 2 has the full-size buffer only while the bucket is being reduced, and keeps its chunk
+            # stage 1 all-reduces the whole padded bucket through a persistent buffer, as
+            # DataParallel;
+            # stage 2 has the full-size buffer only while the bucket is being reduced, and keeps
+            # its chunk
             bucket.flat = torch.zeros(bucket.chunk * mesh.dp, **kw) if stage == 1 else None
             bucket.grad_chunk = torch.zeros(bucket.chunk, **kw) if stage == 2 else None
             offset = 0
             for p in bucket.params:
                 a, b = max(lo, offset), min(hi, offset + p.numel())
                 if a < b:
-                    assert p.is_contiguous(), "a shard is a view of the flat parameter: parameters must be contiguous"
+                    assert p.is_contiguous(), (
+                        "a shard is a view of the flat parameter: parameters must be contiguous")
                     piece = nn.Parameter(p.detach().view(-1)[a - offset:b - offset])
-                    piece._whole = p  # Muon's scale and clipping ask what the piece is part of (its tp marks)
+                    # Muon's scale and clipping ask what the piece is part of (its tp marks)
+                    piece._whole = p
                     self.shards.append(Shard(p, a - offset, b - a, bucket, a - lo, piece))
                 offset += p.numel()
 
@@ -95,7 +102,8 @@ class ZeroDataParallel(DataParallel):
                 bucket.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
             offset += p.numel()
-        work = dist.reduce_scatter_single(bucket.grad_chunk, bucket.flat, group=self.mesh.dp_group, async_op=True)
+        work = dist.reduce_scatter_single(bucket.grad_chunk, bucket.flat, group=self.mesh.dp_group,
+                                          async_op=True)
         self.pending.append((bucket, work))
         self.launched += 1
         self.launches += 1
@@ -103,7 +111,8 @@ class ZeroDataParallel(DataParallel):
     def _used_anywhere(self):
         if self.stage == 1:
             return super()._used_anywhere()
-        used = torch.tensor([self.had_grad[p] for p in self.params], dtype=torch.float32, device=self.mesh.device)
+        used = torch.tensor([self.had_grad[p] for p in self.params], dtype=torch.float32,
+                            device=self.mesh.device)
         dist.all_reduce(used, group=self.mesh.dp_group)
         return (used > 0).tolist()
 
@@ -111,12 +120,15 @@ class ZeroDataParallel(DataParallel):
         """Finishes the gradient reduction; then each shard's .grad is its piece of the mean
         gradient (None for a parameter that no rank used: AdamW leaves it alone, as in DataParallel)."""
         if self.stage == 1:
-            super().wait()  # every rank holds the whole mean gradient; the shards' gradients are views of it
+            # every rank holds the whole mean gradient; the shards' gradients are views of it
+            super().wait()
             self.used = {p: p.grad is not None for p in self.params}
             for s in self.shards:
-                s.tensor.grad = None if s.param.grad is None else s.param.grad.view(-1)[s.start:s.start + s.n]
+                s.tensor.grad = (None if s.param.grad is None
+                                 else s.param.grad.view(-1)[s.start:s.start + s.n])
             return
-        while self.launched < len(self.buckets):  # buckets backward did not complete go now, in order
+        # buckets backward did not complete go now, in order
+        while self.launched < len(self.buckets):
             self._launch(self.buckets[self.launched])
         for bucket, work in self.pending:
             work.wait()
@@ -125,7 +137,8 @@ class ZeroDataParallel(DataParallel):
             bucket.ready = 0
         used = self.used = dict(zip(self.params, self._used_anywhere()))
         for s in self.shards:
-            s.tensor.grad = s.bucket.grad_chunk[s.chunk_offset:s.chunk_offset + s.n] if used[s.param] else None
+            s.tensor.grad = (s.bucket.grad_chunk[s.chunk_offset:s.chunk_offset + s.n]
+                             if used[s.param] else None)
         self.pending, self.launched = [], 0
 
 
@@ -143,10 +156,12 @@ class ZeroOptimizer:
     pieces are copies, apart from the weights: the same path runs (and is tested) everywhere."""
 
     def __init__(self, model, param_groups, offload=False, muon=None, **adamw):
-        assert isinstance(model, ZeroDataParallel), "ZeroOptimizer steps the shards of a ZeroDataParallel"
+        assert isinstance(model, ZeroDataParallel), (
+            "ZeroOptimizer steps the shards of a ZeroDataParallel")
         self.model, self.mesh, self.shards = model, model.mesh, model.shards
         self.offload = offload
-        # what the optimizer steps: the shards themselves (views of the weights), or their copies in CPU memory
+        # what the optimizer steps: the shards themselves (views of the weights), or their copies
+        # in CPU memory
         self.stepped = [nn.Parameter(s.tensor.detach().cpu().clone()) if self.offload else s.tensor
                         for s in self.shards]
         self.shard_of = dict(zip(self.stepped, self.shards))
@@ -154,7 +169,8 @@ class ZeroOptimizer:
             t._whole = s.param
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [t for s, t in zip(self.shards, self.stepped) if group_of[s.param] == i]}
+                   "params": [t for s, t in zip(self.shards, self.stepped)
+                              if group_of[s.param] == i]}
                   for i, g in enumerate(param_groups)]
         self.muon_params = [p for g in param_groups if g.get("muon") for p in g["params"]
                             if not hasattr(p, "_ep")]  # every rank's, in order
@@ -164,12 +180,15 @@ class ZeroOptimizer:
         else:
             self.optimizer = torch.optim.AdamW(groups, **adamw)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
-        # expert parallel (expert_parallel.py): a rank's own experts are in no bucket; a plain optimizer
-        # of their own steps them whole (each expert's matrices are all here: Muon needs no gathering)
+        # expert parallel (expert_parallel.py): a rank's own experts are in no bucket; a plain
+        # optimizer
+        # of their own steps them whole (each expert's matrices are all here: Muon needs no
+        # gathering)
         self.experts = [p for g in param_groups for p in g["params"] if hasattr(p, "_ep")]
         if self.experts:
-            own = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"]
-                                                                             if hasattr(p, "_ep")]} for g in param_groups]
+            own = [{**{k: v for k, v in g.items() if k != "params"},
+                    "params": [p for p in g["params"] if hasattr(p, "_ep")]}
+                   for g in param_groups]
             own = [g for g in own if g["params"]]
             self.experts_optimizer = MuonWithAdamW(own, **muon) if muon else AdamW(own, **adamw)
             self.param_groups = self.param_groups + self.experts_optimizer.param_groups
@@ -191,7 +210,8 @@ class ZeroOptimizer:
                 s, g = mine[p]
                 flat[s.start:s.start + s.n] = g
             dist.all_reduce(flat, group=self.mesh.dp_group)
-            return tp_gather(flat.view(p.shape), p) if tp and hasattr(p, "_split_dim") else flat.view(p.shape)
+            return (tp_gather(flat.view(p.shape), p) if tp and hasattr(p, "_split_dim")
+                    else flat.view(p.shape))
 
         def part(i, update):
             p = mats[i]
@@ -200,7 +220,8 @@ class ZeroOptimizer:
             s, g = mine[p]
             update = tp_slice(update, p) if tp and hasattr(p, "_split_dim") else update
             return update.reshape(-1)[s.start:s.start + s.n].to(g.device)
-        done = orthogonalize_shared([whole_shape(p) for p in mats], whole, part, sharing_ranks(self.mesh),
+        done = orthogonalize_shared([whole_shape(p) for p in mats], whole, part,
+                                    sharing_ranks(self.mesh),
                                     self.optimizer.ns_dtype, self.mesh.device)
         return [dict(zip(mats, done))[t._whole] for t in pieces]
 
@@ -244,7 +265,8 @@ class ZeroOptimizer:
         return full
 
     # Checkpoints hold the whole AdamW state under parameter names, as a plain run saves it,
-    # so any layout resumes any other: the same two calls as optim.NamedState's. Saving gathers the slices into whole tensors on every
+    # so any layout resumes any other: the same two calls as optim.NamedState's. Saving gathers the
+    # slices into whole tensors on every
     # rank (a memory spike of the full state at save: simple, and fine at this scale; DCP
     # writes the replicated tensors once); loading reads the whole state and keeps its slices.
 
@@ -253,13 +275,15 @@ class ZeroOptimizer:
         AdamW parameter, {"name.momentum_buffer": whole tensor} for every Muon one (zeros
         before the first step), as a plain run saves them. names: parameter -> its global name."""
         out, muon = {}, set(self.muon_params)
-        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer") if muon else ("exp_avg", "exp_avg_sq"):
+        for key in (("exp_avg", "exp_avg_sq", "momentum_buffer") if muon
+                    else ("exp_avg", "exp_avg_sq")):
             for bucket in self.model.buckets:
                 full = self._gather(bucket, lambda s, t: self.state[t].get(key, 0.0))
                 offset = 0
                 for p in bucket.params:
                     if (key == "momentum_buffer") == (p in muon):
-                        out[f"{names[p]}.{key}"] = full[offset:offset + p.numel()].view_as(p).clone()
+                        out[f"{names[p]}.{key}"] = (
+                            full[offset:offset + p.numel()].view_as(p).clone())
                     offset += p.numel()
         # a parameter's pieces share one step count; a rank that owns none of it says 0
         steps = torch.zeros(len(self.model.params), device=self.mesh.device)
@@ -282,9 +306,13 @@ class ZeroOptimizer:
         for s, t in zip(self.shards, self.stepped):
             name = names[s.param]
             if s.param in muon:
-                self.state[t] = {"momentum_buffer": state[f"{name}.momentum_buffer"].reshape(-1)[s.start:s.start + s.n]
+                self.state[t] = {"momentum_buffer": state[f"{name}.momentum_buffer"]
+                                 .reshape(-1)[s.start:s.start + s.n]
                                  .to(t.device, copy=True)}
                 continue
-            self.state[t] = {"step": state[f"{name}.step"].to(t.device if fused else "cpu", torch.float32, copy=True)}
+            self.state[t] = {
+                "step": state[f"{name}.step"].to(t.device if fused else "cpu", torch.float32,
+                                                 copy=True)}
             for key in ("exp_avg", "exp_avg_sq"):
-                self.state[t][key] = state[f"{name}.{key}"].reshape(-1)[s.start:s.start + s.n].to(t.device, copy=True)
+                self.state[t][key] = state[f"{name}.{key}"].reshape(-1)[s.start:s.start + s.n].to(
+                    t.device, copy=True)
