@@ -381,14 +381,20 @@ def trace_a_file(b, tmp):
     return validated(profile_iters="1:2", max_iters=4, out_dir=out)(b, tmp)
 
 
-def hf_file_outside(name):
-    """A Hugging Face directory whose `name` is a link to a file outside it."""
+def linked_outside(kind, name, load):
+    """A copy of the base's `kind` directory (hf, adapter) whose `name` is a link to a file
+    outside it, read by load(directory)."""
     def make(b, tmp):
-        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        d = copy(b[kind], os.path.join(tmp, kind))
         os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
         os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
-        return lambda: hf.hf_index(d)
+        return lambda: load(d)
     return make
+
+
+def hf_file_outside(name):
+    """A Hugging Face directory whose `name` is a link to a file outside it."""
+    return linked_outside("hf", name, hf.hf_index)
 
 
 def hf_cache_links_load(b, tmp):
@@ -405,12 +411,7 @@ def hf_cache_links_load(b, tmp):
 
 def adapter_file_outside(name):
     """A PEFT adapter directory whose `name` is a link to a file outside it."""
-    def make(b, tmp):
-        d = copy(b["adapter"], os.path.join(tmp, "adapter"))
-        os.replace(os.path.join(d, name), os.path.join(tmp, "elsewhere"))
-        os.symlink(os.path.join(tmp, "elsewhere"), os.path.join(d, name))
-        return lambda: lora.load_peft_lora(d)
-    return make
+    return linked_outside("adapter", name, lora.load_peft_lora)
 
 
 def tokenizer_linked_outside(name):
