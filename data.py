@@ -44,11 +44,11 @@ class Loader:
     assistant's.
 
     packing='bfd': the chunks are rows of whole documents instead (packing.py), padded at the
-    end; the loss mask then also leaves the padding out (a text split gets one too)."""
+    end; the loss mask then also leaves the padding out (a text split gets one too). 'auto':
+    bfd for chat data (a reply keeps its prompt), concat for text."""
 
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0,
-                 dp=1,
-                 packing="concat"):
+                 dp=1, packing="auto"):
         meta = guard_data.read_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = guard_data.map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
@@ -58,10 +58,12 @@ class Loader:
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         self.packed = None
-        if packing not in ("concat", "bfd"):
+        if packing not in ("auto", "concat", "bfd"):
             raise UserError(f"packing={packing!r} is unknown: use 'concat' (documents end to end, "
-                            f"cut "
-                            f"into rows) or 'bfd' (whole documents per row, best fit, padded)")
+                            f"cut into rows), 'bfd' (whole documents per row, best fit, padded) "
+                            f"or 'auto' (bfd for chat data, concat for text)")
+        if packing == "auto":
+            packing = "bfd" if self.mask is not None else "concat"
         if packing == "bfd":  # whole documents per row: packing.py
             import packing as packing_py
             self.packed = packing_py.Packed(self.tokens, self.mask, self.eot_token, block_size + 1)

@@ -222,11 +222,13 @@ def score_tasks(model, eval_tasks, enc, block_size, c, what):
 def split_bytes(data_dir, block_size, enc, split="val"):
     """(target tokens, their UTF-8 bytes) of a split read whole in rows of block_size, as
     sample.py's val loss reads it: every chunk's targets once. enc: the data's tokenizer."""
-    loader = data.Loader(data_dir, split, block_size, 1, 1, seed=0)
-    end = loader.n_chunks * block_size + 1
-    y = torch.from_numpy(loader.tokens[1:end].astype(np.int64))
-    mask = None if loader.mask is None else torch.from_numpy(loader.mask[1:end].astype(np.float32))
-    return target_bytes(y, mask, byte_lengths(enc))
+    loader, lengths = data.Loader(data_dir, split, block_size, 1, 1, seed=0), byte_lengths(enc)
+    tokens = n_bytes = 0
+    for start in range(0, loader.n_chunks, 256):  # (its rows: whole documents for chat data)
+        _, y, mask = loader.rows(np.arange(start, min(start + 256, loader.n_chunks)))
+        t, b = target_bytes(y, mask, lengths)
+        tokens, n_bytes = tokens + t, n_bytes + b
+    return tokens, n_bytes
 
 
 # ---- task files from the public benchmarks ----------------------------------------------------

@@ -67,8 +67,8 @@ tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offli
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
 val_fraction = 0.01
-packing = "concat"              # rows: 'concat' (end to end, cut) or 'bfd' (whole documents:
-                                # packing.py)
+packing = "auto"                # rows: 'concat' (end to end, cut), 'bfd' (whole documents:
+                                # packing.py), 'auto' (bfd for chat data, concat for text)
 # batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks

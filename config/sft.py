@@ -6,6 +6,8 @@
 # new text at 1e-4 made the base forget Python; 200 steps of SFT at 1e-4 on a set big enough for
 # them were not measured (on a small one, they overfit: below). Shortened to 30 steps of 4 x 256 on man-page Q&A in SmolLM2's ChatML: held-out replies
 # 3.478 -> 2.996, Python -1% (an H100's full-length runs: docs/benchmarks.md).
+# (the numbers above were measured with rows cut end to end, packing=concat, before chat data
+# became whole conversations per row by default: packing=concat gives those rows back)
 optim = "adamw"
 learning_rate = 1e-4
 min_lr = 1e-5
