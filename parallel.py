@@ -316,6 +316,15 @@ def _what_is_split(mesh, zero, fsdp, offload):
     return split
 
 
+def auto_dtype(device_type):
+    """dtype='auto': autocast's dtype where the matmuls run it natively, bf16 on CUDA (T4 and V100
+    only emulate it: fp16) and on AVX512-BF16 CPUs, else float32 (emulated bf16 on an AVX2 CPU
+    made a step of the real model ~30x slower)."""
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported(False) else "float16"
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+
+
 def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
     """FLOP/s of a square matmul on this device, the fastest of those run in `seconds` (a
     neighbour's load slows some, not the best): the peak that MFU is measured against when

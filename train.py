@@ -177,12 +177,8 @@ started = time.time()
 # ---- setup -----------------------------------------------------------------------------------
 guard_env.wait_for_master(dist_timeout_s)
 mesh = parallel.setup(device, dist_timeout_s, backend, pp, tp, cp)
-if dtype == "auto":
-    # bf16 where the matmuls run it natively: CUDA (T4 and V100 only emulate it: fp16), AVX512-BF16
-    # CPUs
-    cuda = mesh.device.type == "cuda"
-    native = torch.cuda.is_bf16_supported(False) if cuda else torch.cpu._is_avx512_bf16_supported()
-    dtype = "bfloat16" if native else "float16" if cuda else "float32"
+if dtype == "auto":  # bf16 where native, else fp16 (CUDA) or float32
+    dtype = parallel.auto_dtype(mesh.device.type)
 autocast = (nullcontext() if dtype == "float32"
             else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype)))
 # fp16: loss_scale.py

@@ -6,6 +6,7 @@ table compares rows measured in the same run. One file per table in bench/, name
     python bench.py single           # one table by name
     python bench.py --smoke          # every table at a tiny size, to check that it runs (numbers mean nothing);
                                      # key=value after it go to its train.py runs, e.g. dataset=data/mine
+    python bench.py real model=DIR dtype=auto rounds=2   # the real model's table, and its keys
 """
 
 import atexit
@@ -61,7 +62,8 @@ SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), 
               "checkpoint": dict(worlds=(2,), saves=1, models=(checkpoint.MODEL,)), "head": dict(vocabs=(512,)),
               "race": dict(recipes=("default (python train.py)",), extra=dict(max_iters=2, eval_interval=1)),
               "profile": dict(steps=1), "long": dict(lengths=(64,)), "tokenize": dict(max_mb=0.2, repeats=1),
-              "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3), "real": dict(rounds=1)}
+              "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3),
+              "real": dict(rounds=1, compile_at=((1, 16, True),))}
 
 
 def describe():
@@ -76,11 +78,14 @@ def main():
         sys.exit(0)
     if {"-h", "--help"} & set(sys.argv[1:]):
         sys.exit(print(describe()))
+    names = [a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a] or list(TABLES)
     for a in (a for a in sys.argv[1:] if "=" in a):  # key=value: the --smoke runs' train.py keys
+        if a.split("=")[0] in real.KEYS and "real" in names:  # and real's: model=, dtype=, rounds=
+            continue
         if not SMOKE or a.split("=")[0] not in TRAIN:
             sys.exit(f"error: {a}: key=value goes with --smoke, to its train.py runs, and names a train.py key "
-                     f"(a table is named alone: python bench.py {a.split('=')[0]})")
-    names = [a for a in sys.argv[1:] if not a.startswith("-") and "=" not in a] or list(TABLES)
+                     f"(a table is named alone: python bench.py {a.split('=')[0]}), or with real: "
+                     f"{', '.join(k + '=' for k in real.KEYS)}")
     for name in names:
         if name not in TABLES:
             sys.exit(f"error: unknown table '{name}': choose from {', '.join(TABLES)}")
