@@ -7,6 +7,7 @@ leaves no out_dir or .lock behind.
 
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,7 +26,11 @@ def run_excepthook(kind, err, tb):
     out = sys.__stderr__
     guard_files.remove_refused()  # a refused run leaves no out_dir or .lock behind
     if not reports(err, tb):
-        pass  # another rank tells it: one line per run, ours the last before torchrun's report
+        # another rank tells it: one line per run, ours the last before torchrun's report. Before
+        # the process group rank 0 meets the same error at about the same time: a moment's wait
+        # lets its line out before torchrun, seeing this rank end, stops the others (SIGTERM)
+        if not dist.is_initialized():
+            time.sleep(3)
     elif (isinstance(err, RuntimeError)
           and any(s in str(err) for s in ("gloo", "NCCL", "Timed out", "timed out"))):
         print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process "
