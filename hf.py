@@ -13,94 +13,21 @@ import re
 import shutil
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 import guard_chat
 from guard_errors import UserError
 from guard_files import MAX_SIZES, read_json
 import hf_moe
+from hf_safetensors import (
+    open_safetensors,
+    read_safetensors_header,
+    read_safetensors_part,
+    write_safetensors,
+)
 from hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts,
                     read_experts, tensors_out)
 from hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 from model import ROPE_TYPES, ModelConfig, Transformer
-
-# ---------------------------------------------------------------------------------------------
-# safetensors through its own library, which is made for the format, hardened and fuzzed: it
-# refuses a header whose offsets overlap, leave gaps or pass the file, and loading never runs
-# code. Its refusals become one line naming the file; get_slice reads only a rank's rows.
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                      "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _corrupt(path, problem):
-    return UserError(f"{path}: {problem}; the file is truncated, damaged or not safetensors: copy "
-                     f"or download it again")
-
-
-@contextlib.contextmanager
-def open_safetensors(path):
-    """safe_open(path), its refusals (and a file that shrank while read) one UserError line."""
-    try:
-        with safe_open(path, "pt") as f:
-            yield f
-    except SafetensorError as e:
-        raise _corrupt(path, str(e).strip().splitlines()[0][:200]) from None
-
-
-def read_safetensors_header(path):
-    """(None, {name: (None, None, dtype, shape)}) of a .safetensors file, its header checked by
-    the library; a dtype outside SAFETENSORS_DTYPES is refused. Reads the header only."""
-    entries = {}
-    with open_safetensors(path) as f:
-        for name in f.keys():
-            part = f.get_slice(name)
-            dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
-            if dtype is None:
-                raise UserError(f"{path}: tensor '{name}' has dtype {part.get_dtype()!r}, which "
-                                f"this reader "
-                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it "
-                                f"to one of those")
-            entries[name] = (None, None, dtype, list(part.get_shape()))
-    return None, entries
-
-
-def read_safetensors_part(f, path, data_start, name, entry, dim=None, start=0, stop=0):
-    """Tensor `name` of the open safetensors file f (open_safetensors), or only rows
-    [start, stop) of it along dim: only those bytes are read."""
-    try:
-        if dim is None:
-            return f.get_tensor(name)
-        return f.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
-    except SafetensorError as e:
-        raise _corrupt(path, f"tensor '{name}': {str(e).strip().splitlines()[0][:200]}") from None
-
-
-def read_safetensors(path):
-    """{name: tensor} of a .safetensors file, on CPU; a malformed file is one UserError line."""
-    read_safetensors_header(path)  # (the dtypes this reader supports)
-    with open_safetensors(path) as f:
-        return {name: read_safetensors_part(f, path, None, name, None) for name in f.keys()}
-
-
-def write_safetensors(path, tensors, metadata=None):
-    """Writes {name: tensor} as a .safetensors file (the library's save_file). Atomic: a temp
-    file renamed into place, so a crash never leaves half a file under `path`."""
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        save_file(tensors, tmp,
-                  {str(k): str(v) for k, v in metadata.items()} if metadata else None)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face LLaMA checkpoints (LlamaForCausalLM, save_pretrained's directory layout).

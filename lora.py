@@ -20,7 +20,8 @@ import guard_ckpt
 from guard_errors import UserError
 from guard_files import read_json, sha256_file
 from guard_config import LORA_TARGETS, lora_targets
-from hf import HF_NAMES, load_hf, read_safetensors, rename, write_export_dir
+from hf import HF_NAMES, load_hf, rename, write_export_dir
+from hf_safetensors import read_safetensors
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
 

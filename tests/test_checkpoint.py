@@ -18,14 +18,8 @@ from transformers import (
 import prepare
 import tokenizer as tokenizer_py
 from guard_errors import UserError
-from hf import (
-    hf_config_to_ours,
-    hf_tokenizer,
-    load_hf,
-    read_safetensors,
-    save_hf,
-    write_safetensors,
-)
+from hf import hf_config_to_ours, hf_tokenizer, load_hf, save_hf
+from hf_safetensors import read_safetensors, write_safetensors
 from model import ModelConfig, Transformer
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

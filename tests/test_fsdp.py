@@ -18,6 +18,7 @@ from conftest import (
 
 import fsdp
 import hf
+import hf_safetensors
 import parallel
 from model import ModelConfig, Transformer
 
@@ -79,8 +80,8 @@ def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
         # turn that rounding in near-zero gradient entries into weight differences of up to 1.8e-5
         # (measured: plain tp=2 after 2 iterations; zero=1 at 2 ranks: 7.4e-7)
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=5e-5, msg=k)
-    one = hf.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
-    two = hf.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
+    one = hf_safetensors.read_safetensors(str(tmp_path / "hf_one" / "model.safetensors"))
+    two = hf_safetensors.read_safetensors(str(tmp_path / "hf_tp_pp" / "model.safetensors"))
     assert set(one) == set(two)
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=5e-5, msg=k)  # measured 2.2e-5 (tp: see above)

@@ -29,6 +29,7 @@ import guard_data
 import guard_dist
 import guard_env
 import hf
+import hf_safetensors
 import hf_tokenizer
 import lora
 import mixture
@@ -206,7 +207,7 @@ def hf_config_raw(text):
 def hf_weight_map(target):
     def make(b, tmp):
         d = copy(b["hf"], os.path.join(tmp, "hf"))
-        names = list(hf.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
+        names = list(hf_safetensors.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {n: target for n in names}}, f)
         return lambda: hf.hf_index(d)

@@ -28,6 +28,7 @@ import guard_data
 import faults
 import fsdp
 import hf
+import hf_safetensors
 import parallel
 import prepare
 from guard_errors import UserError
@@ -128,8 +129,8 @@ def tiny_model(n_embd=32, seed=0):
 
 def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
     path = str(tmp_path / "m.safetensors")
-    hf.write_safetensors(path, {"a": torch.ones(4), "b": torch.zeros(4)})
-    assert set(hf.read_safetensors(path)) == {"a", "b"}
+    hf_safetensors.write_safetensors(path, {"a": torch.ones(4), "b": torch.zeros(4)})
+    assert set(hf_safetensors.read_safetensors(path)) == {"a", "b"}
 
     def rewrite(header, extra=b""):
         raw = json.dumps(header).encode()
@@ -139,13 +140,13 @@ def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
     f32 = lambda begin: {"dtype": "F32", "shape": [4], "data_offsets": [begin, begin + 16]}  # noqa: E731
     rewrite({"a": f32(0), "b": f32(0)}, bytes(0))  # b aliases a (and 16 bytes at the end are nobody's)
     with pytest.raises(UserError, match="invalid offset"):
-        hf.read_safetensors(path)
+        hf_safetensors.read_safetensors(path)
     rewrite({"a": f32(0), "b": f32(8)})  # overlapping
     with pytest.raises(UserError, match="invalid offset"):
-        hf.read_safetensors(path)
+        hf_safetensors.read_safetensors(path)
     rewrite({"a": f32(0), "b": f32(16)}, bytes(8))  # trailing bytes nobody owns
     with pytest.raises(UserError, match="not fully covered"):
-        hf.read_safetensors(path)
+        hf_safetensors.read_safetensors(path)
 
 
 def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(tmp_path):
