@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from guard_errors import check
 from model import apply_rope
 
 # Everything in a block but the attention is per token, so a rank that holds a part of the
@@ -79,15 +80,15 @@ class GatherSeq(torch.autograd.Function):
         return out, None, None
 
 
-def allgather_attention(q, k, v, pos, mask, dropout, group):
+def allgather_attention(q, k, v, pos, docs, dropout, group):
     """The naive context-parallel attention: q (B, n_head, Tq, hd) at global positions `pos`
-    against the whole sequence's K and V (gathered): SDPA with the causal (or document) mask
-    of these queries' rows."""
+    against the whole sequence's K and V (gathered): SDPA with the causal mask of these
+    queries' rows (docs, the whole rows' document ids (B, T): and the document mask's)."""
     k, v = GatherSeq.apply(k, 2, group), GatherSeq.apply(v, 2, group)  # (B, n_kv_head, T, hd)
-    if mask is None:  # causal at global positions: query i sees keys 0..pos[i]
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= pos[:, None]  # (Tq, T)
-    else:  # the document mask's rows for these queries
-        mask = mask.index_select(2, pos)  # (B, 1, Tq, T)
+    # causal at global positions: query i sees keys 0..pos[i]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= pos[:, None]  # (Tq, T)
+    if docs is not None:  # and only its own document's
+        mask = (docs.index_select(1, pos)[:, :, None] == docs[:, None, :])[:, None] & mask
     if k.shape[1] != q.shape[1]:  # GQA
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -105,7 +106,10 @@ def cp_attention(att, mesh, attend, x, cos, sin, mask=None, cache=None):
     n_head = q.shape[1]
     cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = attend(q, k, v, pos, mask, att.dropout if att.training else 0.0, mesh.cp_group)
+    # a packed row's documents (doc_attention.Documents): each block's mask is built from their
+    # ids, never the whole T x T one
+    docs = None if mask is None else mask.ids
+    y = attend(q, k, v, pos, docs, att.dropout if att.training else 0.0, mesh.cp_group)
     return att.wo(y.transpose(1, 2).reshape(B, T, n_head * att.head_dim))
 
 
@@ -124,6 +128,9 @@ def context_parallel(model, mesh, ring=True):
     Returns the model; a no-op at cp=1."""
     if mesh.cp == 1:
         return model
+    w, T = model.cfg.sliding_window, model.cfg.block_size
+    check(not 0 < w < T, f"sliding_window={w} is shorter than block_size={T}: context parallelism "
+                         f"(cp={mesh.cp}) has no sliding window; set block_size={w} or drop cp")
     # (the ring has no dropout)
     attend = ring_attention if ring and model.cfg.dropout == 0 else allgather_attention
     for block in model.layers.values():
@@ -174,19 +181,20 @@ def _visible(r, src, n):
             else (slice(n // 2, None), slice(None), False))
 
 
-def _block_scores(q, k, pos, kpos, mask, scale, causal):
+def _block_scores(q, k, pos, kpos, docs, scale, causal):
     """Scores of queries q (B, n_head, Tq, hd) at `pos` against keys k (B, n_head, Tk, hd) at
     `kpos`, float32, -inf where a query may not look (the future when `causal`; another
-    document: `mask`, the document mask's rows for these queries, (B, 1, Tq, T))."""
+    document: docs, the whole rows' document ids (B, T))."""
     s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_head, Tq, Tk)
     # causal at global positions (Tq, Tk)
     allowed = kpos[None, :] <= pos[:, None] if causal else None
-    if mask is not None:
-        allowed = mask.index_select(3, kpos) & (True if allowed is None else allowed)
+    if docs is not None:  # (B, 1, Tq, Tk): the same document
+        same = docs.index_select(1, pos)[:, :, None] == docs.index_select(1, kpos)[:, None, :]
+        allowed = same[:, None] & (True if allowed is None else allowed)
     return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
-def _ring_forward(q, k, v, pos, mask, group):
+def _ring_forward(q, k, v, pos, docs, group):
     """RingAttention's forward: (out (B, n_head, Tq, hd), its log-sum-exp (B, n_head, Tq))."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     n, scale, groups = q.shape[2], q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
@@ -200,7 +208,7 @@ def _ring_forward(q, k, v, pos, mask, group):
         qs, ks, causal = _visible(r, src, n)
         kb, vb = (t[:, :, ks].repeat_interleave(groups, dim=1) for t in kv)  # GQA
         s = _block_scores(q[:, :, qs], kb, pos[qs], positions(n * cp, cp, src, q.device)[ks],
-                          None if mask is None else mask[:, :, qs], scale, causal)
+                          docs, scale, causal)
         block_lse = torch.logsumexp(s, dim=-1)  # -inf: no key of this block is visible (documents)
         p = torch.exp(s - block_lse.nan_to_num(neginf=0.0)[..., None])
         old = lse[:, :, qs]
@@ -224,18 +232,18 @@ class RingAttention(torch.autograd.Function):
     around the ring and home. Only the visible half of each off-diagonal block is computed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos, mask, group):
+    def forward(ctx, q, k, v, pos, docs, group):
         # float32 scores and sums, as backward's
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, pos, mask, group)
-        ctx.save_for_backward(q, k, v, pos, out, lse, *([] if mask is None else [mask]))
+            out, lse = _ring_forward(q, k, v, pos, docs, group)
+        ctx.save_for_backward(q, k, v, pos, out, lse, *([] if docs is None else [docs]))
         ctx.group = group
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, pos, out, lse, *mask = ctx.saved_tensors
-        mask = mask[0] if mask else None
+        q, k, v, pos, out, lse, *docs = ctx.saved_tensors
+        docs = docs[0] if docs else None
         group = ctx.group
         cp, r = dist.get_world_size(group), dist.get_rank(group)
         n, scale, groups = q.shape[2], q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
@@ -249,8 +257,8 @@ class RingAttention(torch.autograd.Function):
             qs, ks, causal = _visible(r, src, n)
             kb, vb = (t[:, :, ks].repeat_interleave(groups, dim=1).float() for t in kv)
             qb, dob = q[:, :, qs].float(), dout[:, :, qs]
-            s = _block_scores(qb, kb, pos[qs], positions(n * cp, cp, src, q.device)[ks],
-                              None if mask is None else mask[:, :, qs], scale, causal)
+            s = _block_scores(qb, kb, pos[qs], positions(n * cp, cp, src, q.device)[ks], docs,
+                              scale, causal)
             p = torch.exp(s - lse[:, :, qs, None])  # the final softmax's probabilities
             ds = p * (dob @ vb.transpose(-2, -1) - D[:, :, qs]) * scale
             dq[:, :, qs] += ds @ kb
@@ -273,10 +281,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, pos, mask, dropout, group):
+def ring_attention(q, k, v, pos, docs, dropout, group):
     """Context-parallel attention by the ring: q (B, n_head, Tq, hd) at global positions `pos`,
-    k and v this rank's (B, n_kv_head, Tk, hd); mask None (causal) or the document mask of the
-    whole sequence (B, 1, T, T). No dropout (context_parallel() uses allgather_attention then)."""
+    k and v this rank's (B, n_kv_head, Tk, hd); docs None (causal) or the whole rows' document
+    ids (B, T). No dropout (context_parallel() uses allgather_attention then)."""
     assert dropout == 0.0, "ring attention has no dropout"
-    return RingAttention.apply(q, k, v, pos, None if mask is None else mask.index_select(2, pos),
-                               group)
+    return RingAttention.apply(q, k, v, pos, docs, group)

@@ -25,7 +25,7 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "dtype": ("auto", "float32", "bfloat16", "float16"),
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"),
            "backend": ("auto", "gloo", "nccl"),
-           "moe_score": ("softmax", "sigmoid")}
+           "moe_score": ("softmax", "sigmoid"), "doc_attention": ("varlen", "dense")}
 
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size",
               "grad_accum_steps",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from guard_errors import check
+from doc_attention import Documents, document_mask
 from moe import MoE
 
 # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
@@ -66,6 +67,9 @@ class ModelConfig:
     neftune_alpha: float = 0.0
     # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
     loss_chunk: int = 0
+    # attention inside each document (doc_ids): 'varlen' (each document's own) or 'dense' (a
+    # (B, 1, T, T) mask, the reference): doc_attention.py
+    doc_attention: str = "varlen"
     # mixture of experts (moe.py): n_experts > 0 makes every moe_every-th layer's feed-forward a
     # MoE
     n_experts: int = 0
@@ -257,8 +261,9 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        # mask: None (plain causal), boolean (B, 1, T, T) or a window's (T, past + T): True where
-        # attending is allowed cache: generation's KVCache of the tokens before x (KVCache.extend)
+        # mask: None (plain causal), a packed row's Documents, or boolean: a window's (T, past + T)
+        # or (B, 1, T, T), True where attending is allowed. cache: generation's KVCache of the
+        # tokens before x (KVCache.extend)
         B, T, C = x.shape
         q, k, v = self.heads(x)
         n_head, n_kv_head = q.shape[1], k.shape[1]
@@ -266,15 +271,19 @@ class Attention(nn.Module):
         is_causal = mask is None
         if cache is not None:  # generation (sample.py): the earlier tokens' keys and values too
             k, v, mask, is_causal = cache.extend(k, v, mask)
-        # GQA: each kv head is shared by a group of n_head // n_kv_head query heads. Without a mask
-        # SDPA's flash kernels read the groups in place (enable_gqa); CUDA's kernel for masks needs
-        # equal head counts, so with one k and v are repeated (copies kept for backward)
-        gqa = n_kv_head != n_head and mask is None
-        if n_kv_head != n_head and not gqa:
-            k = k.repeat_interleave(n_head // n_kv_head, dim=1)
-            v = v.repeat_interleave(n_head // n_kv_head, dim=1)
-        y = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, gqa,
-                   self.recompute)
+        dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, Documents):  # attention inside each document (doc_attention.py)
+            y = mask.attend(q, k, v, lambda q, k, v, m: attend(
+                q, k, v, m, m is None, dropout, k.shape[1] != q.shape[1], self.recompute))
+        else:
+            # GQA: each kv head is shared by a group of n_head // n_kv_head query heads. Without a
+            # mask SDPA's flash kernels read the groups in place (enable_gqa); CUDA's kernel for
+            # masks needs equal head counts, so with one k and v are repeated (kept for backward)
+            gqa = n_kv_head != n_head and mask is None
+            if n_kv_head != n_head and not gqa:
+                k = k.repeat_interleave(n_head // n_kv_head, dim=1)
+                v = v.repeat_interleave(n_head // n_kv_head, dim=1)
+            y = attend(q, k, v, mask, is_causal, dropout, gqa, self.recompute)
         return self.wo(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
 
 
@@ -321,20 +330,6 @@ def init_tensor(name, shape, n_layer, seed):
            else 0.02)
     return torch.empty(shape, device="cpu").normal_(
         0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
-
-
-def document_mask(doc_ids):
-    """(B, 1, T, T) boolean attention mask from doc_ids (B, T): position i sees j iff j <= i
-    and both are in the same document. A dense mask, built once and shared by every block. On
-    GPU this takes SDPA off its flash kernel (to the memory-efficient one, which still computes
-    the masked blocks); the fast way there is a varlen kernel that skips the masked blocks
-    entirely (flash_attn_varlen_func with cu_seqlens, the documents' start offsets, or
-    FlexAttention with a document mask). At our sequence lengths T x T booleans per row are
-    small and the math is the same."""
-    T = doc_ids.shape[1]
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]                      # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-    return (same_doc & causal)[:, None]                                        # (B, 1, T, T)
 
 
 def sliding_window_mask(start, T, window, device, mask=None):
@@ -394,9 +389,14 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of length {start + T} is longer than "
                              f"block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        mask = None if doc_ids is None else document_mask(doc_ids)  # None: SDPA's own causal mask
-        if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
-            mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device, mask)
+        # attention inside each document (doc_attention.py): each document's own, or the dense
+        # mask (the reference, and under a window); None: SDPA's own causal mask
+        window = 0 < self.cfg.sliding_window < start + T  # a window shorter than the keys masks
+        dense = window or self.cfg.doc_attention == "dense"
+        mask = None if doc_ids is None else Documents(doc_ids, dense)
+        if window:
+            mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device,
+                                       None if mask is None else document_mask(doc_ids))
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)

@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 
-ROW_NAMES = ("single", "lora", "head", "real")
+ROW_NAMES = ("single", "lora", "head", "real", "docmask")
 
 
 def check_options(argv):
@@ -41,7 +41,7 @@ import torch  # after the options are checked
 
 import prepare
 
-from bench import (build, checkpoint, dp, gpu, head, long, lora, memory, memory2d, mfu, moe, pp, profile, race,
+from bench import (build, checkpoint, docmask, dp, gpu, head, long, lora, memory, memory2d, mfu, moe, pp, profile, race,
                    reading, real, sample, single, tokenize, tp)
 from bench.base import ROOT, RUN_KEYS, SMOKE, SMOKE_KEYS, TRAIN
 
@@ -50,8 +50,10 @@ TABLES = {"single": single.table_single, "dp": dp.table_dp, "pp": pp.table_pp_bo
           "lora": lora.table_lora, "sample": sample.table_sample, "build": build.table_build,
           "checkpoint": checkpoint.table_checkpoint, "race": race.table_race, "reading": reading.table_reading,
           "head": head.table_head, "gpu": gpu.table_gpu, "mfu": mfu.table_mfu, "profile": profile.table_profile,
-          "tokenize": tokenize.table_tokenize, "moe": moe.table_moe, "real": real.table_real}
-ROWS = dict(zip(ROW_NAMES, (single.single_row, lora.lora_row, head.head_row, real.real_row)))
+          "tokenize": tokenize.table_tokenize, "moe": moe.table_moe, "real": real.table_real,
+          "docmask": docmask.table_docmask}
+ROWS = dict(zip(ROW_NAMES, (single.single_row, lora.lora_row, head.head_row, real.real_row,
+                            docmask.docmask_row)))
 
 # --smoke: a row or two of each kind
 SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), deep_ms=()), "tp": dict(worlds=(2,)),
@@ -63,7 +65,7 @@ SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)), "pp": dict(stages=(4,), ms=(4,), 
               "race": dict(recipes=("default (python train.py)",), extra=dict(max_iters=2, eval_interval=1)),
               "profile": dict(steps=1), "long": dict(lengths=(64,)), "tokenize": dict(max_mb=0.2, repeats=1),
               "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3),
-              "real": dict(rounds=1, compile_at=((1, 16, True),))}
+              "real": dict(rounds=1, compile_at=((1, 16, True),)), "docmask": dict(lengths=(64,))}
 
 
 def describe():

@@ -13,7 +13,8 @@ HEADINGS = {"single": "## single process", "dp": "## data parallel", "pp": "## p
             "checkpoint": "## checkpoint saves", "race": "| default (python train.py) | 64 | 2 |",
             "reading": "to the first optimizer step", "head": "## head + loss", "gpu": "## gpu",
             "mfu": "## mfu", "profile": "## profile", "long": "## long sequences", "tokenize": "## encoding",
-            "moe": "## mixture of experts", "real": "ours at"}
+            "moe": "## mixture of experts", "real": "ours at",
+            "docmask": "## doc_mask"}
 
 
 def test_every_table_runs_at_a_tiny_size(tmp_path):

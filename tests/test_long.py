@@ -123,7 +123,7 @@ def test_context_parallel_model_equals_single_process(cp):
     assert sorted(torch.cat([r["positions"] for r in ranks]).tolist()) == list(range(16))
     for doc in (False, True):
         torch.manual_seed(0)
-        model = Transformer(ModelConfig(**CFG))
+        model = Transformer(ModelConfig(**CFG, doc_attention="dense"))  # the reference's mask
         x, y, mask = batch()
         _, loss = model(x, y, mask, documents() if doc else None)
         loss.backward()
@@ -133,6 +133,17 @@ def test_context_parallel_model_equals_single_process(cp):
                 torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
                 for n, p in model.named_parameters():
                     torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{n} ring={ring}")
+
+
+def test_context_parallel_refuses_a_sliding_window_shorter_than_the_sequence():
+    """The ring and the all-gather build causal (and document) masks, no window: a Mistral base
+    whose window is shorter than block_size is refused in one line, not trained without it."""
+    from types import SimpleNamespace
+    from guard_errors import UserError
+    model = Transformer(ModelConfig(**{**CFG, "sliding_window": 8}))
+    with pytest.raises(UserError, match=r"sliding_window=8 is shorter than block_size=16: context "
+                                        r"parallelism \(cp=2\) has no sliding window"):
+        context_parallel.context_parallel(model, SimpleNamespace(cp=2))
 
 
 def test_one_run_moves_between_context_parallel_and_one_process(dataset, reference_run, tmp_path):
@@ -172,15 +183,17 @@ def test_a_long_sequence_layout_mistake_is_one_line(args, world, message):
 
 
 def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):
-    """Muon, tied embeddings, the chunked head + loss and document masks, in one process and
-    under tp=2 sp x zero=1 (dp=2) and cp=2 x torch DDP (dp=2): the same curve.
+    """Muon, tied embeddings, the chunked head + loss and document masks, in one process (the
+    dense mask) and under tp=2 sp x zero=1 (dp=2) and cp=2 x torch DDP (dp=2): the same curve.
     learning_rate=3e-3: at REFERENCE's 1e-2 the tied embedding learns at 0.1 (embed_lr_scale),
     where AdamW's first steps (about lr x sign(g)) turn float32 rounding into a difference of
     4.1e-4 in one grad norm of cp=2 on an AVX512-BF16 CPU (2.6e-7 the step before); at 3e-3
     the largest is 2.7e-7."""
     args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "tie_embeddings=True", "loss_chunk=24", "doc_mask=True",
             "learning_rate=3e-3", "min_lr=3e-4"]
-    run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path)
+    # the single process with the dense document mask; the layouts attend within each document
+    # (doc_attention's default; cp's ring builds each block's mask from the document ids)
+    run_train([*args, f"out_dir={tmp_path / 'single'}", "doc_attention=dense"], cwd=tmp_path)
     single = read_metrics(tmp_path / "single")
     torchrun(4, [*args, f"out_dir={tmp_path / 'sp'}", "tp=2", "sp=True", "zero=1"], cwd=tmp_path)
     assert_same_curve(single, read_metrics(tmp_path / "sp"))

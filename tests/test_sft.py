@@ -324,8 +324,10 @@ def test_cli_prepares_chat_with_extra_tokens(tmp_path):
 
 @pytest.fixture(scope="module")
 def sft_single(chat_dataset, tmp_path_factory):
+    # the dense document mask, the reference the layouts' default (each document's own) meets
     out = str(tmp_path_factory.mktemp("sft") / "run")
-    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}"], cwd=os.path.dirname(out))
+    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "doc_attention=dense"],
+              cwd=os.path.dirname(out))
     return read_metrics(out)
 
 
