@@ -38,6 +38,7 @@ import numpy as np
 import chat_template
 import evals
 import guard_chat
+import packing
 import sources
 from guard_errors import UserError
 from tokenizer import (
@@ -261,7 +262,7 @@ def _alive(pid):
 
 def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction=0.01,
             text_field="text", workers=0, batch_mb=4, verbose=True, extra_tokens=(), format="auto",
-            model_tokens=()):
+            model_tokens=(), block_size=0):
     """Tokenize `source` into out_dir/{train.bin, val.bin, meta.json}; returns the meta dict.
 
     A JSONL source of conversations (format='chat', or 'auto' when its first record is one)
@@ -271,6 +272,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     `extra_tokens` (a list, or the path of a file of them).
     `model_tokens` are the tokens a model (that the data is prepared for) has already added to
     the same base: they keep their ids, and only the tokens it lacks come after them.
+    block_size: chat data's line also says how its conversations pack into rows of that length
+    (packing.py, the loader's default for chat data).
 
     Streams: documents are read and encoded a batch (~batch_mb of text) at a time, and only
     that batch's tokens exist as Python ints. The encoding runs on `workers` threads through
@@ -474,6 +477,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                   f"template: {learned['train']:,}/"
                   f"{learned['val']:,} train/val tokens are assistant replies (the loss counts "
                   f"only those)", flush=True)
+            if block_size:
+                print(f"prepare: packed at block_size={block_size}: "
+                      + packing_note(final, block_size, meta), flush=True)
         if n_replaced:
             print(f"prepare: warning: {n_replaced} undecodable bytes in {files_with_replaced} "
                   f"{'documents' if kind == 'text' else 'lines'} were replaced by U+FFFD",
@@ -481,8 +487,15 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     return meta
 
 
+def packing_note(data_dir, block_size, meta):
+    """How a chat dataset's train split packs into rows of block_size + 1 tokens (packing.py)."""
+    tokens = np.memmap(os.path.join(data_dir, "train.bin"), dtype=meta["dtype"], mode="r")
+    mask = np.memmap(os.path.join(data_dir, "train.mask.bin"), dtype=np.uint8, mode="r")
+    return packing.Packed(tokens, mask, meta["eot_token"], block_size + 1).note("train")
+
+
 def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens,
-                    mesh, spec=None):
+                    mesh, spec=None, block_size=0):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
     from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (tokenizer.model_spec:
     the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
@@ -499,7 +512,7 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
             tokenizer, vocab_size = spec["tokenizer"], spec["base_vocab_size"]
         prepare(prep, data_dir, tokenizer, vocab_size, val_fraction,
                 extra_tokens=extra_tokens or (),
-                model_tokens=spec["extra_tokens"] if spec else ())
+                model_tokens=spec["extra_tokens"] if spec else (), block_size=block_size)
     if mesh.backend:
         import torch.distributed
         torch.distributed.barrier()
@@ -538,6 +551,9 @@ def main():
                     help="tokenize for this model (a run's out_dir or a Hugging Face "
                     "directory): its tokenizer, with its added tokens at their ids "
                     "(--tokenizer/--vocab_size unused)")
+    ap.add_argument("--block_size", type=int, default=512,
+                    help="chat data: say how its conversations pack into rows of this length "
+                         "(config/sft.py's; 0: do not)")
     ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
                     help="JSONL records: text, chat conversations, or auto (from the first "
                          "record)")
@@ -558,7 +574,7 @@ def main():
             args.val_fraction, args.text_field, args.workers,
             extra_tokens=load_extra_tokens(args.extra_tokens) if args.extra_tokens else (),
             format=args.format,
-            model_tokens=model_tokens)
+            model_tokens=model_tokens, block_size=args.block_size)
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def prepared(source, prep):
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
         prepare.prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
-                                extra_tokens, mesh, spec)
+                                extra_tokens, mesh, spec, block_size)
     guard_data.check_made_as_asked(data_dir, {"val_fraction": val_fraction, "data_source": prep},
                                    overrides)
     return data_dir

@@ -137,3 +137,19 @@ def test_a_mixture_takes_packed_sources(chats, dataset):
     real = torch.tensor([int(p.lengths[p.ptr[r]:p.ptr[r + 1]].sum()) for r in rows.tolist()])
     want = (torch.arange(1, T + 1)[None] < real[:, None]).float()
     assert torch.equal(m.flatten(0, 1)[source == 1], want) and p.padding > 0
+
+
+def test_the_preparation_line_says_how_the_conversations_pack(chats, tmp_path, capsys):
+    """prepare's line for chat data at a run's block_size: the conversations, rows, splits, cuts
+    and padding that the loader then packs (a run prints the same at its start)."""
+    meta = guard_data.read_meta(chats)
+    source = os.path.join(os.path.dirname(chats), "chat.jsonl")
+    prepare.prepare(source, str(tmp_path / "d"), "cl100k_base", 512, val_fraction=0.2, block_size=T)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "packed at" in x)
+    p = data.Loader(str(tmp_path / "d"), "train", T, 2, 1, seed=0, packing="bfd").packed
+    assert p.n_cut + p.n_split >= 3 and p.padding > 0  # (numbers that can be wrong)
+    assert line == f"prepare: packed at block_size={T}: " + p.note("train")
+    assert f"{p.n_split:,} split at a turn boundary and {p.n_cut:,} cut" in line
+    assert f"{p.padding:.1%} of the rows is padding" in line and meta["format"] == "chat"
+    prepare.prepare(source, str(tmp_path / "d"), "cl100k_base", 512, val_fraction=0.2)
+    assert "packed at" not in capsys.readouterr().out  # block_size=0 (a text run's own call)
