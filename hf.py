@@ -67,6 +67,25 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_FAMILIES}
 
 
+# what transformers' config class of each family takes for a key config.json omits, where
+# reading it as a LLaMA's would take another value (tests/test_moe.py drops each key in turn)
+DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048),
+    "mistral": dict(num_key_value_heads=8, sliding_window=4096, max_position_embeddings=131072),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=8,
+                    rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, decoder_sparse_step=1,
+                      norm_topk_prob=False, qkv_bias=True, num_key_value_heads=16,
+                      max_position_embeddings=32768, use_sliding_window=False),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                      decoder_sparse_step=1, norm_topk_prob=False, num_key_value_heads=4,
+                      max_position_embeddings=32768),
+}
+
+
 def hf_config_to_ours(hf):
     """ModelConfig kwargs (all but block_size) from a Hugging Face config.json dict of a LLaMA,
     or of a LLaMA variant: Mistral (a sliding window), Qwen2 (q/k/v biases, a window by layer),
@@ -77,7 +96,8 @@ def hf_config_to_ours(hf):
                          f"their Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE variants "
                          f"(without those options) can be loaded")
 
-    hf = hf_moe.with_defaults(hf)  # (Mixtral's and Qwen2-MoE's own defaults for what it omits)
+    family = hf.get("model_type")  # (its family's defaults for what it omits)
+    hf = {**DEFAULTS[family], **hf} if isinstance(family, str) and family in DEFAULTS else hf
     bounds = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "intermediate_size": "ffn_dim",
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
               "num_key_value_heads": "n_kv_head",
@@ -105,7 +125,6 @@ def hf_config_to_ours(hf):
                                           type(hf[field]) is bool and kinds is not bool):
             raise refuse(field, f"a JSON {type(hf[field]).__name__} where {field} needs "
                                 f"{getattr(kinds, '__name__', 'number')}")
-    family = hf.get("model_type")
     if family not in FAMILIES:
         raise refuse("model_type", f"not a LLaMA model ({', '.join(FAMILIES)})")
     # the hub's files: rope_theta beside rope_scaling; transformers >= 5: both in rope_parameters.

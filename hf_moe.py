@@ -42,27 +42,9 @@ FUSED_GATE_UP = re.compile(
 OURS = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-# what transformers' MixtralConfig and Qwen2MoeConfig take for a key config.json omits, where
-# reading it as a LLaMA's would take another value (tests/test_moe.py drops each key in turn)
-DEFAULTS = {
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=8,
-                    rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072),
-    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
-                      shared_expert_intermediate_size=5632, decoder_sparse_step=1,
-                      norm_topk_prob=False, qkv_bias=True, num_key_value_heads=16,
-                      max_position_embeddings=32768, use_sliding_window=False),
-}
-
-
-def with_defaults(hf):
-    """config.json `hf`, its family's defaults filled in for the keys it omits (a MoE family's)."""
-    family = hf.get("model_type")
-    return {**DEFAULTS[family], **hf} if isinstance(family, str) and family in DEFAULTS else hf
-
-
 def config_fields(hf, refuse):
     """Our ModelConfig's MoE fields from a Mixtral, Qwen2-MoE or Qwen3-MoE config.json, read as
-    transformers reads them (with_defaults; its router_aux_loss_coef, times top_k: ours counts a
+    transformers reads them (hf.DEFAULTS; its router_aux_loss_coef, times top_k: ours counts a
     token once, see config_out; the run's aux weight unless it gives one); refuses what the layer
     does not compute."""
     for field in ("num_local_experts", "num_experts", "num_experts_per_tok",

@@ -113,20 +113,34 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     assert got["head_dim"] in (want.get("head_dim"), 32 // 4) and not got.get("use_sliding_window")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_hf_moe_config_omitting_a_key_reads_as_transformers_reads_it(family):
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_hf_config_omitting_a_key_reads_as_transformers_reads_it(family):
     """A config.json without one of its keys (each in turn, then all it can do without) is read
-    as transformers reads it: its defaults of that family (Qwen2-MoE's num_experts_per_tok 4,
+    as transformers reads it: its defaults of that family (Mistral's num_key_value_heads 8 and
+    sliding window 4,096, Qwen2's and Qwen3's 32 kv heads, Qwen2-MoE's num_experts_per_tok 4,
     norm_topk_prob False, Mixtral's rms_norm_eps and rope_theta, ...). The sizes it cannot
     do without are refused in one line naming the key."""
-    from transformers import MixtralConfig, Qwen2MoeConfig
-    kind = MixtralConfig if family == "mixtral" else Qwen2MoeConfig
+    from transformers import AutoConfig
     # (every value off its default, so that a wrong default shows)
     shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, num_experts_per_tok=3, rms_norm_eps=1e-4, max_position_embeddings=64)
-    shape.update(num_local_experts=6) if family == "mixtral" else shape.update(
-        num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=36, decoder_sparse_step=2,
-        norm_topk_prob=True, qkv_bias=False)
+                 num_key_value_heads=2, rms_norm_eps=1e-4, max_position_embeddings=64, rope_theta=5e4,
+                 tie_word_embeddings=True)
+    shape.update({"mixtral": dict(num_local_experts=6, num_experts_per_tok=3),
+                  "qwen2_moe": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                                    shared_expert_intermediate_size=36, decoder_sparse_step=2,
+                                    norm_topk_prob=True, qkv_bias=False),
+                  "qwen3_moe": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                                    decoder_sparse_step=2, norm_topk_prob=True, mlp_only_layers=[0]),
+                  "mistral": dict(sliding_window=16), "qwen3": dict(head_dim=16)}.get(family, {}))
+
+    def read(config):
+        try:
+            return hf.hf_config_to_ours(config)
+        except hf.UserError as e:
+            return str(e)
+
+    def kind(**kw):
+        return AutoConfig.for_model(family, **{k: v for k, v in kw.items() if k != "model_type"})
     full = kind(**shape).to_dict()
     needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "model_type")
@@ -135,8 +149,8 @@ def test_hf_moe_config_omitting_a_key_reads_as_transformers_reads_it(family):
         if key in needed:
             with pytest.raises(hf.UserError, match=f"config.json: {key}="):
                 hf.hf_config_to_ours(omitted)
-        else:
-            assert hf.hf_config_to_ours(omitted) == hf.hf_config_to_ours(kind(**omitted).to_dict()), key
+        else:  # the same model, or the same refusal (Qwen3-MoE's 8 experts a token of our 6)
+            assert read(omitted) == read(kind(**omitted).to_dict()), key
     least = {k: full[k] for k in needed}
     assert hf.hf_config_to_ours(least) == hf.hf_config_to_ours(kind(**least).to_dict())
 
