@@ -572,6 +572,8 @@ while True:
         if it == start_iter:
             mesh.print0(parallel.memory_line(raw_model, optimizer, mesh, zero if use_zero else 0,
                                              use_fsdp, offload))
+            if compile:  # the first step compiles: its time apart from the steps that follow
+                mesh.print0(f"compile: the first step took {dt:.1f} s, torch.compile included")
         # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident, lr and data go
         # on
         skipped = ("fp16 "

@@ -222,6 +222,8 @@ def test_torchrun_tp_gives_the_single_process_curve(nproc, layout, dataset, clip
     pp = 2 if "pp=2" in layout else 1
     assert f"dp={nproc // 2 // pp} x pp={pp} x tp=2" in p.stdout
     assert_same_curve(clipped_run, read_metrics(out), rtol=1e-3 if "compile=True" in layout else 3e-4)
+    # the first step's time, compiling included, said apart (once, by rank 0)
+    assert p.stdout.count("compile: the first step took") == ("compile=True" in layout)
 
 
 def watch_streams(rank):
