@@ -274,7 +274,7 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
 def reference_run(dataset, tmp_path_factory):
     """metrics.jsonl of the REFERENCE config trained by one plain process."""
     out = str(tmp_path_factory.mktemp("reference") / "run")
-    run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out))
+    run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out), fork=True)
     return read_metrics(out)
 
 

@@ -209,11 +209,11 @@ def test_the_template_travels_through_cpt_sft_lora_and_their_exports(tmp_path):
     keys = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2", "val_fraction=0.2"]
     run_train([*keys, f"init_from={base}", "dataset=text", f"data_source={write_corpus(str(tmp_path / 'c'), 8)}",
                f"extra_tokens={tmp_path / 'words.txt'}", f"out_dir={tmp_path / 'cpt'}",
-               f"export_hf={tmp_path / 'cpt_hf'}"], cwd=tmp_path)
+               f"export_hf={tmp_path / 'cpt_hf'}"], cwd=tmp_path, fork=True)
     run_train([*keys, f"init_from={tmp_path / 'cpt'}", "dataset=chat", f"data_source={tmp_path / 'chat.jsonl'}",
-               "doc_mask=True", f"out_dir={tmp_path / 'sft'}", f"export_hf={tmp_path / 'sft_hf'}"], cwd=tmp_path)
+               "doc_mask=True", f"out_dir={tmp_path / 'sft'}", f"export_hf={tmp_path / 'sft_hf'}"], cwd=tmp_path, fork=True)
     run_train([*keys, f"init_from={tmp_path / 'sft'}", "dataset=chat", "lora_rank=2", f"out_dir={tmp_path / 'lora'}",
-               f"export_hf={tmp_path / 'lora_hf'}"], cwd=tmp_path)
+               f"export_hf={tmp_path / 'lora_hf'}"], cwd=tmp_path, fork=True)
     meta = json.load(open(tmp_path / "data" / "chat" / "meta.json"))
     assert meta["extra_tokens"] == ["kernelbuddy"] and meta["chat_tokens"] == [] and meta["eot_token"] == 0
     ids = np.fromfile(tmp_path / "data" / "chat" / "train.bin", dtype=np.uint16).tolist()
@@ -245,7 +245,7 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
     keys = [a for a in RUN if not a.startswith("vocab_size=")] + ["val_fraction=0.2", f"init_from={base}"]
     for name, source in (("text", write_corpus(str(tmp_path / "c"), 40, 80)), ("chat", tmp_path / "chat.jsonl")):
         run_train([*keys, "max_iters=0", f"dataset={name}", f"data_source={source}", f"out_dir={tmp_path / name}"],
-                  cwd=tmp_path)
+                  cwd=tmp_path, fork=True)
     dirs = {name: str(tmp_path / "data" / name) for name in ("text", "chat")}
     assert [guard_data.read_meta(d)["eot_token"] for d in dirs.values()] == [2, 0]
     train = mixture.setup({"text": 0.5, "chat": 0.5}, [], 1.0, lambda s: dirs[s],
@@ -261,7 +261,7 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
         assert any(not torch.equal(got, data.doc_ids(row, (0, 2)[s])) for row, src, got in rows if src == s), s
     # the run: its first loss is the base's on its first batch, each row cut at its own source's id
     run_train([*keys, "max_iters=2", "datasets=text:0.5,chat:0.5", "doc_mask=True", f"out_dir={tmp_path / 'mix'}"],
-              cwd=tmp_path)
+              cwd=tmp_path, fork=True)
     first = next(r for r in read_metrics(str(tmp_path / "mix")) if "loss" in r)
     kwargs, weights = hf.load_hf(str(base))
     model = Transformer(ModelConfig(**{**kwargs, "block_size": 32}))

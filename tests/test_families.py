@@ -189,7 +189,7 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     cpt, sft, lora = (str(tmp_path / name) for name in ("cpt", "sft", "lora"))
     run = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2"]  # (the base's vocabulary)
     p = run_train([*run, "dataset=domain", f"data_source={corpus}", f"extra_tokens={words}", "val_fraction=0.2",
-                   f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path)
+                   f"init_from={path}", f"out_dir={cpt}"], cwd=tmp_path, fork=True)
     rows, ids = hf.load_hf(path)[0]["vocab_size"], write_tokenizer(family, str(tmp_path / "tok"))[0]
     if rows < ids + 2:  # the two new tokens get rows of their own
         assert f"growing the vocabulary from {rows} to {ids + 2}" in p.stdout
@@ -204,9 +204,9 @@ def test_cpt_sft_lora_export(base, corpus, tmp_path):
     chats.write_text("".join(json.dumps({"prompt": f"What is {i} times 2?", "response": f"It is {2 * i}."}) + "\n"
                              for i in range(40)))
     run_train([*run, "dataset=chat", f"data_source={chats}", "val_fraction=0.2", "doc_mask=True", f"init_from={cpt}",
-               f"out_dir={sft}", f"export_hf={sft}/hf"], cwd=tmp_path)
+               f"out_dir={sft}", f"export_hf={sft}/hf"], cwd=tmp_path, fork=True)
     run_train([*run, "dataset=chat", f"init_from={sft}", "lora_rank=4", "lora_targets=wq,wk,wv,wo,w1",
-               f"out_dir={lora}", f"export_hf={lora}/hf", f"export_lora={lora}/peft"], cwd=tmp_path)
+               f"out_dir={lora}", f"export_hf={lora}/hf", f"export_lora={lora}/peft"], cwd=tmp_path, fork=True)
     x = torch.randint(0, ids + 6, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         mine_sft, mine_lora = ours_from(sft)(x)[0], ours_from(lora)(x)[0]
@@ -239,7 +239,7 @@ def test_qwen_on_layouts(corpus, tmp_path):
         "optim=muon", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
         "keep_ckpts=0", "eval_interval=2", "lr_decay_iters=6"]  # (the schedule of the whole run in each leg)
     single, chain = [*common, f"out_dir={tmp_path / 'single'}"], [*common, f"out_dir={tmp_path / 'chain'}"]
-    run_train([*single, "max_iters=6"], cwd=tmp_path)
+    run_train([*single, "max_iters=6"], cwd=tmp_path, fork=True)
     torchrun(2, [*chain, "max_iters=2", "fsdp=True"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=3", "tp=2"], cwd=tmp_path)
     torchrun(2, [*chain, "max_iters=4", "pp=2"], cwd=tmp_path)
@@ -258,7 +258,7 @@ def test_qwen_on_layouts(corpus, tmp_path):
     common = [{"init_from": f"init_from={path}", "dataset": "dataset=qwen2_domain"}.get(a.split("=")[0], a)
               for a in common]
     lora = [*common, "max_iters=3", "lora_rank=4", "lora_targets=wq,wk,wv,w1"]
-    run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path)
+    run_train([*lora, f"out_dir={tmp_path / 'lora_single'}"], cwd=tmp_path, fork=True)
     torchrun(2, [*lora, f"out_dir={tmp_path / 'lora_tp'}", "tp=2"], cwd=tmp_path)
     assert_same_curve(read_metrics(tmp_path / "lora_single"), read_metrics(tmp_path / "lora_tp"))
     adapted = ours_from(str(tmp_path / "lora_tp")).state_dict()
@@ -314,8 +314,8 @@ def test_long_context_from_a_base(corpus, tmp_path):
     run = [a for a in RUN if not a.startswith(("vocab_size=", "block_size="))] + [
         "block_size=128", "dataset=domain", f"data_source={corpus}", "val_fraction=0.2", f"init_from={path}",
         "rope_theta=40000.0", "rope_scaling=yarn:4", f"out_dir={tmp_path / 'long'}", "lr_decay_iters=3"]
-    run_train([*run, "max_iters=2"], cwd=tmp_path)
-    run_train([*run, "max_iters=3", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path)
+    run_train([*run, "max_iters=2"], cwd=tmp_path, fork=True)
+    run_train([*run, "max_iters=3", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path, fork=True)
     meta = guard_ckpt.read_meta(checkpoint.find(str(tmp_path / "long"), None))[0]["model"]
     assert (meta["rope_type"], meta["rope_factor"], meta["rope_theta"], meta["rope_original_len"]) == (
         "yarn", 4.0, 40000.0, 32)

@@ -41,7 +41,7 @@ def test_muon_under_fsdp_and_pipeline_gives_the_single_process_curve(dataset, tm
     so do naive data parallel x the interleaved pipeline (a stage's two chunks, each its own layers)."""
     args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "lr_schedule=wsd", "cooldown_frac=0.5"]
     single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
-    run_train([*args, f"out_dir={single}"], cwd=tmp_path)
+    run_train([*args, f"out_dir={single}"], cwd=tmp_path, fork=True)
     p = torchrun(4, [*args, f"out_dir={sharded}", "fsdp=True", "pp=2", "compile=True", "offload=True"], cwd=tmp_path)
     assert "(fsdp: 1/2" in p.stdout
     assert_same_curve(read_metrics(single), read_metrics(sharded), rtol=1e-3)  # compiled vs eager
@@ -65,13 +65,13 @@ def test_one_run_moves_through_every_layout(dataset, reference_run, tmp_path):
     torchrun(4, [*chain, "max_iters=4", "fsdp=True", "tp=2"], cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=5", "tp=2", "pp=2", f"export_hf={tmp_path / 'hf_tp_pp'}"], cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=6", "pp=4"], cwd=tmp_path)
-    run_train([*chain, "max_iters=8"], cwd=tmp_path)
+    run_train([*chain, "max_iters=8"], cwd=tmp_path, fork=True)
     assert_same_curve(reference_run, read_metrics(out))
     assert sorted(os.listdir(os.path.join(out, "ckpt")))[:5] == [f"iter_{i:07d}" for i in (2, 4, 5, 6, 8)]
 
     # the truth at iterations 4 and 5: one process
     run_train([*common, f"out_dir={single}", "max_iters=5", "ckpt_interval=4", f"export_hf={tmp_path / 'hf_one'}"],
-              cwd=tmp_path)
+              cwd=tmp_path, fork=True)
     a = checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))[0].state_dict()      # written by fsdp x tp
     b = checkpoint.load_whole(os.path.join(single, "ckpt", "iter_0000004"))[0].state_dict()
     assert set(a) == set(b) and "layers.3.feed_forward.w2.weight" in a

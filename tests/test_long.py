@@ -156,7 +156,7 @@ def test_one_run_moves_between_context_parallel_and_one_process(dataset, referen
         f"dataset={dataset}", "lr_decay_iters=8", "keep_ckpts=0", f"out_dir={out}", "init_from=auto"]
     p = torchrun(2, [*chain, "max_iters=2", "cp=2", "sample_tokens=8"], cwd=tmp_path)
     assert "dp=1 x pp=1 x cp=2" in p.stdout and " sample " in p.stdout  # sampled on one process, without cp
-    run_train([*chain, "max_iters=4"], cwd=tmp_path)
+    run_train([*chain, "max_iters=4"], cwd=tmp_path, fork=True)
     p = torchrun(4, [*chain, "max_iters=6", "cp=2", "grad_ckpt=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
     assert "dp=2 x pp=1 x cp=2" in p.stdout
     torchrun(4, [*chain, "max_iters=8", "cp=2", "fsdp=True"], cwd=tmp_path)
@@ -193,7 +193,7 @@ def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):
             "learning_rate=3e-3", "min_lr=3e-4"]
     # the single process with the dense document mask; the layouts attend within each document
     # (doc_attention's default; cp's ring builds each block's mask from the document ids)
-    run_train([*args, f"out_dir={tmp_path / 'single'}", "doc_attention=dense"], cwd=tmp_path)
+    run_train([*args, f"out_dir={tmp_path / 'single'}", "doc_attention=dense"], cwd=tmp_path, fork=True)
     single = read_metrics(tmp_path / "single")
     torchrun(4, [*args, f"out_dir={tmp_path / 'sp'}", "tp=2", "sp=True", "zero=1"], cwd=tmp_path)
     assert_same_curve(single, read_metrics(tmp_path / "sp"))
@@ -207,7 +207,7 @@ def test_lora_under_sp_and_cp(hf_dir, dataset, tmp_path):
     from conftest import RUN
     args = [*RUN, f"dataset={dataset}", f"init_from={hf_dir}", "max_iters=6", "lora_rank=4", "lora_alpha=8",
             "lora_targets=wq,wk,wv,wo,w1,w2,w3,output", "grad_clip=0.5"]
-    run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path)
+    run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path, fork=True)
     for name, layout in (("sp", ["tp=2", "sp=True"]), ("cp", ["cp=2"])):
         p = torchrun(2, [*args, f"out_dir={tmp_path / name}", *layout], cwd=tmp_path)
         assert "lora: r=4" in p.stdout

@@ -151,7 +151,7 @@ def ctx(dataset, tmp_path_factory):
                   "answer": i % 3} for i in range(9)]
     task.write_text("".join(json.dumps(q) + "\n" for q in questions))
     base = str(root / "base")
-    run_train([*RUN, f"dataset={dataset}", f"out_dir={base}", "max_iters=2"], cwd=root)
+    run_train([*RUN, f"dataset={dataset}", f"out_dir={base}", "max_iters=2"], cwd=root, fork=True)
     return {"dataset": dataset, "notes": str(root / "notes"), "base": base, "shared": shared, "root": root,
             "task": str(task)}
 
@@ -165,7 +165,7 @@ def single_run(cell, ctx, extra=()):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "done.json").exists():
             out = ctx["root"] / f"single-{key}"
-            run_train([*RUN, *options_args(cell, ctx), *extra, f"out_dir={out}"], cwd=ctx["root"])
+            run_train([*RUN, *options_args(cell, ctx), *extra, f"out_dir={out}"], cwd=ctx["root"], fork=True)
             rows = read_metrics(str(out))
             path.mkdir(exist_ok=True)
             (path / "done.json").write_text(json.dumps(rows))
@@ -218,7 +218,7 @@ def test_one_checkpoint_through_the_new_layouts(ctx, tmp_path):
     torchrun(4, [*chain, "max_iters=3", *layout_args({"data_parallel": "fsdp", "pipeline": "interleaved", "tp": 1})],
              cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=6", "pp=2", "tp=2"], cwd=tmp_path)
-    run_train(chain, cwd=tmp_path)
+    run_train(chain, cwd=tmp_path, fork=True)
     worst = worst_relative_difference(want, read_metrics(out))
     print(f"\nreshard chain fsdp x interleaved -> tp2 x pp2 -> 1: worst relative difference {worst:.1e}")
     assert worst <= RTOL

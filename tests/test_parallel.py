@@ -406,7 +406,7 @@ def tied_run(dataset, tmp_path_factory):
         if optim not in runs:
             out = str(tmp_path_factory.mktemp("tied") / "run")
             run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", f"optim={optim}"],
-                      cwd=os.path.dirname(out))
+                      cwd=os.path.dirname(out), fork=True)
             runs[optim] = read_metrics(out)
         return runs[optim]
     return get
@@ -453,7 +453,7 @@ def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
     shutil.copytree(half, one)  # the same checkpoint, continued by one process below
     torchrun(2, [*common, f"out_dir={half}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
     assert_same_curve(read_metrics(full), read_metrics(half), exact=True)
-    run_train([*common, f"out_dir={one}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
+    run_train([*common, f"out_dir={one}", "max_iters=12", "init_from=resume"], cwd=tmp_path, fork=True)
     assert_same_curve(read_metrics(full), read_metrics(one))
 
 

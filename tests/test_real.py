@@ -77,17 +77,18 @@ def test_our_loss_is_transformers_loss_on_every_val_block(base, real_data):
 
 def test_layouts_on_the_real_model_equal_one_process_and_its_export_is_transformers(base, real_data, tmp_path,
                                                                                    capsys):
-    """One process, dp=2 and tp=3 (9 heads and 3 KV heads in 3 slices) train the same 2 steps;
+    """One process and dp=2 x tp=3 (9 heads and 3 KV heads in 3 slices; one launch of 6 ranks
+    checks both, at the cost of one run) train the same 2 steps;
     the single run's export loads in transformers with our logits, and sample.py's greedy
     tokens are transformers' generate's, token for token."""
     from transformers import AutoTokenizer, LlamaForCausalLM
     args = [*RUN, f"init_from={base}", f"dataset={real_data}"]
     one, export = str(tmp_path / "one"), str(tmp_path / "one_hf")
-    run_train([*args, f"out_dir={one}", f"export_hf={export}"], cwd=tmp_path, timeout=600)
-    for n, layout in ((2, "dp2"), (3, "tp=3")):
-        out = str(tmp_path / layout)
-        torchrun(n, [*args, f"out_dir={out}", *(["tp=3"] if layout == "tp=3" else [])], cwd=tmp_path, timeout=600)
-        assert_same_curve(read_metrics(one), read_metrics(out))
+    run_train([*args, f"out_dir={one}", f"export_hf={export}"], cwd=tmp_path, timeout=600, fork=True)
+    out = str(tmp_path / "dp2_tp3")
+    p = torchrun(6, [*args, f"out_dir={out}", "tp=3"], cwd=tmp_path, timeout=600)
+    assert "dp=2 x pp=1 x tp=3" in p.stdout
+    assert_same_curve(read_metrics(one), read_metrics(out))
     model, _ = sample.load_model(os.path.join(one, "ckpt", "iter_0000002"))
     theirs = LlamaForCausalLM.from_pretrained(export).eval()
     x, _ = val_blocks(real_data, 40)
@@ -121,7 +122,7 @@ def test_lora_sft_on_the_real_model_in_its_own_chat_format_loads_in_peft(base, t
     # a high rate, so that 2 steps move B away from zero and the adapters change the logits
     p = run_train([*RUN, "block_size=16", "learning_rate=1e-2", "min_lr=1e-3", "lora_rank=4", f"init_from={base}",
                    "dataset=chat", f"data_source={tmp_path / 'chat.jsonl'}", "val_fraction=0.3", "doc_mask=True",
-                   f"out_dir={out}", f"export_lora={adapter}", f"export_hf={merged}"], cwd=tmp_path, timeout=600)
+                   f"out_dir={out}", f"export_lora={adapter}", f"export_hf={merged}"], cwd=tmp_path, timeout=600, fork=True)
     assert "the model's chat template" in p.stdout and "growing" not in p.stdout
     ours, _ = sample.load_model(os.path.join(out, "ckpt", "iter_0000002"))  # the adapters merged
     theirs = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter).eval()

@@ -327,7 +327,7 @@ def sft_single(chat_dataset, tmp_path_factory):
     # the dense document mask, the reference the layouts' default (each document's own) meets
     out = str(tmp_path_factory.mktemp("sft") / "run")
     run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "doc_attention=dense"],
-              cwd=os.path.dirname(out))
+              cwd=os.path.dirname(out), fork=True)
     return read_metrics(out)
 
 
@@ -357,7 +357,7 @@ def test_sft_loss_counts_only_assistant_tokens_and_neftune_only_trains(chat_data
     # the two differ on this data, 10 times the tolerance above: the test can tell
     assert abs(sum(losses).item() / 4 - weighted) > 1e-4
     out = str(tmp_path / "neft")
-    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "neftune_alpha=5"], cwd=tmp_path)
+    run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", "neftune_alpha=5"], cwd=tmp_path, fork=True)
     neft = read_metrics(out)
     assert neft[0]["val_loss"] == sft_single[0]["val_loss"]  # the val loss before training: evaluation has no noise
     assert neft[1]["loss"] != sft_single[1]["loss"]  # training forward does
@@ -371,7 +371,7 @@ def test_sft_loss_and_grad_norm_do_not_depend_on_the_micro_batch_split(chat_data
     for b, g in ((16, 1), (4, 4), (2, 8), (1, 16)):
         out = str(tmp_path / f"split{b}x{g}")
         run_train([*SFT, f"dataset={chat_dataset}", f"out_dir={out}", f"batch_size={b}", f"grad_accum_steps={g}",
-                   "max_iters=6", "eval_interval=6"], cwd=tmp_path)
+                   "max_iters=6", "eval_interval=6"], cwd=tmp_path, fork=True)
         curves.append(read_metrics(out))
     for other in curves[1:]:
         assert_same_curve(curves[0], other)

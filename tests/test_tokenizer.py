@@ -236,7 +236,7 @@ def test_tokenizers_we_do_not_read_are_refused_by_kind(tmp_path, tj, model_file,
 def test_vocab_that_disagrees_with_the_weights_is_refused(tmp_path, hf_bpe):
     path = hf_dir_with(tmp_path, vocab_size=32000)
     p = run_train(["sample_tokens=0", "max_iters=1", "vocab_size=512", f"init_from={path}",
-                   f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
+                   f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, check=False, fork=True)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr[-2000:]  # one line, and nothing left behind
     assert "has no tokenizer.json or tokenizer.model, and its vocab_size 32,000 is not the 512 ids" in p.stderr
     assert not os.path.exists(tmp_path / "run")
@@ -318,7 +318,7 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     shrink = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2", "val_fraction=0.2", "sample_tokens=8"]
     for args in steps:
         keys = {a.split("=")[0] for a in args}
-        run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path)
+        run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path, fork=True)
     # one id per string: the words got 701, 702 in step 1 and keep them; the chat tokens follow
     base = len(hf_bpe[1])
     words, chat = ["return None", "self.assert"], tokenizer_py.CHAT_TOKENS
@@ -357,7 +357,7 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
               script="sample.py")
     lora_base = doc_commands("docs/finetuning.md", "## LoRA")[0]
     run_train([*lora_base, *(a for a in shrink if a.split("=")[0] not in {a.split("=")[0] for a in lora_base})],
-              cwd=tmp_path)
+              cwd=tmp_path, fork=True)
     adapter = json.load(open(tmp_path / "runs" / "lora_base_adapter" / "adapter_config.json"))
     assert adapter["base_model_name_or_path"] == str(tmp_path / "runs" / "base")  # a Hugging Face base: itself
     monkeypatch.chdir(tmp_path)

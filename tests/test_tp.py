@@ -203,7 +203,7 @@ CLIPPED = [*REFERENCE, "max_iters=10", "grad_clip=0.3", "ffn_dim=64"]
 @pytest.fixture(scope="module")
 def clipped_run(dataset, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("clipped") / "run")
-    run_train([*CLIPPED, f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path_factory.getbasetemp())
+    run_train([*CLIPPED, f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path_factory.getbasetemp(), fork=True)
     rows = read_metrics(out)
     assert sum(r["grad_norm"] > 0.3 for r in rows if "grad_norm" in r) >= 5  # the clip is active
     return rows

@@ -72,7 +72,7 @@ def test_zero_resumes_exactly_into_zero_and_moves_to_one_process(zero_run, datas
     assert_same_curve(ref, read_metrics(out), exact=True)
     want, got = final_weights(ref_dir), final_weights(out)
     assert all(torch.equal(want[n], got[n]) for n in want), [n for n in want if not torch.equal(want[n], got[n])]
-    run_train([*RESUME, f"dataset={dataset}", f"out_dir={one}", "init_from=auto", "max_iters=12"], cwd=tmp_path)
+    run_train([*RESUME, f"dataset={dataset}", f"out_dir={one}", "init_from=auto", "max_iters=12"], cwd=tmp_path, fork=True)
     assert_same_curve(ref, read_metrics(one))
     for n, t in final_weights(one).items():
         torch.testing.assert_close(t, want[n], rtol=1e-4, atol=1e-5, msg=n)
@@ -91,7 +91,7 @@ MUON = [*REFERENCE, "optim=muon", "grad_clip=0.3"]
 @pytest.fixture(scope="module")
 def muon_reference(dataset, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("muon") / "one")
-    run_train([*MUON, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out))
+    run_train([*MUON, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out), fork=True)
     return read_metrics(out)
 
 
@@ -114,7 +114,7 @@ def test_muon_moves_through_the_2d_layouts(dataset, muon_reference, tmp_path):
     assert "dp=2 x pp=1 x tp=2" in p.stdout and "(zero=2: 1/2 of the optimizer and grads) (tp:" in p.stdout
     p = torchrun(4, [*chain, "max_iters=6", "fsdp=True", "tp=2"], cwd=tmp_path)
     assert "(fsdp: 1/2 of each) (tp:" in p.stdout
-    run_train([*chain, "max_iters=8"], cwd=tmp_path)
+    run_train([*chain, "max_iters=8"], cwd=tmp_path, fork=True)
     assert_same_curve(muon_reference, read_metrics(out), rtol=1e-5)
 
 
