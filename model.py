@@ -390,9 +390,10 @@ class Transformer(nn.Module):
                              f"block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         # attention inside each document (doc_attention.py): each document's own, or the dense
-        # mask (the reference, and under a window); None: SDPA's own causal mask
+        # mask (the reference; under a window; under torch.compile, where the documents' lengths,
+        # new in every batch, would compile again); None: SDPA's own causal mask
         window = 0 < self.cfg.sliding_window < start + T  # a window shorter than the keys masks
-        dense = window or self.cfg.doc_attention == "dense"
+        dense = window or self.cfg.doc_attention == "dense" or torch.compiler.is_compiling()
         mask = None if doc_ids is None else Documents(doc_ids, dense)
         if window:
             mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device,

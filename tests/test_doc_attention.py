@@ -96,3 +96,23 @@ def test_the_model_with_each_documents_attention_equals_the_dense_reference():
                                     n_kv_head=2, n_embd=32))
     with torch.no_grad():
         assert (plain(x, x.roll(-1, 1))[0] - results["dense", False][0]).abs().max() > 1e-3
+
+
+def test_under_torch_compile_the_documents_take_the_dense_mask_in_one_graph():
+    """Compiled, a batch's documents (new lengths in every batch) would compile again and again:
+    under torch.compile the model takes the dense mask, one graph for every batch, with the
+    losses of the uncompiled model (each document's own attention)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4,
+                                    n_kv_head=2, n_embd=32))
+    compiled = torch.compile(model)
+    for seed in range(3):
+        ids_x = packed_rows(2, 32, 0, seed=seed)
+        ids = data.doc_ids(ids_x, 0)
+        with torch.no_grad():
+            # (inductor fuses the float32 sums in its own order: a few ulps of losses of ~4)
+            assert torch.allclose(compiled(ids_x, ids_x, doc_ids=ids)[0],
+                                  model(ids_x, ids_x, doc_ids=ids)[0], atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
