@@ -34,7 +34,9 @@ class Documents:
     layer: the documents' positions, grouped by length, are found once."""
 
     def __init__(self, doc_ids, dense=False):
-        self.ids, self.dense = doc_ids, dense  # dense: attend through document_mask instead
+        self.ids = doc_ids
+        # dense: attend through the document mask instead, built once for every layer
+        self.mask = document_mask(doc_ids) if dense else None
         if dense:
             return
         B, T = doc_ids.shape
@@ -54,12 +56,12 @@ class Documents:
     def attend(self, q, k, v, sdpa):
         """Each document's own causal attention of q (B, H, T, hd) over k, v (B, H_kv, T, hd):
         sdpa(q, k, v, None) runs plain causal attention on (n, H, L, hd) batches of documents of
-        length L. Returns (B, H, T, hd). dense: sdpa(q, k, v, mask) once, with document_mask
+        length L. Returns (B, H, T, hd). dense: sdpa(q, k, v, mask) once, with the document mask
         (k and v repeated to H heads: CUDA's kernel for masks needs equal head counts)."""
         B, H, T, hd = q.shape
-        if self.dense:
+        if self.mask is not None:
             k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
-            return sdpa(q, k, v, document_mask(self.ids))
+            return sdpa(q, k, v, self.mask)
 
         def tokens(t):  # (B, heads, T, hd) -> (B * T, heads, hd)
             return t.transpose(1, 2).reshape(B * T, t.shape[1], hd)

@@ -392,12 +392,13 @@ class Transformer(nn.Module):
         # attention inside each document (doc_attention.py): each document's own, or the dense
         # mask (the reference; under a window; under torch.compile, where the documents' lengths,
         # new in every batch, would compile again); None: SDPA's own causal mask
-        window = 0 < self.cfg.sliding_window < start + T  # a window shorter than the keys masks
-        dense = window or self.cfg.doc_attention == "dense" or torch.compiler.is_compiling()
-        mask = None if doc_ids is None else Documents(doc_ids, dense)
-        if window:
+        mask = None
+        if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
             mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device,
-                                       None if mask is None else document_mask(doc_ids))
+                                       None if doc_ids is None else document_mask(doc_ids))
+        elif doc_ids is not None:
+            dense = self.cfg.doc_attention == "dense" or torch.compiler.is_compiling()
+            mask = Documents(doc_ids, dense)
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)

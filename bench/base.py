@@ -60,6 +60,37 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def vm_kb(field):
+    """This process's VmRSS or VmHWM (peak RSS) from /proc/self/status, in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_and_median(step, device):
+    """A fresh process's first step()'s peak memory above what it held before, in MB (CUDA: max
+    allocated; CPU: max RSS, which later steps may hide in memory the heap kept), then the
+    median ms of ITERS steps after WARMUP: {"ms", "peak_mb"}."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux)
+        before = vm_kb("VmRSS")
+        step()
+        peak = (vm_kb("VmHWM") - before) / 1024
+    times = []
+    for _ in range(WARMUP + ITERS):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000, "peak_mb": peak}
+
+
 def median_step_time(model, opt, x, autocast, keep_grads=False):
     """Seconds per training step (ACCUM micro-steps of x, then AdamW), the median of ITERS after
     WARMUP: robust to a noisy neighbour. keep_grads: the last step's gradients stay, to be counted."""

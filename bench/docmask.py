@@ -5,16 +5,13 @@ must not cost more than), the dense (B, 1, T, T) mask (doc_attention=dense, the 
 each document's own attention (doc_attention=varlen, the default). ms (median) and the peak
 memory above the inputs (CUDA: max allocated; CPU: max RSS), each row in a fresh process."""
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 import data
 from doc_attention import Documents
 
-from bench.base import ITERS, SMOKE, WARMUP, in_subprocess
-from bench.head import vm_kb
+from bench.base import ITERS, SMOKE, in_subprocess, peak_and_median
 
 HEADS, KV_HEADS, HEAD_DIM = (4, 2, 8) if SMOKE else (9, 3, 64)
 
@@ -26,38 +23,21 @@ def docmask_row(kind, T, seed=0):
     ends = torch.cumsum(torch.randint(250, 751, (T // 250 + 1,), generator=g), 0)
     x = torch.ones(1, T, dtype=torch.long)
     x[0, ends[ends < T]] = 0  # a document ends at each 0
-    docs = Documents(data.doc_ids(x, 0).to(device), dense=kind == "dense")
+    ids = data.doc_ids(x, 0).to(device)
     q = torch.randn(1, HEADS, T, HEAD_DIM, generator=g).to(device).requires_grad_()
     k, v = (torch.randn(1, KV_HEADS, T, HEAD_DIM, generator=g).to(device).requires_grad_()
             for _ in range(2))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def sdpa(q, k, v, m):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
-    def step():
+    def step():  # (the documents found, or the dense mask built, once a forward: timed with it)
+        docs = None if kind == "causal" else Documents(ids, dense=kind == "dense")
         y = sdpa(q, k, v, None) if kind == "causal" else docs.attend(q, k, v, sdpa)
         y.sum().backward()
         q.grad = k.grad = v.grad = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux)
-        before = vm_kb("VmRSS")
-        step()
-        peak = (vm_kb("VmHWM") - before) / 1024
-    times = []
-    for _ in range(WARMUP + ITERS):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000, "peak_mb": peak}
+    return peak_and_median(step, device)
 
 
 def table_docmask(lengths=(512, 2048, 8192)):

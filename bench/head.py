@@ -3,13 +3,11 @@
 model.ChunkedCrossEntropy (loss_chunk=128), ms and the peak memory above the inputs (CUDA: max
 allocated; CPU: max RSS), each row in a fresh process."""
 
-import time
-
 import torch
 
 from model import cross_entropy_losses
 
-from bench.base import ITERS, TRAIN, WARMUP, in_subprocess
+from bench.base import ITERS, TRAIN, in_subprocess, peak_and_median
 
 
 def head_row(vocab, chunk, rows, width):
@@ -20,7 +18,6 @@ def head_row(vocab, chunk, rows, width):
     h = torch.randn(1, rows, width, generator=g).to(device).requires_grad_()
     head = torch.nn.Linear(width, vocab, bias=False).to(device)
     y = torch.randint(0, vocab, (1, rows), generator=g).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     h.grad, head.weight.grad = torch.zeros_like(h), torch.zeros_like(head.weight)  # the gradients exist in both
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py on CUDA
@@ -29,30 +26,7 @@ def head_row(vocab, chunk, rows, width):
         with autocast:  # as train.py: bf16 matmuls on CUDA (the backward restores it), float32 on CPU
             losses = cross_entropy_losses(h, head, y, chunk)
         losses.mean().backward()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    else:  # the first step in this fresh process (later ones may reuse memory the heap kept): its peak RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM, the peak RSS, to the current RSS (Linux)
-        before = vm_kb("VmRSS")
-        step()
-        peak = (vm_kb("VmHWM") - before) / 1024
-    times = []
-    for _ in range(WARMUP + ITERS):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"ms": sorted(times[WARMUP:])[ITERS // 2] * 1000, "peak_mb": peak}
-
-
-def vm_kb(field):
-    """This process's VmRSS or VmHWM (peak RSS) from /proc/self/status, in KiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return peak_and_median(step, device)
 
 
 def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):

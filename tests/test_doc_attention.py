@@ -109,10 +109,10 @@ def test_under_torch_compile_the_documents_take_the_dense_mask_in_one_graph():
                                     n_kv_head=2, n_embd=32))
     compiled = torch.compile(model)
     for seed in range(3):
-        ids_x = packed_rows(2, 32, 0, seed=seed)
-        ids = data.doc_ids(ids_x, 0)
+        x = packed_rows(2, 32, 0, seed=seed)
+        ids = data.doc_ids(x, 0)
         with torch.no_grad():
             # (inductor fuses the float32 sums in its own order: a few ulps of losses of ~4)
-            assert torch.allclose(compiled(ids_x, ids_x, doc_ids=ids)[0],
-                                  model(ids_x, ids_x, doc_ids=ids)[0], atol=1e-5, rtol=0)
+            assert torch.allclose(compiled(x, x, doc_ids=ids)[0], model(x, x, doc_ids=ids)[0],
+                                  atol=1e-5, rtol=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
