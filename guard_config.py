@@ -389,15 +389,16 @@ def memory_bytes_available():
 def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
     """A lower estimate of the bytes this run needs, against what the machine holds: weights,
     gradients and AdamW's two moments (16 bytes a parameter, however the ranks shard them),
-    one micro-batch's logits (their softmax and gradient; with loss_chunk one chunk's), and the
-    eval batches held at once.
+    one micro-batch's logits (their softmax and gradient; with loss_chunk one chunk's, and with
+    loss_recompute=False the softmax of all), and the eval batches held at once.
     A size that cannot fit is refused here, before any allocation, with the estimate."""
     params = (vocab_size * n_embd * (1 if tie else 2)
               + n_layer * (4 * n_embd * n_embd + 3 * n_embd * ffn_dim))
     rows = c["batch_size"] * c["block_size"]
     logit_rows = min(rows, c["loss_chunk"] or rows)
-    need = {"weights and optimizer "
-            "state": 16 * params, "a micro-batch's logits": 12 * logit_rows * vocab_size * world,
+    kept = 0 if c["loss_recompute"] or not c["loss_chunk"] else 4 * rows  # (the kept softmax)
+    need = {"weights and optimizer state": 16 * params,
+            "a micro-batch's logits": (12 * logit_rows + kept) * vocab_size * world,
             "the eval batches": 16 * c["eval_iters"] * c["grad_accum_steps"] * rows}
     have = memory_bytes_available()
     check(sum(need.values()) <= have,

@@ -65,8 +65,10 @@ class ModelConfig:
     grad_ckpt: bool = False
     # > 0: NEFTune noise on the token embeddings while training (see neftune)
     neftune_alpha: float = 0.0
-    # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy)
+    # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy), whose
+    # backward recomputes each chunk's logits, or (loss_recompute=False) keeps their softmax
     loss_chunk: int = 0
+    loss_recompute: bool = True
     # attention inside each document (doc_ids): 'varlen' (each document's own) or 'dense' (a
     # (B, 1, T, T) mask, the reference): doc_attention.py
     doc_attention: str = "varlen"
@@ -418,7 +420,8 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if targets is None:  # generation, inference: the logits (B, T, vocab)
             return self.output(h).float(), None
-        losses = self.loss_fn(h, self.output, targets, self.cfg.loss_chunk)  # (B, T)
+        losses = self.loss_fn(h, self.output, targets, self.cfg.loss_chunk,  # (B, T)
+                              not self.cfg.loss_recompute)
         return losses, masked_mean(losses, loss_mask)
 
     def num_params(self):
@@ -518,23 +521,23 @@ def masked_mean(losses, loss_mask=None):
     return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
-def cross_entropy_losses(h, head, targets, chunk=0):
+def cross_entropy_losses(h, head, targets, chunk=0, keep=False):
     """Each target's cross-entropy (B, T) under the logits head(h): all logits at once
-    (chunk=0: B x T x vocab floats), or ChunkedCrossEntropy's chunks of rows."""
+    (chunk=0: B x T x vocab floats), or ChunkedCrossEntropy's chunks of rows (keep: see there)."""
     if not chunk:
         logits = head(h).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                reduction="none").view(targets.shape)
-    return chunked_losses(h, head, targets, chunk)
+    return chunked_losses(h, head, targets, chunk, keep=keep)
 
 
-def chunked_losses(h, head, targets, chunk, vocab=None):
+def chunked_losses(h, head, targets, chunk, vocab=None, keep=False):
     """ChunkedCrossEntropy of the head over h (B, T, width): each target's loss (B, T). The head
     gives its (input, weight) pairs: its own weight, and a LoRA head's adapter path too
-    (lora.LoRALinear.pairs). vocab: see ChunkedCrossEntropy."""
+    (lora.LoRALinear.pairs). vocab, keep: see ChunkedCrossEntropy."""
     x = h.flatten(0, 1)
     pairs = head.pairs(x) if hasattr(head, "pairs") else [(x, head.weight)]
-    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab,
+    return ChunkedCrossEntropy.apply(targets.flatten(), chunk, vocab, keep,
                                      *(t for pair in pairs for t in pair)).view(
         targets.shape)
 
@@ -548,9 +551,14 @@ def _matmul_weights(ws, dev):
     return [w.to(torch.get_autocast_dtype(dev)) for w in ws]
 
 
-def _logits(xs, ws, a, b):
-    """Rows a:b of the logits sum_i xs[i] @ ws[i].T, in float32."""
-    out = (xs[0][a:b] @ ws[0].T).float()
+def _logits(xs, ws, a, b, out=None):
+    """Rows a:b of the logits sum_i xs[i] @ ws[i].T, in float32 (written into `out` if given)."""
+    if out is not None and xs[0].dtype == ws[0].dtype == torch.float32:
+        torch.matmul(xs[0][a:b], ws[0].T, out=out)
+    elif out is not None:
+        out.copy_(xs[0][a:b] @ ws[0].T)
+    else:
+        out = (xs[0][a:b] @ ws[0].T).float()
     for x, w in zip(xs[1:], ws[1:]):
         out += (x[a:b] @ w.T).float()
     return out
@@ -560,13 +568,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """Each row's cross-entropy under logits = sum_i x_i @ w_i.T (the head), computed `chunk`
     rows at a time, so that at most chunk x vocab logits exist at once (not rows x vocab: with
     a 128k vocabulary the largest tensor of a step); backward recomputes each chunk's logits
-    (one more head matmul) instead of keeping them. apply(targets (N,), chunk, vocab, x_1, w_1,
-    x_2, w_2, ...) -> (N,). vocab: None (all of the vocabulary here), or (start, reduce_max,
-    reduce_sum) for a vocabulary slice from row `start` whose row maxima and sums the two
-    callables reduce in place over the other slices (tensor_parallel.vocab_parallel_losses)."""
+    (one more head matmul) instead of keeping them, or with `keep` keeps every row's softmax
+    (rows x vocab floats, once, where F.cross_entropy keeps logits and log-softmax) and runs its
+    backward on all rows at once, in place: no recompute. apply(targets (N,), chunk, vocab, keep, x_1, w_1, x_2, w_2, ...) -> (N,).
+    vocab: None (all of the vocabulary here), or (start, reduce_max, reduce_sum) for a
+    vocabulary slice from row `start` whose row maxima and sums the two callables reduce in
+    place over the other slices (tensor_parallel.vocab_parallel_losses)."""
 
     @staticmethod
-    def forward(ctx, targets, chunk, vocab, *xw):
+    def forward(ctx, targets, chunk, vocab, keep, *xw):
         xs, ws = xw[0::2], xw[1::2]
         dev = xs[0].device.type  # backward recomputes the logits under the same autocast as here
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
@@ -578,21 +588,27 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         lse = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)
         # the target's logit
         picked = torch.empty_like(lse)
+        # keep: each row's softmax, for backward
+        kept = lse.new_empty((targets.shape[0], ws[0].shape[0]) if keep else (0,))
         for a in range(0, targets.shape[0], chunk):
             b = min(a + chunk, targets.shape[0])
-            logits = _logits(xs, mm, a, b)  # (chunk, vocab)
+            logits = _logits(xs, mm, a, b, kept[a:b] if keep else None)  # (chunk, vocab)
             picked[a:b] = logits.gather(1, local[a:b, None])[:, 0].masked_fill(~mine[a:b], 0.0)
             if not vocab:
                 lse[a:b] = torch.logsumexp(logits, dim=-1)
+                if keep:  # (logits is kept[a:b])
+                    logits.sub_(lse[a:b, None]).exp_()
                 continue
             top = logits.max(dim=-1).values
             vocab[1](top)
             both = torch.stack([logits.sub_(top[:, None]).exp_().sum(-1), picked[a:b]])
             vocab[2](both)
             lse[a:b], picked[a:b] = top + both[0].log(), both[1]
+            if keep:  # (logits is kept[a:b], holding exp(logits - top) now)
+                logits.div_(both[0][:, None])
         valid = targets != -100  # F.cross_entropy's ignore_index: no loss, no gradient
-        ctx.save_for_backward(local, mine & valid, lse, valid, *xw)
-        ctx.chunk = chunk
+        ctx.save_for_backward(local, mine & valid, lse, valid, kept, *xw)
+        ctx.chunk, ctx.keep, ctx.spent = chunk, keep, False
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod
@@ -603,18 +619,23 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad, autocast):
-        local, mine, lse, valid, *xw = ctx.saved_tensors
+        local, mine, lse, valid, kept, *xw = ctx.saved_tensors
         grad = grad * valid.to(grad.dtype)
         xs, ws = xw[0::2], xw[1::2]
         mm = _matmul_weights(ws, ctx.autocast[0])
-        need = ctx.needs_input_grad[3:]
+        need = ctx.needs_input_grad[4:]
         gx = [torch.zeros_like(x) if need[2 * i] else None for i, x in enumerate(xs)]
         gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None
               for i, w in enumerate(ws)]
-        for a in range(0, local.shape[0], ctx.chunk):
-            b = min(a + ctx.chunk, local.shape[0])
+        # the kept softmax: all rows at once, turned into the gradient in place (so only once)
+        if ctx.keep and ctx.spent:
+            raise RuntimeError("loss_recompute=False: the kept softmax is spent by the first "
+                               "backward; a second (retain_graph) needs loss_recompute=True")
+        ctx.spent, rows = ctx.keep, local.shape[0] if ctx.keep else ctx.chunk
+        for a in range(0, local.shape[0], rows):
+            b = min(a + rows, local.shape[0])
             # softmax, minus 1 at the target, times grad
-            g = _logits(xs, mm, a, b).sub_(lse[a:b, None]).exp_()
+            g = kept if ctx.keep else _logits(xs, mm, a, b).sub_(lse[a:b, None]).exp_()
             g[torch.arange(b - a, device=g.device), local[a:b]] -= mine[a:b].to(g.dtype)
             g.mul_(grad[a:b, None])
             for i, (x, w) in enumerate(zip(xs, mm)):
@@ -625,6 +646,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 # (an in-place addmm_ would leave autocast's dtype: float32)
                 elif gw[i] is not None:
                     gw[i] += (g.T @ x[a:b]).float()
-        return (None, None, None,
+        return (None, None, None, None,
                 *(t for i in range(len(xs))
                   for t in (gx[i], None if gw[i] is None else gw[i].to(ws[i].dtype))))

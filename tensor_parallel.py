@@ -188,7 +188,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None
 
 
-def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None):
+def vocab_parallel_losses(h, head, targets, chunk=0, keep=False, start=0, group=None, f=None):
     """model.cross_entropy_losses for a head that holds a vocabulary slice (rows from `start`):
     each target's loss (B, T), the same on every tp rank, from the logit slices (never gathered):
     all at once (VocabParallelCrossEntropy), or in chunks of rows (model.ChunkedCrossEntropy with
@@ -202,7 +202,7 @@ def vocab_parallel_losses(h, head, targets, chunk=0, start=0, group=None, f=None
     h = (f or CopyToTP).apply(h, group)  # what the head's pre-hook does when the head is called
     vocab = (start, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
              lambda t: dist.all_reduce(t, group=group))
-    return chunked_losses(h, head, targets, chunk, vocab)
+    return chunked_losses(h, head, targets, chunk, vocab, keep)
 
 
 def _shard(module, dim, mesh, key="weight"):

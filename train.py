@@ -85,6 +85,8 @@ dropout = 0.0
 tie_embeddings = False
 grad_ckpt = False               # recompute each block in backward
 loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
+loss_recompute = True           # loss_chunk: backward recomputes each chunk's logits (False: keeps
+                                # their softmax, rows x vocab floats, one head matmul less)
 doc_mask = False                # attention stays inside each document of a packed sequence
 doc_attention = "varlen"        # how: 'varlen' (each document's own) or 'dense' (a T x T mask)
 neftune_alpha = 0.0             # noise of scale alpha/sqrt(T*n_embd) on the input embeddings
@@ -262,7 +264,8 @@ model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_
                         head_dim=head_dim, qk_norm=qk_norm,
                         tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt,
                         neftune_alpha=neftune_alpha,
-                        loss_chunk=loss_chunk, doc_attention=doc_attention, **moe_keys)
+                        loss_chunk=loss_chunk, loss_recompute=loss_recompute,
+                        doc_attention=doc_attention, **moe_keys)
 if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]),
                                    config, world)

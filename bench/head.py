@@ -1,6 +1,7 @@
 """The output head + cross-entropy alone, forward and backward, at vocab 8k, 32k and 128k
 (train.py's micro-batch of rows, its width): all logits at once (loss_chunk=0) against
-model.ChunkedCrossEntropy (loss_chunk=128), ms and the peak memory above the inputs (CUDA: max
+model.ChunkedCrossEntropy (loss_chunk=128), its backward recomputing each chunk's logits or
+keeping their softmax (loss_recompute=False), ms and the peak memory above the inputs (CUDA: max
 allocated; CPU: max RSS), each row in a fresh process."""
 
 import torch
@@ -10,7 +11,7 @@ from model import cross_entropy_losses
 from bench.base import ITERS, TRAIN, in_subprocess, peak_and_median
 
 
-def head_row(vocab, chunk, rows, width):
+def head_row(vocab, chunk, rows, width, keep=False):
     """Head + loss forward and backward on `rows` rows of `width`: median ms, and the peak memory
     above the inputs' in MB."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -24,7 +25,7 @@ def head_row(vocab, chunk, rows, width):
 
     def step():
         with autocast:  # as train.py: bf16 matmuls on CUDA (the backward restores it), float32 on CPU
-            losses = cross_entropy_losses(h, head, y, chunk)
+            losses = cross_entropy_losses(h, head, y, chunk, keep)
         losses.mean().backward()
     return peak_and_median(step, device)
 
@@ -32,11 +33,14 @@ def head_row(vocab, chunk, rows, width):
 def table_head(vocabs=(8192, 32768, 131072), chunk=128, rows=None, width=None):
     rows, width = rows or TRAIN["batch_size"] * TRAIN["block_size"], width or TRAIN["n_embd"]
     print(f"\n## head + loss: {rows} rows (batch x block) of width {width}, forward and backward, median of "
-          f"{ITERS}; all logits at once vs chunks of {chunk} rows (model.ChunkedCrossEntropy)")
-    print(f"{'vocab':>7} | {'logits':>9} | {'whole ms':>8} | {'chunked ms':>10} | {'whole peak':>10} | "
-          f"{'chunked peak':>12}")
-    print("-" * 72)
+          f"{ITERS}; all logits at once vs chunks of {chunk} rows (model.ChunkedCrossEntropy), "
+          f"recomputed in backward or their softmax kept (loss_recompute=False)")
+    print(f"{'vocab':>7} | {'logits':>9} | {'whole ms':>8} | {'chunked ms':>10} | {'kept ms':>7} | "
+          f"{'whole peak':>10} | {'chunked peak':>12} | {'kept peak':>9}")
+    print("-" * 99)
     for v in vocabs:
-        whole, chunked = (in_subprocess("head", vocab=v, chunk=c, rows=rows, width=width) for c in (0, chunk))
+        whole, chunked, kept = (in_subprocess("head", vocab=v, chunk=c, rows=rows, width=width, keep=k)
+                                for c, k in ((0, False), (chunk, False), (chunk, True)))
         print(f"{v:7,} | {rows * v * 4 / 2 ** 20:6.0f} MB | {whole['ms']:8.1f} | {chunked['ms']:10.1f} | "
-              f"{whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB", flush=True)
+              f"{kept['ms']:7.1f} | {whole['peak_mb']:7.0f} MB | {chunked['peak_mb']:9.0f} MB | "
+              f"{kept['peak_mb']:6.0f} MB", flush=True)

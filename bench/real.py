@@ -103,7 +103,7 @@ def random_weights_dir(path):
 def ours(path, T, grad_ckpt, device, dtype, compiled):
     """train.py's model, optimizer and step as `python train.py config/cpt.py init_from=...` runs
     them on a trained model: AdamW (at the recipe's rate; the speed does not depend on it) and
-    the head and loss in chunks (loss_chunk); compiled: train.py's compile=True."""
+    the head and loss in chunks (loss_chunk, loss_recompute); compiled: train.py's compile=True."""
     import configurator
     import hf
     import optim
@@ -113,7 +113,8 @@ def ours(path, T, grad_ckpt, device, dtype, compiled):
     c = {**defaults, **configurator.configure(defaults, [os.path.join(ROOT, "config", "cpt.py")])}
     kwargs, weights = hf.load_hf(path)
     model = Transformer(ModelConfig(**{**kwargs, "block_size": T, "grad_ckpt": grad_ckpt,
-                                       "loss_chunk": c["loss_chunk"]}))
+                                       "loss_chunk": c["loss_chunk"],
+                                       "loss_recompute": c["loss_recompute"]}))
     # tied: one tensor, two names
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     model.load_state_dict(weights)

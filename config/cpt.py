@@ -16,9 +16,13 @@ warmup_iters = 10
 block_size = 512
 batch_size = 4
 grad_accum_steps = 4
-# the head and loss 256 rows at a time: a micro-batch's logits over a base's 49k-152k vocabulary
-# are 0.4-1.2 GB in float32, kept with their log-softmax (python bench.py real: docs/benchmarks.md)
+# the head and loss 256 rows at a time, each row's softmax kept for backward: a micro-batch's
+# logits over a base's 49k-152k vocabulary are 0.4-1.2 GB in float32, which the whole path keeps
+# with their log-softmax and gradient (2.2-2.9x them at peak), this once (1.3x) at the whole
+# path's speed; recomputing them (loss_recompute=True) keeps nothing, at 1.4-1.5x the head's time
+# (python bench.py head and real: docs/benchmarks.md)
 loss_chunk = 256
+loss_recompute = False
 max_iters = 200
 eval_interval = 50
 # torch.compile: the step 1.15-1.18x faster on both CPU kinds measured (AVX2 float32, AVX512-BF16

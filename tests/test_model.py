@@ -59,15 +59,18 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
     """ChunkedCrossEntropy (loss_chunk=5: chunks of 5 rows, the last one short) gives each
     target's loss and every gradient of the whole-logits path: with a loss mask (SFT), token
     weights (a weighted sum of two micro-batches), per-row losses (the mixture's per-source
-    sums), tied embeddings, and a LoRA head (its adapter path is a second (input, weight) pair)."""
+    sums), tied embeddings, and a LoRA head (its adapter path is a second (input, weight) pair).
+    With the softmax kept for backward (loss_recompute=False): the same losses bit for bit (the same
+    forward), and the gradients of one backward over all rows to float rounding."""
     import lora
     g = torch.Generator().manual_seed(3)
     idx, tgt = torch.randint(0, 97, (2, 2, 16), generator=g), torch.randint(0, 97, (2, 2, 16), generator=g)
     mask = (torch.rand(2, 2, 16, generator=g) < 0.5).float()
     runs = {}
-    for chunk in (0, 5):
+    for chunk in (0, 5, "keep"):
         torch.manual_seed(0)
-        model = tiny(tie_embeddings=head == "tied", loss_chunk=chunk)
+        model = tiny(tie_embeddings=head == "tied", loss_chunk=5 if chunk == "keep" else chunk,
+                     loss_recompute=chunk != "keep")
         if head == "lora":
             lora.apply_lora(model, 4, 8.0, 0.0, ["wq", "output"], seed=1)
             with torch.no_grad():  # B starts at zero: give the adapters a path that matters
@@ -81,6 +84,9 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
             per_row.append(losses.detach())
         runs[chunk] = (per_row, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     (rows0, grads0), (rows5, grads5) = runs[0], runs[5]
+    assert all(torch.equal(a, b) for a, b in zip(rows5, runs["keep"][0]))
+    for n in grads5:
+        torch.testing.assert_close(runs["keep"][1][n], grads5[n], rtol=1e-5, atol=1e-6, msg=n)
     for a, b in zip(rows0, rows5):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert grads0.keys() == grads5.keys() and ("output.lora_B.weight" in grads0) == (head == "lora")
@@ -98,14 +104,15 @@ def test_the_chunked_loss_under_bf16_autocast(head):
     logits in autocast's dtype as the forward did, so its gradients are the whole path's up to
     bf16 rounding (measured 3.2e-3 of each gradient's largest entry, 6.0e-3 with a LoRA head, attention
     in float32 on a CPU; recomputed in float32 instead: 1.2e-2, and a LoRA head's bf16 adapter input
-    meets a float32 weight: an error)."""
+    meets a float32 weight: an error). The softmax kept instead (loss_recompute=False): the
+    recomputing one's gradients up to the rounding of one bf16 backward over all rows, not chunks."""
     import lora
     g = torch.Generator().manual_seed(3)
     idx, tgt = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
     grads = {}
-    for chunk in (0, 5):
+    for chunk in (0, 5, "keep"):
         torch.manual_seed(0)
-        model = tiny(loss_chunk=chunk)
+        model = tiny(loss_chunk=5 if chunk == "keep" else chunk, loss_recompute=chunk != "keep")
         if head == "lora":
             lora.apply_lora(model, 4, 8.0, 0.0, ["wq", "output"], seed=1)
             with torch.no_grad():
@@ -118,6 +125,7 @@ def test_the_chunked_loss_under_bf16_autocast(head):
         grads[chunk] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for n, want in grads[0].items():
         assert (grads[5][n] - want).abs().max() <= 8e-3 * want.abs().max(), n
+        assert (grads["keep"][n] - grads[5][n]).abs().max() <= 8e-3 * want.abs().max(), n
 
 
 def test_gqa_shapes_and_equivalence_with_repeated_heads():

@@ -55,24 +55,26 @@ def tp_checks(mesh):
     y = y.clone()
     y[0, 3] = -100  # F.cross_entropy's ignore_index: no loss, no gradient
     V, r = 64 // mesh.tp, mesh.tp_rank
-    for chunk in (0, 5):
+    for chunk, keep in ((0, False), (5, False), (5, True)):  # keep: the softmax kept for backward
         for masked in (False, True):
             x = h.clone().requires_grad_()
             head = nn.Linear(32, V, bias=False)
             head.weight = nn.Parameter(w[r * V:(r + 1) * V].clone())
             head.register_forward_pre_hook(lambda m, a: (tensor_parallel.CopyToTP.apply(a[0], mesh.tp_group),))
-            losses = tensor_parallel.vocab_parallel_losses(x, head, y, chunk, start=r * V, group=mesh.tp_group)
+            losses = tensor_parallel.vocab_parallel_losses(x, head, y, chunk, keep, start=r * V,
+                                                           group=mesh.tp_group)
             loss = masked_mean(losses, mask if masked else None)
             loss.backward()
-            out[f"ce_{chunk}_{masked}"] = (loss.detach(), x.grad, head.weight.grad)
+            out[f"ce_{chunk}{'k' * keep}_{masked}"] = (loss.detach(), x.grad, head.weight.grad)
     # a whole model, sharded (the head and loss whole, and chunked): its loss and gathered gradients
-    for chunk in (0, 8):
+    for chunk, keep in ((0, False), (8, False), (8, True)):
         torch.manual_seed(0)
-        model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CFG, loss_chunk=chunk)), mesh)
+        cfg = ModelConfig(**CFG, loss_chunk=chunk, loss_recompute=not keep)
+        model = tensor_parallel.tensor_parallel(Transformer(cfg), mesh)
         x, y, mask = batch()
         _, loss = model(x, y, mask)
         loss.backward()
-        out[f"model_{chunk}"] = (loss.detach(), gathered_grads(model))
+        out[f"model_{chunk}{'k' * keep}"] = (loss.detach(), gathered_grads(model))
     out["local_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     # clipping counts slices once each and replicated norm gains once
     out["norm"] = parallel.clip_grad_norm_(model.parameters(), 0.0, mesh)
@@ -117,7 +119,7 @@ def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
         m = mask.flatten().float() if masked else torch.ones(32)  # as masked_mean: the -100 counts as a 0
         ref = (ce * m).sum() / m.sum()
         ref.backward()
-        for chunk in (0, 5):
+        for chunk in (0, 5, "5k"):
             for r, rank in enumerate(ranks):
                 loss, grad_h, grad_w = rank[f"ce_{chunk}_{masked}"]
                 torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
@@ -130,7 +132,7 @@ def test_vocab_parallel_loss_and_sharded_model_equal_single_process():
     loss.backward()
     norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
     for rank in ranks:
-        for chunk in (0, 8):
+        for chunk in (0, 8, "8k"):
             torch.testing.assert_close(rank[f"model_{chunk}"][0], loss.detach(), rtol=1e-5, atol=1e-6)
             for n, p in model.named_parameters():
                 torch.testing.assert_close(rank[f"model_{chunk}"][1][n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
