@@ -196,9 +196,8 @@ def separator(enc, template):
         if token and variable not in used and token not in literal:
             return enc.encode_single_token(token)
     raise UserError(f"{enc.name}: its chat template writes every special token, so none can end a "
-                    f"conversation "
-                    f"in packed data: add an unused special token (e.g. pad_token) to "
-                    f"tokenizer_config.json")
+                    "conversation in packed data: add an unused special token (e.g. pad_token) "
+                    "to tokenizer_config.json")
 
 
 def _name(value):

@@ -295,10 +295,8 @@ def _refuse_not_finite(tmp, name, it, mesh):
     if mesh.master:
         shutil.rmtree(tmp, ignore_errors=True)
     raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not "
-                    f"saved, the earlier "
-                    f"ones are kept; lower learning_rate (or the phase's lr_scale), check the "
-                    f"data, or resume "
-                    f"from the last checkpoint")
+                    "saved, the earlier ones are kept; lower learning_rate (or the phase's "
+                    "lr_scale), check the data, or resume from the last checkpoint")
 
 
 def _start_async(state, writer, group, no_dist, tmp, rank):
@@ -372,10 +370,8 @@ def _refuse_failed(error, tmp, root, name, mesh):
         shutil.rmtree(tmp, ignore_errors=True)
     why = describe_error(error) if error else "on another rank"
     raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} "
-                    f"are untouched: "
-                    f"free disk space or fix the permissions of {os.path.dirname(root)}, then "
-                    f"restart "
-                    f"(init_from=auto resumes)")
+                    "are untouched: free disk space or fix the permissions of "
+                    f"{os.path.dirname(root)}, then restart (init_from=auto resumes)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -462,8 +458,7 @@ def find(out_dir, mesh, warn=print):
                  f"older one")
     if names:
         raise UserError(f"no intact checkpoint in {root} ({'; '.join(problems)}): restore one, or "
-                        f"start "
-                        f"over with init_from=scratch and a new out_dir")
+                        f"start over with init_from=scratch and a new out_dir")
     return None
 
 
@@ -484,15 +479,13 @@ def load(path, model, optimizer=None, no_dist=False):
             saved = md.state_dict_metadata.get(f"{group}.{name}")
             if saved is None:
                 raise UserError(f"checkpoint {path} has no {group}.{name}: it was written by "
-                                f"another model or "
-                                f"version; start from its weights with init_from= (a fresh "
-                                f"optimizer)")
+                                "another model or version; start from its weights with "
+                                "init_from= (a fresh optimizer)")
             if tuple(saved.size) != tuple(t.shape):
                 raise UserError(f"checkpoint {path} holds {group}.{name} of "
                                 f"shape {tuple(saved.size)}, but the model "
                                 f"has {tuple(t.shape)}: build the model with the checkpoint's "
-                                f"shape (n_layer, "
-                                f"n_embd, ...), or use a new out_dir")
+                                f"shape (n_layer, n_embd, ...), or use a new out_dir")
     try:
         dcp.load(state, storage_reader=_SafeReader(path, md),
                  no_dist=no_dist or not dist.is_initialized())
@@ -501,8 +494,7 @@ def load(path, model, optimizer=None, no_dist=False):
         if isinstance(cause, UserError):
             raise cause from None
         raise UserError(f"checkpoint {path} is unreadable ({describe_error(cause)}): point "
-                        f"ckpt/latest at an intact "
-                        f"checkpoint, or use init_from=scratch") from None
+                        f"ckpt/latest at an intact checkpoint, or use init_from=scratch") from None
     _tp_scatter(state, model)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     frozen = set(model.state_dict()) - set(state["model"])
@@ -510,9 +502,8 @@ def load(path, model, optimizer=None, no_dist=False):
         f"checkpoint load: missing {missing}, unexpected {unexpected}")
     if not all_finite(model, not no_dist and dist.is_initialized()):
         raise UserError(f"checkpoint {path} holds non-finite weights: resume from an earlier "
-                        f"checkpoint (point "
-                        f"ckpt/latest at it), or start over with init_from=scratch and a new "
-                        f"out_dir")
+                        "checkpoint (point ckpt/latest at it), or start over with "
+                        "init_from=scratch and a new out_dir")
     # every rank read the whole state: the optimizer takes its part (ZeRO: its slices)
     if optimizer is not None:
         optimizer.load_full_state(state["optim"], param_names(model))

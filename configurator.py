@@ -90,8 +90,7 @@ def _config_file(path, defaults, overrides, script):
             source = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read config file '{path}' ({getattr(e, 'strerror', None) or e}): "
-                        f"pass an existing "
-                        f"file such as config/tiny.py, or key=value") from None
+                        f"pass an existing file such as config/tiny.py, or key=value") from None
     scope = {k: overrides.get(k, v) for k, v in defaults.items()}
     before = dict(scope)
     try:
@@ -148,8 +147,7 @@ def parse_mixture(spec, phases=()):
                             f"e.g. {source}:0.5") from None
         if not weight > 0 or not math.isfinite(weight):
             raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive "
-                            f"(leave a source out "
-                            f"to not use it)")
+                            f"(leave a source out to not use it)")
         if source_name(source) in map(source_name, mixture):
             raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source "
                             f"once")
@@ -174,9 +172,8 @@ def parse_phases(phases, names, max_iters=None):
         try:
             phases = ast.literal_eval(phases) if phases.strip() else []
         except (ValueError, SyntaxError):
-            raise UserError(f"phases={phases!r} is not a Python literal: write e.g. "
-                            f"'[(0, {{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, "
-                            f"0.5)]'") from None
+            raise UserError(f"phases={phases!r} is not a Python literal: write e.g. '[(0, "
+                            f"{{\"a\": 1.0}}), (400, {{\"a\": 0.5, \"b\": 0.5}}, 0.5)]'") from None
     example = "(400, {\"a\": 0.5, \"b\": 0.5}, 0.5)"
     if not isinstance(phases, (list, tuple)):
         raise UserError(f"phases must be a list of {example}-like tuples, "
@@ -186,21 +183,18 @@ def parse_phases(phases, names, max_iters=None):
         if not (isinstance(p, (list, tuple)) and len(p) in (2, 3) and isinstance(p[0], int)
                 and not isinstance(p[0], bool) and isinstance(p[1], dict)):
             raise UserError(f"phase {p!r} is not (start_iter, {{source: weight}}) or (start_iter, "
-                            f"weights, "
-                            f"lr_scale): write e.g. {example}")
+                            f"weights, lr_scale): write e.g. {example}")
         start, weights, scale = p[0], p[1], (p[2] if len(p) == 3 else 1.0)
         if start < 0:
             raise UserError(f"phase at iteration {start} starts before 0: phases start at "
                             f"iteration 0 or later")
         if out and start <= out[-1][0]:
             raise UserError(f"phase at iteration {start} comes after the one at {out[-1][0]}: "
-                            f"list phases by "
-                            f"increasing start iteration, one phase per start")
+                            f"list phases by increasing start iteration, one phase per start")
         for name, w in weights.items():
             if name not in names:
                 raise UserError(f"phase at iteration {start} names source '{name}', which is not "
-                                f"one of "
-                                f"{', '.join(names)}: add it to datasets= or fix the name")
+                                f"one of {', '.join(names)}: add it to datasets= or fix the name")
             if (isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0
                 or not math.isfinite(w)):
                 raise UserError(f"phase at iteration {start}: '{name}' has weight {w!r}: weights "
@@ -245,8 +239,7 @@ def _raised(c, unit):
     raised = -(-c["grad_accum_steps"] // unit) * unit
     if os.environ.get("RANK", "0") == "0":
         print(f"note: grad_accum_steps={c['grad_accum_steps']} (the default) raised to {raised}, "
-              f"a multiple of the "
-              f"{unit} micro-batch streams of this layout (global "
+              f"a multiple of the {unit} micro-batch streams of this layout (global "
               f"batch {c['batch_size'] * raised} sequences); "
               f"set grad_accum_steps= to choose", flush=True)
     return raised

@@ -131,9 +131,8 @@ class DataParallel(DataParallelBase):
             return
         if bucket.ready == len(bucket.params):
             raise RuntimeError("gradient sync ran twice in one step: use no_sync() "
-                               "(require_backward_grad_sync=False) "
-                               "on every micro-step but the last, and call wait() before the "
-                               "optimizer step")
+                               "(require_backward_grad_sync=False) on every micro-step but the "
+                               "last, and call wait() before the optimizer step")
         bucket.ready += 1
         # launch in bucket order: this bucket, and the complete ones waiting behind it, go
         # only once every bucket before them has gone

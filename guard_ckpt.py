@@ -201,8 +201,7 @@ def dcp_metadata(path):
             md = _MetadataUnpickler(f).load()
     except Exception as e:  # anything a damaged or crafted pickle raises
         return None, (f".metadata is refused ({describe_error(e)}): not a checkpoint index this "
-                      f"trainer writes, and "
-                      f"unpickling it as DCP does could run code")
+                      f"trainer writes, and unpickling it as DCP does could run code")
     if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
             and isinstance(md.storage_data, dict)):
         return None, ".metadata is refused (not a DCP Metadata)"
@@ -279,8 +278,7 @@ def read_meta(path):
     meta, state, problem = read_small(path)
     if problem:
         raise UserError(f"checkpoint {path} is unreadable ({problem}): point ckpt/latest at an "
-                        f"intact "
-                        f"checkpoint, or use init_from=scratch")
+                        f"intact checkpoint, or use init_from=scratch")
     return meta, state
 
 
@@ -290,8 +288,7 @@ def read_dcp_metadata(path):
     md, problem = dcp_metadata(path)
     if problem:
         raise UserError(f"{os.path.join(path, problem)}; point ckpt/latest at an intact "
-                        f"checkpoint, or use "
-                        f"init_from=scratch")
+                        f"checkpoint, or use init_from=scratch")
     return md
 
 

@@ -83,9 +83,8 @@ RULES = [
 
 def _check_lora(c, overrides):
     check(c["lora_rank"] <= c["n_embd"], f"lora_rank={c['lora_rank']} is above the width "
-                                         f"n_embd={c['n_embd']}: an "
-                                         f"adapter's rank is at most its layer's width; lower "
-                                         f"lora_rank")
+                                         f"n_embd={c['n_embd']}: an adapter's rank is at most its "
+                                         "layer's width; lower lora_rank")
     lora_targets(c)
 
 
@@ -101,8 +100,7 @@ def lora_targets(c):
 def _check_profiler(c, overrides):
     check(_window(c["profile_iters"], c["max_iters"]),
           f"profile_iters='{c['profile_iters']}' is not 'a:b' with 0 <= a < b <= "
-          f"max_iters={c['max_iters']}: e.g. "
-          f"'5:8' profiles iterations 5, 6 and 7")
+          f"max_iters={c['max_iters']}: e.g. '5:8' profiles iterations 5, 6 and 7")
     guard_env.check_trace_dir(c["out_dir"])
 
 
@@ -142,30 +140,25 @@ REFUSALS = [
      "for one source"),
     ("ddp_impl=torch inside a pipeline", lambda c, o: c["pp"] > 1 and c["ddp_impl"] == "torch",
      "ddp_impl=torch cannot sit inside a pipeline (torch DDP decides in forward whether to sync, "
-     "and 1F1B "
-     "interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
+     "and 1F1B interleaves forwards with backwards): use ddp_impl=bucketed or naive"),
     ("fsdp with ddp_impl", lambda c, o: c["fsdp"] and "ddp_impl" in o,
      "fsdp=True shards with FSDP2, so ddp_impl={ddp_impl} would be ignored: drop one of the two"),
     ("zero with fsdp", lambda c, o: c["zero"] and c["fsdp"],
      "zero={zero} with fsdp=True: fsdp is ZeRO stage 3 and already shards optimizer state and "
-     "gradients; use one "
-     "of the two"),
+     "gradients; use one of the two"),
     ("zero with ddp_impl other than "
      "bucketed", lambda c, o: c["zero"] and c["ddp_impl"] != "bucketed",
      "zero={zero} shards along the buckets of ddp_impl=bucketed, so ddp_impl={ddp_impl} cannot "
-     "carry it: drop "
-     "ddp_impl"),
+     "carry it: drop ddp_impl"),
     ("offload without zero or fsdp", lambda c, o: c["offload"] and not (c["zero"] or c["fsdp"]),
      "offload=True moves sharded optimizer state to CPU memory: use it with zero=1, zero=2 or "
      "fsdp=True"),
     ("a mixture of experts with tp", lambda c, o: c["n_experts"] and c["tp"] > 1,
      "n_experts={n_experts} with tp={tp}: the experts are not cut into tensor-parallel slices (ep "
-     "x tp included); "
-     "split them over ranks with ep= instead, or drop tp"),
+     "x tp included); split them over ranks with ep= instead, or drop tp"),
     ("a mixture of experts with cp", lambda c, o: c["n_experts"] and c["cp"] > 1,
      "n_experts={n_experts} with cp={cp}: the balancing loss is taken over a whole micro-batch, "
-     "which cp splits "
-     "over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
+     "which cp splits over ranks; use dp, ep= or pp with a mixture of experts, or drop cp"),
     # (n_experts: the model's; None while it is not known, from a checkpoint or a model directory)
     ("ep on a dense model", lambda c, o: c["ep"] > 1 and c["n_experts"] == 0,
      "ep={ep} splits the experts of a mixture of experts over ranks, but the model is dense "
@@ -195,8 +188,7 @@ REFUSALS = [
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the "
      "sequences passed "
      "between stages, compose with tensor parallelism (tp=N sp=True without cp splits the "
-     "sequences over tp) or "
-     "average ZeRO's gradient slices; with cp use dp or fsdp=True"),
+     "sequences over tp) or average ZeRO's gradient slices; with cp use dp or fsdp=True"),
 ]
 
 
@@ -271,8 +263,7 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
     (dp, pp_layers as a list or None)."""
     pp, tp, n_experts = c["pp"], c["tp"], c["n_experts"] if n_experts is None else n_experts
     check(world % pp == 0, f"pp={pp} pipeline stages do not divide the {world} ranks: start a "
-                           f"multiple of pp "
-                           f"processes (torchrun --nproc_per_node=N), or change pp")
+                           f"multiple of pp processes (torchrun --nproc_per_node=N), or change pp")
     check(world % (pp * tp) == 0, f"pp={pp} x tp={tp} does not divide the {world} ranks: start a "
                                   f"multiple of "
                                   f"pp * tp processes (torchrun --nproc_per_node=N), or change tp")
@@ -281,10 +272,8 @@ def check_layout(c, world, n_layer, n_head, n_kv_head, ffn_dim, where="", n_expe
     dp = world // (pp * tp * c["cp"])
     check(c["grad_accum_steps"] % dp == 0,
           f"grad_accum_steps={c['grad_accum_steps']} micro-batches per iteration cannot be shared "
-          f"evenly by {dp} "
-          f"data-parallel ranks: use a multiple of {dp} (and lower batch_size to keep the global "
-          f"batch), or start "
-          f"fewer ranks")
+          f"evenly by {dp} data-parallel ranks: use a multiple of {dp} (and lower batch_size to "
+          "keep the global batch), or start fewer ranks")
     # (ep on a dense model is refused; a checkpoint's n_experts comes with it: origin.saved_shape)
     if c["ep"] > 1 and n_experts:  # expert parallel: expert_parallel.py
         _check_ep(c, dp, n_experts, where)
@@ -302,46 +291,38 @@ def _check_cp(c, world):
     """2 cp equal chunks of every sequence, on cp x tp x pp ranks that divide the world."""
     cp, pp, tp = c["cp"], c["pp"], c["tp"]
     check(world % (pp * tp * cp) == 0, f"cp={cp} x tp={tp} does not divide the {world} ranks: "
-                                       f"start a multiple "
-                                       f"of cp * tp processes, or change cp")
+                                       f"start a multiple of cp * tp processes, or change cp")
     check(c["block_size"] % (2 * cp) == 0, f"cp={cp} cuts each sequence in 2 x cp = {2 * cp} "
-                                           f"equal chunks, but "
-                                           f"block_size={c['block_size']} does not divide "
-                                           f"by {2 * cp}: change "
-                                           f"block_size or cp")
+                                           f"equal chunks, but block_size={c['block_size']} does "
+                                           f"not divide by {2 * cp}: change block_size or cp")
 
 
 def _check_ep(c, dp, n_experts, where):
     check(dp % c["ep"] == 0 and n_experts % c["ep"] == 0,
           f"ep={c['ep']} must divide the {dp} data-parallel ranks (the ep ranks are taken from "
-          f"them) and "
-          f"n_experts={n_experts}{where} (each holds as many experts): change ep")
+          f"them) and n_experts={n_experts}{where} (each holds as many experts): change ep")
 
 
 def _check_tp(tp, n_head, n_kv_head, ffn_dim, where):
     """Each tp rank holds whole heads and an equal slice of SwiGLU."""
     for key, n in (("n_head", n_head), ("n_kv_head", n_kv_head), ("ffn_dim", ffn_dim)):
         check(n % tp == 0, f"tp={tp} does not divide {key}={n}{where}: each tp rank needs an "
-                           f"equal share of the "
-                           f"heads and of the SwiGLU width; use a tp that divides n_head, "
-                           f"n_kv_head and ffn_dim")
+                           "equal share of the heads and of the SwiGLU width; use a tp that "
+                           "divides n_head, n_kv_head and ffn_dim")
 
 
 def _check_sp(c, pp, tp):
     """Each tp rank holds an equal slice of the sequence."""
     check(tp > 1, "sp=True splits the sequence over the tensor-parallel ranks, but tp=1: set tp= "
-                  "(2 or more) "
-                  "or drop sp")
+                  "(2 or more) or drop sp")
     check(pp == 1 and not c["neftune_alpha"],
           f"sp=True with pp={pp}, neftune_alpha={c['neftune_alpha']}: sequence parallelism does "
           f"not yet pass "
           f"sequence slices between pipeline stages, and NEFTune scales its noise by the sequence "
-          f"length, which a "
-          f"rank holding a slice does not see; drop sp, or pp and neftune_alpha")
+          f"length, which a rank holding a slice does not see; drop sp, or pp and neftune_alpha")
     check(c["block_size"] % tp == 0, f"sp=True with tp={tp} splits each sequence in tp equal "
-                                     f"slices, but "
-                                     f"block_size={c['block_size']} does not divide by {tp}: "
-                                     f"change block_size")
+                                     f"slices, but block_size={c['block_size']} does not divide "
+                                     f"by {tp}: change block_size")
 
 
 def _check_pipeline(c, dp, n_layer, where):
@@ -352,17 +333,15 @@ def _check_pipeline(c, dp, n_layer, where):
           f"pp={pp} stages but only n_layer={n_layer} layers{where}: every stage needs at least "
           f"one")
     check(pp * v <= n, f"pp={pp} x pp_virtual={v} virtual stages but only n_layer={n_layer} "
-                       f"layers{where}: "
-                       f"every virtual stage needs at least one; lower pp_virtual")
+                       f"layers{where}: every virtual stage needs at least one; lower pp_virtual")
     check((c["pp_schedule"] == "interleaved") == (v > 1) and (v == 1 or pp > 1),
           f"pp_schedule={c['pp_schedule']} with pp_virtual={v} pp={pp}: interleaved 1F1B needs pp "
           f"> 1 and "
           f"pp_virtual >= 2 (chunks per stage), and pp_virtual > 1 needs pp_schedule=interleaved")
     check(c["pp_schedule"] != "interleaved" or c["grad_accum_steps"] // dp % pp == 0,
           f"pp_schedule=interleaved runs the micro-batches in groups of pp={pp}, but each "
-          f"pipeline gets "
-          f"grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple of {pp * dp} "
-          f"for grad_accum_steps")
+          f"pipeline gets grad_accum_steps / dp = {c['grad_accum_steps'] // dp}: use a multiple "
+          f"of {pp * dp} for grad_accum_steps")
     if not c["pp_layers"].strip():
         return None
     spec = c["pp_layers"]
@@ -405,8 +384,7 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
           f"this run needs at least {sum(need.values()) / 2 ** 30:,.1f} GiB ("
           + ", ".join(f"{k} {v / 2 ** 30:,.1f}" for k, v in need.items())
           + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, "
-            f"vocab_size, "
-            f"batch_size, block_size or eval_iters (or set loss_chunk= for the logits)")
+            "vocab_size, batch_size, block_size or eval_iters (or set loss_chunk= for the logits)")
 
 
 def check_files(c):
@@ -418,8 +396,7 @@ def check_files(c):
               f"{key}= has a name over 255 bytes: shorten it")
     check(init_from in ("auto", "scratch", "resume") or os.path.isdir(init_from),
           f"init_from='{init_from}' is not 'auto', 'scratch', 'resume' or a directory (another "
-          f"run's out_dir, or a "
-          f"Hugging Face LLaMA directory)")
+          f"run's out_dir, or a Hugging Face LLaMA directory)")
     check(out_dir.strip() != "",
           "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
     check_writable("out_dir", out_dir)  # (a directory made and removed: os.access trusts root)
@@ -453,8 +430,7 @@ def check_saved_shape(cfg, src, overrides, base_vocab, c, world):
         check(key not in overrides or key not in src.saved or overrides[key] == src.saved[key] or
               (key == "vocab_size" and overrides[key] == base_vocab),
               f"{key}={overrides.get(key)} but {src.where} has {key}={src.saved.get(key)}: drop "
-              f"the override, or "
-              f"use a new out_dir")
+              f"the override, or use a new out_dir")
     check_layout(c, world, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_dim, f" in {src.where}",
                  cfg.n_experts)
     check_memory(c, world, cfg.n_layer, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size,

@@ -24,8 +24,7 @@ def check_made_as_asked(data_dir, asked, given):
             raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command "
                             f"asks for {key}="
                             f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or "
-                            f"drop {key}= to use "
-                            f"it as it is (or pick another dataset= name)")
+                            f"drop {key}= to use it as it is (or pick another dataset= name)")
 
 
 # what prepare writes: dtype -> ids it can hold
@@ -36,9 +35,8 @@ def read_meta(data_dir):
     """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built from it."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run "
-                        f"`python prepare.py SOURCE --out {data_dir}` or set data_source= to "
-                        f"prepare it")
+        raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run `python "
+                        f"prepare.py SOURCE --out {data_dir}` or set data_source= to prepare it")
     fix = "it was not written by prepare; prepare the dataset again"
     meta = read_json(path, fix)
     json_field(meta, "tokenizer", str, path, fix)
@@ -63,8 +61,7 @@ def map_tokens(path, dtype, vocab_size):
     size = os.path.getsize(path) if os.path.isfile(path) else None
     # (numpy cannot map an empty file, and it holds no sequence)
     if not size or size % dtype.itemsize:
-        raise UserError(f"{path} is "
-                        f"missing: {redo}" if size is None
+        raise UserError(f"{path} is missing: {redo}" if size is None
                         else f"{path} has {size} bytes, not a multiple "
                         f"of {dtype.itemsize} ({dtype.name} tokens) or empty: the file is "
                         f"truncated or damaged; {redo}")
@@ -94,10 +91,8 @@ def check_tokenizer(meta, where, tokenizer, vocab_size):
     base_vocab = meta.get("base_vocab_size", meta["vocab_size"])  # before chat and extra tokens
     if meta["tokenizer"] != tokenizer or base_vocab != (vocab_size or base_vocab):
         raise UserError(f"{where} was prepared with tokenizer={meta['tokenizer']} "
-                        f"vocab_size={base_vocab}, but this "
-                        f"run has tokenizer={tokenizer} vocab_size={vocab_size}: set those, or "
-                        f"prepare into another "
-                        f"dataset")
+                        f"vocab_size={base_vocab}, but this run has tokenizer={tokenizer} "
+                        f"vocab_size={vocab_size}: set those, or prepare into another dataset")
 
 
 def read_token_bytes(data_dir, vocab_size):

@@ -36,8 +36,7 @@ def run_excepthook(kind, err, tb):
         print(f"error: a collective failed ({str(err).strip().splitlines()[0]}): a peer process "
               f"died or waited "
               f"longer than dist_timeout_s; check the other ranks' output, or raise "
-              f"dist_timeout_s if a rank is "
-              f"only slow (e.g. a long save)", file=out, flush=True)
+              f"dist_timeout_s if a rank is only slow (e.g. a long save)", file=out, flush=True)
     else:
         guard_errors.excepthook(kind, err, tb)  # (Ctrl-C or SIGTERM: its line, and exit 128 + N)
     # 128 + N, as a shell reports a command the signal stopped

@@ -140,8 +140,7 @@ def check_writable(key, path):
         os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=near))
     except OSError as e:
         raise UserError(f"{key}={path} is not writable ({near}: {e.strerror}): fix its "
-                        f"permissions or pick another "
-                        f"{key}") from None
+                        f"permissions or pick another {key}") from None
 
 
 def check_exports(exports, runs=(), files=()):
@@ -156,12 +155,10 @@ def check_exports(exports, runs=(), files=()):
             continue
         if key in files:
             check(os.path.isdir(os.path.dirname(os.path.abspath(path))),
-                  f"{key}={path}: the directory "
-                  f"{os.path.dirname(os.path.abspath(path))} does not exist: create it or export "
-                  f"elsewhere")
+                  f"{key}={path}: the directory {os.path.dirname(os.path.abspath(path))} does not "
+                  "exist: create it or export elsewhere")
             check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, "
-                                           f"e.g. "
-                                           f"{key}={os.path.join(path, 'model.pt')}")
+                                           f"e.g. {key}={os.path.join(path, 'model.pt')}")
         check_writable(key, path)
         mode = os.lstat(path).st_mode if os.path.lexists(path) else None
         check(mode is None
@@ -174,9 +171,8 @@ def check_exports(exports, runs=(), files=()):
               f"or export elsewhere (checked now rather than after the run has trained)")
         p = real[key] = os.path.realpath(path)
         check(not any(r == p or r.startswith(p + os.sep) for r in runs),
-              f"{key}={path} is or holds the run "
-              f"directory {runs[0] if runs else ''}: export elsewhere, "
-              f"e.g. {os.path.join(path, 'export')}")
+              f"{key}={path} is or holds the run directory {runs[0] if runs else ''}: export "
+              f"elsewhere, e.g. {os.path.join(path, 'export')}")
         a = p
         while a != os.path.dirname(a):
             inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
@@ -191,8 +187,7 @@ def check_exports(exports, runs=(), files=()):
     for (k1, p1), (k2, p2) in ((x, y) for x in real.items() for y in real.items() if x[0] < y[0]):
         check(not (p1 == p2 or p1.startswith(p2 + os.sep) or p2.startswith(p1 + os.sep)),
               f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the "
-              f"other: each export "
-              f"needs a place of its own")
+              f"other: each export needs a place of its own")
 
 
 def sha256_file(path):
@@ -280,8 +275,7 @@ def _check_existing(out_dir):
     fix, ckpt = "remove it (or pick another out_dir)", os.path.join(out_dir, "ckpt")
     if os.path.islink(ckpt) or os.path.lexists(ckpt) and not os.path.isdir(ckpt):
         raise UserError(f"{ckpt} is {'a symbolic link' if os.path.islink(ckpt) else 'a file'}, "
-                        f"not a directory this "
-                        f"trainer made: {fix}")
+                        f"not a directory this trainer made: {fix}")
     for name in (".lock", "config.json", "metrics.jsonl", os.path.join("ckpt", "latest")):
         _regular_or_absent(os.path.join(out_dir, name), fix)
 
@@ -292,8 +286,7 @@ def _refuse_busy(fd, path, out_dir, e):
     os.close(fd)
     if e.errno not in (errno.EAGAIN, errno.EACCES):
         raise UserError(f"cannot lock {path} ({describe_error(e)}): put out_dir on a filesystem "
-                        f"with "
-                        f"file locks") from None
+                        f"with file locks") from None
     _made.clear()  # the other run's
     try:
         who = json.loads(holder)
@@ -301,8 +294,7 @@ def _refuse_busy(fd, path, out_dir, e):
     except (ValueError, KeyError, TypeError):
         pid, host = "?", "?"
     raise UserError(f"out_dir {out_dir} is in use by pid {pid} on host {host} (another run): wait "
-                    f"for it, "
-                    f"or use another out_dir") from None
+                    f"for it, or use another out_dir") from None
 
 
 def remove_refused():

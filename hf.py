@@ -137,8 +137,7 @@ def hf_config_to_ours(hf):
             for r in (hf.get("rope_scaling"), hf.get("rope_parameters")) if r]
     if len(both) == 2 and both[0] != both[1]:
         raise refuse("rope_scaling", "it and rope_parameters both describe the rotary embedding, "
-                                     "and differ "
-                                     "(readers disagree on which wins); keep one")
+                                     "and differ (readers disagree on which wins); keep one")
     rope = (both[0] if both
             else {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)})
     rope_type = rope["rope_type"]
@@ -262,16 +261,14 @@ def hf_index(path):
         files = ["model.safetensors"]
     else:
         raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only "
-                        f"safetensors weights "
-                        f"are read: re-save the model with save_pretrained(..., "
-                        f"safe_serialization=True)")
+                        "safetensors weights are read: re-save the model with "
+                        "save_pretrained(..., safe_serialization=True)")
     hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
         guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         if not os.path.isfile(os.path.join(path, file)):
             raise UserError(f"{path}: the shard {file} that model.safetensors.index.json names is "
-                            f"missing: "
-                            f"copy or download it")
+                            f"missing: copy or download it")
         data_start, entries = read_safetensors_header(os.path.join(path, file))
         hf_tensors.update({name: (os.path.join(path, file), data_start, e)
                            for name, e in entries.items()})
@@ -292,9 +289,8 @@ def hf_index(path):
             continue  # a tied head that was saved anyway: it is the embedding
         if ours not in expected:
             raise UserError(f"{path}: unknown tensor '{name}' for a {cfg.n_layer}-layer LLaMA; "
-                            f"the checkpoint is "
-                            f"not a plain LlamaForCausalLM, or config.json does not match its "
-                            f"weights")
+                            "the checkpoint is not a plain LlamaForCausalLM, or config.json does "
+                            "not match its weights")
         file, data_start, entry = t
         if ours in sd or tuple(entry[3]) != expected[ours]:  # entry: (begin, end, dtype, shape)
             raise UserError(f"{path}: tensor '{name}' has shape {tuple(entry[3])}, but "
@@ -303,9 +299,8 @@ def hf_index(path):
         # a float's bytes relabelled as integers load as huge weights
         if not entry[2].is_floating_point:
             raise UserError(f"{file}: tensor '{name}' is {entry[2]}, but a model's weights are "
-                            f"floating point: "
-                            f"the header is damaged or the file is not these weights; copy or "
-                            f"download it again")
+                            "floating point: the header is damaged or the file is not these "
+                            "weights; copy or download it again")
         sd[ours] = (name, file, data_start, entry)
     missing = [rename(n, {v: k for k, v in HF_NAMES.items()}) or n for n in expected
                if n not in sd]
@@ -397,8 +392,7 @@ def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
         # every id a row (a padded embedding has rows past the ids)
         if enc.n_vocab > cfg.vocab_size:
             raise ValueError(f"save_hf: tokenizer {enc.name} has {enc.n_vocab} ids but the model "
-                             f"has "
-                             f"vocab_size={cfg.vocab_size}")
+                             f"has vocab_size={cfg.vocab_size}")
         more["tokenizer.json"], tok_config = hf_tokenizer(enc, cfg.max_position or cfg.block_size)
         more["tokenizer_config.json"] = tok_config
         more["special_tokens_map.json"] = {k: tok_config[k]
@@ -609,6 +603,5 @@ def chat_template(enc):
     # as prepare starts each document
     bos = "{{ bos_token }}" if getattr(enc, "bos_token", None) is not None else ""
     return {"chat_template": bos + "{% for m in messages %}{{ '<|' + m['role'] + '|>' + "
-                                   "m['content'] + '<|end|>' }}"
-                                   "{% endfor %}{% if add_generation_prompt %}"
-                                   "{{ '<|assistant|>' }}{% endif %}"}
+                                   "m['content'] + '<|end|>' }}{% endfor %}{% if "
+                                   "add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"}

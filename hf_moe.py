@@ -80,8 +80,7 @@ def config_fields(hf, refuse):
     top_k = hf.get("num_experts_per_tok", 8 if hf["model_type"] == "qwen3_moe" else 2)
     if not 1 <= top_k <= E or not ffn:
         raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, "
-                                            f"each of a positive "
-                                            f"width")
+                                            f"each of a positive width")
     return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax",
                 moe_aux_weight=float(aux) * top_k,
                 **fields)
@@ -128,9 +127,8 @@ def config_out(cfg):
                     decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
     if not cfg.moe_shared_ffn_dim:
         raise UserError("export_hf: a Qwen2-MoE has a shared expert; this model has none "
-                        "(moe_shared_ffn_dim=0) and "
-                        "is no Mixtral either (dense layers or moe_norm_topk=False): it cannot be "
-                        "exported")
+                        "(moe_shared_ffn_dim=0) and is no Mixtral either (dense layers or "
+                        "moe_norm_topk=False): it cannot be exported")
     return dict(common, num_experts=cfg.n_experts,
                 moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                 shared_expert_intermediate_size=cfg.moe_shared_ffn_dim,
@@ -155,11 +153,10 @@ def tensors_out(state_dict, cfg):
         if rest == "expert_bias":
             if t.abs().max() > 0:
                 raise UserError("export_hf: this model trained an aux-loss-free routing bias "
-                                "(moe_bias_rate), but transformers' Mixtral and Qwen2-MoE "
-                                "choose experts by the scores alone (they have no routing "
-                                "bias), so the export would route otherwise: train with "
-                                "moe_bias_rate=0 to export; sample.py reads this model's "
-                                "checkpoints")
+                                "(moe_bias_rate), but transformers' Mixtral and Qwen2-MoE choose "
+                                "experts by the scores alone (they have no routing bias), so the "
+                                "export would route otherwise: train with moe_bias_rate=0 to "
+                                "export; sample.py reads this model's checkpoints")
             continue
         if rest.startswith("experts."):
             for e in range(t.shape[0]):
@@ -192,8 +189,7 @@ def index_experts(hf_tensors, expected, path):
     for ours, got in pieces.items():
         if ours not in expected:
             raise UserError(f"{path}: expert tensors for '{ours}', which config.json does not "
-                            f"make a MoE layer: "
-                            f"config.json does not match the weights")
+                            f"make a MoE layer: config.json does not match the weights")
         E, *shape = expected[ours]
         if "fused" in got:
             (name, _, _, entry), _ = got["fused"]
@@ -204,8 +200,7 @@ def index_experts(hf_tensors, expected, path):
                               tuple(shape))
         if not ok:
             raise UserError(f"{path}: the experts of '{ours}' do not match config.json ({name}: "
-                            f"want {E} experts of "
-                            f"{want}): config.json does not match the weights")
+                            f"want {E} experts of {want}): config.json does not match the weights")
         out[ours] = ("experts", got)
     return out
 

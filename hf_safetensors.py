@@ -45,9 +45,8 @@ def read_safetensors_header(path):
             dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
             if dtype is None:
                 raise UserError(f"{path}: tensor '{name}' has dtype {part.get_dtype()!r}, which "
-                                f"this reader "
-                                f"does not support ({', '.join(SAFETENSORS_DTYPES)}): convert it "
-                                f"to one of those")
+                                f"this reader does not support ({', '.join(SAFETENSORS_DTYPES)}): "
+                                "convert it to one of those")
             entries[name] = (None, None, dtype, list(part.get_shape()))
     return None, entries
 

@@ -113,9 +113,8 @@ def check_tokenizer_json(tj, path):
                 "Unigram": "a unigram tokenizer (T5, ALBERT "
                 "style)"}.get(kind, f"a {str(kind)[:40] if kind else 'model-less'} tokenizer")
         raise UserError(f"{path} is {what}; only BPE tokenizers (what LLaMA-family models ship: "
-                        f"byte-level or "
-                        f"SentencePiece-style) are read: use such a model, or train with "
-                        f"tokenizer= of your own")
+                        "byte-level or SentencePiece-style) are read: use such a model, or train "
+                        "with tokenizer= of your own")
     # (`tokenizers` panics on its merges, or drops the text)
     if model.get("continuing_subword_prefix"):
         raise _bad(path, f"its BPE has continuing_subword_prefix "
@@ -248,8 +247,7 @@ def guarded(path, source, method=None, *args, **kwargs):
         raise UserError(f"{path}: the tokenizers library fails on "
                         f"its {' or '.join(parts) or 'model'} ("
                         f"{str(e).splitlines()[0][:80] if str(e) else 'a panic'}): fix or remove "
-                        f"that part, or "
-                        f"{FIX}") from None
+                        f"that part, or {FIX}") from None
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -307,23 +305,20 @@ def load_tokenizer_json(path):
     for i, text in tokens.items():
         # `tokenizers` numbers an added token past a gap its own way
         if tok.token_to_id(text) != i:
-            raise _bad(path, f"token {text[:40]!r} has id {i} in the file "
-                             f"but {tok.token_to_id(text)} in the "
-                             f"tokenizers library (an added token's id must follow the "
-                             f"vocabulary's without a gap)")
+            raise _bad(path, f"token {text[:40]!r} has id {i} in the file but "
+                             f"{tok.token_to_id(text)} in the tokenizers library (an added "
+                             "token's id must follow the vocabulary's without a gap)")
     # GPT-2's, if the config names none
     eos = named[1] if named[1] is not None else "<|endoftext|>"
     if tok.token_to_id(eos) is None:
         raise UserError(f"{path}: no end-of-sequence token (eos_token in tokenizer_config.json) "
-                        f"to separate "
-                        f"documents: add eos_token to tokenizer_config.json")
+                        f"to separate documents: add eos_token to tokenizer_config.json")
     name = f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
     return HFTokenizer(name, tok, cfg, tok.token_to_id(eos), path)
 
 
 # text of every kind a corpus holds: tiktoken_twin's encodings must equal the library's on it
-PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, "
-         "مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
+PROBE = ("Hello, world! It's 2026: naïve café, 日本語のテキスト, Привет мир, مرحبا, ꙮ 🙂👩‍👩‍👧 ∑x² ≤ ∞\n\n"
          "\tdef f(x):\n        return x**2  # 1234567 3.14e-10\r\n   trailing  \u00a0nbsp\u3000 "
          "e\u0301 ｆｕｌｌ "
          "'S 'll I'M aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa {}[]()<>|~`^$@ \x00\x1f\x7f\u200b ")
@@ -420,10 +415,9 @@ class HFTokenizer:
                             f"tokenizer: fix the ids in post_processor's special_tokens")
         start = next((k for k in range(len(marked)) if marked[k:k + len(plain)] == plain), None)
         if start is None or start > 1 or marked[start + len(plain):] not in ([], [eot_token]):
-            raise UserError(f"{path}: its post-processor wraps text as {marked} (text "
-                            f"alone: {plain}); only a BOS "
-                            f"before and an EOS after are supported: edit post_processor or "
-                            f"add_bos_token")
+            raise UserError(f"{path}: its post-processor wraps text as {marked} (text alone: "
+                            f"{plain}); only a BOS before and an EOS after are supported: edit "
+                            "post_processor or add_bos_token")
         self.bos_token = marked[0] if start else None
         # the model's chat format (chat_template.py renders it), or None: the project's own then
         self.chat_template = config.get("chat_template")
@@ -537,10 +531,9 @@ class HFTokenizer:
                                 f"from the list")
             tok.add_tokens([AddedToken(t, special=False, normalized=False)])
             if tok.token_to_id(t) != self.n_vocab + i:
-                raise UserError(f"extra token {t!r} got id {tok.token_to_id(t)}, "
-                                f"not {self.n_vocab + i}: {self.name} "
-                                f"has ids past its vocabulary that are not added tokens; add "
-                                f"tokens to it by hand")
+                raise UserError(f"extra token {t!r} got id {tok.token_to_id(t)}, not "
+                                f"{self.n_vocab + i}: {self.name} has ids past its vocabulary "
+                                "that are not added tokens; add tokens to it by hand")
         return HFTokenizer(f"{self.name}+{len(tokens)}", tok, self.config, self.eot_token,
                            self._path)
 
@@ -584,13 +577,11 @@ def load_rank_file(path):
                 token = base64.b64decode(token, validate=True)
             except ValueError:
                 raise UserError(f"{path} is a SentencePiece model (not a tiktoken rank file of "
-                                f"base64-token rank "
-                                f"lines), which this trainer does not read: use the model's "
-                                f"tokenizer.json") from None
+                                "base64-token rank lines), which this trainer does not read: use "
+                                "the model's tokenizer.json") from None
             if not rank.isdigit() or len(rank) > 10 or int(rank) in seen or token in ranks:
                 raise _bad(path, f"line {n}: rank {rank[:20].decode(errors='replace')!r} is not a "
-                                 f"non-negative "
-                                 f"integer, or it or its token is listed twice")
+                                 f"non-negative integer, or it or its token is listed twice")
             ranks[token] = int(rank)
             seen.add(int(rank))
     if seen != set(range(len(ranks))):

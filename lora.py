@@ -165,16 +165,13 @@ def load_base(model, ref, mesh=None):
     if not os.path.isfile(os.path.join(path,
                                        "config.json" if ref["kind"] == "hf" else "manifest.json")):
         raise UserError(f"the base model of this LoRA run, {path}, is gone: the run's checkpoints "
-                        f"hold only the "
-                        f"adapters and reference the base; put it back there, or start a new "
-                        f"out_dir")
+                        "hold only the adapters and reference the base; put it back there, or "
+                        "start a new out_dir")
     now = base_reference(path, mesh)
     if now["sha256"] != ref["sha256"]:
-        raise UserError(f"the base model {path} has changed since this LoRA run started "
-                        f"(sha256 {now['sha256'][:12]}, "
-                        f"was {ref['sha256'][:12]}): the adapters were trained on the old "
-                        f"weights; restore them, or "
-                        f"start a new out_dir")
+        raise UserError(f"the base model {path} has changed since this LoRA run started (sha256 "
+                        f"{now['sha256'][:12]}, was {ref['sha256'][:12]}): the adapters were "
+                        "trained on the old weights; restore them, or start a new out_dir")
     if ref["kind"] == "hf":
         _, sd = load_hf(path)
         if model.cfg.tie_embeddings:
@@ -257,8 +254,7 @@ def load_peft_lora(path):
 
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise bad("no adapter_config.json", "point lora_from at a PEFT adapter directory (what "
-                                            "save_pretrained "
-                                            "or export_lora writes)")
+                                            "save_pretrained or export_lora writes)")
     for name in ("adapter_config.json", "adapter_model.safetensors"):  # (not a link out of it)
         guard_chat.check_in_model_dir(os.path.join(path, name), "copy or export it again")
     cfg = read_json(os.path.join(path, "adapter_config.json"), "copy or export it again")
@@ -293,8 +289,7 @@ def load_peft_lora(path):
         module = m and rename(m[1] + ".weight", HF_NAMES)
         if not module or module.split(".")[-2] not in targets:
             raise bad(f"unexpected tensor '{name}' (base weights saved beside the adapter, e.g. "
-                      f"PEFT's "
-                      f"save_embedding_layers, or a module outside target_modules)",
+                      f"PEFT's save_embedding_layers, or a module outside target_modules)",
                       "save the adapter alone (save_embedding_layers=False)")
         sd[f"{module.removesuffix('.weight')}.{m[2]}.weight"] = t
     return {"rank": r, "alpha": float(alpha), "dropout": float(drop), "targets": targets}, sd
@@ -316,9 +311,8 @@ def load_lora_adapter(model, adapter, path):
     shapes = model.state_dict()
     for n, t in adapter.items():
         if tuple(t.shape) != tuple(shapes[n].shape):
-            raise UserError(f"{path}: {n} has shape {tuple(t.shape)}, this base "
-                            f"needs {tuple(shapes[n].shape)}: "
-                            f"is it the adapter of this base model?")
+            raise UserError(f"{path}: {n} has shape {tuple(t.shape)}, this base needs "
+                            f"{tuple(shapes[n].shape)}: is it the adapter of this base model?")
     model.load_state_dict(adapter, strict=False)
 
 
@@ -356,8 +350,7 @@ def settings(c, overrides, src):
     lora["dropout"] = c["lora_dropout"] if "lora_dropout" in overrides else lora["dropout"]
     if src.kind == "fresh":
         raise UserError("LoRA adapts a trained model: set init_from= to a Hugging Face LLaMA "
-                        "directory or a run's "
-                        "out_dir (the base, which stays frozen)")
+                        "directory or a run's out_dir (the base, which stays frozen)")
     ffn = [t for t in lora["targets"] if t in ("w1", "w2", "w3")]
     # (apply_lora wraps linears; routed experts are 3-D weights)
     if src.saved.get("n_experts") and ffn:
@@ -375,16 +368,13 @@ def attach(model, lora, adapter, src, meta, mesh, seed, lora_from=""):
         raise UserError(f"the data has {meta['vocab_size']} token ids but the base "
                         f"has {model.cfg.vocab_size}: LoRA "
                         f"keeps the embeddings frozen, so new tokens would never be learned; "
-                        f"prepare the data "
-                        f"without added tokens, or use lora_rank=0")
+                        f"prepare the data without added tokens, or use lora_rank=0")
     if model.cfg.tie_embeddings and "output" in lora["targets"]:
         raise UserError("lora_targets has output but the base ties the head to the embedding: "
-                        "merging would change "
-                        "the embedding too; drop output from lora_targets")
+                        "merging would change the embedding too; drop output from lora_targets")
     if mesh.pp > 1 and lora["targets"] == ["output"]:
         raise UserError("lora_targets=output with pp > 1: the first stages would have nothing to "
-                        "train; add a "
-                        "per-layer target (wq, ...) or use pp=1")
+                        "train; add a per-layer target (wq, ...) or use pp=1")
     if src.kind == "resume":  # the checkpoint references its base (path + sha256); read it again
         load_base(model, lora["base"], mesh)
     else:

@@ -40,8 +40,7 @@ def check_tokenizers(metas):
         a, b = list(meta.get("extra_tokens", [])), list(widest.get("extra_tokens", []))
         if ours != theirs or (a[:len(b)] != b and b[:len(a)] != a):
             raise UserError(f"sources '{widest_name}' and '{name}' were prepared with different "
-                            f"tokenizers "
-                            f"({theirs[0]}/{theirs[1]} + {len(b)} extra tokens "
+                            f"tokenizers ({theirs[0]}/{theirs[1]} + {len(b)} extra tokens "
                             f"vs {ours[0]}/{ours[1]} + {len(a)}): "
                             f"prepare them with the same tokenizer, vocab_size and extra tokens")
         if len(a) > len(b):
@@ -220,8 +219,7 @@ def train_losses(sums, sources):
 
 def compact(by_source):
     """' [a 3.210, b 4.021]' of {'loss/a': 3.21, ...} for stdout."""
-    return (" "
-            "["
+    return (" ["
             + ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in by_source.items())
             + "]")
 

@@ -68,11 +68,9 @@ def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_actio
     their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
     and `again` (no finite step since the last rollback): the fault is not in a few batches."""
     check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or "
-                     f"gradient norm right "
-                     f"after rolling back: the fault outlives a rollback, so it is not a few bad "
-                     f"batches; lower "
-                     f"learning_rate, check the data from there on, or resume from an earlier "
-                     f"checkpoint")
+                     "gradient norm right after rolling back: the fault outlives a rollback, so "
+                     "it is not a few bad batches; lower learning_rate, check the data from "
+                     "there on, or resume from an earlier checkpoint")
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or path is None:
         raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or "

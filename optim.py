@@ -314,8 +314,7 @@ def schedule_note(c):
     return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning "
             f"rate only warms up, "
             f"to {top:.2e} at the last step (learning_rate={c['learning_rate']:.2e} is never "
-            f"reached, and there is "
-            f"no decay); lower warmup_iters for a full schedule")
+            f"reached, and there is no decay); lower warmup_iters for a full schedule")
 
 
 def pretrained_rate_note(c):

@@ -49,13 +49,11 @@ def _found_source(out_dir, init_from, mesh, saved):
     check(not (init_from == "resume" and ckpt is None), f"init_from=resume but {out_dir}/ckpt has "
                                                         f"no checkpoint: use "
                                                         f"init_from=auto (or scratch), or the "
-                                                        f"out_dir of the run to "
-                                                        f"continue")
+                                                        f"out_dir of the run to continue")
     check(not (init_from == "scratch" and ckpt), f"init_from=scratch but {out_dir} holds "
                                                  f"checkpoints of an earlier "
                                                  f"run: continue it with init_from=auto, or pick "
-                                                 f"a new out_dir (or "
-                                                 f"delete {out_dir}/ckpt)")
+                                                 f"a new out_dir (or delete {out_dir}/ckpt)")
     if ckpt:                                                                # (1)
         meta, state = guard_ckpt.read_meta(ckpt)
         return Source("resume", ckpt, meta, state, meta["model"], f"the checkpoint in {out_dir}",
@@ -74,9 +72,8 @@ def start_from(init_from, mesh):
                                 f"first, or point at another run or a Hugging Face model")
         meta = guard_ckpt.read_meta(ckpt)[0]
         check(not meta.get("lora"), f"init_from={init_from} is a LoRA run: start from its merged "
-                                    f"model (export_hf= of "
-                                    f"train.py or sample.py), or its base with lora_from= its "
-                                    f"export_lora")
+                                    "model (export_hf= of train.py or sample.py), or its base "
+                                    "with lora_from= its export_lora")
         return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
     import hf                                                               # (3)
     saved, index = hf.hf_index(init_from)
@@ -95,10 +92,9 @@ def finished(src, c, out_dir, mesh):
                                   f"sample.py "
                                   f"out_dir={out_dir} export_hf={c['export_hf']}` exports it now")
         check(not c["export_lora"], f"{done}, and export_lora= is written when a run ends: raise "
-                                    f"max_iters= (it "
-                                    f"exports after the last iteration), or export the merged "
-                                    f"model with "
-                                    f"`python sample.py out_dir={out_dir} export_hf=DIR`")
+                                    "max_iters= (it exports after the last iteration), or export "
+                                    f"the merged model with `python sample.py out_dir={out_dir} "
+                                    "export_hf=DIR`")
         mesh.print0(f"{done}: nothing to do; raise max_iters= to train further, or pick a new "
                     f"out_dir")
         return True

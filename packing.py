@@ -98,8 +98,7 @@ class Packed:
 
     def note(self, name):
         return (f"{name}: {self.n_docs:,} documents in {self.n_rows:,} rows of {self.row:,} "
-                f"tokens, "
-                f"best fit, each whole but {self.n_split:,} split at a turn boundary and "
+                f"tokens, best fit, each whole but {self.n_split:,} split at a turn boundary and "
                 f"{self.n_cut:,} cut (longer than a row); {self.padding:.1%} of the rows is "
                 f"padding")
 

@@ -151,8 +151,7 @@ def _local_gpu(local_rank):
     """This rank's GPU: one per local rank."""
     if local_rank >= torch.cuda.device_count():
         raise UserError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} "
-                        f"GPUs: "
-                        f"start at most that many processes per node (--nproc_per_node)")
+                        f"GPUs: start at most that many processes per node (--nproc_per_node)")
     dev = torch.device("cuda", local_rank)
     torch.cuda.set_device(dev)
     return dev

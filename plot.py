@@ -33,13 +33,11 @@ def read_run(path):
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             r = loads_json(line, f"{path} line {n}", "the write was cut short (a killed run or a "
-                                                     "full disk): "
-                                                     "resume the run, which rewrites its log, or "
-                                                     "delete that line")
+                                                     "full disk): resume the run, which rewrites "
+                                                     "its log, or delete that line")
             check(isinstance(r, dict) and type(r.get("iter")) is int,
                   f"{path} line {n} is not a metrics record (an object with an integer 'iter'): "
-                  f"this is no "
-                  f"metrics.jsonl of train.py")
+                  f"this is no metrics.jsonl of train.py")
             for key in ("tokens", "elapsed_s"):  # the x axes: a string would plot as a category
                 v = r.get(key)
                 check(v is None or type(v) in (int, float), f"{path} line {n}: {key}="

@@ -103,8 +103,7 @@ def resolve_source(source):
     jsonl = [sources.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
         raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
-                        f"files: "
-                        f"prepare them separately")
+                        f"files: prepare them separately")
     sources.check_readers(files)
     real = {}  # real path -> the name kept: the file's own rather than a link's
     for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
@@ -126,8 +125,7 @@ def detect_format(kind, files, text_field="text", format="auto"):
     if kind == "text":
         if format == "chat":
             raise UserError("format=chat needs .jsonl or .parquet files of {\"messages\": [...]} "
-                            "or "
-                            "{\"prompt\", \"response\"} records: convert the data or use "
+                            "or {\"prompt\", \"response\"} records: convert the data or use "
                             "format=text")
         return "text"
     if format != "auto":
@@ -146,9 +144,8 @@ def chat_messages(record, where, roles=ROLES):
     """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
     if not _is_chat(record):
         raise UserError(f"{where}: not a chat record (the source's first record is one): write "
-                        f"every line as "
-                        f"{CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": \"...\"}}, or "
-                        f"prepare text separately")
+                        f"every line as {CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": "
+                        f"\"...\"}}, or prepare text separately")
     if "messages" not in record:
         if (not isinstance(record.get("prompt"), str)
             or not isinstance(record.get("response"), str)):
@@ -168,16 +165,14 @@ def chat_messages(record, where, roles=ROLES):
             tool = ("" if "tool" in roles else " (tool: only a model whose own chat template "
                                                "renders it)")
             raise UserError(f"{where}: message {i} has role {m.get('role')!r}: "
-                            f"use {', '.join(roles[:-1])} or "
-                            f"{roles[-1]}{tool}")
+                            f"use {', '.join(roles[:-1])} or {roles[-1]}{tool}")
         if not isinstance(m.get("content"), str):
             raise UserError(f"{where}: message {i}'s content "
                             f"is {type(m.get('content')).__name__}, not a string: "
                             f"write the text as \"content\": \"...\"")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message, so nothing to learn (the loss only "
-                        f"counts assistant "
-                        f"replies): add one or drop the line")
+                        f"counts assistant replies): add one or drop the line")
     return messages
 
 
@@ -198,11 +193,9 @@ def iter_documents(kind, root, files, text_field="text", format="text", roles=RO
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 if _is_chat(record):
                     raise UserError(f"{path}:{lineno}: a chat record in a text source (its first "
-                                    f"record is text): "
-                                    f"prepare chat and text files separately")
+                                    f"record is text): prepare chat and text files separately")
                 raise UserError(f"{path}:{lineno}: no string field '{text_field}': each line "
-                                f"needs one "
-                                f"(or pass --text_field NAME)")
+                                f"needs one (or pass --text_field NAME)")
             yield f"{rel}:{lineno}", record[text_field], bad
 
 
@@ -324,8 +317,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         os.makedirs(work)
     except OSError as e:
         raise UserError(f"cannot create {work} beside the dataset {final} ({e.strerror or e}): "
-                        f"pick another output "
-                        f"directory (--out, or dataset=)") from None
+                        f"pick another output directory (--out, or dataset=)") from None
     names = [f"{split}{suffix}" for suffix in (".bin", ".mask.bin")[:1 + chat]
              for split in ("train", "val")]
     out = {name: open(os.path.join(work, name), "wb") for name in names}
@@ -348,8 +340,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                            n=len(bos) + len(ids) + 1, learned=sum(mask) if mask else 0)
         if own and eot in ids:  # (only the template can write it: in a message it is text)
             raise UserError(f"{doc_id}: the chat template wrote {enc.decode([eot])!r}, the token "
-                            f"that ends "
-                            f"conversations in packed data: remove it from the template")
+                            f"that ends conversations in packed data: remove it from the template")
         np.asarray(bos + ids + [eot], dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
             np.asarray([0] * len(bos) + mask + [0],
@@ -429,8 +420,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if tokens["val"] == 0:
         discard()
         raise UserError(f"data source '{source}' has one document, and val needs one of its own "
-                        f"beside train's: "
-                        f"add a document (or split the file in two)")
+                        f"beside train's: add a document (or split the file in two)")
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": eot, "format": fmt,
             "chat_tokens": [t for t in extra_tokens if t in CHAT_TOKENS],
@@ -467,16 +457,14 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if verbose:
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
-        print(f"prepare: {final}: {docs['train']}/{docs['val']} "
-              f"train/val {'conversations' if chat else 'docs'}, "
-              f"{tokens['train']:,}/{tokens['val']:,} tokens "
-              f"({meta['dtype']}), {n_chars / 1e6:.1f}M chars in "
-              f"{dt:.1f}s ({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
+        print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val "
+              f"{'conversations' if chat else 'docs'}, {tokens['train']:,}/{tokens['val']:,} "
+              f"tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in {dt:.1f}s "
+              f"({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
         if chat:
-            print(f"prepare: chat in {'the model' if own else 'the project'}'s chat "
-                  f"template: {learned['train']:,}/"
-                  f"{learned['val']:,} train/val tokens are assistant replies (the loss counts "
-                  f"only those)", flush=True)
+            print(f"prepare: chat in {'the model' if own else 'the project'}'s chat template: "
+                  f"{learned['train']:,}/{learned['val']:,} train/val tokens are assistant "
+                  "replies (the loss counts only those)", flush=True)
             if block_size:
                 print(f"prepare: packed at block_size={block_size}: "
                       + packing_note(final, block_size, meta), flush=True)
@@ -503,9 +491,8 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
     prep = prep or ("stdlib" if source == "stdlib" else "")
     if not prep:
         raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set "
-                        f"data_source= to "
-                        f"a directory, glob, .jsonl or .parquet file to prepare it from (or run "
-                        f"`python prepare.py SOURCE --out {data_dir}`)")
+                        "data_source= to a directory, glob, .jsonl or .parquet file to prepare "
+                        f"it from (or run `python prepare.py SOURCE --out {data_dir}`)")
     if mesh.master:
         mesh.print0(f"preparing {data_dir} from {prep} (once)")
         if spec:

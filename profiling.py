@@ -52,8 +52,7 @@ def attach(profile_iters, start_iter, out_dir, mesh, model, optimizer, memory=Fa
     a, b = (int(n) for n in profile_iters.split(":"))
     if a < start_iter:
         mesh.print0(f"profiler: profile_iters={profile_iters} starts before "
-                    f"iteration {start_iter}, where "
-                    f"this run resumed: nothing profiled")
+                    f"iteration {start_iter}, where this run resumed: nothing profiled")
         return None
     cuda = mesh.device.type == "cuda"
     trace_dir = os.path.join(out_dir, "trace")

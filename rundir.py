@@ -33,8 +33,7 @@ def write_file(path, text):
         write_atomic(path, lambda f: f.write(text.encode()))
     except OSError as e:
         raise UserError(f"cannot write {path} ({e.strerror or e}): free disk space, or fix the "
-                        f"permissions of "
-                        f"{os.path.dirname(path) or '.'}") from None
+                        f"permissions of {os.path.dirname(path) or '.'}") from None
 
 
 def append_metrics(path, record):
@@ -48,8 +47,7 @@ def append_metrics(path, record):
             f.write(json.dumps(clean) + "\n")
     except OSError as e:
         raise UserError(f"cannot append to {path} ({e.strerror or e}): free disk space, then "
-                        f"resume "
-                        f"(init_from=auto)") from None
+                        f"resume (init_from=auto)") from None
 
 
 def read_metrics(path):
@@ -162,9 +160,8 @@ def summary(out_dir, c, started, world, exports, stopped):
         "-" * 30 + " run summary " + "-" * 30,
         ", ".join(losses),
         f"{(train[-1]['tokens'] if train else 0):,} tokens trained, {time.time() - started:.0f} s "
-        f"wall time "
-        f"(this launch), {mean['tok_per_s']:,.0f} tok/s and mfu {mean['mfu']:.1%} (the logged "
-        f"iterations' mean)",
+        f"wall time (this launch), {mean['tok_per_s']:,.0f} tok/s and mfu {mean['mfu']:.1%} (the "
+        "logged iterations' mean)",
         f"checkpoint {latest}" + "".join(f"; {kind} {path}" for kind, path in exports if path),
         f"continue{'' if stopped else ' (twice as long, the decay kept where it ended)'}: "
         + shlex.join([*launch, "train.py", *again]),
@@ -199,5 +196,4 @@ def _stop_on_signal(received, rank, signum, frame):
         os._exit(130)
     received.append(signum)
     print(f"rank {rank}: got {signal.Signals(signum).name}: finishing this step, then saving a "
-          f"checkpoint "
-          f"(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+          f"checkpoint (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)

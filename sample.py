@@ -191,8 +191,7 @@ def evaluate_checkpoint(c):
         bpb = evals.bits_per_byte(loss, *counted)
         results.append(f"{name} {loss:.4f} ({n:,} target tokens, {bpb:.4f} bits/byte)")
     if results:
-        print(f"val loss "
-              f"of {what}: " + ", ".join(results) + f"; block_size={block}, "
+        print(f"val loss of {what}: " + ", ".join(results) + f"; block_size={block}, "
                                                     f"doc_mask={c['doc_mask']} "
               f"({time.time() - t0:.0f} s)", flush=True)
     evals.score_tasks(model, c["eval_tasks"], tokenizer.tokenizer_from_meta(spec), block, c, what)
@@ -256,8 +255,7 @@ def main(argv):
           f"e.g. {cfg['out_dir']}/ckpt/iter_0000350, or drop ckpt= for out_dir's latest")
     problem = guard_ckpt.verify(path) if cfg["ckpt"] else None
     check(problem is None, f"ckpt={path} does not verify ({problem}): pick another checkpoint, or "
-                           f"drop ckpt= to "
-                           f"use the newest intact one of out_dir")
+                           f"drop ckpt= to use the newest intact one of out_dir")
     if path is None:
         raise guard_errors.UserError(f"no checkpoint in {cfg['out_dir']}/ckpt: train first, or "
                                      f"pass ckpt=path/to/iter_XXXXXXX")
@@ -281,8 +279,7 @@ def main(argv):
     if cfg["export_hf"]:
         hf.save_hf(cfg["export_hf"], model.state_dict(), model.cfg, enc, cfg["export_shard_mb"])
         print(f"exported {path} (iteration {meta['iter']}) as a Hugging Face LLaMA (with its "
-              f"tokenizer) to "
-              f"{cfg['export_hf']}")
+              f"tokenizer) to {cfg['export_hf']}")
     if cfg["export"] or cfg["export_hf"]:
         return
     model.to(parallel.pick_device(cfg["device"])).eval()

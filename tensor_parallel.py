@@ -285,8 +285,7 @@ def tensor_parallel(model, mesh, sp=False):
         f"tp={tp} does not divide the heads or width")
     if cfg.vocab_size % tp:
         raise UserError(f"tp={tp} does not divide vocab_size={cfg.vocab_size}: every tp rank "
-                        f"needs an equal slice of "
-                        f"the vocabulary; use a tp that divides it")
+                        f"needs an equal slice of the vocabulary; use a tp that divides it")
     fn, gn = (GatherFromSP, ScatterToSP) if sp else (CopyToTP, ReduceFromTP)
     f = lambda module, args: (fn.apply(args[0], group), *args[1:])  # noqa: E731
     g = lambda module, args, out: gn.apply(out, group)  # noqa: E731

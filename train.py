@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import guard_errors  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
 guard_errors.start_command(sys.argv[1:], "train.py")
@@ -40,15 +40,13 @@ from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 # ---- defaults: a config file or key=value overrides any of them (--help lists them) ----
 # I/O: out_dir holds the checkpoints, metrics.jsonl and config.json
 out_dir = "out"
-init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or a path to start
-                                # from its weights: a Hugging Face LLaMA directory, a run's
-                                # out_dir
+init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or where to start
+                                # from: a Hugging Face model directory, or a run's out_dir
 export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100
 eval_iters = 10                 # global batches of val data per evaluation
-eval_tasks = ""                 # multiple-choice tasks (JSONL) scored at each eval:
-                                # 'a.jsonl,b.jsonl'
+eval_tasks = ""                 # multiple-choice tasks scored at each eval: 'a.jsonl,b.jsonl'
 log_interval = 10
 ckpt_interval = 250
 keep_ckpts = 2                  # the newest this many (0: all)
@@ -60,8 +58,7 @@ wandb_run_name = ""             # '': out_dir's base name
 dataset = "stdlib"
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
 mix_temperature = 1.0
-phases = []                     # [(start_iter, {source: weight}), (start_iter, weights, lr_scale),
-                                # ...]
+phases = []                     # [(start_iter, {source: weight}[, lr_scale]), ...]
 data_source = ""                # 'stdlib', a directory or glob of .txt, or a .jsonl
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
@@ -158,8 +155,7 @@ reshard_after_forward = True    # fsdp: free a block's gathered weights after it
 zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
 offload = False                 # zero, fsdp on CUDA: optimizer state in CPU memory
 sample_tokens = 120             # tokens to generate at the end (0: none)
-profile_iters = ""              # 'a:b': profile iterations a..b-1, a trace per rank in
-                                # out_dir/trace/
+profile_iters = ""              # 'a:b': profile iterations a..b-1 (traces in out_dir/trace/)
 profile_memory = False          # profile_iters on CUDA: also a snapshot of the allocator's history
 # -----------------------------------------------------------------------------------------
 
@@ -217,7 +213,7 @@ mixing = bool(datasets or phases)
 
 
 def prepared(source, prep):
-    """The directory of `source` (a name under data/, or a directory), prepared first if missing."""
+    """The directory of `source` (a name under data/ or a directory), prepared first if missing."""
     data_dir = data.dataset_dir(source)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):  # preparation: prepare.py
         import prepare
@@ -231,8 +227,7 @@ def prepared(source, prep):
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
     ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,
-                     mesh.dp,
-                     packing)
+                     mesh.dp, packing)
     if ld.packed:  # whole documents per row: packing.py
         mesh.print0("packing: " + ld.packed.note(f"{data_dir} {split}"))
     return ld
@@ -257,15 +252,10 @@ for d in data_dir.split(","):  # each dataset was tokenized as the model (or thi
 tokens_per_iter = batch_size * grad_accum_steps * block_size
 
 # ---- the model -------------------------------------------------------------------------------
-moe_keys = {k: config[k] for k in config if k == "n_experts" or k.startswith("moe_")}
-model_cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=n_layer,
-                        n_head=n_head,
-                        n_kv_head=n_kv_head, n_embd=n_embd, ffn_dim=ffn_dim, dropout=dropout,
-                        head_dim=head_dim, qk_norm=qk_norm,
-                        tie_embeddings=tie_embeddings, grad_ckpt=grad_ckpt,
-                        neftune_alpha=neftune_alpha,
-                        loss_chunk=loss_chunk, loss_recompute=loss_recompute,
-                        doc_attention=doc_attention, **moe_keys)
+# the config's model keys and the data's vocabulary (rope_theta changes a RoPE: hf_rope.py, below)
+model_keys = [f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "rope_theta")]
+model_cfg = ModelConfig(vocab_size=meta["vocab_size"],
+                        **{k: config[k] for k in model_keys if k in config})
 if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]),
                                    config, world)
@@ -301,10 +291,9 @@ if grows:
                 f"rows: the mean row)")
     model_cfg = grow_vocab(raw_model, meta["vocab_size"]).cfg
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()
-mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} "
-            f"MFLOP/token; {mesh.world} ranks: "
-            f"dp={mesh.dp} x "
-            f"pp={mesh.pp}" + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
+mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
+            f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}"
+            + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
 # In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),
@@ -530,8 +519,7 @@ while True:
         # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         else:
             loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape,
-                                                 autocast, trace,
-                                                 weights, pp_virtual)
+                                                 autocast, trace, weights, pp_virtual)
         if mesh.dp > 1:
             # data parallel: the last buckets' all-reduces may still be in flight
             parallel.wait_grad_sync(model)
@@ -577,10 +565,9 @@ while True:
                                              use_fsdp, offload))
             if compile:  # the first step compiles: its time apart from the steps that follow
                 mesh.print0(f"compile: the first step took {dt:.1f} s, torch.compile included")
-        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident, lr and data go
-        # on
-        skipped = ("fp16 "
-                   "overflow" if overflow else None if finite else "non-finite loss or grad norm")
+        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident; lr, data go on
+        skipped = ("fp16 overflow" if overflow
+                   else None if finite else "non-finite loss or grad norm")
     if skipped is None:
         if it % log_interval == 0 or it == max_iters - 1:
             if not peak:
@@ -591,9 +578,8 @@ while True:
             by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}
             extra = ((mixture.compact(by_source) if by_source else "")
                      + (moe.compact(moe_stats) if moe_stats else ""))
-            mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad "
-                        f"norm {grad_norm:.3f}, "
-                        f"{dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
+            mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f},"
+                        f" {dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
                         f"eta {dt_avg * (max_iters - it - 1) / 60:.1f} min" + extra)
             log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
                  "tokens": (it + 1) * tokens_per_iter,
@@ -615,26 +601,22 @@ while True:
 saves.finish(it)
 if stop:
     mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint "
-                f"saved; run the same "
-                f"command again to continue")
+                f"saved; run the same command again to continue")
 if wandb_run is not None:
     wandb_run.finish()
 parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
-    # rank 0's model, where it is whole and its attention plain (cp's is a ring); else the
-    # checkpoint
+    # rank 0's model where it is whole and its attention plain (cp's: a ring), else the checkpoint
     sample.end_of_run(raw_model if whole and cp == 1 else None, out_dir, lora, model_cfg, meta,
-                      export_hf, export_lora,
-                      export_shard_mb, sample_tokens, autocast, mesh.device)
+                      export_hf, export_lora, export_shard_mb, sample_tokens, autocast,
+                      mesh.device)
 if mesh.master:
-    exports = ([] if stop
-               else [("Hugging Face export", export_hf),
-                     ("PEFT adapters", export_lora if lora else "")])
+    exports = [] if stop else [("Hugging Face export", export_hf),
+                               ("PEFT adapters", export_lora if lora else "")]
     print(rundir.summary(out_dir, config, started, mesh.world, exports, stop), flush=True)
 if stop:
-    # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed
-    # command
+    # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed one
     workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
     # all is written and the process group is gone: leave without the interpreter's shutdown,
