@@ -66,7 +66,7 @@ def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monke
         rows = [re.fullmatch(r"  (\w+) = (.+?)(?: {2,}(.*))?", line) for line in out.splitlines() if line[:2] == "  "]
         assert {m[1]: ast.literal_eval(m[2]) for m in rows} == keys  # every key, its default as the file has it
         comments = {m[1]: m[3] for m in rows}
-        assert {"train.py": "'scratch' (must not); or a path to start from its weights", "sample.py": "0: greedy"}[
+        assert {"train.py": "'scratch' (must not); or where to start from: a Hugging Face", "sample.py": "0: greedy"}[
             script] in comments["init_from" if script == "train.py" else "temperature"]
 
 
