@@ -607,7 +607,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 logits.div_(both[0][:, None])
         valid = targets != -100  # F.cross_entropy's ignore_index: no loss, no gradient
         ctx.save_for_backward(local, mine & valid, lse, valid, kept, *xw)
-        ctx.chunk, ctx.keep, ctx.spent = chunk, keep, False
+        ctx.chunk, ctx.keep = chunk, keep
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod
@@ -626,11 +626,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         gx = [torch.zeros_like(x) if need[2 * i] else None for i, x in enumerate(xs)]
         gw = [torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None
               for i, w in enumerate(ws)]
-        # the kept softmax: all rows at once, turned into the gradient in place (so only once)
-        if ctx.keep and ctx.spent:
-            raise RuntimeError("loss_recompute=False: the kept softmax is spent by the first "
-                               "backward; a second (retain_graph) needs loss_recompute=True")
-        ctx.spent, rows = ctx.keep, local.shape[0] if ctx.keep else ctx.chunk
+        # the kept softmax: all rows at once, turned into the gradient in place (a second backward
+        # is refused by autograd: the saved tensor changed)
+        rows = local.shape[0] if ctx.keep else ctx.chunk
         for a in range(0, local.shape[0], rows):
             b = min(a + rows, local.shape[0])
             # softmax, minus 1 at the target, times grad

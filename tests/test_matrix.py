@@ -8,7 +8,7 @@ the right answers to 1e-5, acc and acc_norm exactly).
 Every odd cell also computes its head and loss in chunks (loss_chunk=24: 128 rows per
 micro-batch in 6 chunks, the last short) against the single process's whole logits, so the
 chunked loss meets every layout, tp's vocabulary slices, LoRA's head, and the mixture's
-per-source sums. Plus one checkpoint carried through the new layouts, and a check that the
+per-source sums; every other one of those keeps the softmax for backward (loss_recompute=False). Plus one checkpoint carried through the new layouts, and a check that the
 comparison fails for a run that differs.
 
 `pytest -s tests/test_matrix.py -n 0` prints the cells and each one's worst relative difference."""
@@ -190,7 +190,7 @@ def test_cell_equals_the_single_process(i, ctx, tmp_path):
     assert any(r.get("grad_norm", 0) > 0.05 for r in want), "the clip must clip"
     assert any("val_bpb" in r and "task/task/gold_ll" in r for r in want), "the evaluations score"
     out = str(tmp_path / "run")
-    chunked = ["loss_chunk=24"] if i % 2 else []
+    chunked = ["loss_chunk=24", f"loss_recompute={i % 4 == 1}"] if i % 2 else []
     torchrun(world(cell), [*RUN, *options_args(cell, ctx), *layout_args(cell), *chunked, f"out_dir={out}"],
              cwd=tmp_path)
     worst = worst_relative_difference(want, read_metrics(out))

@@ -128,6 +128,18 @@ def test_the_chunked_loss_under_bf16_autocast(head):
         assert (grads["keep"][n] - grads[5][n]).abs().max() <= 8e-3 * want.abs().max(), n
 
 
+def test_the_kept_softmax_serves_one_backward():
+    """loss_recompute=False turns the kept softmax into the gradient in place: a second backward
+    through the same graph (retain_graph) is refused by autograd's check of saved tensors, where it
+    would give a wrong gradient."""
+    model = tiny(loss_chunk=5, loss_recompute=False)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_gqa_shapes_and_equivalence_with_repeated_heads():
     gqa = tiny(n_head=4, n_kv_head=2)
     hd = 32 // 4
