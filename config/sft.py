@@ -18,9 +18,10 @@ doc_mask = True
 block_size = 512
 batch_size = 4
 grad_accum_steps = 4
-# the head and loss 256 rows at a time: a micro-batch's logits over a base's 49k-152k vocabulary
-# are 0.4-1.2 GB in float32, kept with their log-softmax (python bench.py real: docs/benchmarks.md)
+# the head and loss 256 rows at a time, each row's softmax kept for backward, as config/cpt.py
+# (the whole logits would be 0.4-1.2 GB in float32, kept with their log-softmax and gradient)
 loss_chunk = 256
+loss_recompute = False
 # 200 steps of 8,192 tokens fit ~0.5M tokens of conversations or more (at most 3 passes); a
 # trained model passing a small set more often learns it by heart: on 116k tokens, held-out
 # replies 3.38 -> 2.51 at 50 steps (3.5 passes), 3.42 at 200. train.py warns past 3 passes.
