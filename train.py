@@ -293,7 +293,9 @@ if grows:
 flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
             f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}"
-            + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1))
+            + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1)
+            # what dtype=auto picked on this machine
+            + f"; {dtype}" + (" (dtype=auto)" if config["dtype"] == "auto" else ""))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
 # In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),

@@ -77,8 +77,20 @@ def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
                                                                    "meta.json", "state.pt"]
     assert json.load(open(os.path.join(out, "config.json")))["max_iters"] == 30
     assert "sample" in p.stdout
+    assert next(ln for ln in p.stdout.splitlines() if ln.startswith("model: ")).endswith("; float32")
     s = run_train([f"out_dir={out}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path, script="sample.py")
     assert "iteration 30" in s.stdout
+
+
+def test_the_model_line_says_what_dtype_auto_picked(dataset, tmp_path):
+    """dtype=auto (the default): the model line names the dtype this machine got, bf16 only where
+    its matmuls are native (parallel.auto_dtype), and that auto picked it; an explicit dtype is
+    named alone (the test above)."""
+    import parallel
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1",
+                   "dtype=auto"], cwd=tmp_path, fork=True)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("model: "))
+    assert line.endswith(f"; {parallel.auto_dtype('cpu')} (dtype=auto)"), line
 
 
 def test_embed_lr_scale_sets_the_embeddings_rate_alone(dataset, tmp_path):
