@@ -117,7 +117,8 @@ def cp_losses(inner, mesh, h, head, targets, chunk=0, keep=False):
     """The model's loss_fn (`inner`) on this rank's tokens, h (B, T / cp, n_embd), gathered
     into every target's loss (B, T), in sequence order, the same on every cp rank."""
     pos = positions(targets.shape[1], mesh.cp, mesh.cp_rank, targets.device)
-    return GatherSeq.apply(inner(h, head, targets.index_select(1, pos), chunk, keep), 1, mesh.cp_group)
+    losses = inner(h, head, targets.index_select(1, pos), chunk, keep)
+    return GatherSeq.apply(losses, 1, mesh.cp_group)
 
 
 def context_parallel(model, mesh, ring=True):

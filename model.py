@@ -569,7 +569,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     a 128k vocabulary the largest tensor of a step); backward recomputes each chunk's logits
     (one more head matmul) instead of keeping them, or with `keep` keeps every row's softmax
     (rows x vocab floats, once, where F.cross_entropy keeps logits and log-softmax) and runs its
-    backward on all rows at once, in place: no recompute. apply(targets (N,), chunk, vocab, keep, x_1, w_1, x_2, w_2, ...) -> (N,).
+    backward on all rows at once, in place: no recompute.
+    apply(targets (N,), chunk, vocab, keep, x_1, w_1, x_2, w_2, ...) -> (N,).
     vocab: None (all of the vocabulary here), or (start, reduce_max, reduce_sum) for a
     vocabulary slice from row `start` whose row maxima and sums the two callables reduce in
     place over the other slices (tensor_parallel.vocab_parallel_losses)."""
