@@ -372,8 +372,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed=None):
-        """Every parameter from init_tensor, seeded by (seed, its name); seed None: torch.initial_seed(),
-        so `torch.manual_seed(s); Transformer(cfg)` is train.py's model for seed=s on any layout."""
+        """Every parameter from init_tensor, seeded by (seed, its name); seed None:
+        torch.initial_seed(), so `torch.manual_seed(s); Transformer(cfg)` is train.py's model for
+        seed=s on any layout."""
         seed = torch.initial_seed() if seed is None else seed
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
@@ -419,8 +420,9 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if targets is None:  # generation, inference: the logits (B, T, vocab)
             return self.output(h).float(), None
-        losses = self.loss_fn(h, self.output, targets, self.cfg.loss_chunk,  # (B, T)
-                              not self.cfg.loss_recompute)
+        # (B, T); the softmax kept only for a backward to come (not in evaluation's no_grad)
+        keep = not self.cfg.loss_recompute and torch.is_grad_enabled()
+        losses = self.loss_fn(h, self.output, targets, self.cfg.loss_chunk, keep)
         return losses, masked_mean(losses, loss_mask)
 
     def num_params(self):

@@ -252,7 +252,7 @@ for d in data_dir.split(","):  # each dataset was tokenized as the model (or thi
 tokens_per_iter = batch_size * grad_accum_steps * block_size
 
 # ---- the model -------------------------------------------------------------------------------
-# the config's model keys and the data's vocabulary (rope_theta changes a RoPE: hf_rope.py, below)
+# the config's model keys, the data's vocabulary (rope_theta, 0 = the model's: hf_rope.py, below)
 model_keys = [f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "rope_theta")]
 model_cfg = ModelConfig(vocab_size=meta["vocab_size"],
                         **{k: config[k] for k in model_keys if k in config})
@@ -567,7 +567,7 @@ while True:
                                              use_fsdp, offload))
             if compile:  # the first step compiles: its time apart from the steps that follow
                 mesh.print0(f"compile: the first step took {dt:.1f} s, torch.compile included")
-        # fp16: an overflow is the scale's fault (loss_scale.py): no NaN incident; lr, data go on
+        # fp16: an overflow is the scale's, not a NaN incident (loss_scale.py): lr and data go on
         skipped = ("fp16 overflow" if overflow
                    else None if finite else "non-finite loss or grad norm")
     if skipped is None:

@@ -131,13 +131,19 @@ def test_the_chunked_loss_under_bf16_autocast(head):
 def test_the_kept_softmax_serves_one_backward():
     """loss_recompute=False turns the kept softmax into the gradient in place: a second backward
     through the same graph (retain_graph) is refused by autograd's check of saved tensors, where it
-    would give a wrong gradient."""
+    would give a wrong gradient. Without grad (evaluation) nothing is kept."""
     model = tiny(loss_chunk=5, loss_recompute=False)
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    keeps, inner = [], model.loss_fn
+    model.loss_fn = lambda h, head, targets, chunk, keep: keeps.append(keep) or inner(
+        h, head, targets, chunk, keep)
+    with torch.no_grad():
+        model(idx, idx)
     _, loss = model(idx, idx)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    assert keeps == [False, True]
 
 
 def test_gqa_shapes_and_equivalence_with_repeated_heads():
