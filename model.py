@@ -93,10 +93,9 @@ class ModelConfig:
         check(self.head_dim or self.n_embd % self.n_head == 0,
               f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: make n_embd a "
               f"multiple of n_head")
-        check(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by "
-                                                 f"n_kv_head={self.n_kv_head}: each key/value "
-                                                 "head serves a whole group of query heads; use "
-                                                 "a divisor of n_head")
+        check(self.n_head % self.n_kv_head == 0,
+              f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: each "
+              "key/value head serves a whole group of query heads; use a divisor of n_head")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         check(self.head_dim % 2 == 0,
               f"head_dim={self.head_dim} (n_embd / n_head = {self.n_embd} / {self.n_head} unless "
