@@ -45,7 +45,8 @@ from model import apply_rope
 
 
 def positions(T, cp, rank, device=None):
-    """The global positions of rank `rank`'s T / cp tokens: chunks rank and 2 cp - 1 - rank of 2 cp."""
+    """The global positions of rank `rank`'s T / cp tokens: chunks rank and 2 cp - 1 - rank of 2
+    cp."""
     c = T // (2 * cp)
     return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
                       torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])

@@ -80,7 +80,8 @@ class DataParallelBase(nn.Module):
 
 class NaiveDataParallel(DataParallelBase):
     """Data parallelism with one blocking all-reduce per parameter in wait(), after the last
-    backward. Nothing is sent during backward, so the sync flag and no_sync() change nothing here."""
+    backward. Nothing is sent during backward, so the sync flag and no_sync() change nothing
+    here."""
 
     def wait(self):
         """Averages the gradients: after this every rank holds the same mean gradient."""

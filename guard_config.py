@@ -356,7 +356,8 @@ def _check_pipeline(c, dp, n_layer, where):
 
 
 def memory_bytes_available():
-    """This machine's memory for one run: RAM (or the address-space limit, if lower) plus the GPUs'."""
+    """This machine's memory for one run: RAM (or the address-space limit, if lower) plus the
+    GPUs'."""
     import resource
     ram, limit = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                   resource.getrlimit(resource.RLIMIT_AS)[0])
@@ -444,7 +445,8 @@ def check_saved_shape(cfg, src, overrides, base_vocab, c, world):
 def check_same_run(src, c, overrides, out_dir):
     """A run that found a checkpoint in its own out_dir continues it only when it is this
     command's run: a UserError when the data, model shape, tokenizer, optimizer or starting
-    model differ, which init_from=auto must not continue. init_from=resume continues whatever data."""
+    model differ, which init_from=auto must not continue. init_from=resume continues whatever
+    data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
         k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",

@@ -1,6 +1,7 @@
 """
 The guard of prepared datasets: a dataset's meta.json read with every field checked (types,
-ranges) before anything is built from it, its token files mapped once checked whole, and an existing
+ranges) before anything is built from it, its token files mapped once checked whole, and an
+existing
 dataset made as the command asks.
 """
 
@@ -32,7 +33,8 @@ TOKEN_DTYPES = {"uint16": 2 ** 16, "uint32": 2 ** 32}
 
 
 def read_meta(data_dir):
-    """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built from it."""
+    """A prepared dataset's meta.json, each field checked (types, ranges) before anything is built
+    from it."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run `python "
@@ -56,7 +58,8 @@ def read_meta(data_dir):
 
 
 def map_tokens(path, dtype, vocab_size):
-    """The token file `path` memory-mapped, once it is checked whole and every id is below vocab_size."""
+    """The token file `path` memory-mapped, once it is checked whole and every id is below
+    vocab_size."""
     redo = f"prepare the dataset again (`python prepare.py SOURCE --out {os.path.dirname(path)}`)"
     size = os.path.getsize(path) if os.path.isfile(path) else None
     # (numpy cannot map an empty file, and it holds no sequence)
@@ -76,7 +79,8 @@ def map_tokens(path, dtype, vocab_size):
 
 
 def chat_mask(path, n_tokens):
-    """A chat dataset's loss mask beside its token file: one byte per token, 1 where the loss counts."""
+    """A chat dataset's loss mask beside its token file: one byte per token, 1 where the loss
+    counts."""
     mask_path = path[:-len(".bin")] + ".mask.bin"
     if not os.path.exists(mask_path) or os.path.getsize(mask_path) != n_tokens:
         raise UserError(f"{mask_path} is missing or not one byte per token of {path}: prepare the "

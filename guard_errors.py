@@ -20,7 +20,8 @@ class UserError(ValueError):
 
 
 def check(ok, problem):
-    """A mistake (in the config: before anything is touched): one line that names it and the fix."""
+    """A mistake (in the config: before anything is touched): one line that names it and the
+    fix."""
     if not ok:
         raise UserError(problem)
 

@@ -234,7 +234,8 @@ def expected_shapes(cfg):
 
 
 def hf_index(path):
-    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging Face
+    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging
+    Face
     LLaMA model that save_pretrained wrote into directory `path`: config.json and
     model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
     Reads config.json and the safetensors headers only, and checks that the tensors are
@@ -355,7 +356,8 @@ def load_hf(path):
 
 def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
-    LLaMA directory (or Mistral, Qwen2: cfg.hf_model_type) that AutoModelForCausalLM loads: config.json and
+    LLaMA directory (or Mistral, Qwen2: cfg.hf_model_type) that AutoModelForCausalLM loads:
+    config.json and
     model.safetensors (float32; no lm_head when the embeddings are tied), or, past shard_mb
     megabytes (10**6 bytes, as HF counts them) of weights, shards model-0000i-of-0000N.safetensors
     and model.safetensors.index.json, as save_pretrained writes them. With `enc` (the run's
@@ -596,7 +598,8 @@ def hf_tokenizer(enc, max_length):
 
 
 def chat_template(enc):
-    """{"chat_template": tokenizer.render_chat's template} when `enc` has its tokens as extra tokens, else {}."""
+    """{"chat_template": tokenizer.render_chat's template} when `enc` has its tokens as extra
+    tokens, else {}."""
     roles = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # tokenizer.CHAT_TOKENS
     if not all(t in getattr(enc, "extra_tokens", ()) for t in roles):
         return {}

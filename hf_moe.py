@@ -206,7 +206,8 @@ def index_experts(hf_tensors, expected, path):
 
 
 def read_experts(pieces, read, dim, start, stop):
-    """Experts [start, stop) (dim 0; dim None: all) of a 3-D weight from its pieces (index_experts);
+    """Experts [start, stop) (dim 0; dim None: all) of a 3-D weight from its pieces
+    (index_experts);
     read(tensor, dim, start, stop) reads (a slice of) one Hugging Face tensor."""
     if "fused" in pieces:
         t, half = pieces["fused"]

@@ -227,7 +227,8 @@ def guarded(path, source, method=None, *args, **kwargs):
     """source.method(*args) of the `tokenizers` library, where source is a Tokenizer or a
     tokenizer.json dict (read first; no method: the Tokenizer). A Rust panic (a regex that
     backtracks too long, a Replace of an empty pattern, a junk charsmap) is one line naming the
-    file and the parts without which the call works; the panic's own report to stderr is silenced."""
+    file and the parts without which the call works; the panic's own report to stderr is
+    silenced."""
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try:

@@ -36,7 +36,8 @@ from parallel import broadcast_object
 
 class LoRALinear(nn.Module):
     """An nn.Linear with a LoRA adapter. The base weight stays `.weight` (and its bias, if any,
-    `.bias`: Qwen2's q/k/v), so the base's names in checkpoints and Hugging Face files do not change."""
+    `.bias`: Qwen2's q/k/v), so the base's names in checkpoints and Hugging Face files do not
+    change."""
 
     def __init__(self, base, rank, alpha, dropout=0.0):
         super().__init__()
@@ -209,7 +210,8 @@ assert set(PEFT_TARGETS) == set(LORA_TARGETS)
 
 
 def _peft_name(name, to_hf):
-    """Ours -> PEFT's: layers.0.attention.wq.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    """Ours -> PEFT's: layers.0.attention.wq.lora_A.weight ->
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
     module, ab, _ = name.rsplit(".", 2)
     return f"{PEFT_PREFIX}{rename(module + '.weight', to_hf).removesuffix('.weight')}.{ab}.weight"
 
@@ -220,7 +222,8 @@ def save_peft_lora(path, model, lora):
     peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), path) loads.
     `lora`: the run's {"rank", "alpha", "dropout", "targets", "base"}. Atomic like save_hf.
     Returns the base it names (base_model_name_or_path, what AutoPeftModelForCausalLM loads):
-    the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or None."""
+    the base's Hugging Face directory (the base itself, or the export_hf of the run it is), or
+    None."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or "
                         f"export elsewhere")

@@ -92,5 +92,6 @@ class LossScaler:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
     def load_state_dict(self, state):
-        """From a checkpoint's meta.json (its types and ranges checked by guard_ckpt.check_meta)."""
+        """From a checkpoint's meta.json (its types and ranges checked by
+        guard_ckpt.check_meta)."""
         self.scale, self.growth_tracker = float(state["scale"]), int(state["growth_tracker"])

@@ -212,7 +212,8 @@ def val_losses(val, weights):
 
 
 def train_losses(sums, sources):
-    """{"loss/<source>": mean over its target tokens in the global batch} from SourceLosses' all-reduced sums."""
+    """{"loss/<source>": mean over its target tokens in the global batch} from SourceLosses'
+    all-reduced sums."""
     return {f"loss/{source_name(s)}": total / n for s, (total, n) in zip(sources, sums.tolist())
             if n > 0}
 

@@ -100,7 +100,8 @@ class MoE(nn.Module):
         self.last = None
 
     def route(self, x):
-        """x (N, dim) -> chosen experts (N, k), their weights (N, k), logits and scores (N, E), float32."""
+        """x (N, dim) -> chosen experts (N, k), their weights (N, k), logits and scores (N, E),
+        float32."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
         scores = score_fn(logits, self.cfg.moe_score)

@@ -84,7 +84,8 @@ class NamedState:
                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def load_full_state(self, state, names):
-        """Takes a whole state of full_state's keys, as a checkpoint load left it (a tensor-parallel
+        """Takes a whole state of full_state's keys, as a checkpoint load left it (a
+        tensor-parallel
         slice already cut to this rank's): copied wherever it is not the state's own tensor."""
         for p, st in self.state.items():
             for k, v in st.items():
@@ -292,7 +293,8 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
 
 
 def get_lr(it, c):
-    """The rate of iteration `it`, as train.py's lr_schedule comment says (min_lr after lr_decay_iters;
+    """The rate of iteration `it`, as train.py's lr_schedule comment says (min_lr after
+    lr_decay_iters;
     wsd: a run can be extended by moving the cooldown)."""
     lr, min_lr, warmup = c["learning_rate"], c["min_lr"], c["warmup_iters"]
     decay = c["lr_decay_iters"] or c["max_iters"]
@@ -309,7 +311,8 @@ def get_lr(it, c):
 
 
 def schedule_note(c):
-    """A line on what the schedule does when max_iters ends inside the warmup (train.py asks only then)."""
+    """A line on what the schedule does when max_iters ends inside the warmup (train.py asks only
+    then)."""
     top = c["learning_rate"] * c["max_iters"] / c["warmup_iters"]
     return (f"note: max_iters={c['max_iters']} < warmup_iters={c['warmup_iters']}: the learning "
             f"rate only warms up, "

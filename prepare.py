@@ -4,7 +4,7 @@ Dataset preparation: a corpus -> data/NAME/{train.bin, val.bin, meta.json}.
     python prepare.py stdlib                       # the embedded default corpus -> data/stdlib
     python prepare.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
     python prepare.py docs.jsonl --name docs --text_field text
-    python prepare.py 'fineweb/*.parquet' --name fineweb  # Parquet, .jsonl.gz, .jsonl.zst (sources.py)
+    python prepare.py 'fineweb/*.parquet' --name fineweb  # Parquet, .jsonl.gz/.zst: sources.py
     python prepare.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
 
 (`python prepare.py ...` is the same command.) Every document's tokens followed by
@@ -141,7 +141,8 @@ CHAT_EXAMPLE = ('{"messages": [{"role": "user", "content": "..."}, {"role": "ass
 
 
 def chat_messages(record, where, roles=ROLES):
-    """The checked message list of one chat record ({"messages": [...]} or {"prompt", "response"})."""
+    """The checked message list of one chat record ({"messages": [...]} or {"prompt",
+    "response"})."""
     if not _is_chat(record):
         raise UserError(f"{where}: not a chat record (the source's first record is one): write "
                         f"every line as {CHAT_EXAMPLE} or {{\"prompt\": \"...\", \"response\": "
@@ -485,7 +486,8 @@ def packing_note(data_dir, block_size, meta):
 def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction, extra_tokens,
                     mesh, spec=None, block_size=0):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
-    from `prep` ('stdlib' for the default corpus), the others wait. With `spec` (tokenizer.model_spec:
+    from `prep` ('stdlib' for the default corpus), the others wait. With `spec`
+    (tokenizer.model_spec:
     the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
     its last id."""
     prep = prep or ("stdlib" if source == "stdlib" else "")

@@ -1,5 +1,6 @@
 """
-The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the run's
+The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the
+run's
 config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
 writes them and decides when, origin.py reads them to decide where the weights come
 from). Also each rank's random streams, which checkpoints carry so that a resumed run draws
@@ -174,7 +175,8 @@ def summary(out_dir, c, started, world, exports, stopped):
 
 def catch_signals(mesh):
     """SIGTERM, SIGUSR1 (a preemption notice) and Ctrl-C: returns the list of signals received,
-    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint, exit_code)."""
+    which the loop's all-reduce turns into a stop that all ranks agree on (a checkpoint,
+    exit_code)."""
     received = []
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, functools.partial(_stop_on_signal, received, mesh.rank))

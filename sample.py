@@ -2,10 +2,10 @@
 Generate text from the latest checkpoint of a run, or export its weights to one file:
 
     python sample.py out_dir=out prompt='def fib(n):' max_new_tokens=200
-    python sample.py out_dir=out export=out/model.pt # {name: tensor}, for torch.load(weights_only=True)
-    python sample.py out_dir=out export_hf=runs/hf_model # a Hugging Face LLaMA directory, weights and tokenizer
-    python sample.py init_from=runs/base dataset=papers eval=True  # val loss of a base, a run or an export
-    python sample.py out_dir=out eval=True eval_tasks=arc_easy.jsonl     # multiple-choice tasks: evals.py
+    python sample.py out_dir=out export=out/model.pt  # {name: tensor}, torch.load's
+    python sample.py out_dir=out export_hf=runs/hf_model  # a Hugging Face directory
+    python sample.py init_from=runs/base dataset=papers eval=True  # val loss of any model
+    python sample.py out_dir=out eval=True eval_tasks=arc_easy.jsonl  # multiple-choice: evals.py
 
 Any checkpoint works, whatever layout wrote it (one process, dp, pp, fsdp): it is read
 into one whole model here. train.py's end-of-run sample and export use the functions below.

@@ -77,7 +77,8 @@ def _zst_lines(raw, zstandard):
         while block:
             out, inside, block = d.decompress(block), True, b""
             if d.eof:  # a frame ended: what follows is the next one
-                block, d, inside = d.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
+                block, inside = d.unused_data, False
+                d = zstandard.ZstdDecompressor().decompressobj()
             *lines, rest = (rest + out).split(b"\n")
             yield from (line + b"\n" for line in lines)
     if inside:

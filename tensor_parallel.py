@@ -118,14 +118,16 @@ class ScatterToSP(torch.autograd.Function):
 
 
 def gather_seq(x, group):
-    """(B, T / n, ...) on each of the n ranks of `group` -> the whole (B, T, ...), in rank order."""
+    """(B, T / n, ...) on each of the n ranks of `group` -> the whole (B, T, ...), in rank
+    order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
 
 def reduce_scatter_seq(x, group):
-    """(B, T, ...) on each rank of `group` -> this rank's slice along T of their sum (B, T / n, ...)."""
+    """(B, T, ...) on each rank of `group` -> this rank's slice along T of their sum (B, T / n,
+    ...)."""
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -206,7 +208,8 @@ def vocab_parallel_losses(h, head, targets, chunk=0, keep=False, start=0, group=
 
 
 def _shard(module, dim, mesh, key="weight"):
-    """module.weight (or .bias) -> this tp rank's slice along dim, in place, marked for clipping and checkpoints."""
+    """module.weight (or .bias) -> this tp rank's slice along dim, in place, marked for clipping
+    and checkpoints."""
     full = getattr(module, key)
     part = nn.Parameter(full.detach().chunk(mesh.tp, dim)[mesh.tp_rank].clone(),
                         requires_grad=full.requires_grad)

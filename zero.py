@@ -118,7 +118,8 @@ class ZeroDataParallel(DataParallel):
 
     def wait(self):
         """Finishes the gradient reduction; then each shard's .grad is its piece of the mean
-        gradient (None for a parameter that no rank used: AdamW leaves it alone, as in DataParallel)."""
+        gradient (None for a parameter that no rank used: AdamW leaves it alone, as in
+        DataParallel)."""
         if self.stage == 1:
             # every rank holds the whole mean gradient; the shards' gradients are views of it
             super().wait()
@@ -227,7 +228,8 @@ class ZeroOptimizer:
 
     @property
     def params(self):
-        """The shards, whose gradients clipping measures (sharded over dp: clip_grad_norm_(..., sharded=True))."""
+        """The shards, whose gradients clipping measures (sharded over dp: clip_grad_norm_(...,
+        sharded=True))."""
         return [s.tensor for s in self.shards] + self.experts
 
     def zero_grad(self, set_to_none=True):
@@ -255,7 +257,8 @@ class ZeroOptimizer:
 
     def _gather(self, bucket, piece):
         """The bucket's whole flat tensor (padded) from every rank's chunk, a chunk holding
-        piece(shard, stepped tensor) at each of this rank's shards of the bucket (zeros elsewhere)."""
+        piece(shard, stepped tensor) at each of this rank's shards of the bucket (zeros
+        elsewhere)."""
         mine = torch.zeros(bucket.chunk, device=self.mesh.device)
         for s, t in zip(self.shards, self.stepped):
             if s.bucket is bucket:
@@ -298,7 +301,8 @@ class ZeroOptimizer:
         return {**out, **(self.experts_optimizer.full_state(names) if self.experts else {})}
 
     def load_full_state(self, state, names):
-        """Takes this rank's slices of a whole AdamW state (full_state's form, as loaded from a checkpoint)."""
+        """Takes this rank's slices of a whole AdamW state (full_state's form, as loaded from a
+        checkpoint)."""
         fused = self.optimizer.defaults.get("fused")
         muon = set(self.muon_params)
         if self.experts:

@@ -20,6 +20,20 @@ def read(path):
         return f.read()
 
 
+def test_files_and_lines_stay_short():
+    """Every file of the project (tests and bench aside) at most 650 lines, every line of it
+    under 100 characters; and the README's map names each file in one row."""
+    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    long_files = {f: n for f in files if (n := len(read(f).splitlines())) > 650}
+    assert not long_files, f"files over 650 lines: {long_files}"
+    long_lines = [f"{f}:{i}" for f in files for i, line in enumerate(read(f).splitlines(), 1)
+                  if len(line) > 99]
+    assert not long_lines, f"lines of 100 characters or more: {long_lines}"
+    rows = [f for f in files if len(re.findall(rf"^\| `{re.escape(f)}` \|", read("README.md"),
+                                               flags=re.M)) > 1]
+    assert not rows, f"README.md's map gives these files two rows: {rows}"
+
+
 def keys_of(source, stop):
     """{key: default} of the literal assignments of `source`'s statements up to the first
     statement that `stop` accepts: train.py's commented globals, sample.py's main() locals."""
