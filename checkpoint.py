@@ -3,7 +3,7 @@ Our checkpoints: out_dir/ckpt/iter_XXXXXXX/ written by every rank through
 torch.distributed.checkpoint (DCP), keyed by global parameter names so that any layout can
 load any other; atomic (a temp directory renamed into place), a manifest of sizes and
 sha256 sums, `latest`, pruning, and a reader that never runs code from the files. A save is
-start_save + finish_save; with ckpt_async the write runs in the background between the two.
+begin, the write, complete (ckpt_async.py writes in the background between the two ends).
 
 The foreign formats are hf.py (Hugging Face model directories: safetensors, the LLaMA family),
 hf_moe.py (their experts), hf_tokenizer.py (their tokenizers) and lora.py (PEFT adapters).
@@ -19,8 +19,6 @@ import json
 import os
 import shutil
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -149,7 +147,7 @@ def trainable_state(model):
     return {n: t for n, t in model.state_dict().items() if n not in frozen}
 
 
-def _cause(e):
+def cause(e):
     """The exception behind DCP's CheckpointException, whose own text is only
     'CheckpointException ranks:dict_keys([0])': the lowest failing rank's."""
     if isinstance(e, CheckpointException) and e.failures:
@@ -210,144 +208,71 @@ def _delete_old(root, names, keep, protect):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-# ---- saving: start (every rank writes its part) and finish (rank 0 makes it complete) -----
-# A save is two halves. start_save makes ckpt/.tmp_iter_X and has DCP write this rank's part
-# into it; finish_save collects every rank's file sums and, on rank 0, adds state.pt,
-# meta.json and the manifest, renames the directory into place, moves `latest` and prunes.
-# A plain save runs the two back to back. An async save (ckpt_async) copies the state to CPU
-# memory in start_save (so training may change the weights at once), writes and hashes the
-# files in a background thread, and the loop calls finish_save once every rank has written.
-# Until then `latest` names the previous checkpoint: a crash mid-write loses only the new one.
+# ---- saving: every rank writes its part, rank 0 makes the checkpoint complete ---------------
+# begin makes ckpt/.tmp_iter_X; DCP writes each rank's part into it and each rank hashes its own
+# files; complete gathers the hashes on rank 0, which adds state.pt, meta.json and, last, the
+# manifest, renames the directory into place, moves `latest` and prunes. A crash at any point
+# leaves `latest` naming a complete checkpoint. (ckpt_async.py: the same two ends, the write
+# between them in the background.)
 
 
-@dataclass
-class PendingSave:
-    """A save between start_save and finish_save. run_state and meta were taken when it
-    started: they belong to the saved iteration, whenever the save finishes."""
-    root: str             # out_dir/ckpt
-    name: str             # iter_XXXXXXX
-    mesh: object
-    run_state: dict       # rank 0: every rank's RNG states (state.pt)
-    meta: dict            # rank 0: meta.json
-    # this rank's write: its result is {file: bytes and sha256}; None: nothing started
-    work: Future = None
-    error: Exception = None
-
-
-def save_group(mesh):
-    """The process group of async saves (every rank calls it once, before the first save):
-    the background write runs DCP's collectives while the loop runs its own, and two threads
-    must not share a group; DCP's async save also needs a CPU backend (gloo), even on nccl."""
-    return dist.new_group(backend="gloo") if mesh.backend else None
-
-
-def _write_and_hash(write, path, rank):
-    """Runs write() (DCP writing this rank's shards, __RANK_*.distcp), then hashes those files.
-    Each rank hashes its own: one rank hashing a large model's files would keep the others
-    waiting past dist_timeout_s."""
-    write()
-    return _hash_files(path, [n for n in os.listdir(path) if n.startswith(f"__{rank}_")])
-
-
-def _done(fn):
-    """fn() run now, as a finished Future (the plain save's write, shaped like an async one's)."""
-    f = Future()
+def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
+    """Called by every rank: writes checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
+    its path. Every rank writes its part (weights and optimizer state under global names: the
+    whole model once, whatever the layout, so any layout resumes it); rank 0 adds run_state
+    (every rank's RNG states: state.pt) and `meta`, the run's metadata (meta.json)."""
+    tmp = begin(out_dir, it, model, mesh)
+    state, hashes, error = train_state(model, optimizer), {}, None
     try:
-        f.set_result(fn())
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not mesh.backend)
+        hashes = own_hashes(tmp, mesh.rank)
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
-        f.set_exception(e)
-    return f
+        error = cause(e)
+    return complete(tmp, hashes, error, run_state, meta, mesh, keep, resumed_from)
 
 
-def start_save(out_dir, it, model, optimizer, run_state, meta, mesh, asynchronous=False,
-               group=None):
-    """Called by every rank: starts checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
-    its PendingSave for finish_save. Plain: DCP writes this rank's part of the model and
-    optimizer (replicated tensors once, shards by their owners) into ckpt/.tmp_iter_XXXXXXX
-    before this returns. asynchronous: DCP's async_save copies the state to CPU memory, returns,
-    and writes in a background thread over `group` (save_group). run_state (RNG states) and
-    meta matter on rank 0 only."""
-    root = os.path.join(out_dir, "ckpt")
-    name = f"iter_{it:07d}"
-    tmp = os.path.join(root, ".tmp_" + name)
-    pending = PendingSave(root, name, mesh, run_state, meta)
+def begin(out_dir, it, model, mesh):
+    """Every rank: ckpt/.tmp_iter_XXXXXXX made empty by rank 0 (a leftover of a save that died
+    half-way goes) and the weights checked finite (never a checkpoint that a rollback or a
+    resume could not use). Returns its path."""
+    root, name = os.path.join(out_dir, "ckpt"), f"iter_{it:07d}"
+    tmp, error = os.path.join(root, ".tmp_" + name), None
     if mesh.master:
         try:
             if os.path.isdir(tmp):
-                shutil.rmtree(tmp)  # a leftover of a save that died half-way
+                shutil.rmtree(tmp)
             os.makedirs(tmp)
         except OSError as e:
-            pending.error = e
-    if not _agree(pending.error is None, mesh):
-        return pending  # nothing started on any rank; finish_save reports it
-    # never a checkpoint that a rollback or a resume could not use
+            error = e
+    if not _agree(error is None, mesh):
+        _refuse_failed(error, tmp, root, name, mesh)
     if not all_finite(model, bool(mesh.backend)):
         _refuse_not_finite(tmp, name, it, mesh)
-    state, writer, no_dist = train_state(model, optimizer), FileSystemWriter(tmp), not mesh.backend
-    if asynchronous:
-        pending.work = _start_async(state, writer, group, no_dist, tmp, mesh.rank)
-    else:
-        pending.work = _done(lambda: _write_and_hash(
-            lambda: dcp.save(state, storage_writer=writer, no_dist=no_dist), tmp, mesh.rank))
-    return pending
+    return tmp
 
 
-def _refuse_not_finite(tmp, name, it, mesh):
-    if mesh.master:
-        shutil.rmtree(tmp, ignore_errors=True)
-    raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not "
-                    "saved, the earlier ones are kept; lower learning_rate (or the phase's "
-                    "lr_scale), check the data, or resume from the last checkpoint")
+def own_hashes(path, rank):
+    """{file: bytes and sha256} of this rank's files in `path` (DCP's __RANK_*.distcp). Each rank
+    hashes its own: one rank hashing a large model's files would keep the others waiting past
+    dist_timeout_s."""
+    return _hash_files(path, [n for n in os.listdir(path) if n.startswith(f"__{rank}_")])
 
 
-def _start_async(state, writer, group, no_dist, tmp, rank):
-    """The async save's Future: DCP copies the state to CPU memory now and writes it in the
-    background; a thread of its own waits for that write and hashes the files."""
-    try:
-        written = dcp.async_save(state, storage_writer=writer, process_group=group,
-                                 no_dist=no_dist)
-    # staging failed (out of CPU memory): report it at the finish
-    except (Exception, CheckpointException) as e:
-        failed = Future()
-        failed.set_exception(e)
-        return failed
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt_hash")
-    work = pool.submit(_write_and_hash, written.result, tmp, rank)
-    pool.shutdown(wait=False)  # the thread ends when its one job is done
-    return work
-
-
-def written(pending):
-    """True once this rank's part of the save is on disk (at once for a plain save). Each rank
-    answers for itself; the loop sums the answers in its all-reduce, so that every rank calls
-    finish_save at the same iteration."""
-    return pending.work is None or pending.work.done()
-
-
-def finish_save(pending, keep, resumed_from=None):
-    """Called by every rank: waits until this rank's part is written, gathers every rank's file
-    sums on rank 0, which adds state.pt, meta.json and, last, manifest.json (size and sha256 of
-    every file), renames the directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and
-    deletes all but the newest `keep` complete checkpoints (never `resumed_from`, the one this
-    run started from). A crash at any point leaves `latest` naming a complete checkpoint; a
-    failed save (disk full, permissions) raises on every rank, here, and leaves the earlier
-    checkpoints as they were. Several nodes need out_dir on a shared filesystem."""
-    root, name, mesh = pending.root, pending.name, pending.mesh
-    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
-    error = pending.error
-    if pending.work is not None:  # on every rank or on none (start_save agreed)
-        mine = {}
-        try:
-            mine = pending.work.result()
-        # collective: every rank raises if one failed
-        except (Exception, CheckpointException) as e:
-            error = _cause(e)
-        hashes = gather_to_master(mine, mesh)
+def complete(tmp, hashes, error, run_state, meta, mesh, keep, resumed_from=None):
+    """Every rank, once its part is written (`hashes`: its files'; `error`: why it is not): rank 0
+    adds state.pt, meta.json and, last, manifest.json (size and sha256 of every file), renames the
+    directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the newest `keep`
+    complete checkpoints (never `resumed_from`, the one this run started from). A failed save
+    (disk full, permissions) raises on every rank, here, and leaves the earlier checkpoints as
+    they were. Several nodes need out_dir on a shared filesystem."""
+    root, name = os.path.dirname(tmp), os.path.basename(tmp)[len(".tmp_"):]
+    final = os.path.join(root, name)
+    hashes = gather_to_master(hashes, mesh)
     if error is None and mesh.master:
         try:
-            write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(pending.run_state, f))
+            write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
             write_atomic(os.path.join(tmp, "meta.json"),
-                          lambda f: f.write(json.dumps(pending.meta, indent=1).encode()))
+                         lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
             _fsync_dir(tmp)
             if os.path.exists(final):  # saved at this iteration before (a resumed run): replace it
@@ -366,6 +291,14 @@ def finish_save(pending, keep, resumed_from=None):
     return final
 
 
+def _refuse_not_finite(tmp, name, it, mesh):
+    if mesh.master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise UserError(f"the weights are not finite at iteration {it}: checkpoint {name} is not "
+                    "saved, the earlier ones are kept; lower learning_rate (or the phase's "
+                    "lr_scale), check the data, or resume from the last checkpoint")
+
+
 def _refuse_failed(error, tmp, root, name, mesh):
     if mesh.master:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -373,57 +306,6 @@ def _refuse_failed(error, tmp, root, name, mesh):
     raise UserError(f"saving checkpoint {name} failed ({why}); the earlier checkpoints in {root} "
                     "are untouched: free disk space or fix the permissions of "
                     f"{os.path.dirname(root)}, then restart (init_from=auto resumes)")
-
-
-# ---------------------------------------------------------------------------------------
-# this run's saves: when the two halves of a save run
-
-
-class Saves:
-    """This run's checkpoints. save(it, meta) starts one on every rank (with ckpt_async it is
-    written in the background: the loop pauses only to copy the state to CPU); finish(now),
-    once every rank has written it, makes it the latest. One save is in flight at most."""
-
-    def __init__(self, out_dir, model, optimizer, mesh, keep, asynchronous, resumed_from):
-        self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
-        self.keep, self.asynchronous, self.resumed_from = keep, asynchronous, resumed_from
-        # its own process group (checkpoint.py)
-        self.group = save_group(mesh) if asynchronous else None
-        self.pending = None  # the save in flight: started, not finished yet
-
-    def save(self, it, meta, run_state):
-        """Every rank writes its part (weights and optimizer state under global names: the whole
-        model once, whatever the layout, so any layout resumes it); rank 0 adds run_state (every
-        rank's RNG states, state.pt) and `meta`, the run's metadata (meta.json)."""
-        self.finish(it)  # the previous save first
-        self.pending = start_save(self.out_dir, it, self.model, self.optimizer, run_state, meta,
-                                  self.mesh,
-                                  self.asynchronous, self.group)
-        if not self.asynchronous:
-            self.finish(it)
-
-    def finish_if_written(self, now):
-        """An async save in flight becomes the latest once every rank has written its part: the
-        ranks agree on it (a collective, only while one is in flight) and finish it together."""
-        if self.pending is not None:
-            ready = all_reduce_sum(torch.tensor(float(written(self.pending))), self.mesh).item()
-            if ready == self.mesh.world:
-                self.finish(now)
-
-    def finish(self, now):
-        """Makes the save in flight the latest checkpoint. Every rank calls it at the same point
-        (`now`: the iteration then); a failed write raises here."""
-        if self.pending is not None:
-            done, self.pending = self.pending, None
-            path = finish_save(done, self.keep, self.resumed_from)
-            self.mesh.print0(f"saved checkpoint {path}" + (f" (async: finished at iteration {now})"
-                                                           if self.asynchronous else ""))
-
-
-def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
-    """A plain (blocking) save: start_save, then finish_save."""
-    pending = start_save(out_dir, it, model, optimizer, run_state, meta, mesh)
-    return finish_save(pending, keep, resumed_from)
 
 
 def find(out_dir, mesh, warn=print):
@@ -492,10 +374,10 @@ def load(path, model, optimizer=None, no_dist=False):
         dcp.load(state, storage_reader=_SafeReader(path, md),
                  no_dist=no_dist or not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
-        cause = _cause(e)
-        if isinstance(cause, UserError):
-            raise cause from None
-        raise UserError(f"checkpoint {path} is unreadable ({describe_error(cause)}): point "
+        why = cause(e)
+        if isinstance(why, UserError):
+            raise why from None
+        raise UserError(f"checkpoint {path} is unreadable ({describe_error(why)}): point "
                         f"ckpt/latest at an intact checkpoint, or use init_from=scratch") from None
     _tp_scatter(state, model)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

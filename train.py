@@ -427,20 +427,24 @@ def log(record):
             wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-saves = checkpoint.Saves(out_dir, raw_model, optimizer, mesh, keep_ckpts, ckpt_async,
-                         resumed_from=src.path if src.kind == "resume" else None)
+resumed_from = src.path if src.kind == "resume" else None  # never pruned
+if ckpt_async:  # checkpoints written in the background: ckpt_async.py
+    import ckpt_async
+    saves = ckpt_async.AsyncSaves(out_dir, raw_model, optimizer, mesh, keep_ckpts, resumed_from)
 
 
-def save(it):
-    saves.save(it, {"iter": it, "config": config, "model": asdict(model_cfg),
-                    "tokens": it * tokens_per_iter,
-                    "dataset": data_dir, "tokenizer": tokenizer, "wandb_id": run_id,
-                    "world": mesh.world,
-                    "skip_iters": sorted(nan.skip_iters),
-                    "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
-                    "tokenizer_spec": tokenizer_py.spec_of(meta),
-                    "loss_scale": scaler.state_dict() if scaler else None},
-               rundir.rng_states(mesh))
+def save(it):  # weights, optimizer state, RNG states, and the run's metadata that stages read
+    run_meta = {"iter": it, "config": config, "model": asdict(model_cfg),
+                "tokens": it * tokens_per_iter, "dataset": data_dir, "tokenizer": tokenizer,
+                "wandb_id": run_id, "world": mesh.world, "skip_iters": sorted(nan.skip_iters),
+                "extra_tokens": meta.get("extra_tokens", []), "lora": lora,
+                "tokenizer_spec": tokenizer_py.spec_of(meta),
+                "loss_scale": scaler.state_dict() if scaler else None}
+    if ckpt_async:  # ckpt_async.py
+        return saves.save(it, run_meta, rundir.rng_states(mesh))
+    path = checkpoint.save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh), run_meta,
+                           mesh, keep_ckpts, resumed_from)
+    mesh.print0(f"saved checkpoint {path}")
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
@@ -558,7 +562,8 @@ while True:
 
         # what follows is the step's bookkeeping: an async save written by every rank, the
         # timeline, the memory line, and why the step was skipped, if it was
-        saves.finish_if_written(it + 1)  # checkpoint.py: an async save, once every rank wrote it
+        if ckpt_async:  # ckpt_async.py: the save in flight, once every rank has written it
+            saves.finish_if_written(it + 1)
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
         if trace is not None:  # pipeline: pipeline.py
             pipeline.print_pipeline_timeline(trace, mesh, len(micro), pp_virtual)
@@ -593,14 +598,15 @@ while True:
         # the NaN guard (nan_guard.py): report the skip; after nan_max_consecutive in a row, stop,
         # or go on from the latest checkpoint (an async save in flight is finished first)
         if nan.report(skipped, it, loss_mean, grad_norm, scaler, mesh, log):
-            saves.finish(it)
+            if ckpt_async:  # ckpt_async.py
+                saves.finish(it)
             it = restored_at = nan.roll_back(out_dir, raw_model, optimizer, mesh, it, scaler)
             continue
     it += 1
 
 # ---- the end ---------------------------------------------------------------------------------
-# load-bearing: the last checkpoint is complete, and `latest` names it, only after this
-saves.finish(it)
+if ckpt_async:  # ckpt_async.py: the last checkpoint is complete, and `latest` names it, after this
+    saves.finish(it)
 if stop:
     mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint "
                 f"saved; run the same command again to continue")

@@ -3,6 +3,8 @@
 done), at the default model and one ~10x larger, 1 and 2 ranks (dp), weights and AdamW state;
 plus how long the background write took."""
 
+import contextlib
+import io
 import os
 import shutil
 import tempfile
@@ -11,6 +13,7 @@ import time
 import torch
 
 import checkpoint
+import ckpt_async
 import parallel
 from model import ModelConfig, Transformer
 from optim import AdamW
@@ -18,9 +21,9 @@ from optim import AdamW
 from bench.base import MODEL, run_ranks, sized
 
 
-def ckpt_worker(model_kw, saves):
-    """One rank of the checkpoint table: `saves` plain saves, then `saves` async ones, of a model
-    with AdamW state. Async: blocked = start_save (the copy to CPU) + finish_save, called once
+def ckpt_worker(model_kw, saves_n):
+    """One rank of the checkpoint table: `saves_n` plain saves, then `saves_n` async ones, of a model
+    with AdamW state. Async: blocked = AsyncSaves.save (the copy to CPU) + finish, called once
     every rank has written (as the loop does); the time in between, when the loop would train,
     is the background write. Rank 0's times (it also writes the manifest and moves `latest`)."""
     mesh = parallel.setup("auto", 600)
@@ -30,29 +33,30 @@ def ckpt_worker(model_kw, saves):
     x = torch.randint(0, model_kw["vocab_size"], (2, model_kw["block_size"] + 1), device=mesh.device)
     model(x[:, :-1], x[:, 1:])[1].backward()
     opt.step()  # AdamW state exists: a checkpoint holds weights, exp_avg and exp_avg_sq
-    group = checkpoint.save_group(mesh)
-    out = parallel.broadcast_object(tempfile.mkdtemp(prefix="bench_ckpt_") if mesh.master else None, mesh)
+    out = parallel.broadcast_object(tempfile.mkdtemp(prefix="bench_ckpt_") if mesh.master else None,
+                                    mesh)
+    saves = ckpt_async.AsyncSaves(out, model, opt, mesh, 2)
     row, it = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6}, 0
     for mode in ("sync", "async"):
         blocked, background, copy = [], [], []
-        for _ in range(saves):
+        for _ in range(saves_n):
             it += 1
             parallel.barrier(mesh)
             t0 = time.perf_counter()
-            pending = checkpoint.start_save(out, it, model, opt, {"rng_cpu": []}, {"iter": it}, mesh,
-                                            mode == "async", group)
             if mode == "async":
+                saves.save(it, {"iter": it}, {"rng_cpu": []})
                 t1 = time.perf_counter()
-                while not checkpoint.written(pending):  # the loop trains meanwhile
+                while not saves.written():  # the loop trains meanwhile
                     time.sleep(0.005)
                 background.append(time.perf_counter() - t1)
-                parallel.barrier(mesh)  # every rank has written (the loop learns it in its all-reduce)
+                parallel.barrier(mesh)  # every rank has written (the loop learns it by a collective)
                 t2 = time.perf_counter()
-                checkpoint.finish_save(pending, 2)
+                with contextlib.redirect_stdout(io.StringIO()):  # its "saved checkpoint" line
+                    saves.finish(it)
                 blocked.append(t1 - t0 + time.perf_counter() - t2)
                 copy.append(t1 - t0)
             else:
-                checkpoint.finish_save(pending, 2)
+                checkpoint.save(out, it, model, opt, {"rng_cpu": []}, {"iter": it}, mesh, 2)
                 blocked.append(time.perf_counter() - t0)
         row[mode] = sorted(blocked)[len(blocked) // 2] * 1000
         if background:

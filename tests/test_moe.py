@@ -333,7 +333,7 @@ def keep_state(rank):
     load is then replaced, in place, by the state in that file: a continuation from the ranks'
     memory that bypasses the checkpoint."""
     import checkpoint
-    save, load = checkpoint.start_save, checkpoint.load
+    save, load = checkpoint.save, checkpoint.load
     where = os.environ["MOE_STATE"]
 
     def held(model, optimizer):
@@ -342,7 +342,7 @@ def keep_state(rank):
                 "optim": {f"{names[p]}.{k}": v.clone() for p, st in optimizer.state.items()
                           for k, v in st.items()}}
 
-    def start_save(out_dir, it, model, optimizer, *args, **kw):
+    def save_and_keep(out_dir, it, model, optimizer, *args, **kw):
         torch.save(held(model, optimizer), os.path.join(where, f"save_{it}_{rank}.pt"))
         return save(out_dir, it, model, optimizer, *args, **kw)
 
@@ -358,7 +358,7 @@ def keep_state(rank):
                 for p, st in optimizer.state.items():
                     for k, v in st.items():
                         v.copy_(state["optim"][f"{names[p]}.{k}"])
-    checkpoint.start_save, checkpoint.load = start_save, load_then_keep
+    checkpoint.save, checkpoint.load = save_and_keep, load_then_keep
 
 
 def _global_state(files):

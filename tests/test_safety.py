@@ -21,6 +21,7 @@ from conftest import ROOT, TINY, read_metrics, run_train
 
 import guard_files
 import checkpoint
+import ckpt_async
 import guard_ckpt
 import rundir
 import data
@@ -224,13 +225,17 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     want = {k: v.clone() for k, v in model.state_dict().items()}
     out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
     monkeypatch.setattr(checkpoint, "FileSystemWriter", faults.slow_writer(0.5))
-    pending = checkpoint.start_save(out, 1, model, opt, RNG, meta(1), mesh, asynchronous=True)
-    assert not checkpoint.written(pending)  # the write sleeps (faults.slow_writer) while "training" goes on:
+    saves = ckpt_async.AsyncSaves(out, model, opt, mesh, 0)
+    saves.save(1, meta(1), RNG)
+    # the write sleeps (faults.slow_writer) while "training" goes on:
+    assert not saves.written()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     assert not os.path.exists(os.path.join(ckpt, "latest"))
-    path = checkpoint.finish_save(pending, 0)
+    saves.finish(1)
+    path = os.path.join(ckpt, "iter_0000001")
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000001"
     loaded = tiny_model(seed=1)
     checkpoint.load(path, loaded, no_dist=True)  # the weights of the start, not the zeros
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
@@ -241,9 +246,10 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(fs, "_write_item", full)
-    pending = checkpoint.start_save(out, 2, model, opt, RNG, meta(2), mesh, asynchronous=True)
-    with pytest.raises(UserError, match="saving checkpoint iter_0000002 failed .*No space left on device"):
-        checkpoint.finish_save(pending, 0)
+    saves.save(2, meta(2), RNG)
+    with pytest.raises(UserError,
+                       match="saving checkpoint iter_0000002 failed .*No space left on device"):
+        saves.finish(2)
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000001"
 
