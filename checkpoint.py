@@ -122,8 +122,8 @@ def _tp_gathered(state, model):
 
 
 def _tp_local(full, p):
-    """This rank's part of a full tensor cut like p: its tp slice (under fsdp x tp, its dp shard
-    of that)."""
+    """This rank's part of a full tensor cut like p: its tp slice (under fsdp x tp, its dp shard of
+    that)."""
     t = tp_slice(full, p)
     return (distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
             if isinstance(p, DTensor) else t)
@@ -349,8 +349,7 @@ def load(path, model, optimizer=None, no_dist=False):
     """Reads a checkpoint's weights (and optimizer state) into `model` in place, whatever
     layout it was saved from and whatever layout `model` is in now: whole, a pipeline stage
     (it takes its own names), FSDP shards or tensor-parallel slices. Every rank calls it, unless
-    no_dist: then one
-    process reads on its own (a whole model, for sampling or export)."""
+    no_dist: then one process reads on its own (a whole model, for sampling or export)."""
     md = read_dcp_metadata(path)
     # its own state tensors (zeros before a first step), or ZeRO's gathered
     if optimizer is not None:

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 import guard_data
-from guard_errors import UserError
 
 
 def dataset_dir(source):
@@ -58,19 +57,13 @@ class Loader:
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.n_chunks = (len(self.tokens) - 1) // block_size
         self.packed = None
-        if packing not in ("auto", "concat", "bfd"):
-            raise UserError(f"packing={packing!r} is unknown: use 'concat' (documents end to end, "
-                            f"cut into rows), 'bfd' (whole documents per row, best fit, padded) "
-                            f"or 'auto' (bfd for chat data, concat for text)")
         if packing == "auto":
             packing = "bfd" if self.mask is not None else "concat"
         if packing == "bfd":  # whole documents per row: packing.py
             import packing as packing_py
             self.packed = packing_py.Packed(self.tokens, self.mask, self.eot_token, block_size + 1)
             self.n_chunks = self.packed.n_rows
-        if self.n_chunks < 1:
-            raise UserError(f"{path} has {len(self.tokens)} tokens, fewer than block_size + 1 = "
-                            f"{block_size + 1}: lower block_size or add data")
+        guard_data.check_rows(path, len(self.tokens), self.n_chunks, block_size)
         assert grad_accum_steps % dp == 0, (
             f"grad_accum_steps={grad_accum_steps} not divisible by dp={dp}")
         self.global_batch = batch_size * grad_accum_steps

@@ -75,6 +75,9 @@ RULES = [
      "lower min_lr"),
     (lambda c: not 0 <= c["seed"] < 2 ** 32,
      "seed={seed} is out of range: use an integer in [0, 2**32)"),
+    (lambda c: c["packing"] not in ("auto", "concat", "bfd"),
+     "packing={packing!r} is unknown: use 'concat' (documents end to end, cut into rows), 'bfd' "
+     "(whole documents per row, best fit, padded) or 'auto' (bfd for chat data, concat for text)"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or "
      "device=auto"),

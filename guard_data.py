@@ -1,8 +1,7 @@
 """
 The guard of prepared datasets: a dataset's meta.json read with every field checked (types,
 ranges) before anything is built from it, its token files mapped once checked whole, and an
-existing
-dataset made as the command asks.
+existing dataset made as the command asks.
 """
 
 import os
@@ -76,6 +75,13 @@ def map_tokens(path, dtype, vocab_size):
                         f"vocab_size {vocab_size}: "
                         f"the file is damaged or from another dataset; {redo}")
     return tokens
+
+
+def check_rows(path, n_tokens, n_rows, block_size):
+    """A split that gives at least one row of block_size + 1 tokens."""
+    if n_rows < 1:
+        raise UserError(f"{path} has {n_tokens} tokens, fewer than block_size + 1 = "
+                        f"{block_size + 1}: lower block_size or add data")
 
 
 def chat_mask(path, n_tokens):

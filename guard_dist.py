@@ -53,10 +53,9 @@ def reports(err, tb):
     """Whether this rank prints the error that ends it. Under torchrun one line per run:
     before the process group (the config is validated) every rank meets the same error, so
     rank 0 tells it (but a rank's own device problem is its own: start_process_group); after that,
-    the first
-    rank to count itself in the rendezvous store
-    (which outlives the workers: torchrun's agent holds it) tells it, and a peer that then
-    fails in a collective because that rank left says nothing more."""
+    the first rank to count itself in the rendezvous store (which outlives the workers: torchrun's
+    agent holds it) tells it, and a peer that then fails in a collective because that rank left
+    says nothing more."""
     if "RANK" not in os.environ:
         return True
     if not dist.is_initialized():

@@ -231,9 +231,8 @@ def _regular_or_absent(path, fix):
 
 def lock_out_dir(out_dir):
     """Makes this process (rank 0) the only run writing to out_dir: an exclusive flock on
-    out_dir/.lock until it
-    exits (the kernel releases it however it dies), the file naming the holder. Returns the
-    descriptor."""
+    out_dir/.lock until it exits (the kernel releases it however it dies), the file naming the
+    holder. Returns the descriptor."""
     path = os.path.join(out_dir, ".lock")
     if path in _held_locks:  # this process holds it already
         return _held_locks[path]

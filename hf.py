@@ -235,11 +235,10 @@ def expected_shapes(cfg):
 
 def hf_index(path):
     """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging
-    Face
-    LLaMA model that save_pretrained wrote into directory `path`: config.json and
-    model.safetensors, or model.safetensors.index.json and the shards its weight_map names.
-    Reads config.json and the safetensors headers only, and checks that the tensors are
-    exactly the model's, of the right shapes; load_hf or load_hf_parts read the data."""
+    Face LLaMA model that save_pretrained wrote into directory `path`: config.json and
+    model.safetensors, or model.safetensors.index.json and the shards its weight_map names. Reads
+    config.json and the safetensors headers only, and checks that the tensors are exactly the
+    model's, of the right shapes; load_hf or load_hf_parts read the data."""
     def read(file):
         guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
         return read_json(os.path.join(path, file), "copy or download it again")
@@ -357,14 +356,13 @@ def load_hf(path):
 def save_hf(path, state_dict, cfg, enc=None, shard_mb=5000.0):
     """Writes our state dict (plain tensors, our names, a whole model) as a Hugging Face
     LLaMA directory (or Mistral, Qwen2: cfg.hf_model_type) that AutoModelForCausalLM loads:
-    config.json and
-    model.safetensors (float32; no lm_head when the embeddings are tied), or, past shard_mb
-    megabytes (10**6 bytes, as HF counts them) of weights, shards model-0000i-of-0000N.safetensors
-    and model.safetensors.index.json, as save_pretrained writes them. With `enc` (the run's
-    tiktoken encoding) also tokenizer.json and tokenizer_config.json (see hf_tokenizer), so
-    that AutoTokenizer.from_pretrained loads the same directory. Written into a temp
-    directory renamed into place at the end; `path` must not exist or be empty, so nothing
-    of the user's is ever overwritten."""
+    config.json and model.safetensors (float32; no lm_head when the embeddings are tied), or, past
+    shard_mb megabytes (10**6 bytes, as HF counts them) of weights, shards
+    model-0000i-of-0000N.safetensors and model.safetensors.index.json, as save_pretrained writes
+    them. With `enc` (the run's tiktoken encoding) also tokenizer.json and tokenizer_config.json
+    (see hf_tokenizer), so that AutoTokenizer.from_pretrained loads the same directory. Written
+    into a temp directory renamed into place at the end; `path` must not exist or be empty, so
+    nothing of the user's is ever overwritten."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UserError(f"{path} already exists and is not an empty directory: remove it or "
                         f"export elsewhere")

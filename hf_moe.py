@@ -207,8 +207,7 @@ def index_experts(hf_tensors, expected, path):
 
 def read_experts(pieces, read, dim, start, stop):
     """Experts [start, stop) (dim 0; dim None: all) of a 3-D weight from its pieces
-    (index_experts);
-    read(tensor, dim, start, stop) reads (a slice of) one Hugging Face tensor."""
+    (index_experts); read(tensor, dim, start, stop) reads (a slice of) one Hugging Face tensor."""
     if "fused" in pieces:
         t, half = pieces["fused"]
         both = read(t, 0 if dim == 0 else None, start, stop)  # (n, 2F, D)

@@ -85,8 +85,8 @@ class NamedState:
 
     def load_full_state(self, state, names):
         """Takes a whole state of full_state's keys, as a checkpoint load left it (a
-        tensor-parallel
-        slice already cut to this rank's): copied wherever it is not the state's own tensor."""
+        tensor-parallel slice already cut to this rank's): copied wherever it is not the state's
+        own tensor."""
         for p, st in self.state.items():
             for k, v in st.items():
                 if state[f"{names[p]}.{k}"] is not v:
@@ -294,8 +294,7 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
 
 def get_lr(it, c):
     """The rate of iteration `it`, as train.py's lr_schedule comment says (min_lr after
-    lr_decay_iters;
-    wsd: a run can be extended by moving the cooldown)."""
+    lr_decay_iters; wsd: a run can be extended by moving the cooldown)."""
     lr, min_lr, warmup = c["learning_rate"], c["min_lr"], c["warmup_iters"]
     decay = c["lr_decay_iters"] or c["max_iters"]
     if it < warmup:

@@ -9,8 +9,7 @@ accounting.
 Each technique lives in a file of its own and is applied to a built model from outside:
 data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, context_parallel.py, pipeline.py,
 expert_parallel.py (build.py gives a model built on the meta device its storage and weights). A
-single process
-(`python train.py`) gets a Mesh of one and never starts a process group.
+single process (`python train.py`) gets a Mesh of one and never starts a process group.
 """
 
 import os
@@ -239,8 +238,8 @@ def all_reduce_sum(t, mesh, group=None):
 
 
 def tp_gather(t, p):
-    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective
-    over p's tp group)."""
+    """The full tensor of which `t` is this rank's slice, cut like parameter `p` (a collective over
+    p's tp group)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(p._split_group))]
     dist.all_gather(parts, t.contiguous(), group=p._split_group)
     return torch.cat(parts, dim=p._split_dim)
@@ -377,8 +376,7 @@ def clip_grad_norm_(params, max_norm, mesh, sharded=False):
 
 def squared_norm(g):
     """|g|^2 of one tensor, in float32, in one pass over g (g.pow(2).sum() writes a g-sized
-    temporary first:
-    at 135M parameters on a CPU, ~8x slower)."""
+    temporary first: at 135M parameters on a CPU, ~8x slower)."""
     return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 

