@@ -185,7 +185,7 @@ def _literal_text(template):
 
 
 def separator(enc, template):
-    """The token that ends each conversation in packed data (tokenizer.doc_ids cuts documents at
+    """The token that ends each conversation in packed data (data.doc_ids cuts documents at
     it): the EOS, unless the template writes it inside conversations (ChatML's <|im_end|>, Llama
     3's <|eot_id|>); then the first of the other named and special tokens that it never writes."""
     ast = compile_template(template, "chat_template").environment.parse(template)

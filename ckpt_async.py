@@ -20,8 +20,8 @@ from parallel import all_reduce_sum
 
 class AsyncSaves:
     """This run's checkpoints, written in the background: save(it, meta, run_state) starts one on
-    every rank; finish_if_written(now), called by the loop every step, finishes it once every
-    rank has written; finish(now) waits for it (before a rollback, at the end)."""
+    every rank; finish_if_written(now), called by the loop after each step it takes, finishes it
+    once every rank has written; finish(now) waits for it (before a rollback, at the end)."""
 
     def __init__(self, out_dir, model, optimizer, mesh, keep, resumed_from=None):
         self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh

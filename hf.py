@@ -315,7 +315,7 @@ def hf_index(path):
 @torch.no_grad()
 def load_hf_parts(index, parts):
     """Reads into each (name, local, full_shape, dim, start, stop) of `parts` (see
-    parallel.local_parts) its slice of the tensor that `index` (hf_index) maps that name
+    build.local_parts) its slice of the tensor that `index` (hf_index) maps that name
     to, converted to local's dtype: a rank reads only the bytes of what it holds (whole rows
     of an FSDP shard: one byte range per tensor)."""
     files, opened = {}, contextlib.ExitStack()

@@ -1,8 +1,8 @@
 """
 Everything that knows about processes and that every layout shares, in the order train.py
 uses it: the dp x pp x cp x tp rank grid (one explicit Mesh object, passed to whoever needs it:
-no hidden global), process setup and teardown from the torchrun environment, the error hook
-that turns a dead peer into one line, small collectives, the gradient-sync toggle that
+no hidden global), process setup and teardown from the torchrun environment (a dead peer
+turned into one line is guard_dist.py's), small collectives, the gradient-sync toggle that
 accumulation uses, global-norm gradient clipping across every kind of shard, and memory
 accounting.
 
@@ -271,7 +271,7 @@ def wait_grad_sync(model):
 
 def all_reduce_named(values, mesh):
     """{name: sum over all ranks} for {name: a number, bool or tensor}: one all-reduce (float64)
-    for all of them, one collective per step for everything the ranks must agree on."""
+    for all of them: one collective per step for the loss and the stop flag."""
     parts = {k: torch.as_tensor(v, dtype=torch.float64).to(mesh.device).reshape(-1)
              for k, v in values.items()}
     flat = all_reduce_sum(torch.cat(list(parts.values())), mesh)

@@ -59,7 +59,7 @@ dataset = "stdlib"
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
 mix_temperature = 1.0
 phases = []                     # [(start_iter, {source: weight}[, lr_scale]), ...]
-data_source = ""                # 'stdlib', a directory or glob of .txt, or a .jsonl
+data_source = ""                # 'stdlib', a directory or glob of .txt, .jsonl(.gz/.zst), .parquet
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
@@ -537,8 +537,8 @@ while True:
             pipeline.all_reduce_tied(raw_model, grad_params)
         if scaler:  # fp16: loss_scale.py
             loss_sum = scaler.unscale_(grad_params, loss_sum)
-        # One all-reduce for every number the ranks agree on: the loss (dp ranks' weighted sums; tp
-        # and cp ranks hold the same one) and the stop flag (a signal on any rank).
+        # One all-reduce for the numbers the ranks agree on each step: the loss (dp ranks' weighted
+        # sums; tp and cp ranks hold the same one) and the stop flag (a signal on any rank).
         agree = {"loss": loss_sum, "stop": len(signals) > 0}
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
