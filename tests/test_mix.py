@@ -98,7 +98,7 @@ def test_phases_parse_and_refuse(sources, capsys):
     configurator.parse_phases(spec, names, max_iters=10)
     assert capsys.readouterr().out == ""
     for one in ("tinyb", "elsewhere/notes:1"):  # one source trained stdlib, silently: now it says dataset=
-        with pytest.raises(data.UserError, match=r"names one source, which is no mixture: write dataset="):
+        with pytest.raises(UserError, match=r"names one source, which is no mixture: write dataset="):
             configurator.parse_mixture(one)
     assert configurator.parse_mixture("a", phases=[(0, {"a": 1.0}, 0.5)]) == {"a": 1.0}  # with phases: their lr_scale
     assert configurator.parse_phases('[(0, {"a": 1}), (6, {"a": 0.5, "b": 0.5}, 0.5)]', names) == \
@@ -106,9 +106,9 @@ def test_phases_parse_and_refuse(sources, capsys):
     for bad, match in (("[(-1, {'a': 1.0})]", "before 0"), ("[(5, {'a': 1.0}), (3, {'b': 1.0})]", "increasing"),
                        ("[(0, {'c': 1.0})]", "'c'"), ("[(0, {'a': 0})]", "positive"), ("[(0, 'a')]", "is not .start_iter"),
                        ("[(0, {'a': 1.0}, -1)]", "lr_scale"), ("[(0,", "literal")):
-        with pytest.raises(data.UserError, match=match):
+        with pytest.raises(UserError, match=match):
             configurator.parse_phases(bad, names)
-    with pytest.raises(data.UserError, match="different tokenizers"):
+    with pytest.raises(UserError, match="different tokenizers"):
         mixture.check_tokenizers({n: guard_data.read_meta(sources[n]) for n in ("tiny", "wide")})
     chat_meta = guard_data.read_meta(sources["chat"])  # text + chat of one base: the chat vocabulary covers both
     assert mixture.check_tokenizers({n: guard_data.read_meta(sources[n]) for n in ("tiny", "chat")}) == chat_meta
