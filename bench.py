@@ -1,5 +1,5 @@
-"""Runs the benchmark tables of bench/: `python bench.py --help` (the same as `python -m
-bench`)."""
+"""Runs the benchmark tables of bench/: `python bench.py --help` (the same as
+`python -m bench`)."""
 import os
 import sys
 

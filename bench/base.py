@@ -20,12 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "train.py")
 BENCH_PY = os.path.join(ROOT, "bench.py")
 
-# --smoke: each table at a tiny model and a row or two of each kind, so that a test runs them all in
-# one launch (tests/test_bench.py): what breaks shows, the numbers mean nothing. The ranks and rows
-# it starts import this file again and read BENCH_SMOKE: tiny there too.
+# --smoke: each table at a tiny model and a row or two of each kind, so that a test runs them all
+# in one launch (tests/test_bench.py): what breaks shows, the numbers mean nothing. The ranks and
+# rows it starts import this file again and read BENCH_SMOKE: tiny there too.
 SMOKE = "--smoke" in sys.argv or os.environ.get("BENCH_SMOKE") == "1"
-SMOKE_KEYS = dict(vocab_size=512, n_layer=8, n_head=4, n_kv_head=2, n_embd=32, block_size=16, batch_size=2,
-                  grad_accum_steps=2, eval_iters=1)
+SMOKE_KEYS = dict(vocab_size=512, n_layer=8, n_head=4, n_kv_head=2, n_embd=32, block_size=16,
+                  batch_size=2, grad_accum_steps=2, eval_iters=1)
 if SMOKE:
     os.environ["BENCH_SMOKE"] = "1"
 
@@ -38,7 +38,8 @@ def sized(shape):
 
 
 def default_threads_env(**extra):
-    """os.environ without OMP_NUM_THREADS (torch's default: the machine's threads), plus `extra`."""
+    """os.environ without OMP_NUM_THREADS (torch's default: the machine's threads),
+    plus `extra`."""
     return {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **extra}
 
 
@@ -47,11 +48,15 @@ TRAIN = configurator.script_defaults(TRAIN_PY)
 if SMOKE:
     TRAIN.update(SMOKE_KEYS)
 # the tables were measured on 128-token sequences (the default job trains 64)
-MODEL = sized({**{k: TRAIN[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}, "block_size": 128})
-BATCH, ACCUM = 2 if SMOKE else 16, 2  # 4096 tokens/iter, as the tables were measured (the default job trains 1536)
+MODEL = sized({**{k: TRAIN[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")},
+               "block_size": 128})
+# 4096 tokens/iter, as the tables were measured (the default job trains 1536)
+BATCH, ACCUM = 2 if SMOKE else 16, 2
 WARMUP, ITERS = (0, 1) if SMOKE else (3, 10)
-# key=value for the train.py runs of race, mfu and reading (--smoke: a tiny model's, then the command's)
-RUN_KEYS = [f"{k}={v}" for k, v in SMOKE_KEYS.items()] + [a for a in sys.argv[1:] if "=" in a] if SMOKE else []
+# key=value for the train.py runs of race, mfu and reading (--smoke: a tiny model's,
+# then the command's)
+RUN_KEYS = ([f"{k}={v}" for k, v in SMOKE_KEYS.items()] + [a for a in sys.argv[1:] if "=" in a]
+            if SMOKE else [])
 
 
 def peak_memory_mb(device):
@@ -93,7 +98,8 @@ def peak_and_median(step, device):
 
 def median_step_time(model, opt, x, autocast, keep_grads=False):
     """Seconds per training step (ACCUM micro-steps of x, then AdamW), the median of ITERS after
-    WARMUP: robust to a noisy neighbour. keep_grads: the last step's gradients stay, to be counted."""
+    WARMUP: robust to a noisy neighbour. keep_grads: the last step's gradients stay,
+    to be counted."""
     times = []
     for i in range(WARMUP + ITERS):
         t0 = time.perf_counter()
@@ -131,14 +137,15 @@ def run_ranks(worker, world, *args):
         out = os.path.join(tmp, "result.json")
         # smoke on a CPU: forked ranks start at once (no interpreter to start, no imports again)
         how = "fork" if SMOKE and not torch.cuda.is_available() else "spawn"
-        mp.start_processes(_rank_main, args=(world, port, worker, args, out), nprocs=world, start_method=how)
+        mp.start_processes(_rank_main, args=(world, port, worker, args, out), nprocs=world,
+                           start_method=how)
         with open(out) as f:
             return json.load(f)
 
 
 def _rank_main(rank, world, port, worker, args, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores, shared out
     result = worker(*args)
     if rank == 0:
@@ -148,6 +155,7 @@ def _rank_main(rank, world, port, worker, args, out_path):
 
 
 def nanogpt_dir(*files):
-    """./nanogpt or $NANOGPT_DIR when it holds nanoGPT's `files` (git-ignored: fetched by hand), else None."""
+    """./nanogpt or $NANOGPT_DIR when it holds nanoGPT's `files` (git-ignored:
+    fetched by hand), else None."""
     src = os.environ.get("NANOGPT_DIR", os.path.join(ROOT, "nanogpt"))
     return src if all(os.path.isfile(os.path.join(src, f)) for f in files) else None

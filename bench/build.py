@@ -16,7 +16,8 @@ from model import ModelConfig, Transformer
 from bench.base import MODEL, run_ranks, sized
 
 
-BUILD_MODEL = sized({**MODEL, "n_layer": 16, "n_embd": 256})  # deeper and wider: the layers outweigh embedding and head
+# deeper and wider: the layers outweigh embedding and head
+BUILD_MODEL = sized({**MODEL, "n_layer": 16, "n_embd": 256})
 
 
 def build_worker(layout, hf_dir):
@@ -61,12 +62,12 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     model = Transformer(cfg)
     whole = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
     largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
-    print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
-          f"vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M parameters, fp32: {whole:.1f} MB whole, "
-          f"largest single parameter {largest:.1f} MB); peak MB of tensors a rank allocates (counted by "
-          f"build.TensorMemory), the busiest rank")
-    print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | {'old build':>9} | "
-          f"{'old import':>10}")
+    print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, "
+          f"n_embd={cfg.n_embd}, vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M "
+          f"parameters, fp32: {whole:.1f} MB whole, largest single parameter {largest:.1f} MB); "
+          "peak MB of tensors a rank allocates (counted by build.TensorMemory), the busiest rank")
+    print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | "
+          f"{'old build':>9} | {'old import':>10}")
     print("-" * 62)
     import hf
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +76,9 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
         del model
         for layout, world in layouts:
             r = run_ranks(build_worker, world, layout, hf_dir)
-            print(f"{layout:<6} {world:>5} | {whole / world:7.1f} | {r['meta_init']:6.1f} | {r['meta_import']:6.1f} | "
-                  f"{r['whole_init']:9.1f} | {r['whole_import']:10.1f}")
-    print("build/import: the meta-device build (train.py): the stage is cut and the shards made on the meta "
-          "device, then each rank allocates and reads only its part. old: the whole model first (and the whole "
-          "file read), then cut and sharded. pp's busiest rank is the stage with the embedding or the head.")
+            print(f"{layout:<6} {world:>5} | {whole / world:7.1f} | {r['meta_init']:6.1f} | "
+                  f"{r['meta_import']:6.1f} | {r['whole_init']:9.1f} | {r['whole_import']:10.1f}")
+    print("build/import: the meta-device build (train.py): the stage is cut and the shards made "
+          "on the meta device, then each rank allocates and reads only its part. old: the whole "
+          "model first (and the whole file read), then cut and sharded. pp's busiest rank is the "
+          "stage with the embedding or the head.")

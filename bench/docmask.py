@@ -47,7 +47,8 @@ def table_docmask(lengths=(512, 2048, 8192)):
           f"{'varlen/causal':>13} | {'causal MB':>9} | {'dense MB':>8} | {'varlen MB':>9}")
     print("-" * 94)
     for T in lengths:
-        r = {kind: in_subprocess("docmask", kind=kind, T=T) for kind in ("causal", "dense", "varlen")}
+        r = {kind: in_subprocess("docmask", kind=kind, T=T)
+             for kind in ("causal", "dense", "varlen")}
         print(f"{T:6,} | {r['causal']['ms']:9.1f} | {r['dense']['ms']:9.1f} | "
               f"{r['varlen']['ms']:9.1f} | {r['varlen']['ms'] / r['causal']['ms']:12.2f}x | "
               f"{r['causal']['peak_mb']:9.0f} | {r['dense']['peak_mb']:8.0f} | "

@@ -19,7 +19,8 @@ def dp_worker(bucket_sizes):
     noisy neighbour hurts them all alike."""
     mesh = parallel.setup("auto", 300)
     dev = mesh.device
-    variants = [("none", None), ("naive", None), *[("bucketed", mb) for mb in bucket_sizes], ("torch", bucket_sizes[0])]
+    variants = [("none", None), ("naive", None), *[("bucketed", mb) for mb in bucket_sizes],
+                ("torch", bucket_sizes[0])]
     models = {}
     for impl, mb in variants:
         torch.manual_seed(0)
@@ -29,7 +30,8 @@ def dp_worker(bucket_sizes):
         elif impl == "torch":
             ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
         else:
-            ddp = data_parallel.NaiveDataParallel(model, mesh) if impl == "naive" else data_parallel.DataParallel(model, mesh, mb)
+            ddp = (data_parallel.NaiveDataParallel(model, mesh) if impl == "naive"
+                   else data_parallel.DataParallel(model, mesh, mb))
         models[(impl, mb)] = (ddp, torch.optim.AdamW(model.parameters(), lr=1e-4))
     micro = ACCUM // mesh.dp
     x = torch.randint(0, MODEL["vocab_size"], (micro, BATCH, MODEL["block_size"] + 1), device=dev,
@@ -49,7 +51,8 @@ def dp_worker(bucket_sizes):
             sync()
             t1 = time.perf_counter()
             if v[0] in ("naive", "bucketed"):
-                ddp.wait()  # what backward did not hide: naive's whole all-reduce, bucketed's last bucket(s)
+                # what backward did not hide: naive's whole all-reduce, bucketed's last bucket(s)
+                ddp.wait()
             sync()
             t2 = time.perf_counter()
             opt.step()
@@ -84,16 +87,17 @@ def dp_worker(bucket_sizes):
 def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
     tokens = ACCUM * BATCH * MODEL["block_size"]
     n_params = Transformer(ModelConfig(**MODEL)).num_params()
-    print(f"\n## data parallel, {world} ranks ({'nccl' if torch.cuda.is_available() else 'gloo'}), same model, "
-          f"global batch {BATCH} x {ACCUM} micro-batches ({tokens} tokens/iter), {n_params * 4 / 2 ** 20:.1f} MB "
-          f"of fp32 gradients, median of {ITERS} interleaved rounds")
+    print(f"\n## data parallel, {world} ranks "
+          f"({'nccl' if torch.cuda.is_available() else 'gloo'}), same model, global batch {BATCH} "
+          f"x {ACCUM} micro-batches ({tokens} tokens/iter), {n_params * 4 / 2 ** 20:.1f} MB of "
+          f"fp32 gradients, median of {ITERS} interleaved rounds")
     rows = run_ranks(dp_worker, world, list(bucket_sizes))
     ms = {(r["impl"], r["bucket_mb"]): r["ms_iter"] for r in rows}
     torch_ms, floor = ms[("torch", bucket_sizes[0])], ms[("none", None)]
     bucketed_ms = ms[("bucketed", bucket_sizes[0])]
     comm_alone = rows[2]["comm_ms"]
-    print(f"{'implementation':<26} | {'ms/iter':>8} | {'tokens/s':>9} | {'vs torch':>8} | {'exposed comm':>12} | "
-          f"{'wait after bwd':>14} | {'hidden':>6}")
+    print(f"{'implementation':<26} | {'ms/iter':>8} | {'tokens/s':>9} | {'vs torch':>8} | "
+          f"{'exposed comm':>12} | {'wait after bwd':>14} | {'hidden':>6}")
     print("-" * 102)
     for r in rows:
         name = {"none": "no sync (compute only)", "naive": "naive (per parameter)",
@@ -101,11 +105,14 @@ def table_dp(world=2, bucket_sizes=(4.0, 1.0, 25.0)):
         if r["bucket_mb"] is not None:
             name += f", {r['bucket_mb']:g} MB" + (f" ({r['buckets']} bkt)" if r["buckets"] else "")
         exposed = r["ms_iter"] - floor
-        hidden = (f"{min(1.0, max(0.0, 1 - r['wait_ms'] / comm_alone)):6.0%}" if r["impl"] in ("naive", "bucketed")
-                  else f"{'':>6}")
+        hidden = (f"{min(1.0, max(0.0, 1 - r['wait_ms'] / comm_alone)):6.0%}"
+                  if r["impl"] in ("naive", "bucketed") else f"{'':>6}")
         wait = f"{r['wait_ms']:11.1f} ms" if r["impl"] in ("naive", "bucketed") else f"{'':>14}"
         print(f"{name:<26} | {r['ms_iter']:8.1f} | {tokens / r['ms_iter'] * 1000:9,.0f} | "
               f"{r['ms_iter'] / torch_ms:7.2f}x | {exposed:9.1f} ms | {wait} | {hidden}")
-    print(f"bucketed ({bucket_sizes[0]:g} MB) / torch DDP: {bucketed_ms / torch_ms:.2f} (goal <= 1.05); naive / "
-          f"bucketed: {ms[('naive', None)] / bucketed_ms:.2f}. The same all-reduces run alone take {comm_alone:.1f} ms; "
-          f"hidden = 1 - wait after backward / alone;\nexposed comm = ms/iter - compute only, which also counts compute slowed by the communication threads.")
+    print(f"bucketed ({bucket_sizes[0]:g} MB) / torch DDP: {bucketed_ms / torch_ms:.2f} (goal <= "
+          f"1.05); naive / bucketed: {ms[('naive', None)] / bucketed_ms:.2f}. The same "
+          f"all-reduces run alone take {comm_alone:.1f} ms; hidden = 1 - wait after backward / "
+          "alone;\n"
+          "exposed comm = ms/iter - compute only, which also counts compute slowed by the "
+          "communication threads.")

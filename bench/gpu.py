@@ -22,7 +22,8 @@ from bench.checkpoint import table_checkpoint
 from bench.head import table_head
 
 
-GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
+GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12,
+                 n_embd=768)
 
 
 GPU_BATCH = 12
@@ -30,7 +31,8 @@ GPU_BATCH = 12
 
 # dense bf16 peaks from the vendors' data sheets, the first name found in the device's wins
 # (the PCIe and NVL H100s before the SXM one); another GPU: its measured matmul rate
-BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+             "A100": 312e12}
 
 
 def gpu_peak():
@@ -50,7 +52,8 @@ def gpu_worker(use_fsdp, steps=20):
         fsdp.fully_shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not use_fsdp)
     compiled = torch.compile(model)
-    x = torch.randint(0, GPU_MODEL["vocab_size"], (GPU_BATCH, GPU_MODEL["block_size"] + 1), device=mesh.device)
+    x = torch.randint(0, GPU_MODEL["vocab_size"], (GPU_BATCH, GPU_MODEL["block_size"] + 1),
+                      device=mesh.device)
     times = []
     for _ in range(10 + steps):
         torch.cuda.synchronize()
@@ -74,11 +77,12 @@ def nanogpt_row():
     src = nanogpt_dir("bench.py", "model.py", "configurator.py")
     if src is None:
         return None
-    out = subprocess.run([sys.executable, "bench.py", "--real_data=False", "--compile=True"], cwd=src,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "bench.py", "--real_data=False", "--compile=True"],
+                         cwd=src, capture_output=True, text=True, check=True).stdout
     m = re.search(r"time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%", out)
     if m is None:
-        raise SystemExit(f"nanoGPT's bench.py printed no 'time per iteration' line; its output ended:\n{out[-2000:]}")
+        raise SystemExit("nanoGPT's bench.py printed no 'time per iteration' line; its output "
+                         f"ended:\n{out[-2000:]}")
     return float(m[1]), float(m[2]) / 100
 
 
@@ -87,24 +91,25 @@ def table_gpu():
         print("\n## gpu: no CUDA device here; this table needs one (see the docstring)")
         return
     peak, tokens = gpu_peak(), GPU_BATCH * GPU_MODEL["block_size"]
-    print(f"\n## gpu: {torch.cuda.get_device_name()}, dense bf16 peak {peak / 1e12:.0f} TFLOP/s; GPT-2-small shape "
-          f"({', '.join(f'{k}={v}' for k, v in GPU_MODEL.items())}), batch {GPU_BATCH} ({tokens:,} tokens/iter), "
-          f"bf16 autocast, torch.compile, median step")
+    print(f"\n## gpu: {torch.cuda.get_device_name()}, dense bf16 peak {peak / 1e12:.0f} TFLOP/s; "
+          f"GPT-2-small shape ({', '.join(f'{k}={v}' for k, v in GPU_MODEL.items())}), batch "
+          f"{GPU_BATCH} ({tokens:,} tokens/iter), bf16 autocast, torch.compile, median step")
     print(f"{'run':<32} | {'ms/iter':>8} | {'tokens/s':>10} | {'MFU':>6} | {'peak mem':>9}")
     print("-" * 78)
     ours = {}
     for name, use_fsdp in (("ours", False), ("ours, fsdp=True on 1 rank", True)):
         r = ours[name] = run_ranks(gpu_worker, 1, use_fsdp)
         print(f"{name:<32} | {r['ms']:8.1f} | {tokens / r['ms'] * 1000:10,.0f} | "
-              f"{r['flops_per_token'] * tokens / (r['ms'] / 1000) / peak:6.1%} | {r['peak_mb']:6.0f} MB", flush=True)
+              f"{r['flops_per_token'] * tokens / (r['ms'] / 1000) / peak:6.1%} | "
+              f"{r['peak_mb']:6.0f} MB", flush=True)
     nano = nanogpt_row()
     if nano is None:
         print("nanoGPT: its files are not in ./nanogpt (or $NANOGPT_DIR): no side-by-side row")
     else:
         mfu = nano[1] * 312e12 / peak  # nanoGPT prints its MFU against an A100
         ours_mfu = ours["ours"]["flops_per_token"] * tokens / (ours["ours"]["ms"] / 1000) / peak
-        print(f"{'nanoGPT bench.py (GPT-2 124M)':<32} | {nano[0]:8.1f} | {tokens / nano[0] * 1000:10,.0f} | "
-              f"{mfu:6.1%} | {'':>9}")
+        print(f"{'nanoGPT bench.py (GPT-2 124M)':<32} | {nano[0]:8.1f} | "
+              f"{tokens / nano[0] * 1000:10,.0f} | {mfu:6.1%} | {'':>9}")
         print(f"ours / nanoGPT MFU: {ours_mfu / mfu:.2f}x (goal: at least 1.1x)")
     table_checkpoint(worlds=(1,), saves=3, models=(GPU_MODEL,))
     table_head(vocabs=(32768, 131072), chunk=1024, rows=tokens, width=GPU_MODEL["n_embd"])

@@ -21,7 +21,8 @@ import moe
 import parallel
 from model import ModelConfig, Transformer
 
-from bench.base import ACCUM, BATCH, ITERS, MODEL, RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, WARMUP, run_ranks
+from bench.base import (ACCUM, BATCH, ITERS, MODEL, RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, WARMUP,
+                        run_ranks)
 
 
 def moe_keys(ffn_dim):
@@ -35,9 +36,11 @@ def train_run(keys, max_iters):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
         args = [f"{k}={v}" for k, v in keys.items()] + [f"max_iters={max_iters}", "log_interval=1",
-                                                         f"eval_interval={max_iters}", "sample_tokens=0",
+                                                         f"eval_interval={max_iters}",
+                                                         "sample_tokens=0",
                                                          f"out_dir={out}", *RUN_KEYS]
-        subprocess.run([sys.executable, TRAIN_PY, *args], check=True, capture_output=True, text=True)
+        subprocess.run([sys.executable, TRAIN_PY, *args], check=True, capture_output=True,
+                       text=True)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [r for r in map(json.loads, f) if r.get("loss") is not None and "dt_ms" in r]
     t, curve = 0.0, []
@@ -72,7 +75,8 @@ def exchange_worker(model_kw, ep):
     dist.all_to_all_single = timed
     cfg = ModelConfig(**model_kw)
     torch.manual_seed(0)
-    model = expert_parallel.expert_parallel(moe.attach(Transformer(cfg).to(dev), cfg), mesh, ep, moe.moe_layers)
+    model = expert_parallel.expert_parallel(moe.attach(Transformer(cfg).to(dev), cfg), mesh, ep,
+                                            moe.moe_layers)
     wrapped = data_parallel.DataParallel(model, mesh, 4.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micro = ACCUM // mesh.dp if ACCUM >= mesh.dp else 1
@@ -101,13 +105,16 @@ def exchange_worker(model_kw, ep):
 
 def table_moe(max_iters=None, worlds=(2,)):
     max_iters = max_iters or TRAIN["max_iters"]
-    ffn = ModelConfig(n_embd=TRAIN["n_embd"], n_head=TRAIN["n_head"], n_kv_head=TRAIN["n_kv_head"]).ffn_dim
+    ffn = ModelConfig(n_embd=TRAIN["n_embd"], n_head=TRAIN["n_head"],
+                      n_kv_head=TRAIN["n_kv_head"]).ffn_dim
     keys = moe_keys(ffn)
-    print(f"\n## mixture of experts: the default job ({max_iters} iterations, one process) dense (SwiGLU width {ffn}) "
-          f"against MoE ({', '.join(f'{k}={v}' for k, v in keys.items())}: the same FLOPs a token)")
+    print(f"\n## mixture of experts: the default job ({max_iters} iterations, one process) dense "
+          f"(SwiGLU width {ffn}) against MoE ({', '.join(f'{k}={v}' for k, v in keys.items())}: "
+          "the same FLOPs a token)")
     (dense, dense_tps), (mixed, moe_tps) = train_run({}, max_iters), train_run(keys, max_iters)
     at = min(dense[-1][0], mixed[-1][0])
-    print(f"{'model':>6} | {'tokens/s':>9} | {'train s':>8} | {f'loss at {at:.0f} s':>14} | {'final loss':>10}")
+    print(f"{'model':>6} | {'tokens/s':>9} | {'train s':>8} | {f'loss at {at:.0f} s':>14} | "
+          f"{'final loss':>10}")
     print("-" * 60)
     for name, curve, tps in (("dense", dense, dense_tps), ("moe", mixed, moe_tps)):
         print(f"{name:>6} | {tps:9,.0f} | {curve[-1][0]:8.1f} | {loss_at(curve, at):14.4f} | "
@@ -115,11 +122,12 @@ def table_moe(max_iters=None, worlds=(2,)):
     model_kw = {**MODEL, **keys}
     if SMOKE:
         model_kw["moe_ffn_dim"] = max(8, model_kw["n_embd"] // 2)
-    print(f"\n## expert parallel: the all-to-all's share of a step ({model_kw['n_experts']} experts, "
-          f"{BATCH} x {ACCUM} micro-batches of {MODEL['block_size']} tokens over all ranks, median of {ITERS})")
+    print(f"\n## expert parallel: the all-to-all's share of a step ({model_kw['n_experts']} "
+          f"experts, {BATCH} x {ACCUM} micro-batches of {MODEL['block_size']} tokens over all "
+          f"ranks, median of {ITERS})")
     print(f"{'ranks':>5} | {'ep':>3} | {'step ms':>8} | {'all-to-all ms':>13} | {'share':>6}")
     print("-" * 48)
     for world in worlds:
         r = run_ranks(exchange_worker, world, model_kw, world)
-        print(f"{world:5d} | {world:3d} | {r['step_s'] * 1000:8.1f} | {r['exchange_s'] * 1000:13.1f} | "
-              f"{r['exchange_s'] / r['step_s']:6.1%}", flush=True)
+        print(f"{world:5d} | {world:3d} | {r['step_s'] * 1000:8.1f} | "
+              f"{r['exchange_s'] * 1000:13.1f} | {r['exchange_s'] / r['step_s']:6.1%}", flush=True)

@@ -28,13 +28,17 @@ def pp_worker(ms, model):
     workarounds.keep_freed_memory()  # as train.py does on a CPU
     dev, T, V = mesh.device, model["block_size"], model["vocab_size"]
     n, pp = model["n_layer"], mesh.pp
-    splits = {"even": [n // pp + (s < n % pp) for s in range(pp)],  # the old split: layer counts only
-              "balanced": pipeline_split(ModelConfig(**model), pp)}  # the head and loss counted on the last stage
+    # the old split: layer counts only
+    splits = {"even": [n // pp + (s < n % pp) for s in range(pp)],
+              # the head and loss counted on the last stage
+              "balanced": pipeline_split(ModelConfig(**model), pp)}
 
     def new_stage(split="balanced", virtual=1):
         torch.manual_seed(0)
-        counts = splits[split] if virtual == 1 else pipeline_split(ModelConfig(**model), pp * virtual)
-        return make_stage(Transformer(ModelConfig(**model)), mesh.pp_rank, pp, counts, virtual).to(dev)
+        counts = (splits[split] if virtual == 1
+                  else pipeline_split(ModelConfig(**model), pp * virtual))
+        return make_stage(Transformer(ModelConfig(**model)), mesh.pp_rank, pp, counts,
+                          virtual).to(dev)
 
     class Logits(torch.nn.Module):  # torch's stages return one tensor; ours return (output, loss)
         def __init__(self, inner):
@@ -46,7 +50,8 @@ def pp_worker(ms, model):
 
     rows = []
     for m in ms:
-        data = torch.randint(0, V, (m, PP_BATCH, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
+        data = torch.randint(0, V, (m, PP_BATCH, T + 1), device=dev,
+                             generator=torch.Generator(dev).manual_seed(0))
         x, y = data[..., :-1], data[..., 1:]
         micro = [(x[k], y[k], None, None) for k in range(m)]
         act = (PP_BATCH, T, model["n_embd"])
@@ -58,20 +63,25 @@ def pp_worker(ms, model):
             kinds["interleaved"] = ("interleaved", "balanced", 2)
         variants = list(kinds)
         ours = {v: new_stage(*kinds[v][1:]) for v in variants}
-        loss_fn = lambda logits, tgt: torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())  # noqa: E731
-        # torch's peers on the same layers: Schedule1F1B on our balanced stage, and (where ours runs
-        # interleaved) ScheduleInterleaved1F1B on one module per virtual stage of the same split
+        loss_fn = lambda logits, tgt: torch.nn.functional.cross_entropy(  # noqa: E731
+            logits.flatten(0, 1), tgt.flatten())
+        # torch's peers on the same layers: Schedule1F1B on our balanced stage, and (where ours
+        # runs interleaved) ScheduleInterleaved1F1B on one module per virtual
+        # stage of the same split
         tstage = new_stage()
-        peers = {"torch 1F1B": (Schedule1F1B(PipelineStage(Logits(tstage), mesh.pp_rank, pp, dev), m, loss_fn=loss_fn),
-                                list(tstage.parameters()))}
+        peers = {"torch 1F1B": (
+            Schedule1F1B(PipelineStage(Logits(tstage), mesh.pp_rank, pp, dev), m, loss_fn=loss_fn),
+            list(tstage.parameters()))}
         kinds["torch 1F1B"] = ("torch 1F1B", "balanced", 1)
         if "interleaved" in kinds:
             from torch.distributed.pipelining import ScheduleInterleaved1F1B
             counts, chunks = pipeline_split(ModelConfig(**model), 2 * pp), []
             for v in range(2):
                 torch.manual_seed(0)
-                chunks.append(make_stage(Transformer(ModelConfig(**model)), v * pp + mesh.pp_rank, 2 * pp, counts).to(dev))
-            pipes = [PipelineStage(Logits(c), v * pp + mesh.pp_rank, 2 * pp, dev) for v, c in enumerate(chunks)]
+                chunks.append(make_stage(Transformer(ModelConfig(**model)), v * pp + mesh.pp_rank,
+                                         2 * pp, counts).to(dev))
+            pipes = [PipelineStage(Logits(c), v * pp + mesh.pp_rank, 2 * pp, dev)
+                     for v, c in enumerate(chunks)]
             peers["torch interleaved"] = (ScheduleInterleaved1F1B(pipes, m, loss_fn=loss_fn),
                                           [p for c in chunks for p in c.parameters()])
             kinds["torch interleaved"] = ("torch interleaved", "balanced", 2)
@@ -94,14 +104,15 @@ def pp_worker(ms, model):
                 if v in peers:
                     torch_step(peers[v][0])
                 else:
-                    _, peaks[v] = pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace,
-                                                         virtual=kinds[v][2])
+                    _, peaks[v] = pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act,
+                                                         trace=trace, virtual=kinds[v][2])
                 dist.barrier()
                 if rnd >= WARMUP:
                     times[v].append(time.perf_counter() - t0)
                     if trace is not None:
                         traces = parallel.all_gather_object(trace, mesh)
-                        bubbles[v].append(pipeline.pipeline_timeline(traces, m, virtual=kinds[v][2])[1])
+                        bubbles[v].append(
+                            pipeline.pipeline_timeline(traces, m, virtual=kinds[v][2])[1])
                 for p in (peers[v][1] if v in peers else ours[v].parameters()):
                     p.grad = None
         # bytes autograd keeps for one micro-batch's forward on this stage
@@ -125,11 +136,12 @@ def pp_worker(ms, model):
         # one traced iteration of each 1F1B to draw
         for v in variants[1:]:
             trace = []
-            pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace, virtual=kinds[v][2])
+            pipeline.pipeline_step(kinds[v][0], ours[v], mesh, micro, act, trace=trace,
+                                   virtual=kinds[v][2])
             traces = parallel.all_gather_object(trace, mesh)
             if mesh.master:
-                rows[-1].setdefault("text", {})[v] = pipeline.pipeline_timeline(traces, m, width=100,
-                                                                                virtual=kinds[v][2])[0]
+                rows[-1].setdefault("text", {})[v] = pipeline.pipeline_timeline(
+                    traces, m, width=100, virtual=kinds[v][2])[0]
     parallel.teardown(mesh)
     return rows
 
@@ -138,39 +150,43 @@ PP_BATCH = 2 if SMOKE else 8
 
 
 # pipelines are for deep models: 16 layers of the default width, where the 8192 x 128 head and its
-# loss weigh about 8 layers (model.stage_costs) instead of more than the other 4 together
+# loss weigh about 8 layers (pipeline.stage_costs) instead of more than the other 4 together
 DEEP_MODEL = sized({**MODEL, "n_layer": 16})
 
 
 def table_pp(stages=(2, 4), ms=(4, 8), model=MODEL, title="the default model"):
     print(f"\n## pipeline parallel ({'nccl' if torch.cuda.is_available() else 'gloo'}), {title} "
-          f"({model['n_layer']} layers), one process per stage, micro-batches of {PP_BATCH} x {model['block_size']} "
-          f"tokens, median of {ITERS} interleaved rounds")
+          f"({model['n_layer']} layers), one process per stage, micro-batches of {PP_BATCH} x "
+          f"{model['block_size']} tokens, median of {ITERS} interleaved rounds")
     rows = []
     for pp in stages:
         rows += run_ranks(pp_worker, pp, list(ms), model)
-    print(f"{'pp':>2} {'m':>2} | {'schedule':<21} | {'layers':<9} | {'ms/iter':>8} | {'vs torch':>8} | "
-          f"{'bubble':>7} | {'theory':>6} | {'peak alive per stage':<20}")
+    print(f"{'pp':>2} {'m':>2} | {'schedule':<21} | {'layers':<9} | {'ms/iter':>8} | "
+          f"{'vs torch':>8} | {'bubble':>7} | {'theory':>6} | {'peak alive per stage':<20}")
     print("-" * 105)
     for r in rows:
         pp, m = r["pp"], r["m"]
         torch_ms = r["ms"]["torch 1F1B"]
         for v, (name, split, virtual) in r["kinds"].items():
-            layers = ",".join(map(str, r["splits"][split])) if virtual == 1 else f"{virtual} chunks"
+            layers = (",".join(map(str, r["splits"][split])) if virtual == 1
+                      else f"{virtual} chunks")
             sched = name if virtual == 1 else f"{name} V={virtual}"
             bubble = f"{r['bubble'][v]:7.1%}" if v in r["bubble"] else f"{'':>7}"
-            peak = " ".join(str(st["peak"][v]) for st in r["stages"]) if v in r["stages"][0]["peak"] else ""
-            print(f"{pp:>2} {m:>2} | {sched:<21} | {layers:<9} | {r['ms'][v]:8.1f} | {r['ms'][v] / torch_ms:7.2f}x | "
-                  f"{bubble} | {(pp - 1) / (virtual * m + pp - 1):6.1%} | {peak:<20}")
-    print("bubble: the mean idle share of the stages in the traced iterations (median); theory: the same share for "
-          "balanced stages and free communication, (p-1)/(m+p-1), and (p-1)/(V*m+p-1) interleaved (Narayanan et al.'s "
-          "(p-1)/(V*m) is that idle time relative to the bubble-free time). layers: counts per stage, even (the old "
-          "split) or balanced by estimated cost (model.pipeline_split). peak alive: micro-batches (interleaved: "
+            peak = (" ".join(str(st["peak"][v]) for st in r["stages"])
+                    if v in r["stages"][0]["peak"] else "")
+            print(f"{pp:>2} {m:>2} | {sched:<21} | {layers:<9} | {r['ms'][v]:8.1f} | "
+                  f"{r['ms'][v] / torch_ms:7.2f}x | {bubble} | "
+                  f"{(pp - 1) / (virtual * m + pp - 1):6.1%} | {peak:<20}")
+    print("bubble: the mean idle share of the stages in the traced iterations (median); theory: "
+          "the same share for balanced stages and free communication, (p-1)/(m+p-1), and "
+          "(p-1)/(V*m+p-1) interleaved (Narayanan et al.'s (p-1)/(V*m) is that idle time relative "
+          "to the bubble-free time). layers: counts per stage, even (the old split) or balanced "
+          "by estimated cost (pipeline.pipeline_split). peak alive: micro-batches (interleaved: "
           "micro-batch chunks) whose activations are kept at once, per stage.")
     for r in rows:
         st = r["stages"][0]
-        print(f"pp={r['pp']} m={r['m']}: stage 0 keeps {st['per_micro_mb']:.1f} MB of activations per micro-batch "
-              f"(balanced split)")
+        print(f"pp={r['pp']} m={r['m']}: stage 0 keeps {st['per_micro_mb']:.1f} MB of activations "
+              "per micro-batch (balanced split)")
     for v, text in rows[0]["text"].items():
         name, split, virtual = rows[0]["kinds"][v]
         print(f"\n{name}, {split} split{f', V={virtual}' if virtual > 1 else ''}:\n{text}")

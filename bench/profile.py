@@ -22,11 +22,14 @@ def table_profile(steps=5):
     from torch.profiler import ProfilerActivity, profile
 
     import optim
-    workarounds.keep_freed_memory()  # as train.py on the CPU (it stays so for any table after this one)
+    # as train.py on the CPU (it stays so for any table after this one)
+    workarounds.keep_freed_memory()
     mesh = parallel.setup("cpu")
-    cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd")})
+    cfg = ModelConfig(**{k: TRAIN[k] for k in ("vocab_size", "block_size", "n_layer", "n_head",
+                                               "n_kv_head", "n_embd")})
     accum, batch, V = TRAIN["grad_accum_steps"], TRAIN["batch_size"], cfg.vocab_size
-    x = torch.randint(0, V, (accum, batch, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, V, (accum, batch, cfg.block_size + 1),
+                      generator=torch.Generator().manual_seed(0))
     tokens = accum * batch * cfg.block_size
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -49,34 +52,40 @@ def table_profile(steps=5):
             step()
             times.append(time.perf_counter() - t0)
         dt = sorted(times)[len(times) // 2]
-        mfu = model.flops_per_token() * tokens / dt / measure_matmul_flops(torch.device("cpu"), dtype)
+        mfu = (model.flops_per_token() * tokens / dt
+               / measure_matmul_flops(torch.device("cpu"), dtype))
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(steps):
                 step()
         kinds = {}
         for e in prof.key_averages(group_by_input_shape=True):
             shapes = str(e.input_shapes)
-            kind = ("head matmuls (vocab x width)" if e.key in ("aten::mm", "aten::addmm") and str(V) in shapes else
-                    "other matmuls (blocks, Newton-Schulz)" if e.key in ("aten::mm", "aten::addmm", "aten::bmm",
-                                                                        "aten::baddbmm") else
-                    "log-softmax, its backward, nll's zero-fill" if "softmax" in e.key or (e.key == "aten::fill_" and
-                                                                                           str(V) in shapes) else
+            kind = ("head matmuls (vocab x width)"
+                    if e.key in ("aten::mm", "aten::addmm") and str(V) in shapes else
+                    "other matmuls (blocks, Newton-Schulz)"
+                    if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") else
+                    "log-softmax, its backward, nll's zero-fill"
+                    if "softmax" in e.key or (e.key == "aten::fill_" and str(V) in shapes) else
                     "casts (autocast's copies)" if e.key in ("aten::copy_", "aten::_to_copy") else
-                    "attention (SDPA)" if "scaled_dot_product" in e.key else "the rest (elementwise, norms, rope, ...)")
+                    "attention (SDPA)" if "scaled_dot_product" in e.key
+                    else "the rest (elementwise, norms, rope, ...)")
             kinds[kind] = kinds.get(kind, 0.0) + e.self_cpu_time_total
         total = sum(kinds.values())
-        print(f"\n## profile: one step of the default job in one process ({tokens} tokens, {torch.get_num_threads()} "
-              f"threads, {str(dtype).removeprefix('torch.')}): {dt * 1000:.0f} ms (median of {len(times)}), MFU "
-              f"{mfu:.1%} of the measured {str(dtype).removeprefix('torch.')} matmul rate; self CPU time by kind")
+        print(f"\n## profile: one step of the default job in one process ({tokens} tokens, "
+              f"{torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}): "
+              f"{dt * 1000:.0f} ms (median of {len(times)}), MFU {mfu:.1%} of the measured "
+              f"{str(dtype).removeprefix('torch.')} matmul rate; self CPU time by kind")
         for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:<45} {t / total:6.1%}")
-    gs = [p.detach() for g in opt.param_groups if g["muon"] for p in g["params"]]  # Muon's matrices
+    # Muon's matrices
+    gs = [p.detach() for g in opt.param_groups if g["muon"] for p in g["params"]]
 
     def ns_ms(stacked, dtype=torch.float32):  # the median of 9
         times = []
         for _ in range(9):
             t0 = time.perf_counter()
-            optim.newton_schulz_each(gs, dtype) if stacked else [optim.newton_schulz(g, dtype=dtype) for g in gs]
+            (optim.newton_schulz_each(gs, dtype) if stacked
+             else [optim.newton_schulz(g, dtype=dtype) for g in gs])
             times.append(time.perf_counter() - t0)
         return sorted(times)[4] * 1000
     threads, ms = torch.get_num_threads(), {}
@@ -86,7 +95,8 @@ def table_profile(steps=5):
             ms[n, stacked] = ns_ms(stacked)
     torch.set_num_threads(threads)
     print(f"Muon's Newton-Schulz on the {len(gs)} matrices, per step: " + "; ".join(
-        f"{n} thread{'s' if n > 1 else ''}: {ms[n, True]:.1f} ms stacked by shape (optim.newton_schulz_each), "
-        f"{ms[n, False]:.1f} ms one by one" for n in sorted({threads, 1}))
+        f"{n} thread{'s' if n > 1 else ''}: {ms[n, True]:.1f} ms stacked by shape "
+        f"(optim.newton_schulz_each), {ms[n, False]:.1f} ms one by one"
+        for n in sorted({threads, 1}))
         + f"; in bfloat16, stacked, {threads} threads: {ns_ms(True, torch.bfloat16):.1f} ms "
         f"(float32 on a CPU: see optim.py)")

@@ -41,25 +41,31 @@ RACE_CKPT = 25
 RACE_TARGETS = (4.5, 4.25, 4.0)
 
 
-RACE = {"default (python train.py)": (1, {}),  # name: (processes, the keys it sets); run after nanoGPT
+# name: (processes, the keys it sets); run after nanoGPT
+RACE = {"default (python train.py)": (1, {}),
         "default, dtype=float32 (no bf16 autocast)": (1, dict(dtype="float32")),
         "default, torchrun with 2 processes": (2, {})}
 
 
-# nanoGPT's README "I only have a macbook" CPU recipe, on our default corpus (its vocabulary: 8,192);
-# always_save_checkpoint: its ckpt.pt is the model it ends with (not the one its estimate liked best)
-NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-               "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-               "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--always_save_checkpoint=True"]
+# nanoGPT's README "I only have a macbook" CPU recipe, on our default corpus
+# (its vocabulary: 8,192);
+# always_save_checkpoint: its ckpt.pt is the model it ends with
+# (not the one its estimate liked best)
+NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+               "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
+               "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+               "--lr_decay_iters=2000", "--dropout=0.0", "--always_save_checkpoint=True"]
 
 
 def timed_lines(cmd, patterns, **popen):
     """Runs cmd, timing its output from the launch: {name: [(seconds, *groups)]} for each line
     matching patterns[name], as the line is printed."""
     import re
-    env = {**popen.pop("env", os.environ), "PYTHONUNBUFFERED": "1"}  # each line when it is printed, not in 8 KB blocks
+    # each line when it is printed, not in 8 KB blocks
+    env = {**popen.pop("env", os.environ), "PYTHONUNBUFFERED": "1"}
     t0, rows = time.time(), {name: [] for name in patterns}
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen) as p:
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, **popen) as p:
         tail = []
         for line in p.stdout:
             tail = (tail + [line])[-20:]
@@ -68,14 +74,16 @@ def timed_lines(cmd, patterns, **popen):
                 if m:
                     rows[name].append((time.time() - t0, *m.groups()))
     if p.returncode or not all(rows.values()):
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({p.returncode}) or printed no {patterns}:\n" + "".join(tail))
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({p.returncode}) or printed no "
+                         f"{patterns}:\n" + "".join(tail))
     return rows
 
 
 def val_score(logits_of, tokens, block=64, batch=64):
     """The race's one evaluator: the mean cross-entropy (float32) of every target of every
     `block`-token block of `tokens` (x = tokens[i:i+block], y = the next token of each), for a
-    model given as logits_of(x, y) -> (B, T, vocab). The same blocks and arithmetic for both sides."""
+    model given as logits_of(x, y) -> (B, T, vocab). The same blocks and
+    arithmetic for both sides."""
     n = (len(tokens) - 1) // block
     idx = torch.from_numpy(tokens[:n * block + 1].astype("int64"))
     x, y = idx[:-1].view(n, block), idx[1:].view(n, block)
@@ -89,7 +97,8 @@ def val_score(logits_of, tokens, block=64, batch=64):
 
 def nanogpt_model(src, ckpt_path):
     """nanoGPT's model from its own ckpt.pt, built by its own model.py (imported under another
-    name: ours is `model` too). The checkpoint is read with weights_only=True (plain types and tensors)."""
+    name: ours is `model` too). The checkpoint is read with weights_only=True
+    (plain types and tensors)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(src, "model.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -102,32 +111,37 @@ def nanogpt_model(src, ckpt_path):
 
 def nanogpt_race(data_dir):
     """nanoGPT's own train.py with its README's CPU recipe on the prepared `data_dir`, timed from
-    launch, its final model scored by val_score: (seconds to its last evaluation's line, iterations,
-    the score, its own last estimate), or None when its files are not in ./nanogpt. It gets the
-    machine's threads (torch's default), as it would."""
+    launch, its final model scored by val_score: (seconds to its last evaluation's line,
+    iterations, the score, its own last estimate), or None when its files are not in ./nanogpt. It
+    gets the machine's threads (torch's default), as it would."""
     import pickle
     src = nanogpt_dir("train.py", "model.py", "configurator.py", NANOGPT_CPU[0])
     if src is None:
         return None
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"], TRAIN["val_fraction"])
+        prepare.prepare("stdlib", data_dir, TRAIN["tokenizer"], TRAIN["vocab_size"],
+                        TRAIN["val_fraction"])
     meta = guard_data.read_meta(data_dir)
     if meta["dtype"] != "uint16":
         raise SystemExit(f"nanoGPT reads uint16 tokens; {data_dir} holds {meta['dtype']}")
-    work = tempfile.mkdtemp(prefix="nanogpt_race_")  # its cwd: nanoGPT reads configurator.py and data/ from there
+    # its cwd: nanoGPT reads configurator.py and data/ from there
+    work = tempfile.mkdtemp(prefix="nanogpt_race_")
     for f in ("train.py", "model.py", "configurator.py", "config"):
         os.symlink(os.path.join(os.path.abspath(src), f), os.path.join(work, f))
     os.makedirs(os.path.join(work, "data", "race"))
     for split in ("train", "val"):
-        os.symlink(os.path.abspath(os.path.join(data_dir, f"{split}.bin")), os.path.join(work, "data", "race",
-                                                                                          f"{split}.bin"))
-    with open(os.path.join(work, "data", "race", "meta.pkl"), "wb") as f:  # the one thing nanoGPT reads besides the
-        pickle.dump({"vocab_size": meta["vocab_size"]}, f)                  # tokens (written here, read by it)
-    evals = timed_lines([sys.executable, "train.py", *NANOGPT_CPU, "--dataset=race", "--out_dir=out"],
+        os.symlink(os.path.abspath(os.path.join(data_dir, f"{split}.bin")),
+                   os.path.join(work, "data", "race", f"{split}.bin"))
+    # the one thing nanoGPT reads besides the tokens (written here, read by it)
+    with open(os.path.join(work, "data", "race", "meta.pkl"), "wb") as f:
+        pickle.dump({"vocab_size": meta["vocab_size"]}, f)
+    evals = timed_lines([sys.executable, "train.py", *NANOGPT_CPU,
+                         "--dataset=race", "--out_dir=out"],
                         {"eval": r"step (\d+): train loss [\d.]+, val loss ([\d.]+)"}, cwd=work,
                         env=default_threads_env())["eval"]
     model, iters = nanogpt_model(src, os.path.join(work, "out", "ckpt.pt"))
-    score = val_score(lambda x, y: model(x, y)[0], val_tokens(data_dir))  # with targets, nanoGPT returns every position's logits
+    # with targets, nanoGPT returns every position's logits
+    score = val_score(lambda x, y: model(x, y)[0], val_tokens(data_dir))
     shutil.rmtree(work)
     return evals[-1][0], iters, score, float(evals[-1][2])
 
@@ -136,7 +150,8 @@ def val_tokens(data_dir, cache={}):
     """The whole val split of a prepared dataset, as numpy tokens (read once)."""
     import numpy as np
     if data_dir not in cache:
-        cache[data_dir] = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=guard_data.read_meta(data_dir)["dtype"])
+        cache[data_dir] = np.fromfile(os.path.join(data_dir, "val.bin"),
+                                      dtype=guard_data.read_meta(data_dir)["dtype"])
     return cache[data_dir]
 
 
@@ -144,19 +159,23 @@ def our_race(out, procs, keys):
     """The default job (with `keys`) as the quickstart launches it, plus a checkpoint every
     RACE_CKPT iterations (all kept), each scored by val_score: [(seconds to its saved line, iter,
     score)], and the job's own evaluations [(seconds, iter, val loss)]."""
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
-    threads = {"OMP_NUM_THREADS": "1"} if procs > 1 else {}  # one process: torch's default, as nanoGPT's
+    launch = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+              if procs > 1 else [])
+    # one process: torch's default, as nanoGPT's
+    threads = {"OMP_NUM_THREADS": "1"} if procs > 1 else {}
     args = [f"{k}={v}" for k, v in {"ckpt_interval": RACE_CKPT, "keep_ckpts": 0, **keys}.items()]
-    lines = timed_lines([sys.executable, *launch, TRAIN_PY, f"out_dir={out}", "init_from=scratch", "sample_tokens=0",
-                         *args, *RUN_KEYS],
-                        {"ckpt": r"saved checkpoint (\S+)", "eval": r"iter (\d+): val loss ([\d.]+)"},
+    lines = timed_lines([sys.executable, *launch, TRAIN_PY, f"out_dir={out}",
+                         "init_from=scratch", "sample_tokens=0", *args, *RUN_KEYS],
+                        {"ckpt": r"saved checkpoint (\S+)",
+                         "eval": r"iter (\d+): val loss ([\d.]+)"},
                         env=default_threads_env(**threads))
     scored = []
     for seconds, path in lines["ckpt"]:
         model, meta = checkpoint.load_whole(path.rstrip(":"))
         model.eval()
-        scored.append((seconds, meta["iter"], val_score(lambda x, y: model(x)[0], val_tokens(meta["dataset"]),
-                                                        block=min(64, model.cfg.block_size))))  # (--smoke: 16)
+        scored.append((seconds, meta["iter"],
+                       val_score(lambda x, y: model(x)[0], val_tokens(meta["dataset"]),
+                                 block=min(64, model.cfg.block_size))))  # (--smoke: 16)
     return scored, [(s, int(i), float(v)) for s, i, v in lines["eval"]]
 
 
@@ -180,20 +199,25 @@ def table_race(recipes=None, extra=None):
     line: nanoGPT's final model's score."""
     recipes = {k: RACE[k] for k in recipes} if recipes else RACE
     root, data_dir = tempfile.mkdtemp(prefix="race_"), os.path.join("data", "stdlib")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)  # the recipes' out_dirs, also when a run fails
+    # the recipes' out_dirs, also when a run fails
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     load, loads = os.getloadavg()[0], {}  # the 1-minute load average before and after each side
-    nano = None if SMOKE else nanogpt_race(data_dir)  # (--smoke: minutes of nanoGPT, and data/ written where it runs)
+    # (--smoke: minutes of nanoGPT, and data/ written where it runs)
+    nano = None if SMOKE else nanogpt_race(data_dir)
     loads["nanoGPT"] = (load, os.getloadavg()[0])
     targets = RACE_TARGETS + ((nano[2],) if nano else ())
-    print(f"\n## race, scored alike: every side's model scored by one evaluator (mean cross-entropy over every "
-          f"64-token block of the whole val split, float32); time from launch; ours: a "
-          f"checkpoint every {RACE_CKPT} iterations (writes included), the crossing interpolated between two")
+    print("\n## race, scored alike: every side's model scored by one evaluator (mean "
+          "cross-entropy over every 64-token block of the whole val split, float32); time from "
+          f"launch; ours: a checkpoint every {RACE_CKPT} iterations (writes included), the "
+          "crossing interpolated between two")
     if nano:
-        print(f"nanoGPT's own train.py, README CPU recipe (1 process, its default threads): {nano[1]} iterations, "
-              f"final model scores {nano[2]:.4f} (its own estimate said {nano[3]:.4f}) at {nano[0]:.0f} s: the "
-              f"finish line; load average {loads['nanoGPT'][0]:.2f} before, {loads['nanoGPT'][1]:.2f} after")
+        print("nanoGPT's own train.py, README CPU recipe (1 process, its default threads): "
+              f"{nano[1]} iterations, final model scores {nano[2]:.4f} (its own estimate said "
+              f"{nano[3]:.4f}) at {nano[0]:.0f} s: the finish line; load average "
+              f"{loads['nanoGPT'][0]:.2f} before, {loads['nanoGPT'][1]:.2f} after")
     else:
-        print("(nanoGPT's train.py is not in ./nanogpt or $NANOGPT_DIR: no nanoGPT row, no finish line)")
+        print("(nanoGPT's train.py is not in ./nanogpt or $NANOGPT_DIR: no nanoGPT row, no "
+              "finish line)")
     print("| recipe | tokens/iter | iters | " + " | ".join(f"to {t:.4g}" for t in targets)
           + " | final score | total | load before/after |")
     print("|---|---|---|" + "---|" * len(targets) + "---|---|---|")
@@ -210,16 +234,18 @@ def table_race(recipes=None, extra=None):
         results[name] = (hits[-1], evals)
         print(f"| {name} | {tpi} | {cfg['max_iters']} | " + " | ".join(
             f"{h[0]:.0f} s (iter {h[1]:.0f})" if h else "-" for h in hits)
-            + f" | {scored[-1][2]:.4f} | {scored[-1][0]:.0f} s | {loads[name][0]:.2f} / {loads[name][1]:.2f} |",
+            + f" | {scored[-1][2]:.4f} | {scored[-1][0]:.0f} s | {loads[name][0]:.2f} / "
+              f"{loads[name][1]:.2f} |",
             flush=True)
         shutil.rmtree(out)
     if nano:
         print(f"to nanoGPT's final score {nano[2]:.4f}: nanoGPT {nano[0]:.0f} s; " + "; ".join(
             f"{name} {h[0]:.0f} s, {nano[0] / h[0]:.2f}x faster" if h else f"{name} never"
             for name, (h, _) in results.items()) + " (goal: 4x)")
-        print(f"\nnot comparable, for reference only: each side's OWN estimate (nanoGPT: 20 random val batches; ours: "
-              f"eval_iters fixed batches), time to the first estimate at or below nanoGPT's last estimate "
-              f"{nano[3]:.4f}: " + "; ".join(
-                  f"{name} " + next((f"{s:.0f} s (iter {i})" for s, i, v in evals if v <= nano[3]), "never")
+        print("\nnot comparable, for reference only: each side's OWN estimate (nanoGPT: 20 "
+              "random val batches; ours: eval_iters fixed batches), time to the first estimate at "
+              f"or below nanoGPT's last estimate {nano[3]:.4f}: " + "; ".join(
+                  f"{name} " + next((f"{s:.0f} s (iter {i})" for s, i, v in evals if v <= nano[3]),
+                                    "never")
                   for name, (_, evals) in results.items()))
     shutil.rmtree(root, ignore_errors=True)  # the recipes' out_dirs

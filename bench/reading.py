@@ -54,7 +54,8 @@ def reading_count(entry, funcs):
     The guard_*.py files are in the split, not in the total (reading_guards counts them)."""
     kept = []
     for t in sorted(set(map(tuple, funcs)), key=lambda t: (t[0], t[2], -t[3])):
-        if t[0] != "train.py" and not (kept and kept[-1][0] == t[0] and kept[-1][2] <= t[2] and t[3] <= kept[-1][3]):
+        if t[0] != "train.py" and not (kept and kept[-1][0] == t[0] and kept[-1][2] <= t[2]
+                                       and t[3] <= kept[-1][3]):
             kept.append(t)
     per_file = {}
     for f, name, a, b in kept:
@@ -71,21 +72,25 @@ def table_reading(functions=False):
     out = os.path.join(tempfile.mkdtemp(), "out")
     args = ["max_iters=1", "sample_tokens=0", "eval_interval=1000", f"out_dir={out}", *RUN_KEYS]
     root = ROOT
-    p = subprocess.run([sys.executable, "-c", READING_PROBE, root] + args, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", READING_PROBE, root] + args, capture_output=True,
+                       text=True)
     shutil.rmtree(os.path.dirname(out), ignore_errors=True)
     line = [x for x in p.stderr.splitlines() if x.startswith("READING ")]
     assert line, p.stderr[-2000:]
     res = json.loads(line[0][len("READING "):])
     print("## reading cost of one plain iteration: python train.py " + " ".join(args[:3]))
-    print(f"{'':28} | {'lines':>6} | {'guards':>6} | {'files':>5} | split per file (lines / functions)")
+    print(f"{'':28} | {'lines':>6} | {'guards':>6} | {'files':>5} | split per file (lines / "
+          "functions)")
     print("-" * 100)
-    for label, key in (("to the first optimizer step", "first"), ("the whole 1-iteration run", "run")):
+    for label, key in (("to the first optimizer step", "first"),
+                       ("the whole 1-iteration run", "run")):
         entry, funcs = res[key]
         total, per_file = reading_count(entry, funcs)
         split = [f"train.py 1-{entry}"] + [f"{f} {sum(b - a + 1 for _, a, b in v)}/{len(v)}"
                                             for f, v in sorted(per_file.items())]
         files = 1 + sum(not f.startswith("guard_") for f in per_file)
-        print(f"{label:28} | {total:6} | {reading_guards(per_file):6} | {files:5} | " + ", ".join(split))
+        print(f"{label:28} | {total:6} | {reading_guards(per_file):6} | {files:5} | "
+              + ", ".join(split))
         if functions:
             for f, v in sorted(per_file.items()):
                 print(f"    {f}: " + ", ".join(f"{n} {b - a + 1}" for n, a, b in v))

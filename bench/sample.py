@@ -16,9 +16,10 @@ def table_sample(batches=(1, 8), repeats=3):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MODEL)).to(device).eval()
     block = MODEL["block_size"]
-    print(f"\n## sampling (model.generate, temperature 0.8, top_k 50) from a 1-token prompt, the default model "
-          f"(block_size={block}), with and without the KV cache, best of {repeats}")
-    print(f"{'batch':>5} | {'new tokens':>10} | {'no cache tok/s':>14} | {'KV cache tok/s':>14} | {'speedup':>7}")
+    print("\n## sampling (model.generate, temperature 0.8, top_k 50) from a 1-token prompt, the "
+          f"default model (block_size={block}), with and without the KV cache, best of {repeats}")
+    print(f"{'batch':>5} | {'new tokens':>10} | {'no cache tok/s':>14} | {'KV cache tok/s':>14} | "
+          f"{'speedup':>7}")
     print("-" * 64)
     for batch in batches:
         for new in (block - 1, 2 * block):
@@ -28,10 +29,12 @@ def table_sample(batches=(1, 8), repeats=3):
                 for _ in range(repeats):
                     idx = torch.zeros(batch, 1, dtype=torch.long, device=device)
                     t0 = time.perf_counter()
-                    model.generate(idx, new, 0.8, 50, kv_cache=kv_cache).tolist()  # .tolist(): wait for the GPU
+                    # .tolist(): wait for the GPU
+                    model.generate(idx, new, 0.8, 50, kv_cache=kv_cache).tolist()
                     times.append(time.perf_counter() - t0)
                 rates[kv_cache] = batch * new / min(times)
             print(f"{batch:5} | {new:10} | {rates[False]:14,.0f} | {rates[True]:14,.0f} | "
                   f"{rates[True] / rates[False]:6.2f}x")
-    print(f"past block_size every step re-runs the last {block} tokens (their positions shift), with or without "
-          f"the cache: the second row of each batch mixes {block - 1} cached steps with {block + 1} full ones")
+    print(f"past block_size every step re-runs the last {block} tokens (their positions shift), "
+          f"with or without the cache: the second row of each batch mixes {block - 1} cached "
+          f"steps with {block + 1} full ones")

@@ -17,8 +17,10 @@ def single_row(grad_ckpt):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MODEL, grad_ckpt=grad_ckpt)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1), device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1),
+                      device=device)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     dt = median_step_time(model, opt, x, autocast)
     tokens = ACCUM * BATCH * MODEL["block_size"]
     peak = measure_matmul_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -32,10 +34,11 @@ def table_single():
     print(f"\n## single process: {cfg}, batch {BATCH} x {ACCUM} micro-steps "
           f"({BATCH * ACCUM * MODEL['block_size']} tokens/iter), median of {ITERS} iterations")
     rows = [in_subprocess("single", grad_ckpt=g) for g in (False, True)]
-    print(f"{'grad_ckpt':>9} | {'ms/iter':>8} | {'tokens/s':>9} | {'MFU':>6} | {'matmul peak':>12} | {'peak mem':>9}")
+    print(f"{'grad_ckpt':>9} | {'ms/iter':>8} | {'tokens/s':>9} | {'MFU':>6} | "
+          f"{'matmul peak':>12} | {'peak mem':>9}")
     print("-" * 68)
     for r in rows:
-        print(f"{str(r['grad_ckpt']):>9} | {r['ms_iter']:8.1f} | {r['tok_s']:9,.0f} | {r['mfu']:6.1%} | "
-              f"{r['peak_gflops']:7.1f} GF/s | {r['peak_mb']:6.0f} MB")
+        print(f"{str(r['grad_ckpt']):>9} | {r['ms_iter']:8.1f} | {r['tok_s']:9,.0f} | "
+              f"{r['mfu']:6.1%} | {r['peak_gflops']:7.1f} GF/s | {r['peak_mb']:6.0f} MB")
     print(f"model: {rows[0]['params_m']:.2f}M parameters; grad_ckpt=True costs "
           f"{rows[1]['ms_iter'] / rows[0]['ms_iter']:.2f}x the time (one more forward per block)")

@@ -2,8 +2,8 @@
 8,192 ids) through tiktoken, and with the same BPE exported as a tokenizer.json
 (hf.hf_tokenizer) read back by hf_tokenizer.load (how a model's tokenizer.json is read: its
 tiktoken twin where that is exact, as here) and through the `tokenizers` library alone,
-tokenizer_py.encode_batch on the machine's threads, best of 3: tokens/s and MB/s; the ids are checked
-equal."""
+tokenizer_py.encode_batch on the machine's threads, best of 3: tokens/s and MB/s; the ids are
+checked equal."""
 
 import copy
 import json
@@ -33,8 +33,8 @@ def table_tokenize(max_mb=30, repeats=3):
         if size > max_mb * 1e6:
             break
     threads = os.cpu_count() or 1
-    print(f"\n## encoding {len(texts)} files ({size / 1e6:.1f} MB) of the default corpus with cl100k_base/8192, "
-          f"tokenizer_py.encode_batch on {threads} threads, best of {repeats}")
+    print(f"\n## encoding {len(texts)} files ({size / 1e6:.1f} MB) of the default corpus with "
+          f"cl100k_base/8192, tokenizer_py.encode_batch on {threads} threads, best of {repeats}")
     print(f"{'backend':52} | {'tokens/s':>12} | {'MB/s':>6}")
     print("-" * 78)
     slow = copy.copy(ours)
@@ -43,10 +43,13 @@ def table_tokenize(max_mb=30, repeats=3):
     for label, e in (("tiktoken (cl100k_base/8192)", enc),
                      ("hf_tokenizer.load of its tokenizer.json (tiktoken twin)", ours),
                      ("the same, `tokenizers` alone (no twin)", slow)):
-        best = min(timed(lambda: got.__setitem__(label, tokenizer_py.encode_batch(e, texts, threads))) for _ in range(repeats))
+        best = min(
+            timed(lambda: got.__setitem__(label, tokenizer_py.encode_batch(e, texts, threads)))
+            for _ in range(repeats))
         n = sum(map(len, got[label]))
         print(f"{label:52} | {n / best:12,.0f} | {size / 1e6 / best:6.2f}")
-    assert ours.twin is not None and len(set(map(str, got.values()))) == 1, "the backends gave different ids"
+    assert (ours.twin is not None
+            and len(set(map(str, got.values()))) == 1), "the backends gave different ids"
 
 
 def timed(fn):

@@ -25,11 +25,12 @@ import workarounds
 
 # a tiny model and batch: a run of 20 iterations takes a few seconds on one core
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
-        "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5", "log_interval=1",
-        "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9", "sample_tokens=0", "optim=adamw",
-        "dtype=float32", "beta2=0.95"]
-# float32 on every CPU (dtype=auto picks bf16 on AVX512-BF16 ones, and layouts compare to float rounding);
-# beta2=0.95 (the default is 0.99): REFERENCE's grad norms then reach 0.87, so its clip clips
+        "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5",
+        "log_interval=1", "warmup_iters=2", "learning_rate=1e-2", "min_lr=1e-3", "peak_flops=1e9",
+        "sample_tokens=0", "optim=adamw", "dtype=float32", "beta2=0.95"]
+# float32 on every CPU (dtype=auto picks bf16 on AVX512-BF16 ones, and layouts compare to float
+# rounding); beta2=0.95 (the default is 0.99): REFERENCE's grad norms then reach 0.87,
+# so its clip clips
 
 
 # the run every layout must reproduce: 4 layers (so pp=4 has one per stage), 4 micro-batches,
@@ -44,16 +45,19 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_emb
 
 # a tiny Hugging Face LLaMA (the continual-pretraining and LoRA tests start from it), and the run
 # keys of TINY without the model's shape, which comes from the HF directory
-HF = dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+HF = dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+          rms_norm_eps=1e-5, tie_word_embeddings=False)
 RUN = [a for a in TINY if not a.startswith(("n_layer=", "n_head=", "n_kv_head=", "n_embd="))]
 
 # SFT on the chat dataset below: 4 layers, 4 micro-batches, document masking
-SFT = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=6", "doc_mask=True", "learning_rate=3e-3"]
+SFT = [*TINY, "n_layer=4", "grad_accum_steps=4", "max_iters=6", "doc_mask=True",
+       "learning_rate=3e-3"]
 
 
 def tiny_model(**kw):
-    """A small model in eval mode, the same weights every time (seed 0); kw overrides CFG-like fields."""
+    """A small model in eval mode, the same weights every time (seed 0);
+    kw overrides CFG-like fields."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     from model import ModelConfig, Transformer
@@ -100,7 +104,8 @@ def run_train(args, cwd, check=True, timeout=300, script="train.py", env=None, f
     p = subprocess.run([sys.executable, *cmd, *args], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        raise AssertionError(f"{script} {' '.join(args)} failed ({p.returncode}):\n"
+                             f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
 
 
@@ -136,8 +141,8 @@ def free_port():
 
 
 def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import torch
 
     import parallel
@@ -147,12 +152,13 @@ def _rank_entry(rank, world, port, fn, args, out_dir, pp, tp):
         torch.save(fn(mesh, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         parallel.teardown(mesh)
-    workarounds.exit_now()  # not through the interpreter's shutdown, where gloo's threads can abort
+    # not through the interpreter's shutdown, where gloo's threads can abort
+    workarounds.exit_now()
 
 
 def spawn(fn, world, *args, pp=1, tp=1, timeout=300):
-    """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp x tp grid); returns each rank's
-    result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
+    """Runs fn(mesh, *args) on `world` real gloo processes (a dp x pp x tp grid); returns each
+    rank's result (tensors, dicts, lists, numbers). fn must live at module level so the spawned
     processes can import it. Ranks still running after `timeout` seconds are killed and the test
     fails: ranks of all_to_all exchanges whose splits disagree once waited 18 minutes, past gloo's
     timeout."""
@@ -162,24 +168,29 @@ def spawn(fn, world, *args, pp=1, tp=1, timeout=300):
     import torch
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out_dir:
-        ranks = mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out_dir, pp, tp), nprocs=world,
-                                   start_method="spawn", join=False)
+        ranks = mp.start_processes(_rank_entry,
+                                   args=(world, free_port(), fn, args, out_dir, pp, tp),
+                                   nprocs=world, start_method="spawn", join=False)
         deadline = time.monotonic() + timeout
         while not ranks.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 for p in ranks.processes:
                     p.kill()
-                raise TimeoutError(f"spawn: {fn.__name__} on {world} ranks still running after {timeout} s (a hang)")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(world)]
+                raise TimeoutError(f"spawn: {fn.__name__} on {world} ranks still running after "
+                                   f"{timeout} s (a hang)")
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True)
+                for r in range(world)]
 
 
 # what every rank of a train.py run imports (torch, torch._dynamo through the optimizers, DCP,
 # the project): ~4.5 s of CPU per process on this machine, against well under a second of
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build", "checkpoint", "common",
-           "guard_errors", "guard_files", "guard_config", "guard_data", "guard_dist", "guard_ckpt", "configurator", "data", "data_parallel", "fsdp", "hf", "lora", "mixture", "model", "optim", "origin", "parallel",
-           "pipeline", "prepare", "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds", "zero",
-           "moe", "expert_parallel", "hf_moe"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build",
+           "checkpoint", "common", "guard_errors", "guard_files", "guard_config", "guard_data",
+           "guard_dist", "guard_ckpt", "configurator", "data", "data_parallel", "fsdp", "hf",
+           "lora", "mixture", "model", "optim", "origin", "parallel", "pipeline", "prepare",
+           "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds",
+           "zero", "moe", "expert_parallel", "hf_moe"]
 
 
 def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
@@ -194,7 +205,8 @@ def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.update(env, **({} if rank is None else dict(RANK=str(rank), LOCAL_RANK=str(rank))))
-    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (torch read the variable when the forkserver imported it)
+    # OMP_NUM_THREADS=1 (torch read the variable when the forkserver imported it)
+    torch.set_num_threads(1)
     os.chdir(cwd)
     faults.install()
     if before is not None:
@@ -207,13 +219,15 @@ def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-    except BaseException:  # as the interpreter: the excepthook (train.py's: one error line), exit 1
+    except BaseException:
+        # as the interpreter: the excepthook (train.py's: one error line), exit 1
         sys.excepthook(*sys.exc_info())
         code = 1
     workarounds.exit_now(code)
 
 
-def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None, env=None, plain=False):
+def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None, env=None,
+             plain=False):
     """train.py on nproc gloo ranks on CPU. Each rank is a fork of a process that has imported
     torch and the project once (PRELOAD) and runs train.py top to bottom given RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as srun or mpirun would (rank 0 hosts
@@ -226,9 +240,11 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
     environment (FAULT_*: the faults of tests/faults.py). plain: one process without RANK and
     the rest (run_train(fork=True))."""
     if agent:
-        script = os.path.join(ROOT, "tests", "faults.py") if env else os.path.join(ROOT, "train.py")
+        script = (os.path.join(ROOT, "tests", "faults.py") if env
+                  else os.path.join(ROOT, "train.py"))
         return run_train(["--standalone", f"--nproc_per_node={nproc}", script, *args],
-                         cwd, check=check, timeout=timeout, script="-m torch.distributed.run", env=env)
+                         cwd, check=check, timeout=timeout, script="-m torch.distributed.run",
+                         env=env)
     import multiprocessing
     import tempfile
     import time
@@ -238,18 +254,22 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
                                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **dist_env, **(env or {})}
     with tempfile.TemporaryDirectory() as logs:
-        files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
-        procs = [ctx.Process(target=_rank_main, args=(None if plain else r, env, args, str(cwd), *files[r], before))
+        files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
+                 for r in range(nproc)]
+        procs = [ctx.Process(target=_rank_main,
+                             args=(None if plain else r, env, args, str(cwd), *files[r], before))
                  for r in range(nproc)]
         deadline, code, why = time.time() + timeout, 0, ""
         try:
             for p in procs:
                 p.start()
-            while any(p.exitcode is None for p in procs):  # like torchrun: one rank failing ends the others
+            # like torchrun: one rank failing ends the others
+            while any(p.exitcode is None for p in procs):
                 failed = [p for p in procs if p.exitcode]
                 if (failed or time.time() > deadline) and not code:
-                    code, why = (failed[0].exitcode, f"rank {procs.index(failed[0])} exited with "
-                                 f"{failed[0].exitcode}") if failed else (-9, f"timed out after {timeout} s")
+                    code, why = ((failed[0].exitcode, f"rank {procs.index(failed[0])} exited with "
+                                  f"{failed[0].exitcode}")
+                                 if failed else (-9, f"timed out after {timeout} s"))
                     break
                 time.sleep(0.05)
         finally:  # a failure, a timeout or an interrupted test: no rank outlives the call
@@ -274,7 +294,8 @@ def torchrun(nproc, args, cwd, check=True, timeout=300, agent=False, before=None
 def reference_run(dataset, tmp_path_factory):
     """metrics.jsonl of the REFERENCE config trained by one plain process."""
     out = str(tmp_path_factory.mktemp("reference") / "run")
-    run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out), fork=True)
+    run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}"], cwd=os.path.dirname(out),
+              fork=True)
     return read_metrics(out)
 
 
@@ -282,10 +303,12 @@ def assert_same_curve(a, b, exact=False, rtol=3e-4):
     """b reproduces a: every train line (loss, grad norm) and every val loss that a logged. b may
     hold extra val lines: a run stopped early evaluates at its end, which is kept on resume.
     A compiled run against an eager one needs rtol=1e-3: inductor fuses kernels and rounds
-    differently (measured: 1.3e-4 on one grad norm of REFERENCE, compiled vs eager, one process)."""
+    differently (measured: 1.3e-4 on one grad norm of REFERENCE, compiled vs eager,
+    one process)."""
     for key in ("loss", "grad_norm", "val_loss"):
         la, lb = ({r["iter"]: r[key] for r in rows if key in r} for rows in (a, b))
-        assert la and (set(la) <= set(lb) if key == "val_loss" else set(la) == set(lb)), (key, sorted(la), sorted(lb))
+        assert la and (set(la) <= set(lb) if key == "val_loss"
+                       else set(la) == set(lb)), (key, sorted(la), sorted(lb))
         va, vb = [la[i] for i in sorted(la)], [lb[i] for i in sorted(la)]
         if exact:
             assert va == vb, key

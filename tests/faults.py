@@ -25,8 +25,10 @@ def nan_at(first, steps=1):
 
 
 def install():
-    """Patches model.py and checkpoint.py as the environment asks (nothing when it asks nothing)."""
-    nan_at, nan_steps = int(os.environ.get("FAULT_NAN_AT", -1)), int(os.environ.get("FAULT_NAN_STEPS", 1))
+    """Patches model.py and checkpoint.py as the environment asks
+    (nothing when it asks nothing)."""
+    nan_at, nan_steps = (int(os.environ.get("FAULT_NAN_AT", -1)),
+                         int(os.environ.get("FAULT_NAN_STEPS", 1)))
     delay_s = float(os.environ.get("FAULT_SAVE_DELAY_S", 0))
     if nan_at >= 0:
         poison_loss(nan_at, nan_steps)

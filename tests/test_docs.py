@@ -48,17 +48,22 @@ def keys_of(source, stop):
 
 def train_keys():
     body = ast.parse(read("train.py")).body
-    is_setup = lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sys.excepthook"  # noqa: E731
-    return keys_of([n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))], is_setup)
+    is_setup = lambda n: (isinstance(n, ast.Assign)  # noqa: E731
+                          and ast.unparse(n.targets[0]) == "sys.excepthook")
+    return keys_of([n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))],
+                   is_setup)
 
 
 def sample_keys():
-    main = next(n for n in ast.parse(read("sample.py")).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    return keys_of(main.body, lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "defaults")
+    main = next(n for n in ast.parse(read("sample.py")).body
+                if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return keys_of(main.body,
+                   lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "defaults")
 
 
 def doc_table(text, heading):
-    """{key: default text} of the `| key | default | what it does |` rows under `heading` (up to the next ## heading)."""
+    """{key: default text} of the `| key | default | what it does |` rows under `heading` (up to
+    the next ## heading)."""
     section = text.split(heading, 1)[1]
     section = re.split(r"\n## ", section, maxsplit=1)[0]
     rows = re.findall(r"^\| *`?([a-z_0-9]+)`? *\| *`([^`]*)` *\|", section, flags=re.M)
@@ -78,13 +83,15 @@ def test_every_key_is_documented_with_its_default(which):
     extra = sorted(set(documented) - set(keys))
     assert not extra, f"docs/configuration.md documents keys {which} does not have: {extra}"
     wrong = {k: (documented[k], repr(v)) for k, v in keys.items() if documented[k] != repr(v)}
-    assert not wrong, f"defaults in docs/configuration.md that differ from {which} (doc, code): {wrong}"
+    assert not wrong, (f"defaults in docs/configuration.md that differ from {which} (doc, code): "
+                       f"{wrong}")
 
 
 def test_the_compatibility_matrix_is_the_refusal_table():
     doc = read("docs/configuration.md")
     table = guard_config.refusals_markdown()
-    assert table in doc, "docs/configuration.md's '## Refused combinations' must hold guard_config.refusals_markdown():\n" + table
+    assert table in doc, ("docs/configuration.md's '## Refused combinations' must hold "
+                          "guard_config.refusals_markdown():\n" + table)
     names = [name for name, _, _ in guard_config.REFUSALS]
     assert len(names) == len(set(names)) and all(f"| {n} |" in doc for n in names)
 
@@ -96,7 +103,8 @@ def test_readme_is_a_map_that_names_every_file():
     missing = [f for f in files if f"`{f}`" not in readme]
     assert not missing, f"README.md's file map lacks {missing}"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
-        assert os.path.isfile(os.path.join(ROOT, link)), f"README.md links to {link}, which does not exist"
+        assert os.path.isfile(os.path.join(ROOT, link)), \
+            f"README.md links to {link}, which does not exist"
 
 
 def anchors(text):
@@ -115,7 +123,8 @@ def test_every_link_of_the_docs_resolves():
     """Each relative link of README.md and docs/*.md names a file that exists and, with a
     #part, a heading of that file (as GitHub renders it): a section that moves takes its
     links along."""
-    pages = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+    pages = ["README.md"] + [os.path.join("docs", f)
+                             for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
                              if f.endswith(".md")]
     broken = []
     for page in pages:
@@ -163,12 +172,15 @@ def test_the_files_stand_on_floors_as_the_readme_says():
     for m in sorted(deps):
         floor_of(m)
     assert max(floor.values()) <= 8, floor
-    assert not deps["common"] and not deps["checkpoint"] & {"zero", "lora", "tensor_parallel", "fsdp", "pipeline"}
+    assert (not deps["common"]
+            and not deps["checkpoint"] & {"zero", "lora", "tensor_parallel", "fsdp", "pipeline"})
     section = read("README.md").split("### How the files stand")[1].split("\n## ")[0]
     said = {f: int(row[0]) for row in re.findall(r"^\| (\d+) \| (.*?) \|", section, re.M)
             for f in re.findall(r"`(\w+)\.py`", row[1])}
-    wrong = {f"{f}.py": (said.get(f), floor.get(f)) for f in set(said) | set(floor) if said.get(f) != floor.get(f)}
-    assert not wrong, f"README.md's 'How the files stand' puts files on other floors (README's, the real): {wrong}"
+    wrong = {f"{f}.py": (said.get(f), floor.get(f)) for f in set(said) | set(floor)
+             if said.get(f) != floor.get(f)}
+    assert not wrong, ("README.md's 'How the files stand' puts files on other floors (README's, "
+                       f"the real): {wrong}")
 
 
 def test_the_reading_cost_counts_each_line_once():
@@ -178,17 +190,20 @@ def test_the_reading_cost_counts_each_line_once():
     lines of another file does, train.py's own
     functions are inside its lines already, and one seen twice counts once."""
     from bench.reading import reading_count
-    funcs = [("model.py", "forward", 10, 29), ("model.py", "inner", 12, 15), ("model.py", "forward", 10, 29),
-             ("optim.py", "step", 40, 40), ("train.py", "evaluate", 300, 310), ("model.py", "other", 40, 41)]
+    funcs = [("model.py", "forward", 10, 29), ("model.py", "inner", 12, 15),
+             ("model.py", "forward", 10, 29), ("optim.py", "step", 40, 40),
+             ("train.py", "evaluate", 300, 310), ("model.py", "other", 40, 41)]
     total, per_file = reading_count(100, funcs)
     assert total == 100 + 20 + 2 + 1
-    assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)], "optim.py": [("step", 40, 40)]}
+    assert per_file == {"model.py": [("forward", 10, 29), ("other", 40, 41)],
+                        "optim.py": [("step", 40, 40)]}
 
 
 def test_every_python_block_of_the_docs_runs():
     """The docs' Python blocks all sit on docs/finetuning.md, whose workflow test runs each as
     written (tests/test_tokenizer.py); a block on another page needs a test that runs it."""
-    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+    pages = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                             if f.endswith(".md")]
     counts = {page: read(page).count("```python") for page in pages}
     assert {p: n for p, n in counts.items() if n} == {"docs/finetuning.md": 3}, counts
 
@@ -198,16 +213,22 @@ def test_what_the_docs_commands_write_is_git_ignored():
     (out_dir=, export_hf=, export_lora=, export=, --out) is ignored by git: a user who follows
     them keeps a clean checkout."""
     import subprocess
-    texts = [read(p) for p in ["README.md", *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")),
+    texts = [read(p) for p in ["README.md",
+                               *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))
+                                 if f.endswith(".md")),
                                *(f"config/{f}" for f in os.listdir(os.path.join(ROOT, "config")))]]
-    texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in os.listdir(ROOT) if f.endswith(".py")]
+    texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in os.listdir(ROOT)
+              if f.endswith(".py")]
     written = r"(out_dir|export_hf|export_lora|export|--out)(?:=| = |(?<=--out) )(['\"]?[\w./-]+)"
     found = {(k, v.strip("'\"")) for t in texts for k, v in re.findall(written, t)}
-    paths = sorted(v + ("" if k == "export" else "/") for k, v in found  # directories, but export='s file
+    # directories, but export='s file
+    paths = sorted(v + ("" if k == "export" else "/") for k, v in found
                    if v not in ("DIR", "D", "x") and not v.startswith(("/", "{")))
-    assert {"out/", "runs/sft_hf/", "runs/lora_adapter/", "out/model.pt"} <= set(paths), paths  # the scan works
-    p = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths], cwd=ROOT,
-                       capture_output=True, text=True)
+    # the scan works
+    assert {"out/", "runs/sft_hf/", "runs/lora_adapter/", "out/model.pt"} <= set(paths), paths
+    p = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths], cwd=ROOT,
+        capture_output=True, text=True)
     missing = [line.split("\t")[1] for line in p.stdout.splitlines() if line.startswith("::")]
     assert p.returncode in (0, 1) and not missing, f"not git-ignored: {missing}"
 
@@ -216,7 +237,9 @@ def test_the_hostile_tables_count_is_the_tables():
     """docs/tests.md says how many cases the hostile-input table holds and which issues they
     come from: the table's own count, so that a row added there is counted here."""
     import test_hostile
-    row = next(line for line in read("docs/tests.md").splitlines() if line.startswith("| `test_hostile.py` |"))
-    assert f" {len(test_hostile.CASES)} crafted files and arguments" in row, len(test_hostile.CASES)
+    row = next(line for line in read("docs/tests.md").splitlines()
+               if line.startswith("| `test_hostile.py` |"))
+    assert f" {len(test_hostile.CASES)} crafted files and arguments" in row, \
+        len(test_hostile.CASES)
     for issue in sorted({n for n, *_ in test_hostile.CASES if n > 10}):
         assert f"Numbered {issue}," in row, issue

@@ -30,7 +30,8 @@ QUESTIONS = [
     # the space moves to the choice; a choice of more bytes than characters
     {"context": "import ", "choices": ["os", "os.path as p", "héllo wörld"], "answer": 1},
     # cut from the left
-    {"context": "for i in range(10):\n" * 6 + "    print(", "choices": ["i)", "'done')"], "answer": 0},
+    {"context": "for i in range(10):\n" * 6 + "    print(",
+     "choices": ["i)", "'done')"], "answer": 0},
     {"context": "", "choices": [" the end", " a beginning"], "answer": 1},
 ]
 
@@ -84,7 +85,8 @@ def test_acc_and_acc_norm_are_the_definitions_worked_by_hand(tmp_path):
         {"context": "q2", "choices": ["x", "y", "z"], "answer": 2}]), enc, 16)
     assert task.bytes == [2, 11, 2, 1, 1, 1, 1]
     lls = [-2.0, -5.0, -3.0, -2.0, -1.0, -1.0, -0.5]
-    # q0: acc picks " a" (-2 > -5), wrong; acc_norm -2/2 = -1 < -5/11 = -0.45: " bbbbbbbbbb", right.
+    # q0: acc picks " a" (-2 > -5), wrong; acc_norm -2/2 = -1 < -5/11 = -0.45:
+    # " bbbbbbbbbb", right.
     # q1: acc picks "e" (-2 > -3), wrong; acc_norm "é" is 2 bytes (1 character): -1.5 > -2, right.
     # q2: both pick "z" (-0.5), right.
     s = evals.scores(task, lls)
@@ -140,7 +142,8 @@ def test_the_run_logs_bits_per_byte_and_task_scores_and_sample_py_agrees(dataset
                   cwd=tmp_path, script="sample.py")
     val_line, task_line = p.stdout.splitlines()[-2:]
     last = evals_[-1]
-    want = f"made acc {last['task/made/acc']:.4f} acc_norm {last['task/made/acc_norm']:.4f} (8 questions)"
+    want = (f"made acc {last['task/made/acc']:.4f} acc_norm {last['task/made/acc_norm']:.4f} (8 "
+            "questions)")
     assert want in task_line, (want, task_line)
     assert " bits/byte)" in val_line
     found = re.search(r" (\S+) \(\S+ target tokens, (\S+) bits/byte\)", val_line)
@@ -160,11 +163,14 @@ def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
     assert meta["eot_token"] in targets
     text = enc.decode_bytes([t for t in targets if t != meta["eot_token"]])
     assert evals.split_bytes(dataset, 32, enc) == (len(targets), len(text))
-    lengths = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base", 512, ["<|user|>", "kubernetes"]))
+    lengths = evals.byte_lengths(
+        tokenizer_py.get_tokenizer("cl100k_base", 512, ["<|user|>", "kubernetes"]))
     # <|endoftext|> and a role token are no text; a domain word added as a token is
     assert lengths[511] == 0 and lengths[512] == 0 and lengths[513] == len("kubernetes")
-    full = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base"))  # ids between its tokens: none
-    assert len(full) == 100277 and full[100256] == full[100257] == 0 and full[:256].tolist() == [1] * 256
+    # ids between its tokens: none
+    full = evals.byte_lengths(tokenizer_py.get_tokenizer("cl100k_base"))
+    assert (len(full) == 100277 and full[100256] == full[100257] == 0
+            and full[:256].tolist() == [1] * 256)
 
 
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
@@ -173,27 +179,33 @@ def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts
     asks; a file of another benchmark is one line naming the row."""
     import pyarrow
     import pyarrow.parquet as pq
-    hellaswag = {"activity_label": "Making a cake", "ctx_a": "She mixes the flour.", "ctx_b": "then she",
-                 "endings": ["bakes it [title] Enjoy.", "eats  the bowl."], "label": "0", "split": "val"}
+    hellaswag = {"activity_label": "Making a cake", "ctx_a": "She mixes the flour.",
+                 "ctx_b": "then she", "endings": ["bakes it [title] Enjoy.", "eats  the bowl."],
+                 "label": "0", "split": "val"}
     (tmp_path / "h.jsonl").write_text(json.dumps(hellaswag) + "\n")
     arc = {"id": "x", "question": "Which is a gas?", "answerKey": "C",
            "choices": {"text": ["rock", "water", "steam"], "label": ["A", "B", "C"]}}
     pq.write_table(pyarrow.Table.from_pylist([arc, arc]), tmp_path / "arc.parquet")
-    (tmp_path / "p.jsonl").write_text(json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "sing",
-                                                  "label": 0}) + "\n")
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "sing", "label": 0}) + "\n")
     for kind, src in (("hellaswag", "h.jsonl"), ("arc", "arc.parquet"), ("piqa", "p.jsonl")):
         evals.convert([kind, str(tmp_path / src), str(tmp_path / f"{kind}.jsonl")])
-    read = lambda kind: [json.loads(line) for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]  # noqa
+    read = lambda kind: [json.loads(line)  # noqa
+                         for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]
     assert read("hellaswag") == [{"context": "Making a cake: She mixes the flour. Then she",
-                                  "choices": [" bakes it. Enjoy.", " eats the bowl."], "answer": 0}]
-    assert read("arc") == [{"context": "Question: Which is a gas?\nAnswer:", "choices": [" rock", " water", " steam"],
-                            "answer": 2}] * 2
-    assert read("piqa") == [{"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"], "answer": 0}]
+                                  "choices": [" bakes it. Enjoy.", " eats the bowl."],
+                                  "answer": 0}]
+    assert read("arc") == [{"context": "Question: Which is a gas?\nAnswer:",
+                            "choices": [" rock", " water", " steam"], "answer": 2}] * 2
+    assert read("piqa") == [
+        {"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"], "answer": 0}]
     assert "arc.jsonl: 2 arc questions" in capsys.readouterr().out
-    evals.Task(str(tmp_path / "arc.jsonl"), tokenizer_py.get_tokenizer("cl100k_base", 512), 16)  # a valid task
+    # a valid task
+    evals.Task(str(tmp_path / "arc.jsonl"), tokenizer_py.get_tokenizer("cl100k_base", 512), 16)
     with pytest.raises(UserError, match=r"h.jsonl:1: not a piqa record \(KeyError: 'goal'\)"):
         evals.convert(["piqa", str(tmp_path / "h.jsonl"), str(tmp_path / "x.jsonl")])
-    with pytest.raises(UserError, match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
+    with pytest.raises(UserError,
+                       match=re.escape("usage: python evals.py hellaswag|arc|piqa IN OUT")):
         evals.convert(["mmlu", "a", "b"])
     with pytest.raises(UserError, match="missing.jsonl is not a file: give the arc file"):
         evals.convert(["arc", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")])
@@ -211,12 +223,14 @@ def test_a_model_tokenizers_token_bytes_are_its_texts(tmp_path, family):
     for text in ["Héllo wörld, 日本語 🚀 code:\n\tx = 1  # ü", "plain ascii words"]:
         ids = tokenizer_py.encode(enc, text)
         want = (" " if family == "mistral" else "") + text
-        assert b"".join(enc.decode_single_token_bytes(i) for i in ids) == want.encode(), (family, text)
+        assert (b"".join(enc.decode_single_token_bytes(i) for i in ids)
+                == want.encode()), (family, text)
         assert lengths[ids].sum() == len(want.encode())
     assert lengths[enc.eot_token] == 0
 
 
-def test_a_datasets_token_bytes_are_its_tokenizers_and_hostile_ones_are_one_line(dataset, chat_dataset, tmp_path):
+def test_a_datasets_token_bytes_are_its_tokenizers_and_hostile_ones_are_one_line(
+        dataset, chat_dataset, tmp_path):
     """prepare.py writes token_bytes.npy (what train.py's bits per byte reads without building a
     tokenizer): equal to byte_lengths of the tokenizer the data was made with, chat tokens
     included; a damaged or foreign one is one line, and an older dataset without it is None."""
@@ -225,7 +239,8 @@ def test_a_datasets_token_bytes_are_its_tokenizers_and_hostile_ones_are_one_line
         want = evals.byte_lengths(tokenizer_py.tokenizer_from_meta(meta))
         assert guard_data.read_token_bytes(d, meta["vocab_size"]).tolist() == want.tolist()
     assert guard_data.read_token_bytes(str(tmp_path), 512) is None
-    for bad, match in ((np.ones(7, np.int32), "not 512 byte counts"), (np.full(512, -1), "not 512 byte counts"),
+    for bad, match in ((np.ones(7, np.int32), "not 512 byte counts"),
+                       (np.full(512, -1), "not 512 byte counts"),
                        (np.array([{"a": 1}], dtype=object), "cannot be read")):
         np.save(tmp_path / "token_bytes.npy", bad)
         with pytest.raises(UserError, match=match):

@@ -7,7 +7,8 @@ import math
 import shutil
 
 import torch
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, tiny_model, torchrun
+from conftest import (REFERENCE, assert_same_curve, read_metrics, run_train, spawn, tiny_model,
+                      torchrun)
 from test_parallel import CLIP_CFG, clip_batch, clip_model_grads
 
 import data_parallel
@@ -53,7 +54,8 @@ def test_scaler_equals_torch_grad_scaler_step_by_step():
         for model in (ours_model, torch_model):
             with torch.autocast("cpu", dtype=torch.float16):
                 _, loss = model(x, y)
-            losses.append(loss * 2.0 ** 40 if forced.get(step) == "huge" else loss)  # backward overflows fp16
+            # backward overflows fp16
+            losses.append(loss * 2.0 ** 40 if forced.get(step) == "huge" else loss)
         (losses[0] * ours.scale).backward()
         ref.scale(losses[1]).backward()
         for model in (ours_model, torch_model):
@@ -61,8 +63,9 @@ def test_scaler_equals_torch_grad_scaler_step_by_step():
                 poison(model, step, forced[step])
         assert ours.unscale_(ours_model.parameters(), losses[0]) == losses[0] / ours.scale
         ref.unscale_(opts[1])
-        # train.py's verdict: the norm of the unscaled gradients is not finite (the clip is torch's on both
-        # sides, so that the weights compare bit for bit; parallel.clip_grad_norm_ is test_parallel's)
+        # train.py's verdict: the norm of the unscaled gradients is not finite (the clip is torch's
+        # on both sides, so that the weights compare bit for bit;
+        # parallel.clip_grad_norm_ is test_parallel's)
         found_inf = not math.isfinite(torch.nn.utils.clip_grad_norm_(ours_model.parameters(), 1.0))
         torch_norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
         if not found_inf:
@@ -70,7 +73,8 @@ def test_scaler_equals_torch_grad_scaler_step_by_step():
         ref.step(opts[1])
         ours.update(found_inf)
         ref.update()
-        assert ours.scale == ref.get_scale() and ours.growth_tracker == ref._get_growth_tracker(), step
+        assert (ours.scale == ref.get_scale()
+                and ours.growth_tracker == ref._get_growth_tracker()), step
         assert found_inf == (not math.isfinite(torch_norm)), step
         for a, b in zip(ours_model.parameters(), torch_model.parameters()):
             assert torch.equal(a, b), step
@@ -78,8 +82,8 @@ def test_scaler_equals_torch_grad_scaler_step_by_step():
             opt.zero_grad(set_to_none=True)
         skips.append(found_inf)
         scales.append(ours.scale)
-    # the run did what it is for: every forced step overflowed and nothing else did, and the scale both
-    # backed off and grew
+    # the run did what it is for: every forced step overflowed and nothing else did, and the scale
+    # both backed off and grew
     assert [i for i, s in enumerate(skips) if s] == sorted(forced), skips
     steps = list(zip(scales, scales[1:]))
     assert any(b < a for a, b in steps) and any(b > a for a, b in steps), scales
@@ -134,14 +138,17 @@ def verdicts_over_dp(mesh):
                 clip_model_grads(fsdp.fully_shard_model(model, mesh), rows)
                 params = list(model.parameters())
                 if inf:
-                    poison_last_rank(mesh, [p.grad.to_local() for p in params if p.grad.to_local().numel()])
+                    poison_last_rank(
+                        mesh, [p.grad.to_local() for p in params if p.grad.to_local().numel()])
             else:
                 ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[-1]))
                 clip_model_grads(ddp, rows).wait()
-                params = zero.ZeroOptimizer(ddp, [{"params": list(model.parameters())}], lr=1e-3).params
+                params = zero.ZeroOptimizer(ddp, [{"params": list(model.parameters())}],
+                                            lr=1e-3).params
                 if inf:
                     poison_last_rank(mesh, [p.grad for p in params])
-            finite.append(math.isfinite(parallel.clip_grad_norm_(params, 1.0, mesh, sharded=kind.startswith("zero"))))
+            finite.append(math.isfinite(
+                parallel.clip_grad_norm_(params, 1.0, mesh, sharded=kind.startswith("zero"))))
         out[kind] = tuple(finite)
     return out
 
@@ -152,7 +159,8 @@ def verdicts_over_tp_and_pp(mesh):
     finite = []
     for inf in (False, True):
         torch.manual_seed(0)
-        model = clip_model_grads(tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CLIP_CFG)), mesh))
+        model = clip_model_grads(
+            tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CLIP_CFG)), mesh))
         mine = [p for n, p in model.named_parameters()
                 if n.startswith(("tok_embeddings.", "layers.0.")) == mesh.first_stage]
         if inf:
@@ -174,11 +182,12 @@ def test_one_inf_in_one_ranks_part_is_seen_by_every_rank():
 # scales stay 4x below it, where every layout's rounding agrees on the verdict). The NaN guard
 # is set to stop at its first incident: an overflow must not count as one. learning_rate=5e-4:
 # see RTOL_FP16.
-FP16 = [*REFERENCE, "dtype=float16", "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125",
+FP16 = [*REFERENCE, "dtype=float16", "loss_scale_init=1099511627776.0",
+        "loss_scale_backoff=0.00048828125",
         "loss_scale_interval=3", "lr_decay_iters=8", "nan_max_consecutive=1", "nan_action=stop",
         "learning_rate=5e-4", "min_lr=5e-5"]
-SCALES = {0: 2.0 ** 29, 1: 2.0 ** 18, 2: 2.0 ** 18, 3: 2.0 ** 18, 4: 2.0 ** 19, 5: 2.0 ** 19, 6: 2.0 ** 19,
-          7: 2.0 ** 20}  # after each iteration
+SCALES = {0: 2.0 ** 29, 1: 2.0 ** 18, 2: 2.0 ** 18, 3: 2.0 ** 18, 4: 2.0 ** 19, 5: 2.0 ** 19,
+          6: 2.0 ** 19, 7: 2.0 ** 20}  # after each iteration
 # A layout against the single process, both in fp16, and fp16 against float32: fp16 autocast
 # rounds each matmul's output to 11 significant bits (relative 2**-11 at most; the sums inside
 # run in float32), float32 does not, and a layout rounds elsewhere (tp: two half sums, each
@@ -204,8 +213,9 @@ def fp16_rows(out):
 def worst(a, b):
     """The largest relative difference of run b from run a over a's losses, grad norms and val
     losses (b may hold extra val lines: a run stopped early evaluates at its end)."""
-    values = [{(r["iter"], "val_loss" in r, k): r[k] for r in rows for k in ("loss", "grad_norm", "val_loss")
-               if r.get(k) is not None} for rows in (a, b)]
+    values = [
+        {(r["iter"], "val_loss" in r, k): r[k] for r in rows
+         for k in ("loss", "grad_norm", "val_loss") if r.get(k) is not None} for rows in (a, b)]
     assert values[0] and set(values[0]) <= set(values[1])
     return max(abs(values[1][i] - x) / abs(x) for i, x in values[0].items())
 
@@ -221,19 +231,21 @@ def test_fp16_layouts_equal_the_single_process(dataset, tmp_path):
     run_train([*FP16, f"dataset={dataset}", f"out_dir={single}"], cwd=tmp_path, fork=True)
     want, scales, skipped = fp16_rows(single)
     assert scales == SCALES and skipped == [0, 1], (scales, skipped)
-    run_train([*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "nan_max_consecutive=3"], cwd=tmp_path,
-              script="tests/faults.py", env=faults.nan_at(0, 2))
-    print(f"\nfp16 vs float32, one process: worst relative difference {worst(read_metrics(f32), want):.1e}")
-    assert_same_curve([r for r in read_metrics(f32) if "skipped" not in r], [r for r in want if "skipped" not in r],
-                      rtol=RTOL_FP16)
+    run_train(
+        [*FP16, f"dataset={dataset}", f"out_dir={f32}", "dtype=float32", "nan_max_consecutive=3"],
+        cwd=tmp_path, script="tests/faults.py", env=faults.nan_at(0, 2))
+    print("\nfp16 vs float32, one process: worst relative difference "
+          f"{worst(read_metrics(f32), want):.1e}")
+    assert_same_curve([r for r in read_metrics(f32) if "skipped" not in r],
+                      [r for r in want if "skipped" not in r], rtol=RTOL_FP16)
     for name, layout in (("zero2-tp2", ["zero=2", "tp=2"]), ("fsdp-pp2", ["fsdp=True", "pp=2"])):
         out = str(tmp_path / name)
         torchrun(4, [*FP16, f"dataset={dataset}", f"out_dir={out}", *layout], cwd=tmp_path)
         rows, got_scales, got_skipped = fp16_rows(out)
         assert (got_scales, got_skipped) == (scales, skipped), name
         print(f"\nfp16 {name} vs one process: worst relative difference {worst(want, rows):.1e}")
-        assert_same_curve([r for r in want if "skipped" not in r], [r for r in rows if "skipped" not in r],
-                          rtol=RTOL_FP16)
+        assert_same_curve([r for r in want if "skipped" not in r],
+                          [r for r in rows if "skipped" not in r], rtol=RTOL_FP16)
 
 
 def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
@@ -248,12 +260,15 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
               fork=True)
     moved = str(tmp_path / "moved")
     shutil.copytree(stopped, moved)
-    # the state as meta.json holds it, read as hostile: a scale below its floor of 1 or past float32 is refused
+    # the state as meta.json holds it, read as hostile:
+    # a scale below its floor of 1 or past float32 is refused
     ckpt = f"{stopped}/ckpt/iter_0000004"
     meta = json.load(open(f"{ckpt}/meta.json"))
-    assert meta["loss_scale"] == {"scale": 2.0 ** 18, "growth_tracker": 2} and check_meta(meta, ckpt) is None
+    assert (meta["loss_scale"] == {"scale": 2.0 ** 18, "growth_tracker": 2}
+            and check_meta(meta, ckpt) is None)
     for bad in ({"scale": 0.5, "growth_tracker": 2}, {"scale": 1e39, "growth_tracker": 2},
-                {"scale": "65536", "growth_tracker": 2}, {"scale": 2.0, "growth_tracker": -1}, {"scale": 2.0}):
+                {"scale": "65536", "growth_tracker": 2}, {"scale": 2.0, "growth_tracker": -1},
+                {"scale": 2.0}):
         assert "loss_scale" in check_meta({**meta, "loss_scale": bad}, ckpt), bad
     run_train([*FP16, f"dataset={dataset}", f"out_dir={stopped}"], cwd=tmp_path, fork=True)
     want, scales, skipped = fp16_rows(whole)
@@ -263,9 +278,10 @@ def test_fp16_resume_is_exact_and_goes_into_another_layout(dataset, tmp_path):
     torchrun(2, [*FP16, f"dataset={dataset}", f"out_dir={moved}"], cwd=tmp_path)
     rows, got_scales, got_skipped = fp16_rows(moved)
     assert (got_scales, got_skipped) == (scales, skipped)
-    print(f"\nfp16 resumed on dp=2 vs one process: worst relative difference {worst(want, rows):.1e}")
-    assert_same_curve([r for r in want if "skipped" not in r], [r for r in rows if "skipped" not in r],
-                      rtol=RTOL_FP16)
+    print("\nfp16 resumed on dp=2 vs one process: worst relative difference "
+          f"{worst(want, rows):.1e}")
+    assert_same_curve([r for r in want if "skipped" not in r],
+                      [r for r in rows if "skipped" not in r], rtol=RTOL_FP16)
 
 
 def test_fp16_nan_loss_is_the_nan_guards_not_an_overflow(dataset, tmp_path):
@@ -274,14 +290,17 @@ def test_fp16_nan_loss_is_the_nan_guards_not_an_overflow(dataset, tmp_path):
     A rollback takes the checkpoint's scale back with its weights: NaNs at 5 and 6 back the
     scale off to its floor of 1, and the run rolled back to iteration 4 goes on from 2**18 (and
     the two clean steps counted there) as the uninterrupted run did."""
-    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={tmp_path / 'nan'}"], cwd=tmp_path, script="tests/faults.py",
-                  env=faults.nan_at(3), check=False)
+    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={tmp_path / 'nan'}"], cwd=tmp_path,
+                  script="tests/faults.py", env=faults.nan_at(3), check=False)
     assert p.returncode != 0 and "iter 3: non-finite loss nan" in p.stdout, p.stdout[-2000:]
-    assert p.stderr.strip().splitlines()[-1].startswith("error: 1 iterations in a row (up to 3) had a non-finite")
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "error: 1 iterations in a row (up to 3) had a non-finite")
     out = str(tmp_path / "rollback")
-    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={out}", "nan_max_consecutive=2", "nan_action=rollback",
-                   "ckpt_interval=4"], cwd=tmp_path, script="tests/faults.py", env=faults.nan_at(5, 2))
+    p = run_train([*FP16, f"dataset={dataset}", f"out_dir={out}",
+                   "nan_max_consecutive=2", "nan_action=rollback", "ckpt_interval=4"],
+                  cwd=tmp_path, script="tests/faults.py", env=faults.nan_at(5, 2))
     assert "rolled back to" in p.stdout, p.stdout[-2000:]
     rows, scales, _ = fp16_rows(out)
-    assert scales == {i: SCALES[i] for i in (0, 1, 2, 3, 4)} | {7: 2.0 ** 19}, scales  # 7: one clean step on
+    # 7: one clean step on
+    assert scales == {i: SCALES[i] for i in (0, 1, 2, 3, 4)} | {7: 2.0 ** 19}, scales
     assert [r["iter"] for r in rows if r.get("skipped") == "known bad batch"] == [5, 6]

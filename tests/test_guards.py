@@ -22,8 +22,8 @@ def returns_nothing():
         tree = ast.parse(open(path).read())
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and not any(
-                    isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom)) and getattr(n, "value", None) is not None
-                    for n in ast.walk(node)):
+                    isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom))
+                    and getattr(n, "value", None) is not None for n in ast.walk(node)):
                 out.setdefault(os.path.basename(path)[:-3], []).append(node.name)
     return out
 

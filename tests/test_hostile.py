@@ -48,11 +48,12 @@ from optim import AdamW
 
 @pytest.fixture(scope="module")
 def base(dataset, tmp_path_factory):
-    """A tiny run with checkpoints at iterations 2 and 4, a tiny HF directory and a PEFT adapter."""
+    """A tiny run with checkpoints at iterations 2 and 4,
+    a tiny HF directory and a PEFT adapter."""
     root = tmp_path_factory.mktemp("hostile")
     out = str(root / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=4", "ckpt_interval=2", "keep_ckpts=0",
-               "eval_interval=100"], cwd=str(root))
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=4", "ckpt_interval=2",
+               "keep_ckpts=0", "eval_interval=100"], cwd=str(root))
     cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -61,8 +62,8 @@ def base(dataset, tmp_path_factory):
     lora.save_peft_lora(str(root / "adapter"), model, {"rank": 4, "alpha": 8.0, "dropout": 0.0,
                                                        "targets": ["wq", "wv"], "base": {}})
     defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
-    return {"root": str(root), "run": out, "data": dataset, "defaults": defaults, "hf": str(root / "hf"),
-            "adapter": str(root / "adapter")}
+    return {"root": str(root), "run": out, "data": dataset, "defaults": defaults,
+            "hf": str(root / "hf"), "adapter": str(root / "adapter")}
 
 
 def copy(src, dst):
@@ -167,7 +168,8 @@ def moe_export(bias=0.0, **changes):
 
 def moe_meta_on_dense_tensors(b, tmp):
     """The run's checkpoint whose meta.json says 4 experts a layer: its tensors have none."""
-    out = damaged("meta.json", in_place(lambda m: {**m, "model": {**m["model"], "n_experts": 4}}))(b, tmp)
+    out = damaged("meta.json",
+                  in_place(lambda m: {**m, "model": {**m["model"], "n_experts": 4}}))(b, tmp)
     return lambda: checkpoint.load_whole(os.path.join(out, "ckpt", "iter_0000004"))
 
 
@@ -182,8 +184,9 @@ def hf_config(**changes):
 def hf_shape_error_in_its_names(b, tmp):
     """A config.json whose heads do not divide its width: the line names config.json's keys."""
     d = copy(b["hf"], os.path.join(tmp, "hf"))
-    edit_json(os.path.join(d, "config.json"), lambda c: {**{k: v for k, v in c.items() if k != "head_dim"},
-                                                         "num_attention_heads": 7})
+    edit_json(os.path.join(d, "config.json"),
+              lambda c: {**{k: v for k, v in c.items() if k != "head_dim"},
+                         "num_attention_heads": 7})
 
     def load():
         return hf.hf_index(d)
@@ -207,7 +210,8 @@ def hf_config_raw(text):
 def hf_weight_map(target):
     def make(b, tmp):
         d = copy(b["hf"], os.path.join(tmp, "hf"))
-        names = list(hf_safetensors.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
+        names = list(
+            hf_safetensors.read_safetensors_header(os.path.join(d, "model.safetensors"))[1])
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {n: target for n in names}}, f)
         return lambda: hf.hf_index(d)
@@ -225,14 +229,15 @@ def hf_relabelled(b, tmp):
     return lambda: hf.hf_index(d)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def adapter(**changes):
     def make(b, tmp):
         d = copy(b["adapter"], os.path.join(tmp, "adapter"))
-        edit_json(os.path.join(d, "adapter_config.json"), lambda c: {**c, **changes} if changes else
+        edit_json(os.path.join(d, "adapter_config.json"),
+                  lambda c: {**c, **changes} if changes else
                   '{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}')
         return lambda: lora.load_peft_lora(d)
     return make
@@ -278,13 +283,15 @@ def torch_save(obj):
 
 def nan_weights(b, tmp):
     mesh = parallel.setup("cpu")
-    model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    model = Transformer(
+        ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
     opt = AdamW(model.parameters())
     with torch.no_grad():
         model.norm.weight.fill_(math.nan)
-    meta = {"iter": 1, "model": asdict(model.cfg), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
-    return lambda: checkpoint.save(os.path.join(tmp, "nan"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
-                                   meta, mesh, 0)
+    meta = {"iter": 1, "model": asdict(model.cfg),
+            "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
+    return lambda: checkpoint.save(os.path.join(tmp, "nan"), 1, model, opt,
+                                   {"rng_cpu": [torch.get_rng_state()]}, meta, mesh, 0)
 
 
 def eval_nan_weights(b, tmp):
@@ -440,8 +447,8 @@ def nan_checkpoint(b, tmp):
     import torch.distributed.checkpoint as dcp
     md = guard_ckpt.read_dcp_metadata(path)
     state = {"model": checkpoint.trainable_state(model)}
-    opt = {k.removeprefix("optim."): torch.zeros(tuple(v.size)) for k, v in md.state_dict_metadata.items()
-           if k.startswith("optim.")}
+    opt = {k.removeprefix("optim."): torch.zeros(tuple(v.size))
+           for k, v in md.state_dict_metadata.items() if k.startswith("optim.")}
     for n in os.listdir(path):
         if n.endswith(".distcp") or n == ".metadata":
             os.remove(os.path.join(path, n))
@@ -482,7 +489,8 @@ def full_disk(b, tmp):
 
 def full_disk_save(b, tmp):
     mesh = parallel.setup("cpu")
-    model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    model = Transformer(
+        ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
     opt = AdamW(model.parameters())
 
     def call():
@@ -492,7 +500,8 @@ def full_disk_save(b, tmp):
             raise OSError(28, os.strerror(28))
         os.fsync = enospc
         try:
-            checkpoint.save(os.path.join(tmp, "s"), 1, model, opt, {"rng_cpu": [torch.get_rng_state()]},
+            checkpoint.save(os.path.join(tmp, "s"), 1, model, opt,
+                            {"rng_cpu": [torch.get_rng_state()]},
                             {"iter": 1, "model": asdict(model.cfg), "config": {}}, mesh, 0)
         except UserError as e:
             assert "No space left on device" in str(e), e
@@ -509,7 +518,8 @@ def sample_args(*args):
 
 
 def sample_export_into(key, rel):
-    """sample.py {key}= a path of the run it reads (a copy under tmp/out): the run must stay whole."""
+    """sample.py {key}= a path of the run it reads (a copy under tmp/out):
+    the run must stay whole."""
     def make(b, tmp):
         run = copy(b["run"], os.path.join(tmp, "out", "run"))
 
@@ -524,7 +534,8 @@ def sample_export_into(key, rel):
 
 
 def sample_export_over(kind):
-    """sample.py export= a FIFO or a link (as /dev/full, which root would replace): never replaced."""
+    """sample.py export= a FIFO or a link (as /dev/full, which root would replace):
+    never replaced."""
     def make(b, tmp):
         os.makedirs(os.path.join(tmp, "out"))
         path = os.path.join(tmp, "out", "w.pt")
@@ -548,7 +559,8 @@ def in_tmp(**paths):
 
 
 def prepare_workers(b, tmp):
-    return lambda: prepare.prepare("stdlib", os.path.join(tmp, "d"), "cl100k_base", 512, workers=-3, verbose=False)
+    return lambda: prepare.prepare("stdlib", os.path.join(tmp, "d"), "cl100k_base", 512,
+                                   workers=-3, verbose=False)
 
 
 def tempered_weights_stay_finite(b, tmp):
@@ -557,7 +569,8 @@ def tempered_weights_stay_finite(b, tmp):
 
 
 def linked_files_prepared_once(b, tmp):
-    """A glob whose files include links to others of it (Debian's common-licenses: GPL -> GPL-3)."""
+    """A glob whose files include links to others of it (Debian's common-licenses:
+    GPL -> GPL-3)."""
     def call():
         src = os.path.join(tmp, "out", "src")  # (tmp/out: where a case may write)
         os.makedirs(src)
@@ -565,8 +578,8 @@ def linked_files_prepared_once(b, tmp):
             with open(os.path.join(src, f"doc{i}.txt"), "w") as f:
                 f.write(f"text number {i} " * 50)
             os.symlink(f"doc{i}.txt", os.path.join(src, f"link{i}.txt"))
-        meta = prepare.prepare(os.path.join(src, "*.txt"), os.path.join(tmp, "out", "d"), "cl100k_base", 512,
-                               val_fraction=0.5, verbose=False)
+        meta = prepare.prepare(os.path.join(src, "*.txt"), os.path.join(tmp, "out", "d"),
+                               "cl100k_base", 512, val_fraction=0.5, verbose=False)
         return meta["train_docs"] + meta["val_docs"] == 8
     return call
 
@@ -588,8 +601,9 @@ def ranks_die_with_launcher(b, tmp):
         import time
         marker = os.path.join(tmp, "alive")
         code = (f"import os, sys, time; sys.path.insert(0, {ROOT!r}); import parallel; "
-                f"pid = os.fork()\nif pid == 0:\n    parallel.die_with_parent()\n    time.sleep(3)\n"
-                f"    open({marker!r}, 'w').close()\n    os._exit(0)\nelse:\n    print(pid, flush=True); time.sleep(30)")
+                "pid = os.fork()\nif pid == 0:\n    parallel.die_with_parent()\n"
+                f"    time.sleep(3)\n    open({marker!r}, 'w').close()\n    os._exit(0)\nelse:\n"
+                "    print(pid, flush=True); time.sleep(30)")
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         p.stdout.readline()  # the child is forked
         p.kill()
@@ -601,13 +615,16 @@ def ranks_die_with_launcher(b, tmp):
 
 def busy_out_dir_under_torchrun(b, tmp):
     out = os.path.join(tmp, "busy")
-    fd = guard_files.lock_out_dir(out)  # this process holds it: the run's rank 0 refuses, rank 1 must stay silent
+    # this process holds it: the run's rank 0 refuses, rank 1 must stay silent
+    fd = guard_files.lock_out_dir(out)
     guard_files._made.clear()
     return ("torchrun", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=2"], out, fd)
 
 
 def refused_run(b, tmp):
-    return ("train.py", [*TINY, f"dataset={os.path.join(tmp, 'missing')}", f"out_dir={os.path.join(tmp, 'new')}"],
+    return ("train.py",
+            [*TINY, f"dataset={os.path.join(tmp, 'missing')}",
+             f"out_dir={os.path.join(tmp, 'new')}"],
             os.path.join(tmp, "new"), None)
 
 
@@ -615,19 +632,22 @@ def symlinked_lock_run(b, tmp):
     out = os.path.join(tmp, "out")
     os.makedirs(out)
     os.symlink(os.path.join(tmp, "outside.txt"), os.path.join(out, ".lock"))
-    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"], out, None)
+    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"],
+            out, None)
 
 
 def symlinked_config_run(b, tmp):
     out = os.path.join(tmp, "out")
     os.makedirs(out)
     os.symlink(os.path.join(tmp, "outside.txt"), os.path.join(out, "config.json"))
-    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"], out, None)
+    return ("train.py", [*TINY, f"dataset={b['data']}", f"out_dir={out}", "max_iters=1"],
+            out, None)
 
 
 U16 = np.array([1, 2, 3], dtype=np.int16).tobytes()
 def bad_tokenizer(text, name="tokenizer.json"):
-    """A Hugging Face tokenizer file of `text` (hf_tokenizer.load reads it for init_from= a model directory)."""
+    """A Hugging Face tokenizer file of `text` (hf_tokenizer.load reads it for init_from= a
+    model directory)."""
     def make(b, tmp):
         os.makedirs(os.path.join(tmp, "tok"))
         path = os.path.join(tmp, "tok", name)
@@ -641,25 +661,31 @@ BPE = {"model": {"type": "BPE", "vocab": {}, "merges": []}, "normalizer": None}
 
 
 def added(i, content):
-    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-            "special": True}
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
 
 
 # a tokenizer.json that `tokenizers` reads: 3 vocabulary tokens, "<eos>" added at id 3
-TINY_BPE = {**BPE, "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<eos>": 3}, "merges": ["a b"]},
+TINY_BPE = {**BPE,
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<eos>": 3},
+                      "merges": ["a b"]},
             "added_tokens": [added(3, "<eos>")]}
 
 
 def bos_template(ids, defined=True):
-    """TINY_BPE with a post-processor that puts <bos> (of `ids`; defined=False: named, not defined) first."""
+    """TINY_BPE with a post-processor that puts <bos> (of `ids`; defined=False: named,
+    not defined) first."""
     def side(*seqs):
-        return [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, *({"Sequence": {"id": s, "type_id": 0}} for s in seqs)]
+        return [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                *({"Sequence": {"id": s, "type_id": 0}} for s in seqs)]
     special = {"<bos>": {"id": "<bos>", "ids": ids, "tokens": ["<bos>"]}} if defined else {}
 
     def make(b, tmp):
-        model = {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4}}  # (the text it wraps: "x")
+        # (the text it wraps: "x")
+        model = {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4}}
         load = bad_tokenizer(json.dumps({**TINY_BPE, "model": model, "post_processor": {
-            "type": "TemplateProcessing", "single": side("A"), "pair": side("A", "B"), "special_tokens": special}}))(b, tmp)
+            "type": "TemplateProcessing", "single": side("A"), "pair": side("A", "B"),
+            "special_tokens": special}}))(b, tmp)
         with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
             json.dump({"eos_token": "<eos>"}, f)
         return load
@@ -677,7 +703,8 @@ def bad_tokenizer_config_for(tj):
 
 
 def bad_added_tokens(*tokens):
-    return bad_tokenizer(json.dumps({**TINY_BPE, "added_tokens": [added(3, "<eos>"), *(added(*t) for t in tokens)]}))
+    return bad_tokenizer(json.dumps(
+        {**TINY_BPE, "added_tokens": [added(3, "<eos>"), *(added(*t) for t in tokens)]}))
 
 
 def bad_tokenizer_config(config):
@@ -686,8 +713,9 @@ def bad_tokenizer_config(config):
         load = bad_tokenizer(json.dumps(TINY_BPE))(b, tmp)
         with open(os.path.join(tmp, "tok", "tokenizer_config.json"), "w") as f:
             json.dump({"eos_token": "<eos>", **config}, f)
-        assert hf_tokenizer.load(os.path.join(tmp, "tok", "tokenizer.json")) if "bos_token" not in config and \
-            "add_bos_token" not in config else True  # the file alone is fine: the config is the fault
+        # the file alone is fine: the config is the fault
+        assert (hf_tokenizer.load(os.path.join(tmp, "tok", "tokenizer.json"))
+                if "bos_token" not in config and "add_bos_token" not in config else True)
         return load
     return make
 
@@ -703,7 +731,8 @@ def exported_tokenizer(change, text=None):
             with open(os.path.join(tmp, "tok", name), "w") as f:
                 json.dump(obj, f)
         path = os.path.join(tmp, "tok", "tokenizer.json")
-        return lambda: hf_tokenizer.load(path) if text is None else hf_tokenizer.load(path).encode(text)
+        return (lambda: hf_tokenizer.load(path) if text is None
+                else hf_tokenizer.load(path).encode(text))
     return make
 
 
@@ -713,7 +742,8 @@ def byte_fallback_on_byte_level(b, tmp):
     the file without the flag does."""
     text = "naïve café, 日本語 🙂 \x00\t"
     loads = [exported_tokenizer(change, text)(b, os.path.join(tmp, name)) for name, change in (
-        ("plain", lambda tj: None), ("flag", lambda tj: tj["model"].update(byte_fallback=True, fuse_unk=True)))]
+        ("plain", lambda tj: None),
+        ("flag", lambda tj: tj["model"].update(byte_fallback=True, fuse_unk=True)))]
     return lambda: loads[0]() == loads[1]() != []
 
 
@@ -749,7 +779,8 @@ def naming(part, make):
 
 
 def bad_extra_tokens(raw):
-    """An extra-tokens file (train.py extra_tokens=, prepare.py --extra_tokens) of the bytes `raw`."""
+    """An extra-tokens file (train.py extra_tokens=,
+    prepare.py --extra_tokens) of the bytes `raw`."""
     def make(b, tmp):
         path = os.path.join(tmp, "words.txt")
         with open(path, "wb") as f:
@@ -769,7 +800,8 @@ def sample_unverified_ckpt(b, tmp):
     """sample.py ckpt= a checkpoint whose file no longer matches its manifest's hash."""
     run = copy(b["run"], os.path.join(tmp, "out"))
     ckpt = os.path.join(run, "ckpt", "iter_0000004")
-    with open(os.path.join(ckpt, next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))), "r+b") as f:
+    with open(os.path.join(ckpt, next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))),
+              "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xfe")
     return lambda: sample.main([f"ckpt={ckpt}", f"export={os.path.join(tmp, 'out', 'w.pt')}"])
@@ -779,7 +811,8 @@ def data_asked(**asked):
     """A run that gives val_fraction= or data_source= other than the prepared data's."""
     def make(b, tmp):
         c = {"val_fraction": 0.2, "data_source": "", **asked}
-        return lambda: guard_data.check_made_as_asked(b["data"], c, asked)  # train.py's prepared() asks this
+        # train.py's prepared() asks this
+        return lambda: guard_data.check_made_as_asked(b["data"], c, asked)
     return make
 
 
@@ -790,13 +823,15 @@ CASES = [
     (2, "metrics.jsonl symlink", "raises", lock_with("symlink", "metrics.jsonl")),
     (2, ".lock symlink, whole run", "run", symlinked_lock_run),
     (2, "config.json symlink, whole run", "run", symlinked_config_run),
-    (3, "empty manifest and 0xFF in a .distcp", "fallback", damaged("manifest.json", distcp_ff_and_empty_manifest)),
+    (3, "empty manifest and 0xFF in a .distcp", "fallback",
+     damaged("manifest.json", distcp_ff_and_empty_manifest)),
     (3, "manifest without sha256", "fallback", damaged("manifest.json", in_place(
         lambda m: {"files": {n: {"bytes": w["bytes"]} for n, w in m["files"].items()}}))),
     (3, "manifest leaves a file out", "fallback", damaged("manifest.json", in_place(
         lambda m: {"files": {n: w for n, w in m["files"].items() if n != "state.pt"}}))),
     (4, "learning_rate=1e999", "raises", validated(learning_rate=float("inf"))),
-    (4, "phase lr_scale=1e999", "raises", validated(datasets="a:1,b:1", phases=[(0, {"a": 1.0}, float("inf"))])),
+    (4, "phase lr_scale=1e999", "raises",
+     validated(datasets="a:1,b:1", phases=[(0, {"a": 1.0}, float("inf"))])),
     (4, "rms_norm_eps=-1", "raises", hf_config(rms_norm_eps=-1)),
     (4, "rope_theta=0", "raises", hf_config(rope_theta=0)),
     (4, "rope_theta=1e-300", "raises", hf_config(rope_theta=1e-300)),
@@ -815,27 +850,36 @@ CASES = [
         lambda m: {k: v for k, v in m.items() if k != "model"}))),
     (6, "meta.json with an extra model key", "fallback", damaged("meta.json", in_place(
         lambda m: {**m, "model": {**m["model"], "extra": 1}}))),
-    (6, "meta.json iter -7", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": -7}))),
-    (6, "meta.json rope_original_len 10**20", "fallback", damaged("meta.json", in_place(  # (an OverflowError)
-        lambda m: {**m, "model": {**m["model"], "rope_type": "llama3", "rope_original_len": 10 ** 20}}))),
+    (6, "meta.json iter -7", "fallback",
+     damaged("meta.json", in_place(lambda m: {**m, "iter": -7}))),
+    # (an OverflowError)
+    (6, "meta.json rope_original_len 10**20", "fallback", damaged("meta.json", in_place(
+        lambda m: {**m, "model": {**m["model"], "rope_type": "llama3",
+                                  "rope_original_len": 10 ** 20}}))),
     (6, "meta.json rope_theta 1e-300", "fallback", damaged("meta.json", in_place(  # (trained NaN)
         lambda m: {**m, "model": {**m["model"], "rope_theta": 1e-300}}))),
-    (6, "meta.json rope_factor 0", "fallback", damaged("meta.json", in_place(  # (NaN rotary tables)
+    # (NaN rotary tables)
+    (6, "meta.json rope_factor 0", "fallback", damaged("meta.json", in_place(
         lambda m: {**m, "model": {**m["model"], "rope_type": "linear", "rope_factor": 0.0}}))),
-    (6, "meta.json iter 10**30", "fallback", damaged("meta.json", in_place(lambda m: {**m, "iter": 10 ** 30}))),
-    (7, "int16 data with -1", "raises", bad_dataset("dtype", "int16", "train", np.full(99, -1, np.int16).tobytes())),
+    (6, "meta.json iter 10**30", "fallback",
+     damaged("meta.json", in_place(lambda m: {**m, "iter": 10 ** 30}))),
+    (7, "int16 data with -1", "raises",
+     bad_dataset("dtype", "int16", "train", np.full(99, -1, np.int16).tobytes())),
     (7, "empty val.bin", "raises", bad_dataset(None, None, "val", b"")),
     (7, "vocab_size '8192'", "raises", bad_dataset("vocab_size", "8192")),
     (7, "float32 data with NaN", "raises", bad_dataset("dtype", "float32", "train",
                                                        np.full(99, np.nan, np.float32).tobytes())),
-    (8, "deep JSON in a dataset's meta.json", "raises", bad_dataset("extra", json.loads("[" * 100 + "]" * 100))),
-    (8, "5000-digit integer in config.json", "raises", hf_config_raw('{"vocab_size": ' + "9" * 5000 + "}")),
+    (8, "deep JSON in a dataset's meta.json", "raises",
+     bad_dataset("extra", json.loads("[" * 100 + "]" * 100))),
+    (8, "5000-digit integer in config.json", "raises",
+     hf_config_raw('{"vocab_size": ' + "9" * 5000 + "}")),
     (8, "seed=-1", "raises", validated(seed=-1)),
     (8, "seed=2**64", "raises", validated(seed=2 ** 64)),
     (8, "device=mps on Linux", "raises", validated(device="mps")),
     (8, "pp_layers=²,2", "raises", validated(pp_layers="²,2")),
     (8, "prepare.py --workers -3", "raises", prepare_workers),
-    (8, "sample.py export= into a missing directory", "raises", sample_args("export=/nonexistent/dir/w.pt")),
+    (8, "sample.py export= into a missing directory",
+     "raises", sample_args("export=/nonexistent/dir/w.pt")),
     (8, ".lock a directory", "raises", lock_with("dir")),
     (8, ".lock a FIFO", "raises", lock_with("fifo")),
     (8, "config.json a directory", "raises", lock_with("dir", "config.json")),
@@ -847,22 +891,36 @@ CASES = [
     (8, "n_embd=10**6", "raises", validated(n_embd=2 ** 20, n_head=2 ** 10, n_kv_head=2 ** 10)),
     (8, "eval_iters=10**7", "raises", validated(eval_iters=10 ** 7)),
     (8, "tokenizer.json: deep JSON", "raises", bad_tokenizer("[" * 100000 + "]" * 100000)),
-    (8, "tokenizer.json: a 5000-digit integer", "raises", bad_tokenizer('{"model": ' + "9" * 5000 + "}")),
-    (8, "tokenizer.json: pre_tokenizer not an object", "raises", bad_tokenizer(json.dumps({**BPE, "pre_tokenizer": 5}))),
-    (8, "tokenizer.json: a template naming no defined token", "raises", bos_template([0], defined=False)),  # (a panic)
-    (8, "tokenizer.json: a template adding id 5000 of 5", "raises", bos_template([5000])),  # (written into the data)
+    (8, "tokenizer.json: a 5000-digit integer", "raises",
+     bad_tokenizer('{"model": ' + "9" * 5000 + "}")),
+    (8, "tokenizer.json: pre_tokenizer not an object", "raises",
+     bad_tokenizer(json.dumps({**BPE, "pre_tokenizer": 5}))),
+    (8, "tokenizer.json: a template naming no defined token",
+     "raises", bos_template([0], defined=False)),  # (a panic)
+    # (written into the data)
+    (8, "tokenizer.json: a template adding id 5000 of 5", "raises", bos_template([5000])),
     (8, "tokenizer.json: an added token without an id", "raises", bad_tokenizer(json.dumps(
-        {**BPE, "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": [{"content": "<x>"}, {"content": "<y>"}]}))),
-    (8, "tokenizer.model: a 5000-digit rank", "raises", bad_tokenizer("IQ== " + "9" * 5000 + "\n", "tokenizer.model")),
+        {**BPE, "pre_tokenizer": {"type": "ByteLevel"},
+         "added_tokens": [{"content": "<x>"}, {"content": "<y>"}]}))),
+    (8, "tokenizer.model: a 5000-digit rank", "raises",
+     bad_tokenizer("IQ== " + "9" * 5000 + "\n", "tokenizer.model")),
     (8, "tokenizer.json: an added token with id -3", "raises", bad_added_tokens((-3, "<x>"))),
-    (9, "tokenizer.json: an added token reuses another's id", "raises", bad_added_tokens((4, "<x>"), (4, "<y>"))),
-    (9, "tokenizer.json: an added token reuses a vocabulary id", "raises", bad_added_tokens((2, "<x>"))),
-    (9, "tokenizer.json: an added token far past the others", "raises", bad_added_tokens((5000, "<x>"))),
-    (9, "tokenizer.json: an added token past a gap of ids", "raises", bad_added_tokens((9, "<x>"))),
-    (9, "tokenizer_config.json: an unknown bos_token", "raises", bad_tokenizer_config({"bos_token": "<nope>"})),
-    (9, "tokenizer_config.json: add_bos_token \"yes\"", "raises", bad_tokenizer_config({"add_bos_token": "yes"})),
-    (8, "tokenizer.model: a rank listed twice", "raises", bad_tokenizer("IQ== 0\nIg== 0\n", "tokenizer.model")),
-    (8, "tokenizer.model: a negative rank", "raises", bad_tokenizer("IQ== -1\n", "tokenizer.model")),
+    (9, "tokenizer.json: an added token reuses another's id",
+     "raises", bad_added_tokens((4, "<x>"), (4, "<y>"))),
+    (9, "tokenizer.json: an added token reuses a vocabulary id",
+     "raises", bad_added_tokens((2, "<x>"))),
+    (9, "tokenizer.json: an added token far past the others",
+     "raises", bad_added_tokens((5000, "<x>"))),
+    (9, "tokenizer.json: an added token past a gap of ids",
+     "raises", bad_added_tokens((9, "<x>"))),
+    (9, "tokenizer_config.json: an unknown bos_token",
+     "raises", bad_tokenizer_config({"bos_token": "<nope>"})),
+    (9, "tokenizer_config.json: add_bos_token \"yes\"", "raises",
+     bad_tokenizer_config({"add_bos_token": "yes"})),
+    (8, "tokenizer.model: a rank listed twice", "raises",
+     bad_tokenizer("IQ== 0\nIg== 0\n", "tokenizer.model")),
+    (8, "tokenizer.model: a negative rank", "raises",
+     bad_tokenizer("IQ== -1\n", "tokenizer.model")),
     (8, "extra tokens file: invalid UTF-8", "raises", bad_extra_tokens(b"ok\n\xff\xfe bad\n")),
     (8, "extra tokens file: a 1 MB line", "raises", bad_extra_tokens(b"x" * 2 ** 20 + b"\n")),
     (9, "adapter lora_alpha negative", "raises", adapter(lora_alpha=-16)),
@@ -880,33 +938,54 @@ CASES = [
     (50, "original_max_position_embeddings 8192.5", "raises", hf_config(
         rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192.5})),
     (50, "original_max_position_embeddings 8192 holds", "holds", lambda b, tmp: (
-        lambda load: lambda: load()[0]["rope_original_len"] == 8192)(hf_config(rope_scaling=LLAMA3_ROPE)(b, tmp))),
+        lambda load: lambda: load()[0]["rope_original_len"] == 8192)(
+            hf_config(rope_scaling=LLAMA3_ROPE)(b, tmp))),
     (50, "tiktoken twin: a Split regex that does not tile the text", "holds", twin_keeps_all_text),
-    (50, "tokenizer.json: byte_fallback without the <0xNN> tokens", "raises", bad_tokenizer_config_for(
-        {**TINY_BPE, "model": {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4},
-                               "byte_fallback": True}})),
+    (50, "tokenizer.json: byte_fallback without the <0xNN> tokens", "raises",
+     bad_tokenizer_config_for(
+         {**TINY_BPE,
+          "model": {**TINY_BPE["model"], "vocab": {**TINY_BPE["model"]["vocab"], "x": 4},
+                    "byte_fallback": True}})),
     (46, "config.json: heads that do not divide the width, in config.json's names", "holds",
      hf_shape_error_in_its_names),
     (46, "tokenizer.json: byte_fallback on a byte-level BPE (no <0xNN> needed)", "holds",
      byte_fallback_on_byte_level),
-    (50, "tokenizer.json: a Split regex that backtracks", "raises", naming("pre_tokenizer", exported_tokenizer(
-        split_regex("(a+)+b"), "a" * 50))),
-    (50, "tokenizer.json: a Replace regex that backtracks on the text", "raises", naming("normalizer",
-        exported_tokenizer(set_part("normalizer", {"type": "Replace", "pattern": {"Regex": "(b+)+c"}, "content": "x"}),
-                           "b" * 50))),
-    (50, "tokenizer.json: a Replace of an empty pattern", "raises", naming("normalizer", exported_tokenizer(
-        set_part("normalizer", {"type": "Replace", "pattern": {"String": ""}, "content": "x"}), "hello"))),
-    (50, "tokenizer.json: a junk Precompiled charsmap", "raises", naming("normalizer", bad_tokenizer_config_for(
-        {**TINY_BPE, "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA"}}))),
-    (50, "tokenizer.json: a template whose single names $B", "raises", naming("post_processor", bad_tokenizer_config_for(
-        {**TINY_BPE, "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "B", "type_id": 0}}],
-                                        "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}}))),
+    (50, "tokenizer.json: a Split regex that backtracks", "raises",
+     naming("pre_tokenizer", exported_tokenizer(split_regex("(a+)+b"), "a" * 50))),
+    (50, "tokenizer.json: a Replace regex that backtracks on the text", "raises",
+     naming("normalizer",
+            exported_tokenizer(
+                set_part("normalizer",
+                         {"type": "Replace", "pattern": {"Regex": "(b+)+c"}, "content": "x"}),
+                "b" * 50))),
+    (50, "tokenizer.json: a Replace of an empty pattern", "raises",
+     naming("normalizer",
+            exported_tokenizer(
+                set_part("normalizer",
+                         {"type": "Replace", "pattern": {"String": ""}, "content": "x"}),
+                "hello"))),
+    (50, "tokenizer.json: a junk Precompiled charsmap", "raises",
+     naming("normalizer", bad_tokenizer_config_for(
+         {**TINY_BPE, "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA"}}))),
+    (50, "tokenizer.json: a template whose single names $B", "raises",
+     naming("post_processor",
+            bad_tokenizer_config_for(
+                {**TINY_BPE,
+                 "post_processor": {"type": "TemplateProcessing",
+                                    "single": [{"Sequence": {"id": "B", "type_id": 0}}],
+                                    "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                                    "special_tokens": {}}}))),
     (50, "tokenizer.json: continuing_subword_prefix on a byte-level file", "raises", naming(
-        "continuing_subword_prefix", exported_tokenizer(lambda tj: tj["model"].update(continuing_subword_prefix="##")))),
-    (50, "a glob holding links to its own files: each text prepared once", "holds", linked_files_prepared_once),
-    (50, "sample.py export= the run's ckpt/latest", "raises", sample_export_into("export", "ckpt/latest")),
-    (50, "sample.py export= the run's config.json", "raises", sample_export_into("export", "config.json")),
-    (50, "sample.py export= the run's metrics.jsonl", "raises", sample_export_into("export", "metrics.jsonl")),
+        "continuing_subword_prefix",
+        exported_tokenizer(lambda tj: tj["model"].update(continuing_subword_prefix="##")))),
+    (50, "a glob holding links to its own files: each text prepared once", "holds",
+     linked_files_prepared_once),
+    (50, "sample.py export= the run's ckpt/latest", "raises",
+     sample_export_into("export", "ckpt/latest")),
+    (50, "sample.py export= the run's config.json", "raises",
+     sample_export_into("export", "config.json")),
+    (50, "sample.py export= the run's metrics.jsonl",
+     "raises", sample_export_into("export", "metrics.jsonl")),
     (50, "sample.py export= a checkpoint's manifest.json", "raises", sample_export_into(
         "export", "ckpt/iter_0000004/manifest.json")),
     (50, "sample.py export= into the newest checkpoint", "raises", sample_export_into(
@@ -921,14 +1000,19 @@ CASES = [
     (50, "export_lora=FILE/x", "raises", in_tmp(export_lora="FILE/x")),
     (50, "export_hf= a symlink loop", "raises", loop_export("export_hf")),
     (50, "export_lora= below a symlink loop", "raises", loop_export("export_lora", "x")),
-    (50, "export_lora= export_hf= the same directory", "raises", in_tmp(export_hf="out/x", export_lora="out/x")),
-    (50, "export_hf= the out_dir it trains into", "raises", in_tmp(out_dir="out/run", export_hf="out/run")),
-    (50, "export_hf= inside out_dir/ckpt", "raises", in_tmp(out_dir="out/run", export_hf="out/run/ckpt/hf")),
-    (50, "train.py /dev/zero (a config file that is a device)", "raises", lambda b, tmp: lambda: configurator.configure(
-        b["defaults"], ["/dev/zero"])),
-    (50, "prepare.py with no source", "run", lambda b, tmp: ("prepare.py", [], os.path.join(tmp, "none"), None)),
-    (50, "prepare.py --vocab_size abc", "run", lambda b, tmp: ("prepare.py", ["stdlib", "--vocab_size", "abc"],
-                                                            os.path.join(tmp, "none"), None)),
+    (50, "export_lora= export_hf= the same directory",
+     "raises", in_tmp(export_hf="out/x", export_lora="out/x")),
+    (50, "export_hf= the out_dir it trains into", "raises",
+     in_tmp(out_dir="out/run", export_hf="out/run")),
+    (50, "export_hf= inside out_dir/ckpt", "raises",
+     in_tmp(out_dir="out/run", export_hf="out/run/ckpt/hf")),
+    (50, "train.py /dev/zero (a config file that is a device)", "raises",
+     lambda b, tmp: lambda: configurator.configure(b["defaults"], ["/dev/zero"])),
+    (50, "prepare.py with no source", "run",
+     lambda b, tmp: ("prepare.py", [], os.path.join(tmp, "none"), None)),
+    (50, "prepare.py --vocab_size abc", "run",
+     lambda b, tmp: ("prepare.py", ["stdlib", "--vocab_size", "abc"],
+                     os.path.join(tmp, "none"), None)),
     # issue 41: the last leftovers (numbered 41)
     (41, "learning_rate=1e300", "raises", validated(learning_rate=1e300)),
     (41, "embed_lr_scale=1e300", "raises", validated(embed_lr_scale=1e300)),
@@ -940,20 +1024,23 @@ CASES = [
     (41, "export_hf= a 5,000-character name", "raises", validated(export_hf="x" * 5000)),
     (41, "sample.py num_samples=-1", "raises", sample_args("num_samples=-1")),
     (41, "sample.py max_new_tokens=10**30", "raises", sample_args(f"max_new_tokens={10 ** 30}")),
-    (41, "sample.py export= an existing directory", "raises", lambda b, tmp: sample_args(f"export={tmp}")(b, tmp)),
+    (41, "sample.py export= an existing directory", "raises",
+     lambda b, tmp: sample_args(f"export={tmp}")(b, tmp)),
     (41, "sample.py ckpt= a checkpoint that does not verify", "raises", sample_unverified_ckpt),
     (41, "prepare.py --out /proc/self/x", "raises", lambda b, tmp: lambda: prepare.prepare(
         "stdlib", "/proc/self/x", "cl100k_base", 512, verbose=False)),
     (41, "out_dir/ckpt a regular file", "raises", ckpt_a_file),
     (41, "val_fraction= other than the prepared data's", "raises", data_asked(val_fraction=0.5)),
-    (41, "data_source= other than the prepared data's", "raises", data_asked(data_source="elsewhere/*.txt")),
+    (41, "data_source= other than the prepared data's",
+     "raises", data_asked(data_source="elsewhere/*.txt")),
     # issue 48: mixture of experts (numbered 48)
     (48, "moe_top_k=5 of n_experts=4", "raises", validated(n_experts=4, moe_top_k=5)),
     (48, "moe_every=9 past n_layer=4", "raises", validated(n_experts=4, moe_every=9)),
     (48, "ep=2 on one data-parallel rank", "raises", validated(n_experts=4, ep=2)),
     (48, "ep=3 not dividing n_experts=4 (6 ranks)", "raises", validated_at(6, n_experts=4, ep=3)),
     (48, "ep=2 on a dense model", "raises", validated_fresh(2, ep=2, init_from="scratch")),
-    (48, "ep=2 with ddp_impl=torch", "raises", validated_at(2, n_experts=4, ep=2, ddp_impl="torch")),
+    (48, "ep=2 with ddp_impl=torch", "raises",
+     validated_at(2, n_experts=4, ep=2, ddp_impl="torch")),
     (48, "n_experts=4 with tp=2", "raises", validated_at(2, n_experts=4, tp=2)),
     (48, "ep=2 on a new dense run (init_from=auto)", "raises", validated_fresh(2, ep=2)),
     (48, "ep=2 from a dense run's checkpoint", "raises", from_dense_run(2, ep=2)),
@@ -967,14 +1054,18 @@ CASES = [
      validated_fresh(1, n_experts=4, moe_bias_rate=0.01, export_hf="exported")),
     (59, "export_hf= from a sigmoid router's checkpoint, at the start", "raises",
      from_dense_run(1, model=dict(n_experts=4, moe_score="sigmoid"), export_hf="exported")),
-    (59, "export_hf= the parent of a new out_dir", "raises", exports_of("runs/new", export_hf="runs")),
-    (59, "export_lora= inside export_hf=", "raises", exports_of("run", export_hf="x", export_lora="x/lora")),
-    (59, "export_hf= inside export_lora=", "raises", exports_of("run", export_hf="x/hf", export_lora="x")),
+    (59, "export_hf= the parent of a new out_dir",
+     "raises", exports_of("runs/new", export_hf="runs")),
+    (59, "export_lora= inside export_hf=", "raises",
+     exports_of("run", export_hf="x", export_lora="x/lora")),
+    (59, "export_hf= inside export_lora=", "raises",
+     exports_of("run", export_hf="x/hf", export_lora="x")),
     (59, "export_hf=runs/a beside out_dir=runs/ab and export_lora=runs/abc", "holds",
      exports_of("runs/ab", export_hf="runs/a", export_lora="runs/abc")),
     (48, "export of a sigmoid router", "raises", moe_export(moe_score="sigmoid")),
     (48, "export of a trained routing bias", "raises", moe_export(bias=0.01)),
-    (48, "meta.json n_experts=4 on a dense checkpoint's tensors", "raises", moe_meta_on_dense_tensors),
+    (48, "meta.json n_experts=4 on a dense checkpoint's tensors",
+     "raises", moe_meta_on_dense_tensors),
     (48, "meta.json moe_top_k 9 of 4 experts", "fallback", damaged("meta.json", in_place(
         lambda m: {**m, "model": {**m["model"], "n_experts": 4, "moe_top_k": 9}}))),
     (48, "config.json: Mixtral num_experts_per_tok 9 of 4", "raises", hf_config(
@@ -1030,7 +1121,8 @@ def snapshot(root, skip):
         dirs[:] = [x for x in dirs if os.path.join(d, x) != skip]
         for f in files:
             p = os.path.join(d, f)
-            out[p] = os.readlink(p) if os.path.islink(p) else "fifo" if not os.path.isfile(p) else open(p, "rb").read()
+            out[p] = (os.readlink(p) if os.path.islink(p) else "fifo" if not os.path.isfile(p)
+                      else open(p, "rb").read())
     return out
 
 
@@ -1058,14 +1150,17 @@ def test_hostile_input(case, base, tmp_path):
     else:
         script, args, out, fd = made
         if script == "torchrun":
-            p = run_train(["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args], tmp,
-                          check=False, timeout=120, script="-m torch.distributed.run")
+            p = run_train(
+                ["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args], tmp,
+                check=False, timeout=120, script="-m torch.distributed.run")
             os.close(fd)
         else:
             p = run_train(args, tmp, check=False, timeout=120, script=script)
         errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
-        ranks = p.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]  # not torchrun's own
-        assert p.returncode != 0 and "Traceback" not in ranks and len(errors) == 1, p.stderr[-3000:]
+        # not torchrun's own
+        ranks = p.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]
+        assert (p.returncode != 0 and "Traceback" not in ranks
+                and len(errors) == 1), p.stderr[-3000:]
         if name == "a refused run leaves nothing behind":
             assert not os.path.exists(out)
     if before is not None:
@@ -1109,39 +1204,46 @@ runpy.run_path(script, run_name="__main__")
 def signalled(sig, at, script, *args, cwd):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-c", SIGNAL_AT, str(sig), at, os.path.join(ROOT, script), *args],
+    return subprocess.run([sys.executable, "-c", SIGNAL_AT, str(sig),
+                           at, os.path.join(ROOT, script), *args],
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def one_line(p, code, line):
-    assert p.returncode == code and "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].startswith(
-        line), (p.returncode, p.stderr[-2000:])
+    assert (p.returncode == code and "Traceback" not in p.stderr
+            and p.stderr.strip().splitlines()[-1].startswith(line)), \
+        (p.returncode, p.stderr[-2000:])
 
 
 def test_signals_at_startup_and_while_preparing_are_one_line_and_128_plus_n(tmp_path):
     """Ctrl-C (SIGINT) or SIGTERM while torch imports: the line and 130 / 143 (the hooks come
-    before torch); SIGTERM or Ctrl-C while prepare.py re-prepares a dataset: the line and 143 / 130,
-    the old dataset unchanged and nothing left beside it; inside the swap: the new one, whole."""
+    before torch); SIGTERM or Ctrl-C while prepare.py re-prepares a dataset: the line and 143 /
+    130, the old dataset unchanged and nothing left beside it; inside the swap:
+    the new one, whole."""
     tmp = str(tmp_path)
     for sig, line in ((2, "interrupted (Ctrl-C)"), (15, "stopped by SIGTERM")):
-        one_line(signalled(sig, "torch", "train.py", "max_iters=1", f"out_dir={tmp}/out", cwd=tmp), 128 + sig, line)
-    one_line(signalled(2, "torch", "sample.py", f"out_dir={tmp}/out", cwd=tmp), 130, "interrupted (Ctrl-C)")
+        one_line(signalled(sig, "torch", "train.py", "max_iters=1", f"out_dir={tmp}/out", cwd=tmp),
+                 128 + sig, line)
+    one_line(signalled(2, "torch", "sample.py", f"out_dir={tmp}/out", cwd=tmp), 130,
+             "interrupted (Ctrl-C)")
     src = os.path.join(tmp, "src")
     os.makedirs(src)
     for i in range(12):
         with open(os.path.join(src, f"{i}.txt"), "w") as f:
             f.write(f"document {i} " * 20)
     final = os.path.join(tmp, "d")
-    old = prepare.prepare(os.path.join(src, "*.txt"), final, "cl100k_base", 512, val_fraction=0.3, verbose=False)
+    old = prepare.prepare(os.path.join(src, "*.txt"), final, "cl100k_base", 512, val_fraction=0.3,
+                          verbose=False)
     before = snapshot(final, None)
     for sig, at in ((15, "encode"), (2, "encode"), (2, "swap")):
-        p = signalled(sig, at, "prepare.py", os.path.join(src, "[0-5].txt"), "--out", final, "--val_fraction", "0.5",
-                      "--vocab_size", "512", cwd=tmp)
+        p = signalled(sig, at, "prepare.py", os.path.join(src, "[0-5].txt"), "--out", final,
+                      "--val_fraction", "0.5", "--vocab_size", "512", cwd=tmp)
         one_line(p, 128 + sig, "interrupted (Ctrl-C)" if sig == 2 else "stopped by SIGTERM")
         assert sorted(os.listdir(tmp)) == ["d", "src"], os.listdir(tmp)
         if at == "encode":
             assert snapshot(final, None) == before
-    new = guard_data.read_meta(final)  # the re-prepared dataset, whole: its files as its meta.json counts them
+    # the re-prepared dataset, whole: its files as its meta.json counts them
+    new = guard_data.read_meta(final)
     assert new["train_docs"] + new["val_docs"] == 6 != old["train_docs"] + old["val_docs"]
     assert os.path.getsize(os.path.join(final, "train.bin")) == 2 * new["train_tokens"]
 
@@ -1151,20 +1253,24 @@ def test_help_needs_no_torch(script, tmp_path):
     """--help answers before torch imports (30-50 s on a busy machine)."""
     import subprocess
     import sys
-    p = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, script), "--help"], cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, script), "--help"],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "usage:" in p.stdout, p.stderr[-2000:]
-    assert not [line for line in p.stderr.splitlines() if line.rstrip().endswith("| torch")], "torch was imported"
+    assert not [line for line in p.stderr.splitlines()
+                if line.rstrip().endswith("| torch")], "torch was imported"
 
 
 def test_stdout_on_a_full_device_is_one_line(tmp_path):
     """`python train.py --help > /dev/full` (or any output there): one error line, exit 1."""
     import subprocess
     import sys
-    for script in ("train.py", "prepare.py"):  # (prepare.py's --help is argparse's, which exits 0 by itself)
+    # (prepare.py's --help is argparse's, which exits 0 by itself)
+    for script in ("train.py", "prepare.py"):
         with open("/dev/full", "w") as full:
-            p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=str(tmp_path),
+            p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
+                               cwd=str(tmp_path),
                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
         assert p.returncode == 1 and p.stderr.splitlines() == [
-            "error: standard output cannot be written (No space left on device): send it elsewhere"], \
+            "error: standard output cannot be written (No space left on device): send it "
+            "elsewhere"], \
             (script, p.stderr[-2000:])

@@ -27,7 +27,8 @@ def batch():
 
 def documents():
     """doc_ids (2, 16): packed rows of a few documents each."""
-    return torch.cumsum((torch.rand(2, 16, generator=torch.Generator().manual_seed(3)) < 0.2).long(), 1)
+    return torch.cumsum(
+        (torch.rand(2, 16, generator=torch.Generator().manual_seed(3)) < 0.2).long(), 1)
 
 
 def full_grads(model):
@@ -38,7 +39,8 @@ def full_grads(model):
 
 def sp_checks(mesh):
     out = {}
-    for chunk, tie in ((0, False), (8, True)):  # the head and loss whole and in chunks; a tied head
+    # the head and loss whole and in chunks; a tied head
+    for chunk, tie in ((0, False), (8, True)):
         torch.manual_seed(0)
         model = Transformer(ModelConfig(**CFG, loss_chunk=chunk, tie_embeddings=tie))
         tensor_parallel.tensor_parallel(model, mesh, sp=True)
@@ -52,7 +54,8 @@ def sp_checks(mesh):
     # stream of their tp rank's own, and the shared stream (which LoRA's dropout on the gathered
     # input uses) moves on alike
     torch.manual_seed(0)
-    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "dropout": 0.5})), mesh, sp=True)
+    model = tensor_parallel.tensor_parallel(Transformer(ModelConfig(**{**CFG, "dropout": 0.5})),
+                                            mesh, sp=True)
     masks = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Dropout):  # the first mask each draws
@@ -86,12 +89,15 @@ def test_sequence_parallel_model_equals_single_process():
 
 # ---- train.py under torchrun ------------------------------------------------------------
 # (the fsdp=2 run recomputes each block in backward: the all-gathers and reduce-scatters run again)
-@pytest.mark.parametrize("nproc, layout", [(2, ["tp=2", "sp=True"]),
-                                           (4, ["tp=2", "sp=True", "fsdp=True", "grad_ckpt=True"])],
+@pytest.mark.parametrize("nproc, layout",
+                         [(2, ["tp=2", "sp=True"]),
+                          (4, ["tp=2", "sp=True", "fsdp=True", "grad_ckpt=True"])],
                          ids=["tp2-sp", "tp2-fsdp2-sp-grad_ckpt"])
-def test_torchrun_sp_gives_the_single_process_curve(nproc, layout, dataset, reference_run, tmp_path):
+def test_torchrun_sp_gives_the_single_process_curve(nproc, layout, dataset, reference_run,
+                                                    tmp_path):
     out = str(tmp_path / "run")
-    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", *layout], cwd=tmp_path)
+    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", *layout],
+                 cwd=tmp_path)
     assert f"dp={nproc // 2} x pp=1 x tp=2" in p.stdout
     assert_same_curve(reference_run, read_metrics(out))
 
@@ -101,7 +107,8 @@ def cp_checks(mesh):
     """A model under context parallelism on all the spawned ranks (their dp grid taken as the
     cp group): its loss and gradients (averaged over cp), with and without a document mask, by
     the ring and by the all-gather."""
-    mesh = dataclasses.replace(mesh, cp=mesh.dp, cp_rank=mesh.dp_rank, cp_group=mesh.dp_group, dp=1, dp_rank=0)
+    mesh = dataclasses.replace(mesh, cp=mesh.dp, cp_rank=mesh.dp_rank, cp_group=mesh.dp_group,
+                               dp=1, dp_rank=0)
     out = {"positions": context_parallel.positions(16, mesh.cp, mesh.cp_rank)}
     for ring in (True, False):
         for doc in (False, True):
@@ -111,7 +118,8 @@ def cp_checks(mesh):
             _, loss = model(x, y, mask, documents() if doc else None)
             loss.backward()
             context_parallel.average_gradients(list(model.parameters()), mesh)  # the mean over cp
-            out[f"{ring}_{doc}"] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+            out[f"{ring}_{doc}"] = (loss.detach(),
+                                    {n: p.grad for n, p in model.named_parameters()})
     return out
 
 
@@ -132,7 +140,8 @@ def test_context_parallel_model_equals_single_process(cp):
                 got, grads = rank[f"{ring}_{doc}"]
                 torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
                 for n, p in model.named_parameters():
-                    torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{n} ring={ring}")
+                    torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6,
+                                               msg=f"{n} ring={ring}")
 
 
 def test_context_parallel_refuses_a_sliding_window_shorter_than_the_sequence():
@@ -153,15 +162,19 @@ def test_one_run_moves_between_context_parallel_and_one_process(dataset, referen
     first leg ends with the sample every run ends with by default (its model read back whole)."""
     out = str(tmp_path / "run")
     chain = [a for a in REFERENCE if not a.startswith("max_iters=")] + [
-        f"dataset={dataset}", "lr_decay_iters=8", "keep_ckpts=0", f"out_dir={out}", "init_from=auto"]
+        f"dataset={dataset}", "lr_decay_iters=8", "keep_ckpts=0", f"out_dir={out}",
+        "init_from=auto"]
     p = torchrun(2, [*chain, "max_iters=2", "cp=2", "sample_tokens=8"], cwd=tmp_path)
-    assert "dp=1 x pp=1 x cp=2" in p.stdout and " sample " in p.stdout  # sampled on one process, without cp
+    # sampled on one process, without cp
+    assert "dp=1 x pp=1 x cp=2" in p.stdout and " sample " in p.stdout
     run_train([*chain, "max_iters=4"], cwd=tmp_path, fork=True)
-    p = torchrun(4, [*chain, "max_iters=6", "cp=2", "grad_ckpt=True", "ddp_bucket_mb=0.01"], cwd=tmp_path)
+    p = torchrun(4, [*chain, "max_iters=6", "cp=2", "grad_ckpt=True", "ddp_bucket_mb=0.01"],
+                 cwd=tmp_path)
     assert "dp=2 x pp=1 x cp=2" in p.stdout
     torchrun(4, [*chain, "max_iters=8", "cp=2", "fsdp=True"], cwd=tmp_path)
     assert_same_curve(reference_run, read_metrics(out))
-    assert sorted(os.listdir(os.path.join(out, "ckpt")))[:4] == [f"iter_{i:07d}" for i in (2, 4, 6, 8)]
+    assert (sorted(os.listdir(os.path.join(out, "ckpt")))[:4]
+            == [f"iter_{i:07d}" for i in (2, 4, 6, 8)])
 
 
 @pytest.mark.parametrize("args, world, message", [
@@ -189,11 +202,12 @@ def test_sp_and_cp_with_the_options_that_change_what_trains(dataset, tmp_path):
     where AdamW's first steps (about lr x sign(g)) turn float32 rounding into a difference of
     4.1e-4 in one grad norm of cp=2 on an AVX512-BF16 CPU (2.6e-7 the step before); at 3e-3
     the largest is 2.7e-7."""
-    args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "tie_embeddings=True", "loss_chunk=24", "doc_mask=True",
-            "learning_rate=3e-3", "min_lr=3e-4"]
+    args = [*REFERENCE, f"dataset={dataset}", "optim=muon", "tie_embeddings=True", "loss_chunk=24",
+            "doc_mask=True", "learning_rate=3e-3", "min_lr=3e-4"]
     # the single process with the dense document mask; the layouts attend within each document
     # (doc_attention's default; cp's ring builds each block's mask from the document ids)
-    run_train([*args, f"out_dir={tmp_path / 'single'}", "doc_attention=dense"], cwd=tmp_path, fork=True)
+    run_train([*args, f"out_dir={tmp_path / 'single'}", "doc_attention=dense"], cwd=tmp_path,
+              fork=True)
     single = read_metrics(tmp_path / "single")
     torchrun(4, [*args, f"out_dir={tmp_path / 'sp'}", "tp=2", "sp=True", "zero=1"], cwd=tmp_path)
     assert_same_curve(single, read_metrics(tmp_path / "sp"))
@@ -205,8 +219,8 @@ def test_lora_under_sp_and_cp(hf_dir, dataset, tmp_path):
     """LoRA adapters on every linear of a Hugging Face base: tp=2 sp and cp=2 train the
     single-process curve (the adapters sliced like their bases under tp; whole under cp)."""
     from conftest import RUN
-    args = [*RUN, f"dataset={dataset}", f"init_from={hf_dir}", "max_iters=6", "lora_rank=4", "lora_alpha=8",
-            "lora_targets=wq,wk,wv,wo,w1,w2,w3,output", "grad_clip=0.5"]
+    args = [*RUN, f"dataset={dataset}", f"init_from={hf_dir}", "max_iters=6", "lora_rank=4",
+            "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,output", "grad_clip=0.5"]
     run_train([*args, f"out_dir={tmp_path / 'single'}"], cwd=tmp_path, fork=True)
     for name, layout in (("sp", ["tp=2", "sp=True"]), ("cp", ["cp=2"])):
         p = torchrun(2, [*args, f"out_dir={tmp_path / name}", *layout], cwd=tmp_path)

@@ -28,12 +28,13 @@ from model import ModelConfig, Transformer
 from pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
-# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped: tests/faults.py, NAN),
-# a checkpoint at 3; the default optim=muon (the adapters train with AdamW)
-LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8", f"lora_targets={ALL}",
-        "ckpt_interval=3", "grad_clip=0.5"]
+# every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped: tests/faults.py,
+# NAN), a checkpoint at 3; the default optim=muon (the adapters train with AdamW)
+LORA = [*[a for a in RUN if a != "optim=adamw"], "max_iters=6", "lora_rank=4", "lora_alpha=8",
+        f"lora_targets={ALL}", "ckpt_interval=3", "grad_clip=0.5"]
 NAN = dict(script="tests/faults.py", env=faults.nan_at(4))
-CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=96)
+CFG = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                  ffn_dim=96)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def single(hf_dir, dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     out = str(root / "run")
     p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}",
-                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"], cwd=root, **NAN, fork=True)
+                   f"export_lora={root / 'adapter'}", f"export_hf={root / 'merged'}"],
+                  cwd=root, **NAN, fork=True)
     return {"root": root, "out": out, "stdout": p.stdout, "metrics": read_metrics(out)}
 
 
@@ -71,7 +73,8 @@ def test_step0_is_the_base_and_training_moves_only_the_adapters(hf_dir):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1)
     for _ in range(3):
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
@@ -80,7 +83,8 @@ def test_step0_is_the_base_and_training_moves_only_the_adapters(hf_dir):
     after = model.state_dict()
     for n, t in base.items():
         assert torch.equal(after[n], t), f"{n} (frozen) changed"
-    assert all(not torch.equal(after[n], torch.zeros_like(after[n])) for n in trainable if "lora_B" in n)
+    assert all(not torch.equal(after[n], torch.zeros_like(after[n])) for n in trainable
+               if "lora_B" in n)
     # merge: W + (alpha / r) B A gives the adapter's logits; unmerge gives the base weight back
     model.eval()
     with torch.no_grad():
@@ -104,11 +108,13 @@ def test_adapter_init_is_layout_independent():
     got = {n: t for n, t in stage.state_dict().items() if "lora_A" in n}
     assert got and all(torch.equal(t, whole.state_dict()[n]) for n, t in got.items())
     a = whole.state_dict()
-    assert not torch.equal(a["layers.0.attention.wq.lora_A.weight"], a["layers.1.attention.wq.lora_A.weight"])
+    assert not torch.equal(a["layers.0.attention.wq.lora_A.weight"],
+                           a["layers.1.attention.wq.lora_A.weight"])
 
 
 def fsdp_memory(mesh):
-    """Per-rank bytes under fsdp=2 with LoRA, after one step: (memory_bytes, adapter values held here)."""
+    """Per-rank bytes under fsdp=2 with LoRA, after one step: (memory_bytes,
+    adapter values held here)."""
     import parallel
     torch.manual_seed(0)
     model = Transformer(CFG)
@@ -131,7 +137,8 @@ def test_optimizer_holds_only_the_adapters_per_rank():
     apply_lora(model, 4, 8.0, 0.0, ["wq", "wk", "wv", "wo"], seed=1)
     lora = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in lora)
-    assert n == 2 * (4 * (32 + 32) + 2 * 4 * (32 + 16) + 4 * (32 + 32))  # wq, wk/wv (GQA: 16 out), wo; 2 layers
+    # wq, wk/wv (GQA: 16 out), wo; 2 layers
+    assert n == 2 * (4 * (32 + 32) + 2 * 4 * (32 + 16) + 4 * (32 + 32))
     opt = torch.optim.AdamW(lora, lr=1e-3)
     model(ids()[:, :-1], ids()[:, 1:])[1].backward()
     opt.step()
@@ -153,39 +160,47 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(single, hf_dir, datase
     assert meta["lora"]["base"]["path"] == os.path.abspath(hf_dir)
     keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
-    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)  # the base is referenced
+    # the base is referenced
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
     assert not any("lora" not in k for k in keys if k.startswith("optim."))
     # resume: stop at 3, continue to 6; the same numbers as the uninterrupted run
     out = str(single["root"] / "resumed")
-    run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3"], cwd=single["root"],
-              **NAN, fork=True)
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"], cwd=single["root"], **NAN, fork=True)
+    run_train(
+        [*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", "max_iters=3"],
+        cwd=single["root"], **NAN, fork=True)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}"],
+                  cwd=single["root"], **NAN, fork=True)
     assert "resumed from" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out), exact=True)
     # the base changed under the run: resuming is refused with one line
     moved = str(single["root"] / "base_copy")
     shutil.copytree(hf_dir, moved)
     out2 = str(single["root"] / "changed")
-    run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}", f"init_from={moved}", "max_iters=3"],
+    run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}",
+               f"init_from={moved}", "max_iters=3"],
               cwd=single["root"], **NAN, fork=True)
     cfg = json.load(open(os.path.join(moved, "config.json")))
     json.dump({**cfg, "rms_norm_eps": 1e-6}, open(os.path.join(moved, "config.json"), "w"))
-    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"], check=False, **NAN, fork=True)
+    p = run_train([*LORA, f"dataset={dataset}", f"out_dir={out2}"], cwd=single["root"],
+                  check=False, **NAN, fork=True)
     assert p.returncode != 0 and "has changed since this LoRA run started" in p.stderr
 
 
 def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
     ours, _ = lora.load_lora_whole(os.path.join(single["out"], "ckpt", "iter_0000006"))
     ours.eval()
-    from peft import PeftModel  # here, not at the top: the spawned ranks of this file would import them too
+    # here, not at the top: the spawned ranks of this file would import them too
+    from peft import PeftModel
     from transformers import LlamaForCausalLM
     x = ids()
     with torch.no_grad():
         want = ours(x)[0]
-        assert not torch.allclose(want, base_model(hf_dir)(x)[0], atol=1e-3)  # the adapters did learn
+        # the adapters did learn
+        assert not torch.allclose(want, base_model(hf_dir)(x)[0], atol=1e-3)
         cfg = json.load(open(single["root"] / "adapter" / "adapter_config.json"))
         assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and "q_proj" in cfg["target_modules"]
-        peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir), single["root"] / "adapter").eval()
+        peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir),
+                                         single["root"] / "adapter").eval()
         torch.testing.assert_close(peft(x).logits, want, rtol=1e-4, atol=1e-4)
         merged = LlamaForCausalLM.from_pretrained(single["root"] / "merged").eval()
         torch.testing.assert_close(merged(x).logits, want, rtol=1e-4, atol=1e-4)
@@ -210,13 +225,18 @@ def test_exports_load_in_peft_and_transformers(single, hf_dir, dataset):
 
 # tp=2: the adapters are sliced like their bases (column: B cut, A whole; row: A cut, B whole),
 # the whole factor's gradient summed over the tp group; the exports gather them
-@pytest.mark.parametrize("extra", [[], ["pp=2"], ["fsdp=True"], ["zero=1", "offload=True"], ["ddp_impl=torch"], ["tp=2"]],
+@pytest.mark.parametrize("extra",
+                         [[], ["pp=2"], ["fsdp=True"], ["zero=1", "offload=True"],
+                          ["ddp_impl=torch"], ["tp=2"]],
                          ids=["dp2", "pp2", "fsdp2", "zero1-offload", "torch-dp2", "tp2"])
 def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     out = str(tmp_path / "run")
-    exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []  # pp / fsdp / tp rebuild the model on rank 0
+    # pp / fsdp / tp rebuild the model on rank 0
+    exports = [f"export_lora={tmp_path / 'adapter'}"] if extra else []
     exports += [f"export_hf={tmp_path / 'merged'}"] if "tp=2" in extra else []
-    p = torchrun(2, [*LORA, f"dataset={dataset}", f"out_dir={out}", f"init_from={hf_dir}", *extra, *exports],
+    p = torchrun(2,
+                 [*LORA, f"dataset={dataset}", f"out_dir={out}",
+                  f"init_from={hf_dir}", *extra, *exports],
                  cwd=tmp_path, env=NAN["env"])
     assert "lora: r=4" in p.stdout
     assert_same_curve(single["metrics"], read_metrics(out), rtol=1e-5)
@@ -226,7 +246,8 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
-        named = json.load(open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
+        named = json.load(
+            open(tmp_path / "adapter" / "adapter_config.json"))["base_model_name_or_path"]
         assert named == os.path.abspath(hf_dir)  # a Hugging Face base names itself
     if "tp=2" in extra:  # the merged model, W + (alpha / r) B A
         want, got = (hf.load_hf(d)[1] for d in (single["root"] / "merged", tmp_path / "merged"))
@@ -242,6 +263,8 @@ def test_lora_on_every_layout(extra, single, hf_dir, dataset, tmp_path):
     (["export_lora=x"], "export_lora= needs a LoRA run"),
 ])
 def test_lora_mistakes_are_one_line(args, message, dataset, tmp_path):
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1", *args],
+    p = run_train([*TINY, f"dataset={dataset}",
+                   f"out_dir={tmp_path / 'run'}", "max_iters=1", *args],
                   cwd=tmp_path, check=False, fork=True)
-    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert (p.returncode != 0 and message in p.stderr
+            and "Traceback" not in p.stderr), p.stderr[-2000:]

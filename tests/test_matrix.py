@@ -8,8 +8,9 @@ the right answers to 1e-5, acc and acc_norm exactly).
 Every odd cell also computes its head and loss in chunks (loss_chunk=24: 128 rows per
 micro-batch in 6 chunks, the last short) against the single process's whole logits, so the
 chunked loss meets every layout, tp's vocabulary slices, LoRA's head, and the mixture's
-per-source sums; every other one of those keeps the softmax for backward (loss_recompute=False). Plus one checkpoint carried through the new layouts, and a check that the
-comparison fails for a run that differs.
+per-source sums; every other one of those keeps the softmax for backward (loss_recompute=False).
+Plus one checkpoint carried through the new layouts,
+and a check that the comparison fails for a run that differs.
 
 `pytest -s tests/test_matrix.py -n 0` prints the cells and each one's worst relative difference."""
 
@@ -37,7 +38,8 @@ KEYS = list(OPTIONS)
 # fixed schedule, a clip that clips every step (asserted on each single-process run),
 # evaluation at 0 and 8. The learning rate is REFERENCE's / 3: at 1e-2 the tiny model's grad
 # norm jumps 4x at iteration 7, where tp=2 x pp=2's rounding (1e-7 elsewhere) reached 1.03e-5.
-RUN = [a for a in REFERENCE if not a.startswith(("max_iters=", "grad_clip=", "learning_rate=", "min_lr="))] + [
+RUN = [a for a in REFERENCE
+       if not a.startswith(("max_iters=", "grad_clip=", "learning_rate=", "min_lr="))] + [
     "max_iters=8", "lr_decay_iters=8", "learning_rate=3e-3", "min_lr=3e-4", "grad_clip=0.05",
     "eval_interval=1000", "ckpt_interval=1000", "ddp_bucket_mb=0.01"]
 RTOL = 1e-5
@@ -58,7 +60,8 @@ def world(cell):
 
 
 def pairs(cell):
-    """The (key, value) pairs a cell covers; with one dp rank its data-parallel kind covers none."""
+    """The (key, value) pairs a cell covers; with one dp rank its data-parallel
+    kind covers none."""
     items = [(k, cell[k]) for k in KEYS if k != "data_parallel" or dp_degree(cell) > 1]
     return set(itertools.combinations(items, 2))
 
@@ -98,7 +101,8 @@ def options_args(cell, ctx):
     """The keys of a cell's options that a single process runs too (optimizer, LoRA, data)."""
     args = [f"optim={cell['optim']}", f"eval_tasks={ctx['task']}"]
     if cell["weights"] == "lora":
-        args += [f"init_from={ctx['base']}", "lora_rank=4", "lora_alpha=8", "lora_targets=wq,wk,wv,wo,w1,w2,w3,output"]
+        args += [f"init_from={ctx['base']}", "lora_rank=4", "lora_alpha=8",
+                 "lora_targets=wq,wk,wv,wo,w1,w2,w3,output"]
     if cell["data"] == "mixture":
         args += [f"datasets={ctx['dataset']}:0.7,{ctx['notes']}:0.3"]
     else:
@@ -107,9 +111,11 @@ def options_args(cell, ctx):
 
 
 def layout_args(cell):
-    args = {"dp": [], "zero1": ["zero=1"], "zero2": ["zero=2"], "fsdp": ["fsdp=True"]}[cell["data_parallel"]]
+    args = {"dp": [], "zero1": ["zero=1"], "zero2": ["zero=2"],
+            "fsdp": ["fsdp=True"]}[cell["data_parallel"]]
     args += {"none": [], "1f1b": ["pp=2"], "gpipe": ["pp=2", "pp_schedule=gpipe"],
-             "interleaved": ["pp=2", "pp_schedule=interleaved", "pp_virtual=2", "pp_layers=1,1,1,1"]}[cell["pipeline"]]
+             "interleaved": ["pp=2", "pp_schedule=interleaved", "pp_virtual=2",
+                             "pp_layers=1,1,1,1"]}[cell["pipeline"]]
     return args + (["tp=2"] if cell["tp"] == 2 else [])
 
 
@@ -122,12 +128,14 @@ def worst_relative_difference(a, b):
     for key in sorted({k for r in a for k in r if k.endswith(counts)}):
         # (at a's evaluations: a resumed chain also evaluates where each leg ends)
         at = {r["iter"]: r.get(key) for r in b if "val_loss" in r}
-        assert [r.get(key) for r in a if "val_loss" in r] == [at.get(r["iter"]) for r in a if "val_loss" in r], key
+        assert ([r.get(key) for r in a if "val_loss" in r]
+                == [at.get(r["iter"]) for r in a if "val_loss" in r]), key
     compared = ("loss", "grad_norm", "val_loss", "val_bpb")
     scores = ("val_bpb/", "task/")
     for key in sorted({k for r in a for k in r if k in compared or "loss/" in k
                        or k.startswith(scores) and not k.endswith(counts)}):
-        la, lb = ({(r["iter"], "val" in r): r[key] for r in rows if r.get(key) is not None} for rows in (a, b))
+        la, lb = ({(r["iter"], "val" in r): r[key] for r in rows if r.get(key) is not None}
+                  for rows in (a, b))
         assert la and set(la) <= set(lb), (key, sorted(la), sorted(lb))
         worst = max(worst, *(abs(lb[i] - la[i]) / abs(la[i]) for i in la))
     return worst
@@ -144,16 +152,19 @@ def ctx(dataset, tmp_path_factory):
     notes = root / "notes_txt"
     notes.mkdir()
     for i in range(40):
-        (notes / f"n{i:02d}.txt").write_text(f"note {i}: " + " ".join(f"item{j * i % 97}" for j in range(200)))
-    prepare.prepare(str(notes), str(root / "notes"), "cl100k_base", 512, val_fraction=0.2, verbose=False)
+        (notes / f"n{i:02d}.txt").write_text(
+            f"note {i}: " + " ".join(f"item{j * i % 97}" for j in range(200)))
+    prepare.prepare(str(notes), str(root / "notes"), "cl100k_base", 512, val_fraction=0.2,
+                    verbose=False)
     task = root / "task.jsonl"  # multiple-choice questions on the notes: evals.py
-    questions = [{"context": f"note {i}: item{i}", "choices": [f" item{j}" for j in range(i, i + 3)],
-                  "answer": i % 3} for i in range(9)]
+    questions = [
+        {"context": f"note {i}: item{i}", "choices": [f" item{j}" for j in range(i, i + 3)],
+         "answer": i % 3} for i in range(9)]
     task.write_text("".join(json.dumps(q) + "\n" for q in questions))
     base = str(root / "base")
     run_train([*RUN, f"dataset={dataset}", f"out_dir={base}", "max_iters=2"], cwd=root, fork=True)
-    return {"dataset": dataset, "notes": str(root / "notes"), "base": base, "shared": shared, "root": root,
-            "task": str(task)}
+    return {"dataset": dataset, "notes": str(root / "notes"), "base": base, "shared": shared,
+            "root": root, "task": str(task)}
 
 
 def single_run(cell, ctx, extra=()):
@@ -165,7 +176,8 @@ def single_run(cell, ctx, extra=()):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "done.json").exists():
             out = ctx["root"] / f"single-{key}"
-            run_train([*RUN, *options_args(cell, ctx), *extra, f"out_dir={out}"], cwd=ctx["root"], fork=True)
+            run_train([*RUN, *options_args(cell, ctx), *extra, f"out_dir={out}"], cwd=ctx["root"],
+                      fork=True)
             rows = read_metrics(str(out))
             path.mkdir(exist_ok=True)
             (path / "done.json").write_text(json.dumps(rows))
@@ -191,18 +203,20 @@ def test_cell_equals_the_single_process(i, ctx, tmp_path):
     assert any("val_bpb" in r and "task/task/gold_ll" in r for r in want), "the evaluations score"
     out = str(tmp_path / "run")
     chunked = ["loss_chunk=24", f"loss_recompute={i % 4 == 1}"] if i % 2 else []
-    torchrun(world(cell), [*RUN, *options_args(cell, ctx), *layout_args(cell), *chunked, f"out_dir={out}"],
+    torchrun(world(cell),
+             [*RUN, *options_args(cell, ctx), *layout_args(cell), *chunked, f"out_dir={out}"],
              cwd=tmp_path)
     worst = worst_relative_difference(want, read_metrics(out))
-    print(f"\ncell {i:2d}: {name(cell) + ('-chunked' if chunked else ''):53s} {world(cell)} ranks: worst relative "
-          f"difference {worst:.1e}")
+    print(f"\ncell {i:2d}: {name(cell) + ('-chunked' if chunked else ''):53s} {world(cell)} "
+          f"ranks: worst relative difference {worst:.1e}")
     assert worst <= (RTOL_MUON if cell["optim"] == "muon" else RTOL), (name(cell), worst)
 
 
 def test_the_comparison_fails_for_a_different_run(ctx):
     """A run that differs a little (learning rate 1% higher) is caught."""
     cell = {"optim": "adamw", "weights": "full", "data": "one"}
-    worst = worst_relative_difference(single_run(cell, ctx), single_run(cell, ctx, ["learning_rate=3.03e-3"]))
+    worst = worst_relative_difference(single_run(cell, ctx),
+                                      single_run(cell, ctx, ["learning_rate=3.03e-3"]))
     print(f"\nlearning_rate 3e-3 vs 3.03e-3: worst relative difference {worst:.1e}")
     assert worst > 10 * RTOL
 
@@ -215,10 +229,13 @@ def test_one_checkpoint_through_the_new_layouts(ctx, tmp_path):
     want = single_run(cell, ctx, tied)
     out = str(tmp_path / "run")
     chain = [*RUN, *options_args(cell, ctx), *tied, f"out_dir={out}"]
-    torchrun(4, [*chain, "max_iters=3", *layout_args({"data_parallel": "fsdp", "pipeline": "interleaved", "tp": 1})],
+    torchrun(4,
+             [*chain, "max_iters=3",
+              *layout_args({"data_parallel": "fsdp", "pipeline": "interleaved", "tp": 1})],
              cwd=tmp_path)
     torchrun(4, [*chain, "max_iters=6", "pp=2", "tp=2"], cwd=tmp_path)
     run_train(chain, cwd=tmp_path, fork=True)
     worst = worst_relative_difference(want, read_metrics(out))
-    print(f"\nreshard chain fsdp x interleaved -> tp2 x pp2 -> 1: worst relative difference {worst:.1e}")
+    print("\nreshard chain fsdp x interleaved -> tp2 x pp2 -> 1: worst relative difference "
+          f"{worst:.1e}")
     assert worst <= RTOL

@@ -23,8 +23,8 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=16, n_head=4, n_kv_head=2, n_em
 
 
 def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=None):
-    """train.py's model section at one layout: (model, peak bytes of tensors allocated). meta=False:
-    the old way, the whole model built (and imported) first, then cut and sharded."""
+    """train.py's model section at one layout: (model, peak bytes of tensors allocated).
+    meta=False: the old way, the whole model built (and imported) first, then cut and sharded."""
     with build.TensorMemory() as mem:
         torch.manual_seed(0)
         with torch.device("meta") if meta else nullcontext():
@@ -35,7 +35,8 @@ def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=Non
         if tp is not None:
             tensor_parallel.tensor_parallel(model, tp)
         if dp_mesh is not None:
-            fsdp.fully_shard_model(model, SimpleNamespace(dp_mesh=dp_mesh, device=torch.device("cpu")))
+            fsdp.fully_shard_model(model,
+                                   SimpleNamespace(dp_mesh=dp_mesh, device=torch.device("cpu")))
         if meta:
             build.materialize(model, "cpu")
             model.init_rope()
@@ -50,7 +51,8 @@ def full_tensors(model):
     """{name: the full tensor} of what this rank holds (a stage's), gathered over FSDP / tp."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, parallel.DTensor) else p  # fsdp x tp: the tp slice, then gathered
+        # fsdp x tp: the tp slice, then gathered
+        t = p.full_tensor() if isinstance(p, parallel.DTensor) else p
         out[name] = (parallel.tp_gather(t, p) if hasattr(p, "_split_dim") else t).detach().clone()
     return out
 
@@ -59,16 +61,21 @@ def layouts(mesh, hf_dir):
     """On 4 ranks: fsdp=4, pp=4, fsdp=2 x pp=2, tp=2 x pp=2 and fsdp=2 x tp=2, each built on
     meta; the import at fsdp=4, pp=4 and fsdp=2 x tp=2 (a parameter split both ways: a rank's
     part starts at its tp slice's offset plus its shard's); and the old whole-then-shard build
-    and import, for their peaks. (dp=2 builds the whole model on each rank, as one process does.)"""
-    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "x"))  # x: a pipeline stage or a tp group
+    and import, for their peaks. (dp=2 builds the whole model on each rank,
+    as one process does.)"""
+    # x: a pipeline stage or a tp group
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "x"))
     x = grid["x"].get_local_rank()
     tp = SimpleNamespace(tp=2, tp_rank=x, tp_group=grid["x"].get_group())
     runs = {"fsdp4": dict(dp_mesh=mesh.dp_mesh), "pp4": dict(stage=mesh.rank, pp=4),
-            "fsdp2_pp2": dict(dp_mesh=grid["dp"], stage=x, pp=2), "tp2_pp2": dict(tp=tp, stage=grid["dp"].get_local_rank(), pp=2),
+            "fsdp2_pp2": dict(dp_mesh=grid["dp"], stage=x, pp=2),
+            "tp2_pp2": dict(tp=tp, stage=grid["dp"].get_local_rank(), pp=2),
             "fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp),
             "hf_fsdp2_tp2": dict(dp_mesh=grid["dp"], tp=tp, hf_dir=hf_dir),
-            "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf_dir=hf_dir), "hf_pp4": dict(stage=mesh.rank, pp=4, hf_dir=hf_dir),
-            "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh), "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf_dir=hf_dir)}
+            "hf_fsdp4": dict(dp_mesh=mesh.dp_mesh, hf_dir=hf_dir),
+            "hf_pp4": dict(stage=mesh.rank, pp=4, hf_dir=hf_dir),
+            "before_fsdp4": dict(meta=False, dp_mesh=mesh.dp_mesh),
+            "before_hf_pp4": dict(meta=False, stage=mesh.rank, pp=4, hf_dir=hf_dir)}
     out = {}
     for key, kw in runs.items():
         model, peak = build_model(CFG, **kw)
@@ -87,11 +94,13 @@ def test_meta_build_is_layout_free_and_holds_a_quarter_per_rank(tmp_path):
     hf_dir = str(tmp_path / "hf")
     hf.save_hf(hf_dir, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
     imported = hf.load_hf(hf_dir)[1]
-    assert not torch.equal(imported["layers.0.attention.wq.weight"], whole["layers.0.attention.wq.weight"])
+    assert not torch.equal(imported["layers.0.attention.wq.weight"],
+                           whole["layers.0.attention.wq.weight"])
 
     ranks, steps = zip(*spawn(layouts, 4, hf_dir))
     check_one_nth(steps)
-    bound = model_bytes / 4 + 4 * largest  # a quarter, plus a fixed overhead: one parameter drawn whole (and copies)
+    # a quarter, plus a fixed overhead: one parameter drawn whole (and copies)
+    bound = model_bytes / 4 + 4 * largest
     for key in ranks[0]:
         want = imported if key.startswith(("hf_", "before_hf")) else whole
         seen = set()
@@ -101,7 +110,8 @@ def test_meta_build_is_layout_free_and_holds_a_quarter_per_rank(tmp_path):
                 seen.add(name)
         assert seen == set(want), (key, set(want) - seen)
         peaks = [r[key]["peak"] for r in ranks]
-        if key.startswith("before"):  # the old way holds the whole model on every rank: it fails the bound
+        # the old way holds the whole model on every rank: it fails the bound
+        if key.startswith("before"):
             assert min(peaks) > bound and max(peaks) >= model_bytes, (key, peaks, bound)
         else:
             assert 0 < max(peaks) <= bound, (key, peaks, bound, model_bytes)

@@ -28,16 +28,19 @@ def test_causal_future_tokens_do_not_change_the_past():
     a, _ = model(idx)
     b, _ = model(changed)
     torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=0)
-    assert (a[:, 9:] - b[:, 9:]).abs().max() > 1e-4  # and the token does matter from its position on
+    # and the token does matter from its position on
+    assert (a[:, 9:] - b[:, 9:]).abs().max() > 1e-4
 
 
 def test_loss_is_cross_entropy_and_mask_selects_targets():
     model = tiny()
     g = torch.Generator().manual_seed(2)
-    idx, tgt = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
+    idx, tgt = (torch.randint(0, 97, (2, 16), generator=g),
+                torch.randint(0, 97, (2, 16), generator=g))
     logits, _ = model(idx)
     losses, loss = model(idx, tgt)
-    torch.testing.assert_close(losses, F.cross_entropy(logits.view(-1, 97), tgt.view(-1), reduction="none").view(2, 16))
+    torch.testing.assert_close(
+        losses, F.cross_entropy(logits.view(-1, 97), tgt.view(-1), reduction="none").view(2, 16))
     torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 97), tgt.view(-1)))
     mask = torch.zeros(2, 16, dtype=torch.long)
     mask[0, 3:7] = 1
@@ -60,11 +63,12 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
     target's loss and every gradient of the whole-logits path: with a loss mask (SFT), token
     weights (a weighted sum of two micro-batches), per-row losses (the mixture's per-source
     sums), tied embeddings, and a LoRA head (its adapter path is a second (input, weight) pair).
-    With the softmax kept for backward (loss_recompute=False): the same losses bit for bit (the same
-    forward), and the gradients of one backward over all rows to float rounding."""
+    With the softmax kept for backward (loss_recompute=False): the same losses bit for bit (the
+    same forward), and the gradients of one backward over all rows to float rounding."""
     import lora
     g = torch.Generator().manual_seed(3)
-    idx, tgt = torch.randint(0, 97, (2, 2, 16), generator=g), torch.randint(0, 97, (2, 2, 16), generator=g)
+    idx, tgt = (torch.randint(0, 97, (2, 2, 16), generator=g),
+                torch.randint(0, 97, (2, 2, 16), generator=g))
     mask = (torch.rand(2, 2, 16, generator=g) < 0.5).float()
     runs = {}
     for chunk in (0, 5, "keep"):
@@ -76,39 +80,45 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
             with torch.no_grad():  # B starts at zero: give the adapters a path that matters
                 for p in model.parameters():
                     if p.requires_grad:
-                        p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+                        p.add_(0.1 * torch.randn(
+                            p.shape, generator=torch.Generator().manual_seed(p.numel())))
         per_row, total = [], 0
         for k, w in enumerate((0.7, 0.3)):  # token weights of two micro-batches
             losses, loss = model(idx[k], tgt[k], mask[k])
             (loss * w).backward()
             per_row.append(losses.detach())
-        runs[chunk] = (per_row, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        runs[chunk] = (per_row,
+                       {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     (rows0, grads0), (rows5, grads5) = runs[0], runs[5]
     assert all(torch.equal(a, b) for a, b in zip(rows5, runs["keep"][0]))
     for n in grads5:
         torch.testing.assert_close(runs["keep"][1][n], grads5[n], rtol=1e-5, atol=1e-6, msg=n)
     for a, b in zip(rows0, rows5):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    assert grads0.keys() == grads5.keys() and ("output.lora_B.weight" in grads0) == (head == "lora")
+    assert (grads0.keys() == grads5.keys()
+            and ("output.lora_B.weight" in grads0) == (head == "lora"))
     for n in grads0:
         torch.testing.assert_close(grads5[n], grads0[n], rtol=1e-5, atol=1e-6, msg=n)
-    h = torch.randn(2, 16, 8, generator=g)  # and the function on its own: a head that is a bare Linear
+    # and the function on its own: a head that is a bare Linear
+    h = torch.randn(2, 16, 8, generator=g)
     lin = torch.nn.Linear(8, 97, bias=False)
-    torch.testing.assert_close(cross_entropy_losses(h, lin, tgt[0], 7), cross_entropy_losses(h, lin, tgt[0]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cross_entropy_losses(h, lin, tgt[0], 7),
+                               cross_entropy_losses(h, lin, tgt[0]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("head", ["plain", "lora"])
 def test_the_chunked_loss_under_bf16_autocast(head):
     """Under autocast (dtype=bfloat16; here on the CPU) the chunked backward recomputes the
     logits in autocast's dtype as the forward did, so its gradients are the whole path's up to
-    bf16 rounding (measured 3.2e-3 of each gradient's largest entry, 6.0e-3 with a LoRA head, attention
-    in float32 on a CPU; recomputed in float32 instead: 1.2e-2, and a LoRA head's bf16 adapter input
-    meets a float32 weight: an error). The softmax kept instead (loss_recompute=False): the
-    recomputing one's gradients up to the rounding of one bf16 backward over all rows, not chunks."""
+    bf16 rounding (measured 3.2e-3 of each gradient's largest entry, 6.0e-3 with a LoRA head,
+    attention in float32 on a CPU; recomputed in float32 instead: 1.2e-2, and a LoRA head's bf16
+    adapter input meets a float32 weight: an error). The softmax kept instead
+    (loss_recompute=False): the recomputing one's gradients up to the rounding of one bf16 backward
+    over all rows, not chunks."""
     import lora
     g = torch.Generator().manual_seed(3)
-    idx, tgt = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
+    idx, tgt = (torch.randint(0, 97, (2, 16), generator=g),
+                torch.randint(0, 97, (2, 16), generator=g))
     grads = {}
     for chunk in (0, 5, "keep"):
         torch.manual_seed(0)
@@ -118,7 +128,8 @@ def test_the_chunked_loss_under_bf16_autocast(head):
             with torch.no_grad():
                 for p in model.parameters():
                     if p.requires_grad:
-                        p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+                        p.add_(0.1 * torch.randn(
+                            p.shape, generator=torch.Generator().manual_seed(p.numel())))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, tgt)
         loss.backward()
@@ -188,7 +199,8 @@ def test_generate_length_and_cropping():
     assert out.shape == (2, 23)  # longer than block_size=16: the context is cropped
     assert out.max() < 97
     greedy = model.generate(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0)
-    torch.testing.assert_close(greedy, model.generate(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0))
+    torch.testing.assert_close(
+        greedy, model.generate(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0))
 
 
 def test_kv_cache_gives_the_uncached_logits_and_samples():
@@ -196,12 +208,14 @@ def test_kv_cache_gives_the_uncached_logits_and_samples():
     chunk of several) are the full forward's, and generate with and without the cache samples
     the same tokens for one seed, past block_size (where the cached path re-runs the window)."""
     model = tiny()
-    with torch.no_grad():  # larger weights than the init: peaked logits, so sampling depends on them
+    # larger weights than the init: peaked logits, so sampling depends on them
+    with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
     cache = {name: KVCache() for name in model.layers}
-    pieces = [model(x[:, :5], cache=cache)[0], *(model(x[:, i:i + 1], cache=cache)[0] for i in range(5, 12)),
+    pieces = [model(x[:, :5], cache=cache)[0],
+              *(model(x[:, i:i + 1], cache=cache)[0] for i in range(5, 12)),
               model(x[:, 12:], cache=cache)[0]]
     assert len(cache["0"]) == 16 and cache["0"].k.shape == (2, 2, 16, 8)
     torch.testing.assert_close(torch.cat(pieces, dim=1), model(x)[0])
@@ -231,10 +245,12 @@ def test_sliding_window_sees_the_last_window_tokens_of_its_document():
             full = model(x, doc_ids=doc)[0]
             for i in range(16):
                 start = max(i - 3, 0 if i < 6 else 6)
-                torch.testing.assert_close(full[:, i], model(x[:, start:i + 1])[0][:, -1], msg=str(i))
+                torch.testing.assert_close(full[:, i], model(x[:, start:i + 1])[0][:, -1],
+                                           msg=str(i))
             continue
         cache = {name: KVCache() for name in model.layers}
-        pieces = [model(x[:, :5], cache=cache)[0], model(x[:, 5:6], cache=cache)[0], model(x[:, 6:], cache=cache)[0]]
+        pieces = [model(x[:, :5], cache=cache)[0], model(x[:, 5:6], cache=cache)[0],
+                  model(x[:, 6:], cache=cache)[0]]
         torch.testing.assert_close(torch.cat(pieces, dim=1), model(x)[0])
         model.cfg.sliding_window = 0
         assert (model(x)[0] - torch.cat(pieces, dim=1)).abs().max() > 1e-3
@@ -255,8 +271,8 @@ def test_grad_ckpt_gives_the_same_gradients():
 def test_names_init_and_tying():
     model = tiny(n_layer=3)
     names = set(model.state_dict())
-    assert {"tok_embeddings.weight", "layers.2.attention.wq.weight", "layers.2.feed_forward.w2.weight",
-            "norm.weight", "output.weight"} <= names
+    assert {"tok_embeddings.weight", "layers.2.attention.wq.weight",
+            "layers.2.feed_forward.w2.weight", "norm.weight", "output.weight"} <= names
     assert not any("rope" in n for n in names)  # derived buffers are not checkpointed
     std = lambda n: model.state_dict()[n].std().item()  # noqa: E731
     assert abs(std("layers.0.attention.wq.weight") - 0.02) < 0.003
@@ -270,7 +286,8 @@ def test_flops_per_token_counts_matmul_weights():
     model = tiny()
     cfg = model.cfg
     per_layer = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * cfg.ffn_dim  # wq, wo, wk, wv, w1/w2/w3
-    expected = 6 * (2 * per_layer + 32 * 97) + 12 * 2 * 32 * 16  # + head; norm gains are tiny extras
+    # + head; norm gains are tiny extras
+    expected = 6 * (2 * per_layer + 32 * 97) + 12 * 2 * 32 * 16
     assert abs(model.flops_per_token() - expected) / expected < 0.01
 
 
@@ -316,7 +333,8 @@ def test_neftune_noise_in_training_only():
     plain, noisy = tiny(), tiny(neftune_alpha=5.0)
     torch.testing.assert_close(noisy(idx)[0], plain(idx)[0], rtol=0, atol=0)  # eval: untouched
     plain.train(), noisy.train()
-    torch.testing.assert_close(plain(idx)[0], plain.eval()(idx)[0], rtol=0, atol=0)  # no dropout: train == eval
+    # no dropout: train == eval
+    torch.testing.assert_close(plain(idx)[0], plain.eval()(idx)[0], rtol=0, atol=0)
     assert (noisy(idx)[0] - plain.train()(idx)[0]).abs().max() > 1e-3
     # the noise is U(-1, 1) * alpha / sqrt(T * n_embd) on the embeddings: capture them
     seen = []
@@ -342,7 +360,8 @@ def test_grow_vocab():
     with pytest.raises(ValueError, match="smaller"):
         grow_vocab(model, 100)
     tied = grow_vocab(tiny(tie_embeddings=True), 100)
-    assert tied.output.weight is tied.tok_embeddings.weight and tied.output.weight.shape == (100, 32)
+    assert (tied.output.weight is tied.tok_embeddings.weight
+            and tied.output.weight.shape == (100, 32))
     head = make_stage(tiny(), 1, 2)  # the last pipeline stage: a head, no embedding
     grow_vocab(head, 100)
     torch.testing.assert_close(head.output.weight[97:], out.mean(0).expand(3, -1))
@@ -357,10 +376,13 @@ def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
     ours = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
     peers = [p.detach().clone().requires_grad_() for p in ours]
     opt = MuonWithAdamW([{"params": ours[:2], "muon": True, "weight_decay": 0.1},
-                         {"params": ours[2:3], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}],
+                         {"params": ours[2:3], "weight_decay": 0.1},
+                         {"params": ours[3:], "weight_decay": 0.0}],
                         lr=0.02, betas=(0.9, 0.95), momentum=0.95, ns_dtype=torch.bfloat16)
-    muon = torch.optim.Muon(peers[:2], lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW([{"params": peers[2:3], "weight_decay": 0.1}, {"params": peers[3:], "weight_decay": 0.0}],
+    muon = torch.optim.Muon(peers[:2], lr=0.02, weight_decay=0.1, momentum=0.95,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": peers[2:3], "weight_decay": 0.1},
+                               {"params": peers[3:], "weight_decay": 0.0}],
                               lr=0.02, betas=(0.9, 0.95))
     for step in range(4):
         for a, b in zip(ours, peers):
@@ -371,13 +393,15 @@ def test_muon_with_adamw_steps_like_torch_muon_and_torch_adamw():
             assert torch.equal(a, b), (step, i, (a - b).abs().max())
     # the orthogonalization: singular values pushed near 1 (the quintic's band), any aspect ratio
     for shape in [(64, 16), (16, 64)]:
-        sv = torch.linalg.svdvals(newton_schulz(torch.randn(shape, generator=g), dtype=torch.float32))
+        sv = torch.linalg.svdvals(
+            newton_schulz(torch.randn(shape, generator=g), dtype=torch.float32))
         assert 0.6 < sv.min() and sv.max() < 1.25, sv
     # a stack of matrices of one shape (how newton_schulz_each batches them): each as if alone,
     # and a list of mixed shapes comes back in its order
     gs = [torch.randn(s, generator=g) for s in [(48, 32), (32, 80), (48, 32), (80, 32), (48, 32)]]
     torch.testing.assert_close(newton_schulz(torch.stack(gs[::2]), dtype=torch.float32),
-                               torch.stack([newton_schulz(m, dtype=torch.float32) for m in gs[::2]]))
+                               torch.stack(
+                                   [newton_schulz(m, dtype=torch.float32) for m in gs[::2]]))
     for update, m in zip(newton_schulz_each(gs, torch.float32), gs):
         torch.testing.assert_close(update, newton_schulz(m, dtype=torch.float32))
 
@@ -389,8 +413,8 @@ def group_of_each_name(model, optim):
 
     from optim import build_optimizer
     mesh = SimpleNamespace(device=torch.device("cpu"), dp=1, tp=1, print0=lambda *a: None)
-    c = dict(optim=optim, weight_decay=0.1, embed_lr_scale=10.0, beta1=0.9, beta2=0.95, offload=False,
-             learning_rate=1e-3, muon_momentum=0.95)
+    c = dict(optim=optim, weight_decay=0.1, embed_lr_scale=10.0, beta1=0.9, beta2=0.95,
+             offload=False, learning_rate=1e-3, muon_momentum=0.95)
     optimizer, _ = build_optimizer(model, model, mesh, c)
     where = [(id(p), (g["weight_decay"], g.get("lr_scale", 1.0), g.get("muon", False)))
              for g in optimizer.param_groups for p in g["params"]]
@@ -412,23 +436,28 @@ def test_the_optimizer_groups_by_name(optim):
         want = {"tok_embeddings.weight": (0.1, 10.0, False), "norm.weight": (0.0, 1.0, False),
                 **({} if tied else {"output.weight": (0.1, 1.0, False)})}
         for i in range(2):
-            want.update({f"layers.{i}.{n}.weight": (0.0, 1.0, False) for n in ("attention_norm", "ffn_norm")})
+            want.update({f"layers.{i}.{n}.weight": (0.0, 1.0, False)
+                         for n in ("attention_norm", "ffn_norm")})
             want.update({f"layers.{i}.{n}.weight": (0.1, 1.0, muon) for n in (
                 "attention.wq", "attention.wk", "attention.wv", "attention.wo",
                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")})
-        assert groups == want, (tied, {n: (g, want.get(n)) for n, g in groups.items() if g != want.get(n)})
+        assert groups == want, (
+            tied, {n: (g, want.get(n)) for n, g in groups.items() if g != want.get(n)})
     # Qwen2's q/k/v biases: vectors, with AdamW and without decay, as the norm gains
     biases = group_of_each_name(tiny_model(n_layer=1, qkv_bias=True), optim)
     assert {n: g for n, g in biases.items() if n.endswith(".bias")} == {
         f"layers.0.attention.{m}.bias": (0.0, 1.0, False) for m in ("wq", "wk", "wv")}, biases
-    # a pipeline's last stage of a tied model: its head is the embedding's copy, in the embedding's group
+    # a pipeline's last stage of a tied model: its head is the embedding's copy,
+    # in the embedding's group
     last = group_of_each_name(make_stage(tiny_model(n_layer=2, tie_embeddings=True), 1, 2), optim)
-    assert last["output.weight"] == (0.1, 10.0, False) and last["norm.weight"] == (0.0, 1.0, False), last
+    assert (last["output.weight"] == (0.1, 10.0, False)
+            and last["norm.weight"] == (0.0, 1.0, False)), last
     import lora
     model = tiny_model(n_layer=1)
     lora.apply_lora(model, 2, 4.0, 0.0, ["wq", "output"], seed=0)
     assert group_of_each_name(model, optim) == {f"{m}.lora_{ab}.weight": (0.1, 1.0, False)
-                                                for m in ("layers.0.attention.wq", "output") for ab in "AB"}
+                                                for m in ("layers.0.attention.wq", "output")
+                                                for ab in "AB"}
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
@@ -437,17 +466,20 @@ def test_lr_schedule_equals_torch_schedulers(schedule):
     cosine (or flat, then a linear cooldown over the last quarter) to min_lr at lr_decay_iters,
     and min_lr after it."""
     from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
-    c = dict(learning_rate=1e-2, min_lr=1e-3, warmup_iters=5, lr_decay_iters=40, max_iters=50, lr_schedule=schedule,
-             cooldown_frac=0.25)
+    c = dict(learning_rate=1e-2, min_lr=1e-3, warmup_iters=5, lr_decay_iters=40, max_iters=50,
+             lr_schedule=schedule, cooldown_frac=0.25)
     lr, lo, warmup, decay = 1e-2, 1e-3, 5, 40
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     after = ConstantLR(opt, factor=lo / lr, total_iters=10 ** 9)
     warm = LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
     if schedule == "cosine":
-        parts, milestones = [warm, CosineAnnealingLR(opt, T_max=decay - warmup, eta_min=lo), after], [warmup, decay]
+        parts, milestones = ([warm,
+                              CosineAnnealingLR(opt, T_max=decay - warmup, eta_min=lo), after],
+                             [warmup, decay])
     else:
         cool = 10  # a quarter of 40
-        parts = [warm, ConstantLR(opt, factor=1.0, total_iters=0), LinearLR(opt, 1.0, lo / lr, total_iters=cool), after]
+        parts = [warm, ConstantLR(opt, factor=1.0, total_iters=0),
+                 LinearLR(opt, 1.0, lo / lr, total_iters=cool), after]
         milestones = [warmup, decay - cool, decay]
     sched = SequentialLR(opt, parts, milestones)
     for it in range(50):
@@ -471,7 +503,8 @@ def test_attention_runs_in_float32_under_cpu_bf16_autocast(monkeypatch):
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx)
-    assert len(seen) == 2 and all(s == (torch.float32, torch.float32, torch.float32, False) for s in seen), seen
+    assert len(seen) == 2 and all(s == (torch.float32, torch.float32, torch.float32, False)
+                                  for s in seen), seen
 
 
 @pytest.mark.parametrize("doc_mask, dropout", [(False, 0.0), (True, 0.0), (False, 0.3)])
@@ -484,22 +517,26 @@ def test_float32_attention_keeps_only_bf16_for_backward(doc_mask, dropout):
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16]) if doc_mask else None
     for grad_ckpt in (False, True):
-        assert all(b.attention.recompute != grad_ckpt for b in tiny(grad_ckpt=grad_ckpt).layers.values())
+        assert all(b.attention.recompute != grad_ckpt
+                   for b in tiny(grad_ckpt=grad_ckpt).layers.values())
 
     def run(recompute):
         model = tiny(dropout=dropout).train()
         for layer in model.layers.values():
-            layer.attention.recompute = layer.attention.recompute and recompute  # (True: the default's)
+            # (True: the default's)
+            layer.attention.recompute = layer.attention.recompute and recompute
         kept = []
         torch.manual_seed(1)
 
         def pack(t):
             kept.append((t.dtype, t.dim(), tuple(t.shape)))
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.autocast("cpu", dtype=torch.bfloat16)):
             _, loss = model(idx, idx.roll(-1, 1), doc_ids=docs)
         loss.backward()
-        heads = [k for k in kept if k[0] == torch.float32 and k[1] == 4 and k[2][-1] == 8]  # (B, heads, T, head_dim)
+        # (B, heads, T, head_dim)
+        heads = [k for k in kept if k[0] == torch.float32 and k[1] == 4 and k[2][-1] == 8]
         return heads, [p.grad for p in model.parameters()]
     heads, grads = run(True)
     assert heads == []

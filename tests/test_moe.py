@@ -29,26 +29,31 @@ def hf_moe_model(family, seed=0):
     CPU's), its router randomised (Qwen2-MoE's starts at zero: every token would tie), and
     Qwen3's q/k norm gains; its aux coefficient is what our export of it writes (the run's
     moe_aux_weight / top_k)."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
     torch.manual_seed(seed)
-    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2,
                  num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.005)
     if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
+        model = MixtralForCausalLM(
+            MixtralConfig(**shape, intermediate_size=48, num_local_experts=4))
     elif family == "qwen3_moe":  # layer 0 dense by mlp_only_layers, heads of 16 on a width of 32
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**shape, "router_aux_loss_coef": 0.02}, intermediate_size=40,
-                                                   moe_intermediate_size=24, num_experts=4, norm_topk_prob=True,
-                                                   mlp_only_layers=[0], head_dim=16))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(**{**shape, "router_aux_loss_coef": 0.02}, intermediate_size=40,
+                           moe_intermediate_size=24, num_experts=4, norm_topk_prob=True,
+                           mlp_only_layers=[0], head_dim=16))
     else:
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
-                                                   shared_expert_intermediate_size=36, num_experts=4,
-                                                   decoder_sparse_step=2 if family == "qwen2_moe_sparse" else 1))
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(**shape, intermediate_size=40, moe_intermediate_size=24,
+                           shared_expert_intermediate_size=36, num_experts=4,
+                           decoder_sparse_step=2 if family == "qwen2_moe_sparse" else 1))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "bias", "q_norm.weight", "k_norm.weight")):
                 p.normal_(name.endswith("norm.weight"), 0.5)
-    model.set_experts_implementation("eager") if hasattr(model, "set_experts_implementation") else None
+    (model.set_experts_implementation("eager") if hasattr(model, "set_experts_implementation")
+     else None)
     return model.eval()
 
 
@@ -61,20 +66,23 @@ def hf_logits(path, x):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen2_moe_sparse", "qwen3_moe"])
 def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
-    """A Mixtral, a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) and a Qwen3-MoE
-    (no shared expert, top-k renormalised, layer 0 dense by mlp_only_layers, q/k norms) that
-    transformers saved, read from its per-expert files and from transformers 5's fused
+    """A Mixtral, a Qwen2-MoE (shared expert, q/k/v biases; every other layer dense) and a
+    Qwen3-MoE (no shared expert, top-k renormalised, layer 0 dense by mlp_only_layers, q/k norms)
+    that transformers saved, read from its per-expert files and from transformers 5's fused
     gate_up_proj / down_proj: our logits equal transformers'; exported, transformers reads
     ours to the same logits and config, and the files hold the names and shapes its own save
     writes."""
     model = hf_moe_model(family)
     saved, fused = str(tmp_path / "saved"), str(tmp_path / "fused")
     model.save_pretrained(saved)
-    os.makedirs(fused)  # the in-memory names: mlp.experts.gate_up_proj (E, 2F, D), mlp.experts.down_proj (E, D, F)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(fused, "model.safetensors"))
+    # the in-memory names: mlp.experts.gate_up_proj (E, 2F, D), mlp.experts.down_proj (E, D, F)
+    os.makedirs(fused)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(fused, "model.safetensors"))
     config = json.load(open(os.path.join(saved, "config.json")))
     json.dump(config, open(os.path.join(fused, "config.json"), "w"))
-    assert any("gate_up_proj" in k for k in model.state_dict()), "transformers no longer fuses: test the layout"
+    assert any("gate_up_proj" in k
+               for k in model.state_dict()), "transformers no longer fuses: test the layout"
     x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x).logits
@@ -84,12 +92,14 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
         assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_norm_topk, bool(cfg.moe_shared_ffn_dim)) == (
             4, 2, family in ("mixtral", "qwen3_moe"), family.startswith("qwen2"))
         # the file's coefficient x top_k: theirs counts a token's k slots (hf_moe.config_out)
-        assert (cfg.moe_dense_layers, cfg.moe_aux_weight) == (("0", 0.04) if family == "qwen3_moe" else ("", 0.01))
+        assert ((cfg.moe_dense_layers, cfg.moe_aux_weight)
+                == (("0", 0.04) if family == "qwen3_moe" else ("", 0.01)))
         ours = Transformer(cfg).eval()
         ours.load_state_dict(weights)
         with torch.no_grad():
             torch.testing.assert_close(ours(x)[0], want, rtol=1e-5, atol=1e-5)
-        # an ep rank reads only its experts (build.fill): experts 2, 3 of a layer, from either layout
+        # an ep rank reads only its experts (build.fill): experts 2, 3 of a layer,
+        # from either layout
         _, index = hf.hf_index(path)
         for name in ("layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2"):
             part = torch.empty(2, *weights[name].shape[1:])
@@ -102,18 +112,22 @@ def test_hf_moe_in_and_out_equal_transformers(family, tmp_path):
     shapes = [{k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} for f in
               (safe_open(os.path.join(d, "model.safetensors"), "pt") for d in (saved, out))]
     assert shapes[0] == shapes[1]
-    # the whole config as transformers reads it, but for what names no setting: where each was saved,
-    # head_dim (None: hidden_size / heads, which we write), max_window_layers (no window here)
+    # the whole config as transformers reads it, but for what names no setting: where each was
+    # saved, head_dim (None: hidden_size / heads, which we write), max_window_layers
+    # (no window here)
     from transformers import AutoConfig
     got, want = (AutoConfig.from_pretrained(d).to_dict() for d in (out, saved))
-    # (and layer_types, which transformers derives from our max_window_layers: every layer full attention)
+    # (and layer_types, which transformers derives from our max_window_layers:
+    # every layer full attention)
     assert set(got.get("layer_types") or ["full_attention"]) == {"full_attention"}
-    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {"_name_or_path", "head_dim", "max_window_layers",
-                                                                       "layer_types"}
+    assert {k for k in {*got, *want} if got.get(k) != want.get(k)} <= {
+        "_name_or_path", "head_dim", "max_window_layers", "layer_types"}
     assert got["head_dim"] in (want.get("head_dim"), 32 // 4) and not got.get("use_sliding_window")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family",
+                         ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                          "qwen3_moe"])
 def test_hf_config_omitting_a_key_reads_as_transformers_reads_it(family):
     """A config.json without one of its keys (each in turn, then all it can do without) is read
     as transformers reads it: its defaults of that family (Mistral's num_key_value_heads 8 and
@@ -122,15 +136,16 @@ def test_hf_config_omitting_a_key_reads_as_transformers_reads_it(family):
     do without are refused in one line naming the key."""
     from transformers import AutoConfig
     # (every value off its default, so that a wrong default shows)
-    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, rms_norm_eps=1e-4, max_position_embeddings=64, rope_theta=5e4,
-                 tie_word_embeddings=True)
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-4,
+                 max_position_embeddings=64, rope_theta=5e4, tie_word_embeddings=True)
     shape.update({"mixtral": dict(num_local_experts=6, num_experts_per_tok=3),
                   "qwen2_moe": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
                                     shared_expert_intermediate_size=36, decoder_sparse_step=2,
                                     norm_topk_prob=True, qkv_bias=False),
                   "qwen3_moe": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
-                                    decoder_sparse_step=2, norm_topk_prob=True, mlp_only_layers=[0]),
+                                    decoder_sparse_step=2,
+                                    norm_topk_prob=True, mlp_only_layers=[0]),
                   "mistral": dict(sliding_window=16), "qwen3": dict(head_dim=16)}.get(family, {}))
 
     def read(config):
@@ -142,8 +157,8 @@ def test_hf_config_omitting_a_key_reads_as_transformers_reads_it(family):
     def kind(**kw):
         return AutoConfig.for_model(family, **{k: v for k, v in kw.items() if k != "model_type"})
     full = kind(**shape).to_dict()
-    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "model_type")
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "model_type")
     for key in full:
         omitted = {k: v for k, v in full.items() if k != key}
         if key in needed:
@@ -165,7 +180,8 @@ def test_layer_equals_transformers_blocks_and_routes_by_the_bias():
         kwargs, _ = hf.hf_config_to_ours(hf_model.config.to_dict()), None
         cfg = ModelConfig(**kwargs, block_size=64)
         layer = moe.MoE(cfg)
-        sd = {k: v for k, v in hf_model.state_dict().items() if k.startswith("model.layers.0.mlp.")}
+        sd = {k: v for k, v in hf_model.state_dict().items()
+              if k.startswith("model.layers.0.mlp.")}
         F = cfg.moe_ffn_dim
         with torch.no_grad():
             layer.router.weight.copy_(sd["model.layers.0.mlp.gate.weight"])
@@ -200,10 +216,12 @@ def test_a_moe_run_logs_its_losses_and_load_and_resumes_exactly(dataset, tmp_pat
     log = run_train([*base, f"out_dir={full}"], cwd=str(tmp_path), fork=True).stdout
     assert "moe aux " in log and " load " in log
     rows = [r for r in read_metrics(full) if "loss" in r]
-    assert all(0.5 < r["moe_aux"] < 4 and r["moe_z"] > 0 and r["moe_load/0"] >= 1 and r["moe_load/1"] >= 1
+    assert all(0.5 < r["moe_aux"] < 4 and r["moe_z"] > 0
+               and r["moe_load/0"] >= 1 and r["moe_load/1"] >= 1
                for r in rows)  # (the aux loss is 1 at a perfect balance, at most n_experts)
     no_aux = str(tmp_path / "no_aux")
-    run_train([*base, "max_iters=2", "moe_aux_weight=0", "moe_z_weight=0", f"out_dir={no_aux}"], cwd=str(tmp_path), fork=True)
+    run_train([*base, "max_iters=2", "moe_aux_weight=0", "moe_z_weight=0", f"out_dir={no_aux}"],
+              cwd=str(tmp_path), fork=True)
     first = [r for r in read_metrics(no_aux) if "loss" in r]
     assert first[0]["loss"] == rows[0]["loss"] and first[1]["loss"] != rows[1]["loss"]
     run_train([*base, "max_iters=3", f"out_dir={part}"], cwd=str(tmp_path), fork=True)
@@ -226,8 +244,8 @@ def _ep_grads(mesh):
     import data_parallel
     import expert_parallel
     import fsdp
-    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_experts=8,
-                      moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                      n_experts=8, moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
     x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
 
     def build(starve):
@@ -239,43 +257,51 @@ def _ep_grads(mesh):
     one = {}
     for starve in (False, True):
         model = build(starve)
-        for k in range(8):  # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
+        # one process: the mean over 8 micro-batches (the loop's token weights, no mask)
+        for k in range(8):
             (model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
         one[starve] = {name: p.grad for name, p in model.named_parameters()}
     out = {}
-    for ep, layout, starve in ((2, "dp", False), (4, "dp", False), (2, "fsdp", False), (4, "dp", True)):
+    for ep, layout, starve in ((2, "dp", False), (4, "dp", False), (2, "fsdp", False),
+                               (4, "dp", True)):
         ours = expert_parallel.expert_parallel(build(starve), mesh, ep, moe.moe_layers)
-        wrap = fsdp.fully_shard_model if layout == "fsdp" else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01)
+        wrap = (fsdp.fully_shard_model if layout == "fsdp"
+                else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01))
         run = wrap(ours, mesh)
         k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
         run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1].backward()
         run.wait() if layout == "dp" else None
         expert_parallel.sync_grads(ours, mesh)
         r, n = mesh.dp_rank % ep, 8 // ep
-        want = {name: g[r * n:(r + 1) * n] if "experts." in name else g for name, g in one[starve].items()}
-        got = {name: p.grad.full_tensor() if layout == "fsdp" else p.grad for name, p in ours.named_parameters()}
-        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {name: (got[name], want[name]) for name in got}
+        want = {name: g[r * n:(r + 1) * n] if "experts." in name else g
+                for name, g in one[starve].items()}
+        got = {name: p.grad.full_tensor() if layout == "fsdp" else p.grad
+               for name, p in ours.named_parameters()}
+        out[f"ep{ep}{layout}{'starved' if starve else ''}"] = {name: (got[name], want[name])
+                                                               for name in got}
     return out
 
 
 def test_ep_gradients_equal_one_process_where_the_groups_differ():
-    """8 experts on 8 ranks (dp=8): ep=2, ep=4, ep=2 x fsdp and ep=4 with an expert rank starved give
-    every gradient of one process, the experts' own included (summed over the ranks holding them,
-    divided by dp; not ep or dp / ep times too large), and the starved rank does not hang."""
+    """8 experts on 8 ranks (dp=8): ep=2, ep=4, ep=2 x fsdp and ep=4 with an expert rank starved
+    give every gradient of one process, the experts' own included (summed over the ranks holding
+    them, divided by dp; not ep or dp / ep times too large), and the starved rank does not hang."""
     from conftest import spawn
     ranks = spawn(_ep_grads, 8)
     for rank in ranks:
         for case, grads in rank.items():
             for name, (got, want) in grads.items():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
-    assert ranks[0]["ep4dp"]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0  # (tokens came)
-    assert ranks[1]["ep4dpstarved"]["layers.0.feed_forward.experts.w1"][0].abs().sum() == 0  # (none came)
+    # (tokens came)
+    assert ranks[0]["ep4dp"]["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0
+    # (none came)
+    assert ranks[1]["ep4dpstarved"]["layers.0.feed_forward.experts.w1"][0].abs().sum() == 0
 
 
 # the run every MoE layout must reproduce: Muon (each expert's matrices orthogonalized), the
 # balancing losses and the bias on, 4 micro-batches
-MOE_REF = [*MOE, "grad_accum_steps=4", "max_iters=4", "optim=muon", "moe_z_weight=1e-3", "moe_bias_rate=1e-2",
-           "eval_interval=2", "ckpt_interval=2"]
+MOE_REF = [*MOE, "grad_accum_steps=4", "max_iters=4", "optim=muon", "moe_z_weight=1e-3",
+           "moe_bias_rate=1e-2", "eval_interval=2", "ckpt_interval=2"]
 
 
 def _bias(path):
@@ -308,11 +334,13 @@ def test_moe_layouts_equal_one_process(dataset, tmp_path):
     assert_same_curve(*rows)
     first = next(r for r in rows[0] if "loss" in r)
     assert "moe_load/1" in first and "moe_load/0" not in first
-    torch.testing.assert_close(_bias(str(tmp_path / "every2ep2pp2")), _bias(str(tmp_path / "every2")), rtol=0, atol=0)
+    torch.testing.assert_close(_bias(str(tmp_path / "every2ep2pp2")),
+                               _bias(str(tmp_path / "every2")), rtol=0, atol=0)
     accum = {}
     for steps, batch in ((1, 8), (2, 4)):
         out = str(tmp_path / f"accum{steps}")
-        run_train([*base, "moe_aux_weight=0", "moe_z_weight=0", "max_iters=3", f"grad_accum_steps={steps}",
+        run_train([*base, "moe_aux_weight=0", "moe_z_weight=0",
+                   "max_iters=3", f"grad_accum_steps={steps}",
                    f"batch_size={batch}", f"out_dir={out}"], cwd=str(tmp_path), fork=True)
         accum[steps] = _bias(out)
     assert accum[1].abs().sum() > 0
@@ -439,14 +467,16 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
     on ep=2. The two skipped iterations leave the routing bias where it was (at zero)."""
     from test_fp16 import RTOL_FP16, fp16_rows, worst
     fp16 = [*MOE_REF, f"dataset={dataset}", "dtype=float16", "learning_rate=5e-4", "min_lr=5e-5",
-            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6", "keep_ckpts=0"]
+            "loss_scale_init=1099511627776.0", "loss_scale_backoff=0.00048828125", "max_iters=6",
+            "keep_ckpts=0"]
     single, ep2 = str(tmp_path / "fp16"), str(tmp_path / "fp16_ep2")
     run_train([*fp16, f"out_dir={single}"], cwd=str(tmp_path), fork=True)
     torchrun(2, [*fp16, "ep=2", "grad_ckpt=True", f"out_dir={ep2}"], cwd=str(tmp_path))
     (want, scales, skipped), (got, got_scales, got_skipped) = fp16_rows(single), fp16_rows(ep2)
     # (the scales 2**40 and 2**29 overflow, 2**18 does not: 8x below this model's threshold)
     assert skipped == [0, 1] and (got_scales, got_skipped) == (scales, skipped)
-    biases = [_bias(f"{single}/ckpt/iter_{it:07d}") for it in (2, 6)]  # (the two skipped steps left it at zero)
+    # (the two skipped steps left it at zero)
+    biases = [_bias(f"{single}/ckpt/iter_{it:07d}") for it in (2, 6)]
     assert biases[0].abs().sum() == 0 and biases[1].abs().sum() > 0
     print(f"\nfp16 ep=2 vs one process: worst relative difference {worst(want, got):.1e}")
     trained = [[r for r in rows if "skipped" not in r] for rows in (want, got)]
@@ -463,15 +493,16 @@ def test_ep_composes_with_fp16_grad_ckpt_and_lora(dataset, tmp_path):
 def _router(layers=1, skew=0.0):
     """A tiny all-MoE model (4 experts, 2 a token) with its balancing hook and fixed tokens; skew:
     the routers' row of expert 0 leans this far along the mean of the inputs it sees."""
-    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
-                      moe_top_k=2, moe_ffn_dim=24, moe_bias_rate=0.01)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_kv_head=2,
+                      n_embd=32, n_experts=4, moe_top_k=2, moe_ffn_dim=24, moe_bias_rate=0.01)
     torch.manual_seed(0)
     model = moe.attach(Transformer(cfg), cfg)
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     if skew:
         seen = []
         for layer in moe.moe_layers(model).values():
-            hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 32).mean(0)))
+            hook = layer.register_forward_pre_hook(
+                lambda m, a: seen.append(a[0].reshape(-1, 32).mean(0)))
             model(x, x)
             hook.remove()
             with torch.no_grad():
@@ -488,7 +519,8 @@ def test_balancing_losses_equal_transformers_and_st_moe():
     moe_aux and moe_z are these losses' means over a step's forwards and layers."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     for E, k in ((4, 2), (8, 3)):
-        layer = moe.MoE(ModelConfig(n_embd=32, n_head=4, n_experts=E, moe_top_k=k, moe_ffn_dim=24)).train()
+        layer = moe.MoE(
+            ModelConfig(n_embd=32, n_head=4, n_experts=E, moe_top_k=k, moe_ffn_dim=24)).train()
         x = torch.randn(40, 32, generator=torch.Generator().manual_seed(E + k)).unsqueeze(0)
         torch.nn.init.normal_(layer.router.weight, std=0.3)
         layer(x)
@@ -496,7 +528,8 @@ def test_balancing_losses_equal_transformers_and_st_moe():
         logits = F.linear(x[0], layer.router.weight)  # (N, E), the same in float32
         want = load_balancing_loss_func((logits,), E, k) / k
         want_z = torch.log(logits.exp().sum(-1)).square().sum() / logits.shape[0]
-        eps = 40 * torch.finfo(torch.float32).eps  # (float32: the 40 tokens' terms summed in another order)
+        # (float32: the 40 tokens' terms summed in another order)
+        eps = 40 * torch.finfo(torch.float32).eps
         torch.testing.assert_close(aux, want, rtol=eps, atol=0)
         torch.testing.assert_close(z, want_z, rtol=eps, atol=0)
         for got, ref in ((aux, want), (z, want_z)):
@@ -506,7 +539,8 @@ def test_balancing_losses_equal_transformers_and_st_moe():
             torch.testing.assert_close(g, g_ref, rtol=eps, atol=eps * g_ref.abs().max().item())
     (model, x), seen = _router(layers=2), []
     for m in moe.moe_layers(model).values():
-        m.register_forward_pre_hook(lambda m, a: seen.append(F.linear(a[0].reshape(-1, 32), m.router.weight)))
+        m.register_forward_pre_hook(
+            lambda m, a: seen.append(F.linear(a[0].reshape(-1, 32), m.router.weight)))
     for k in range(2):  # two forwards of one step: the metric is their mean, not their sum
         model(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])
     metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=False)
@@ -531,15 +565,18 @@ def test_the_bias_balances_the_load_and_a_skipped_step_leaves_it():
         if step % 5 == 4:
             assert torch.equal(layer.expert_bias, before), step
         assert abs(layer.expert_bias.sum().item()) < 1e-6
-    late = sum(shares[-10:]) / 10  # (sign steps overshoot: the share flips between two values at the end)
+    # (sign steps overshoot: the share flips between two values at the end)
+    late = sum(shares[-10:]) / 10
     print(f"\nmost loaded expert's share of the slots: {shares[0]:.2f} -> {late:.2f}")
-    assert shares[0] > 0.35 and late < shares[0] - 0.08  # (2 slots a token: 1/2 at most, 1/4 balanced)
+    # (2 slots a token: 1/2 at most, 1/4 balanced)
+    assert shares[0] > 0.35 and late < shares[0] - 0.08
 
 
 def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
     """moe_top_k == n_experts is accepted, and its layer is the dense mixture sum_e p_e expert_e(x)
     (p: the softmax, every expert chosen). moe_every=2 on 4 layers makes layers 1 and 3 MoE, as
-    Qwen2-MoE's decoder_sparse_step does, and trains: both report their loads and move their bias."""
+    Qwen2-MoE's decoder_sparse_step does, and trains:
+    both report their loads and move their bias."""
     import configurator
     import guard_config
     from conftest import ROOT
@@ -553,13 +590,15 @@ def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
     x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(0))
     p = F.linear(x[0], layer.router.weight).softmax(-1)
     e = layer.experts
-    dense = sum(p[:, i:i + 1] * ((F.silu(x[0] @ e.w1[i].T) * (x[0] @ e.w3[i].T)) @ e.w2[i].T) for i in range(4))
+    dense = sum(p[:, i:i + 1] * ((F.silu(x[0] @ e.w1[i].T) * (x[0] @ e.w3[i].T)) @ e.w2[i].T)
+                for i in range(4))
     torch.testing.assert_close(layer(x)[0], dense, rtol=1e-5, atol=1e-6)
     from transformers import Qwen2MoeConfig
-    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, n_experts=4,
-                      moe_ffn_dim=24, moe_every=2, moe_bias_rate=0.01)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                      n_experts=4, moe_ffn_dim=24, moe_every=2, moe_bias_rate=0.01)
     sparse = Qwen2MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, num_experts=4)
-    want = [str(i) for i in range(4) if (i + 1) % sparse.decoder_sparse_step == 0]  # (transformers' rule)
+    # (transformers' rule)
+    want = [str(i) for i in range(4) if (i + 1) % sparse.decoder_sparse_step == 0]
     torch.manual_seed(0)
     model = moe.attach(Transformer(cfg), cfg)
     assert list(moe.moe_layers(model)) == model.moe_stats.names == want == ["1", "3"]
@@ -570,5 +609,6 @@ def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
         optimizer.step()
         optimizer.zero_grad()
         metrics = moe.after_step(model, types.SimpleNamespace(backend=None), stepped=True)
-        assert sorted(k for k in metrics if k.startswith("moe_load/")) == ["moe_load/1", "moe_load/3"]
+        assert (sorted(k for k in metrics if k.startswith("moe_load/"))
+                == ["moe_load/1", "moe_load/3"])
     assert all(m.expert_bias.abs().sum() > 0 for m in moe.moe_layers(model).values())

@@ -32,13 +32,15 @@ def chats(tmp_path_factory):
         lines.append({"messages": turns})
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     out = str(root / "data")
-    prepare.prepare(str(root / "chat.jsonl"), out, "cl100k_base", 512, val_fraction=0.2, verbose=False)
+    prepare.prepare(str(root / "chat.jsonl"), out, "cl100k_base", 512, val_fraction=0.2,
+                    verbose=False)
     return out
 
 
 def test_best_fit_decreasing_worked_by_hand():
     # rows of 8: 5 -> new row 0 (3 left); 4 -> new row 1 (4 left); 3 -> row 0, the fuller that
-    # holds it (0 left); 3 -> row 1 (1 left); 2 -> new row 2 (6 left); 2 -> row 2 (4 left); 1 -> row 1
+    # holds it (0 left); 3 -> row 1 (1 left); 2 -> new row 2 (6 left); 2 -> row 2 (4 left);
+    # 1 -> row 1
     where, n_rows = packing.best_fit_decreasing(np.array([3, 2, 5, 1, 4, 3, 2]), 8)
     assert n_rows == 3 and where.tolist() == [0, 2, 0, 1, 1, 1, 2]
 
@@ -54,10 +56,12 @@ def test_no_conversation_crosses_a_row_and_the_masks_cover_exactly_the_replies(c
     assert long.sum() >= 3 and p.n_split + p.n_cut == long.sum() and p.n_split >= 1
     # the pieces tile the split: every token in one piece, a conversation that fits a row is one
     order = np.argsort(p.starts)
-    assert np.array_equal(np.cumsum(p.lengths[order])[:-1], p.starts[order][1:]) and p.lengths.sum() == len(tokens)
+    assert (np.array_equal(np.cumsum(p.lengths[order])[:-1], p.starts[order][1:])
+            and p.lengths.sum() == len(tokens))
     whole = set(zip(p.starts.tolist(), p.lengths.tolist()))
     assert all((s, n) in whole for s, n in zip(starts[~long].tolist(), lengths[~long].tolist()))
-    for s, n in zip(p.starts.tolist(), p.lengths.tolist()):  # a split piece ends where a reply does
+    # a split piece ends where a reply does
+    for s, n in zip(p.starts.tolist(), p.lengths.tolist()):
         end = s + n
         if tokens[end - 1] != meta["eot_token"] and n < T + 1:
             assert mask[end - 1] == 1 and mask[end] == 0, (s, n)
@@ -69,7 +73,8 @@ def test_no_conversation_crosses_a_row_and_the_masks_cover_exactly_the_replies(c
         pieces = range(p.ptr[r], p.ptr[r + 1])
         real = np.concatenate([tokens[p.starts[i]:p.starts[i] + p.lengths[i]] for i in pieces])
         want = np.concatenate([mask[p.starts[i]:p.starts[i] + p.lengths[i]] for i in pieces])
-        assert np.array_equal(rows[k, :len(real)], real) and (rows[k, len(real):] == meta["eot_token"]).all()
+        assert (np.array_equal(rows[k, :len(real)], real)
+                and (rows[k, len(real):] == meta["eot_token"]).all())
         assert np.array_equal(keep[k, 1:len(real)], want[1:]) and not keep[k, len(real):].any()
     assert abs(p.padding - (1 - len(tokens) / (p.n_rows * (T + 1)))) < 1e-12
     # best fit decreasing's bound, 11/9 of the fewest rows + 1, against a lower bound on those:
@@ -88,14 +93,16 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows_on_any_layou
 
     import hf
     out = str(tmp_path / "run")
-    args = [*TINY, f"dataset={chats}", "max_iters=4", f"block_size={T}", "grad_accum_steps=4", "packing=bfd"]
+    args = [*TINY, f"dataset={chats}", "max_iters=4", f"block_size={T}", "grad_accum_steps=4",
+            "packing=bfd"]
     p = run_train([*args, f"out_dir={out}"], cwd=tmp_path, fork=True)
     assert "packing: " in p.stdout and " split at a turn boundary and " in p.stdout
     first = read_metrics(out)[1]
     assert first["iter"] == 0 and "loss" in first
     meta = guard_data.read_meta(chats)
     torch.manual_seed(1337)  # train.py's model for seed=1337
-    cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=T, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    cfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=T, n_layer=2, n_head=4,
+                      n_kv_head=2, n_embd=32)
     model = Transformer(cfg).eval()
     ld = data.Loader(chats, "train", T, 4, 4, 1337, packing="bfd")
     x, y, m = (t.flatten(0, 1) for t in ld.batch(0))
@@ -103,11 +110,13 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows_on_any_layou
         losses, _ = model(x, y)
     ours = ((losses.double() * m).sum() / m.sum()).item()
     assert abs(ours - first["loss"]) < 1e-5 * ours, (ours, first["loss"])
-    hf.save_hf(str(tmp_path / "hf"), model.state_dict(), cfg, tokenizer_py.tokenizer_from_meta(meta))
+    hf.save_hf(str(tmp_path / "hf"), model.state_dict(), cfg,
+               tokenizer_py.tokenizer_from_meta(meta))
     theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     rows = torch.cat([x[:, :1], y], 1)
     chunks = ld.chunks_of(np.arange(ld.global_batch))
-    real = [int(ld.packed.lengths[ld.packed.ptr[r]:ld.packed.ptr[r + 1]].sum()) for r in chunks.tolist()]
+    real = [int(ld.packed.lengths[ld.packed.ptr[r]:ld.packed.ptr[r + 1]].sum())
+            for r in chunks.tolist()]
     attention = (torch.arange(T + 1)[None] < torch.tensor(real)[:, None]).long()
     labels = rows.masked_fill(torch.cat([torch.zeros(len(m), 1), m], 1) == 0, -100)
     with torch.no_grad():
@@ -124,7 +133,8 @@ def test_a_mixture_takes_packed_sources(chats, dataset):
     import mixture
     names = ["chats", "tiny"]
     loaders = [data.Loader(d, "train", T, 4, 2, 1337, packing="bfd") for d in (chats, dataset)]
-    mix = mixture.MixtureLoader(loaders, names, [0.5, 0.5], configurator.parse_phases([], names), 1.0)
+    mix = mixture.MixtureLoader(loaders, names, [0.5, 0.5],
+                                configurator.parse_phases([], names), 1.0)
     x, y, m, src = mix.batch(3)
     source, sample = mix.global_samples(3)
     assert set(source.tolist()) == {0, 1}
@@ -144,7 +154,8 @@ def test_the_preparation_line_says_how_the_conversations_pack(chats, tmp_path, c
     and padding that the loader then packs (a run prints the same at its start)."""
     meta = guard_data.read_meta(chats)
     source = os.path.join(os.path.dirname(chats), "chat.jsonl")
-    prepare.prepare(source, str(tmp_path / "d"), "cl100k_base", 512, val_fraction=0.2, block_size=T)
+    prepare.prepare(source, str(tmp_path / "d"), "cl100k_base", 512, val_fraction=0.2,
+                    block_size=T)
     line = next(x for x in capsys.readouterr().out.splitlines() if "packed at" in x)
     p = data.Loader(str(tmp_path / "d"), "train", T, 2, 1, seed=0, packing="bfd").packed
     assert p.n_cut + p.n_split >= 3 and p.padding > 0  # (numbers that can be wrong)

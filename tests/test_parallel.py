@@ -56,19 +56,22 @@ def single_process_grads(n_micro):
 def wrap(model, mesh, impl, bucket_mb, **torch_kwargs):
     if impl == "torch":
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **torch_kwargs)
-    return data_parallel.NaiveDataParallel(model, mesh) if impl == "naive" else data_parallel.DataParallel(model, mesh, bucket_mb)
+    return (data_parallel.NaiveDataParallel(model, mesh) if impl == "naive"
+            else data_parallel.DataParallel(model, mesh, bucket_mb))
 
 
 def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
     """One optimizer step's gradient under data parallelism: this rank's share of the
     micro-batches, sync only on the last one (the way train.py does it: the flag, or
     no_sync() around the earlier micro-steps)."""
-    torch.manual_seed(0 if mesh.rank == 0 else 123)  # other ranks start wrong: the wrapper must broadcast
+    # other ranks start wrong: the wrapper must broadcast
+    torch.manual_seed(0 if mesh.rank == 0 else 123)
     model = Transformer(ModelConfig(**CFG))
     ddp = wrap(model, mesh, impl, bucket_mb)
     k_per = n_micro // mesh.dp
     mine = global_batch(n_micro)[mesh.dp_rank * k_per:(mesh.dp_rank + 1) * k_per]
-    in_flight = []  # all-reduces already launched when the embedding's gradient (the last one) arrives
+    # all-reduces already launched when the embedding's gradient (the last one) arrives
+    in_flight = []
     if impl == "bucketed":
         model.tok_embeddings.weight.register_hook(lambda g: in_flight.append(len(ddp.pending)))
     for k in range(k_per):
@@ -83,13 +86,15 @@ def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
     if impl != "torch":
         names = {p: n for n, p in model.named_parameters()}
         buckets = getattr(ddp, "buckets", [])
-        out.update(launches=ddp.launches, n_buckets=len(buckets), n_params=len(ddp.params), in_flight=in_flight,
+        out.update(launches=ddp.launches, n_buckets=len(buckets),
+                   n_params=len(ddp.params), in_flight=in_flight,
                    first_bucket=[names[p] for p in buckets[0].params] if buckets else [])
     return out
 
 
 def all_impls(mesh, n_micro, bucket_mb):
-    return {impl: dp_step(mesh, impl, n_micro, bucket_mb) for impl in ("naive", "bucketed", "torch")}
+    return {impl: dp_step(mesh, impl, n_micro, bucket_mb)
+            for impl in ("naive", "bucketed", "torch")}
 
 
 def test_dp_gradients_equal_single_process_and_torch_ddp():
@@ -100,8 +105,10 @@ def test_dp_gradients_equal_single_process_and_torch_ddp():
             for name, g in ref.items():
                 torch.testing.assert_close(rank[impl]["grads"][name], g, msg=f"{impl} {name}")
         for name in ref:  # ours against torch's DDP directly, and every rank the same
-            torch.testing.assert_close(ranks[0][impl]["grads"][name], ranks[0]["torch"]["grads"][name])
-            torch.testing.assert_close(ranks[1][impl]["grads"][name], ranks[0][impl]["grads"][name], rtol=0, atol=0)
+            torch.testing.assert_close(ranks[0][impl]["grads"][name],
+                                       ranks[0]["torch"]["grads"][name])
+            torch.testing.assert_close(ranks[1][impl]["grads"][name],
+                                       ranks[0][impl]["grads"][name], rtol=0, atol=0)
 
 
 # ---- clipping against torch.nn.utils.clip_grad_norm_ ----
@@ -134,16 +141,19 @@ def torch_clipped(max_norm):
 
 
 def clip_max_norms():
-    norm = torch_clipped(0.0)[0].item()  # max_norm=0: torch scales everything to zero; we only need its norm
+    # max_norm=0: torch scales everything to zero; we only need its norm
+    norm = torch_clipped(0.0)[0].item()
     return [norm / 2, norm * 2]
 
 
 def assert_clipped_like_torch(norm, grads, max_norm, what):
     want_norm, want = torch_clipped(max_norm)
-    torch.testing.assert_close(torch.as_tensor(norm), want_norm, rtol=1e-5, atol=0, msg=f"{what}: norm")
+    torch.testing.assert_close(torch.as_tensor(norm), want_norm, rtol=1e-5, atol=0,
+                               msg=f"{what}: norm")
     assert set(grads) == set(want), what
     for n, g in want.items():
-        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=f"{what} at max_norm={max_norm:.3g}: {n}")
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7,
+                                   msg=f"{what} at max_norm={max_norm:.3g}: {n}")
 
 
 def test_clipping_equals_torch_in_one_process():
@@ -152,7 +162,8 @@ def test_clipping_equals_torch_in_one_process():
         torch.manual_seed(0)
         model = clip_model_grads(Transformer(ModelConfig(**CLIP_CFG)))
         norm = parallel.clip_grad_norm_(model.parameters(), max_norm, mesh)
-        assert_clipped_like_torch(norm, {n: p.grad for n, p in model.named_parameters()}, max_norm, "one process")
+        assert_clipped_like_torch(norm, {n: p.grad for n, p in model.named_parameters()}, max_norm,
+                                  "one process")
 
 
 def clip_over_dp(mesh, max_norms):
@@ -195,7 +206,8 @@ def clip_over_tp_and_pp(mesh, max_norms):
     out = []
     for max_norm in max_norms:
         torch.manual_seed(0)
-        model = clip_model_grads(tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CLIP_CFG)), mesh))
+        model = clip_model_grads(
+            tensor_parallel.tensor_parallel(Transformer(ModelConfig(**CLIP_CFG)), mesh))
         mine = {n: p for n, p in model.named_parameters()
                 if n.startswith(("tok_embeddings.", "layers.0.")) == mesh.first_stage}
         norm = parallel.clip_grad_norm_(mine.values(), max_norm, mesh)
@@ -204,7 +216,8 @@ def clip_over_tp_and_pp(mesh, max_norms):
 
 
 def zero_gathered(ranks, shapes):
-    """Whole gradients from every rank's ZeRO slices; each element must come from exactly one slice."""
+    """Whole gradients from every rank's ZeRO slices;
+    each element must come from exactly one slice."""
     out = {}
     for n, shape in shapes.items():
         flat, count = torch.zeros(shape).view(-1), torch.zeros(shape.numel())
@@ -228,19 +241,24 @@ def test_clipping_sharded_gradients_equals_torch_on_the_whole():
                 assert_clipped_like_torch(*rank[kind][k], max_norm, f"{kind} rank {r}")
         for kind in ("zero1", "zero2"):
             for r, rank in enumerate(dp_ranks):
-                torch.testing.assert_close(rank[kind][k][0], dp_ranks[0][kind][k][0], rtol=0, atol=0)
-            assert_clipped_like_torch(dp_ranks[0][kind][k][0], zero_gathered([rank[kind][k][1] for rank in dp_ranks],
-                                                                               shapes), max_norm, kind)
-        # ranks (stage 0: tp 0, 1; stage 1: tp 0, 1): a stage's tp slices concatenated, its replicated gains from tp 0
+                torch.testing.assert_close(rank[kind][k][0], dp_ranks[0][kind][k][0],
+                                           rtol=0, atol=0)
+            assert_clipped_like_torch(
+                dp_ranks[0][kind][k][0],
+                zero_gathered([rank[kind][k][1] for rank in dp_ranks], shapes), max_norm, kind)
+        # ranks (stage 0: tp 0, 1; stage 1: tp 0, 1): a stage's tp slices concatenated, its
+        # replicated gains from tp 0
         grads = {}
         for stage in (0, 1):
-            (norm0, part0), (norm1, part1) = tp_pp_ranks[2 * stage][k], tp_pp_ranks[2 * stage + 1][k]
+            (norm0, part0), (norm1, part1) = (tp_pp_ranks[2 * stage][k],
+                                              tp_pp_ranks[2 * stage + 1][k])
             for n, (g, dim) in part0.items():
                 grads[n] = g if dim is None else torch.cat([g, part1[n][0]], dim)
                 if dim is None:  # a replicated gain holds the same gradient on both tp ranks
                     torch.testing.assert_close(part1[n][0], g, rtol=0, atol=0)
         for r, rank in enumerate(tp_pp_ranks):
-            assert_clipped_like_torch(rank[k][0], grads, max_norm, f"tp=2 x pp=2 (norm of rank {r})")
+            assert_clipped_like_torch(rank[k][0], grads, max_norm,
+                                      f"tp=2 x pp=2 (norm of rank {r})")
 
 def no_sync_steps(mesh, n_micro, bucket_mb):
     out = {f"{impl}{how}": dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=how == "_no_sync")
@@ -265,14 +283,17 @@ def test_no_sync_accumulation_equals_one_big_step_and_launches_once_per_bucket()
             for name, g in ref.items():
                 torch.testing.assert_close(rank[impl]["grads"][name], g, msg=f"{impl} {name}")
                 # the no_sync() context is the flag: the same gradients, bit for bit
-                torch.testing.assert_close(rank[impl + "_no_sync"]["grads"][name], rank[impl]["grads"][name],
+                torch.testing.assert_close(rank[impl + "_no_sync"]["grads"][name],
+                                           rank[impl]["grads"][name],
                                            rtol=0, atol=0, msg=f"{impl} no_sync {name}")
             assert rank[impl + "_no_sync"]["launches"] == rank[impl]["launches"]
         b = rank["bucketed"]
         assert b["n_buckets"] > 3
-        assert b["launches"] == b["n_buckets"]  # once per bucket per optimizer step, not per micro-step
+        # once per bucket per optimizer step, not per micro-step
+        assert b["launches"] == b["n_buckets"]
         assert rank["naive"]["launches"] == rank["naive"]["n_params"]
-        assert b["first_bucket"][0] == "output.weight"  # reverse order of use: the head's gradient comes first
+        # reverse order of use: the head's gradient comes first
+        assert b["first_bucket"][0] == "output.weight"
         # overlap: only the last backward communicates, and it had launched all buckets but the
         # embedding's before the embedding's gradient was computed
         assert b["in_flight"] == [0, 0, 0, b["n_buckets"] - 1]
@@ -323,7 +344,8 @@ def branchy_steps(mesh):
     for impl in ("naive", "bucketed", "torch"):
         torch.manual_seed(0)
         model = Branchy()
-        ddp = wrap(model, mesh, impl, 0, find_unused_parameters=True)  # bucket_mb=0: one parameter per bucket
+        # bucket_mb=0: one parameter per bucket
+        ddp = wrap(model, mesh, impl, 0, find_unused_parameters=True)
         order = []  # bucket indices in the order they were launched
         if impl == "bucketed":
             launch = ddp._launch
@@ -338,7 +360,8 @@ def branchy_steps(mesh):
             in_backward = list(order)
             if impl != "torch":
                 ddp.wait()
-            steps.append({"grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            steps.append({"grads": {n: None if p.grad is None else p.grad.clone()
+                                    for n, p in model.named_parameters()},
                           "in_backward": in_backward, "order": list(order)})
             order.clear()
         out[impl] = steps
@@ -356,16 +379,21 @@ def test_unused_parameters_and_fixed_bucket_order():
             for step, r in enumerate(ref):
                 for name, g in r.items():
                     mine = rank[impl][step]["grads"][name]
-                    if g is None:  # `never`, unused on every rank, and `frozen`: no gradient, so AdamW skips them
+                    # `never`, unused on every rank, and `frozen`: no gradient, so AdamW skips them
+                    if g is None:
                         assert mine is None, f"{impl} step {step} {name}"
-                    else:  # `extra` on the rank that skipped it: the mean of the other rank's gradient and zero
+                    else:
+                        # `extra` on the rank that skipped it: the mean of the other
+                        # rank's gradient and zero
                         torch.testing.assert_close(mine, g, msg=f"{impl} step {step} {name}")
         for impl in ("naive", "bucketed"):
-            assert "frozen.weight" not in rank[impl + "_params"] and "never.weight" in rank[impl + "_params"]
-    assert ref[0]["extra.weight"] is not None and ref[0]["never.weight"] is None and ref[0]["frozen.weight"] is None
-    # buckets: b.bias, b.weight, extra.bias, extra.weight, a.bias, a.weight, never.bias, never.weight.
-    # Every rank launches them in this order. Rank 0 launches 0-5 during backward; on rank 1
-    # extra's buckets (2, 3) never complete in the last backward, so a's (4, 5) wait in line
+            assert ("frozen.weight" not in rank[impl + "_params"]
+                    and "never.weight" in rank[impl + "_params"])
+    assert (ref[0]["extra.weight"] is not None and ref[0]["never.weight"] is None
+            and ref[0]["frozen.weight"] is None)
+    # buckets: b.bias, b.weight, extra.bias, extra.weight, a.bias, a.weight, never.bias,
+    # never.weight. Every rank launches them in this order. Rank 0 launches 0-5 during backward; on
+    # rank 1 extra's buckets (2, 3) never complete in the last backward, so a's (4, 5) wait in line
     # behind them and all go in wait(), in order.
     for step in range(2):
         for rank, launched_in_backward in zip(ranks, ([0, 1, 2, 3, 4, 5], [0, 1])):
@@ -377,35 +405,41 @@ def test_unused_parameters_and_fixed_bucket_order():
 # another layout train.py accepts with it: torch DDP around tensor-parallel blocks, naive under the
 # interleaved pipeline; compile=True is checked under tp (test_tp.py) and fsdp x pp (test_fsdp.py)
 @pytest.mark.parametrize("nproc, impl, extra, layout", [(2, "bucketed", [], "dp=2 x pp=1"),
-                                                        (4, "torch", ["tp=2"], "dp=2 x pp=1 x tp=2"),
+                                                        (4, "torch", ["tp=2"],
+                                                         "dp=2 x pp=1 x tp=2"),
                                                         (4, "naive", INTERLEAVED, "dp=2 x pp=2")],
                          ids=["bucketed", "torch-tp2", "naive-interleaved"])
-def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dataset, reference_run, tmp_path):
+def test_torchrun_gives_the_single_process_curve(nproc, impl, extra, layout, dataset,
+                                                 reference_run, tmp_path):
     out = str(tmp_path / "run")
-    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}", "ddp_bucket_mb=0.01",
-                         *extra], cwd=tmp_path)
+    p = torchrun(nproc,
+                 [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", f"ddp_impl={impl}",
+                  "ddp_bucket_mb=0.01", *extra], cwd=tmp_path)
     assert layout in p.stdout, p.stdout[-2000:]
     rows = read_metrics(out)
     assert_same_curve(reference_run, rows)
     # MFU: the whole model's FLOPs at the logged token rate, against the peak of every rank
     # (TINY's peak_flops=1e9 each); tok/s counts the global batch
     with torch.device("meta"):
-        flops = Transformer(ModelConfig(vocab_size=512, block_size=32, n_layer=4, n_head=4, n_kv_head=2,
-                                        n_embd=32)).flops_per_token()
+        flops = Transformer(ModelConfig(vocab_size=512, block_size=32, n_layer=4, n_head=4,
+                                        n_kv_head=2, n_embd=32)).flops_per_token()
     for r in (r for r in rows if "mfu" in r):
         assert r["mfu"] == pytest.approx(flops * r["tok_per_s"] / (1e9 * nproc), rel=1e-6), r
-        assert r["tok_per_s"] == pytest.approx(4 * 4 * 32 / (r["dt_ms"] / 1000), rel=1e-6), r  # 4 x 4 x 32 tokens
+        # 4 x 4 x 32 tokens
+        assert r["tok_per_s"] == pytest.approx(4 * 4 * 32 / (r["dt_ms"] / 1000), rel=1e-6), r
 
 
 @pytest.fixture(scope="module")
 def tied_run(dataset, tmp_path_factory):
-    """optim -> one process's metrics for REFERENCE with the head tied to the embedding (on demand)."""
+    """optim -> one process's metrics for REFERENCE with the head tied to the embedding
+    (on demand)."""
     runs = {}
 
     def get(optim):
         if optim not in runs:
             out = str(tmp_path_factory.mktemp("tied") / "run")
-            run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", f"optim={optim}"],
+            run_train([*REFERENCE, f"dataset={dataset}", f"out_dir={out}",
+                       "tie_embeddings=True", f"optim={optim}"],
                       cwd=os.path.dirname(out), fork=True)
             runs[optim] = read_metrics(out)
         return runs[optim]
@@ -414,13 +448,15 @@ def tied_run(dataset, tmp_path_factory):
 
 # a tied head is one tensor that takes two gradients (embedding and head): under each layout that
 # accepts it (pp refuses it), cut in vocabulary slices, ZeRO slices or FSDP shards
-@pytest.mark.parametrize("nproc, extra", [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
-                                          (2, ["fsdp=True", "optim=muon"])],
+@pytest.mark.parametrize("nproc, extra",
+                         [(4, ["tp=2", "ddp_impl=naive"]), (2, ["zero=2", "offload=True"]),
+                          (2, ["fsdp=True", "optim=muon"])],
                          ids=["tp2-naive", "zero2-offload", "fsdp-muon"])
 def test_tied_embeddings_give_the_single_process_curve(nproc, extra, dataset, tied_run, tmp_path):
     out = str(tmp_path / "run")
-    torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True", "ddp_bucket_mb=0.01",
-                     *extra], cwd=tmp_path)
+    torchrun(nproc,
+             [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "tie_embeddings=True",
+              "ddp_bucket_mb=0.01", *extra], cwd=tmp_path)
     assert_same_curve(tied_run("muon" if "optim=muon" in extra else "adamw"), read_metrics(out))
 
 
@@ -444,16 +480,20 @@ def count_newton_schulz(rank):
 
 def test_resume_at_two_ranks_is_exact_and_moves_to_one(dataset, tmp_path):
     # with Muon: its momentum buffers are checkpointed too, and every rank orthogonalizes the same
-    # mean gradient; each rank orthogonalizes half of the 14 matrices a step (optim.orthogonalize_shared)
-    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=100", "ddp_bucket_mb=0.01", "optim=muon"]
+    # mean gradient; each rank orthogonalizes half of the 14 matrices a step
+    # (optim.orthogonalize_shared)
+    common = [*TINY, f"dataset={dataset}", "lr_decay_iters=12", "ckpt_interval=100",
+              "ddp_bucket_mb=0.01", "optim=muon"]
     full, half, one = str(tmp_path / "full"), str(tmp_path / "half"), str(tmp_path / "one")
-    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path, before=count_newton_schulz)
+    torchrun(2, [*common, f"out_dir={full}", "max_iters=12"], cwd=tmp_path,
+             before=count_newton_schulz)
     assert [int((tmp_path / f"ns_{r}.txt").read_text()) for r in range(2)] == [12 * 14 // 2] * 2
     torchrun(2, [*common, f"out_dir={half}", "max_iters=6"], cwd=tmp_path)
     shutil.copytree(half, one)  # the same checkpoint, continued by one process below
     torchrun(2, [*common, f"out_dir={half}", "max_iters=12", "init_from=resume"], cwd=tmp_path)
     assert_same_curve(read_metrics(full), read_metrics(half), exact=True)
-    run_train([*common, f"out_dir={one}", "max_iters=12", "init_from=resume"], cwd=tmp_path, fork=True)
+    run_train([*common, f"out_dir={one}", "max_iters=12", "init_from=resume"], cwd=tmp_path,
+              fork=True)
     assert_same_curve(read_metrics(full), read_metrics(one))
 
 
@@ -473,8 +513,10 @@ def test_resuming_into_more_dp_ranks_gives_each_its_own_random_stream(dataset, t
 def test_a_layout_error_under_torchrun_is_one_line(dataset, tmp_path):
     # the other layout mistakes are checked in-process (test_train.py: MISTAKES); this one
     # goes through torchrun, whose rank-prefixing of stderr must not hide the line
-    p = torchrun(2, [*TINY, f"dataset={dataset}", "grad_accum_steps=3", "max_iters=2"], cwd=tmp_path, check=False, agent=True)
-    assert p.returncode != 0 and "error: grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2" \
+    p = torchrun(2, [*TINY, f"dataset={dataset}", "grad_accum_steps=3", "max_iters=2"],
+                 cwd=tmp_path, check=False, agent=True)
+    assert p.returncode != 0 and ("error: grad_accum_steps=3 micro-batches per iteration cannot "
+                                  "be shared evenly by 2") \
         in p.stderr  # (torchrun itself then prints its own summary of the failed workers)
 
 
@@ -486,15 +528,18 @@ def test_a_dead_or_hung_rank_ends_the_run_within_the_timeout(fault, dataset, tmp
     out = str(tmp_path / "run")
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "train.py"), *TINY, f"dataset={dataset}", f"out_dir={out}",
+            [sys.executable, os.path.join(ROOT, "train.py"),
+             *TINY, f"dataset={dataset}", f"out_dir={out}",
              "max_iters=100000", f"dist_timeout_s={timeout_s}", "eval_interval=1000"],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         deadline = time.time() + 120
-        while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and len(read_metrics(out)) > 3):
+        while not (os.path.exists(os.path.join(out, "metrics.jsonl"))
+                   and len(read_metrics(out)) > 3):
             assert time.time() < deadline and procs[0].poll() is None, "the run did not start"
             time.sleep(0.2)
         os.kill(procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -526,7 +571,8 @@ print(faults() - start)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="keep_freed_memory sets glibc's malloc options")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="keep_freed_memory sets glibc's malloc options")
 def test_keep_freed_memory_cuts_the_page_faults_of_each_step():
     # without it a step's 16 MB tensors are often fresh mmaps whose 4 KB pages fault in one by one
     # (measured 57k-115k faults over 10 steps here, 5k-13k with it)
@@ -535,7 +581,9 @@ def test_keep_freed_memory_cuts_the_page_faults_of_each_step():
     # (fewest of two), so the bound is a cut by more than half, not the quiet machine's 4x.
     faults = {}
     for mode in ("plain", "keep"):
-        faults[mode] = min(int(subprocess.run([sys.executable, "-c", KEEP_FREED, mode], cwd=ROOT, capture_output=True,
-                                              text=True, check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout)
+        faults[mode] = min(
+            int(subprocess.run([sys.executable, "-c", KEEP_FREED, mode], cwd=ROOT,
+                               capture_output=True, text=True, check=True,
+                               env={**os.environ, "PYTHONPATH": ROOT}).stdout)
                             for _ in range(3))
     assert faults["plain"] > 10 * 2000 and faults["keep"] * 2 < faults["plain"], faults

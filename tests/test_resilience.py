@@ -18,7 +18,8 @@ import faults
 import rundir
 
 # long enough to be interrupted mid-run (a few seconds), with a checkpoint every 5 iterations
-LONG = [*TINY, "max_iters=60", "lr_decay_iters=60", "ckpt_interval=5", "eval_interval=20", "keep_ckpts=3"]
+LONG = [*TINY, "max_iters=60", "lr_decay_iters=60", "ckpt_interval=5", "eval_interval=20",
+        "keep_ckpts=3"]
 
 
 def trained(rows):
@@ -48,54 +49,66 @@ def nan_gradients_at_3(rank):
 
 def test_nan_step_is_skipped_and_leaves_the_weights_alone(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "lr_decay_iters=8"]
-    before, poisoned, grads = str(tmp_path / "before"), str(tmp_path / "poisoned"), str(tmp_path / "grads")
+    before, poisoned, grads = (str(tmp_path / "before"), str(tmp_path / "poisoned"),
+                               str(tmp_path / "grads"))
     run_train([*common, f"out_dir={before}", "max_iters=3"], cwd=tmp_path, fork=True)
-    p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4"], cwd=tmp_path, script=FAULTS,
-                  env=faults.nan_at(3), fork=True)
+    p = run_train([*common, f"out_dir={poisoned}", "max_iters=8", "ckpt_interval=4"], cwd=tmp_path,
+                  script=FAULTS, env=faults.nan_at(3), fork=True)
     assert "iter 3: non-finite" in p.stdout and "step skipped" in p.stdout
     rows = read_metrics(poisoned)
-    assert skipped(rows) == [3] and sorted(trained(rows)) == [0, 1, 2, 4, 5, 6, 7]  # and the run went on
-    # only the gradients non-finite, the loss finite: skipped alike (one process, watched from inside)
+    # and the run went on
+    assert skipped(rows) == [3] and sorted(trained(rows)) == [0, 1, 2, 4, 5, 6, 7]
+    # only the gradients non-finite, the loss finite: skipped alike (one process,
+    # watched from inside)
     p = torchrun(1, [*common, f"out_dir={grads}", "max_iters=4", "ckpt_interval=4"], cwd=tmp_path,
                  before=nan_gradients_at_3)
-    assert "iter 3: non-finite loss" in p.stdout and skipped(read_metrics(grads)) == [3], p.stdout[-2000:]
+    assert ("iter 3: non-finite loss" in p.stdout
+            and skipped(read_metrics(grads)) == [3]), p.stdout[-2000:]
     # the weights after iterations 0-3 (iteration 3 skipped) are those after 0-2, bit for bit
     import checkpoint
     a, b, c = (checkpoint.load_whole(f"{out}/ckpt/iter_{it:07d}")[0].state_dict()
                for out, it in ((before, 3), (poisoned, 4), (grads, 4)))
-    assert set(a) == set(b) == set(c) and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert set(a) == set(b) == set(c) and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k])
+                                              for k in a)
 
 
 def test_rollback_after_consecutive_nans_steps_over_the_bad_window(dataset, tmp_path):
     common = [*TINY, f"dataset={dataset}", "max_iters=14", "lr_decay_iters=14", "ckpt_interval=4"]
     nans = dict(script=FAULTS, env=faults.nan_at(5, 3))
     # async saves: the rollback first finishes the save in flight (the checkpoint of iteration 4)
-    p = run_train([*common, f"out_dir={tmp_path / 'rollback'}", "nan_max_consecutive=3", "ckpt_async=True"],
+    p = run_train([*common, f"out_dir={tmp_path / 'rollback'}",
+                   "nan_max_consecutive=3", "ckpt_async=True"],
                   cwd=tmp_path, **nans, fork=True)
     assert "rolled back to" in p.stdout and "iter_0000004" in p.stdout
     # the same bad window without a rollback (only skips): a rollback must not change the curve
-    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path, **nans, fork=True)
+    run_train([*common, f"out_dir={tmp_path / 'skips'}", "nan_max_consecutive=100"], cwd=tmp_path,
+              **nans, fork=True)
     a, b = read_metrics(str(tmp_path / "rollback")), read_metrics(str(tmp_path / "skips"))
     assert skipped(a) == skipped(b) == [5, 6, 7]
-    assert trained(a) == trained(b) and sorted(trained(a)) == [i for i in range(14) if i not in (5, 6, 7)]
-    p = run_train([*common, f"out_dir={tmp_path / 'stop'}", "nan_max_consecutive=2", "nan_action=stop"],
+    assert (trained(a) == trained(b)
+            and sorted(trained(a)) == [i for i in range(14) if i not in (5, 6, 7)])
+    p = run_train([*common, f"out_dir={tmp_path / 'stop'}",
+                   "nan_max_consecutive=2", "nan_action=stop"],
                   cwd=tmp_path, check=False, **nans, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith("error: 2 iterations in a row (up to 6) had a non-finite")
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "error: 2 iterations in a row (up to 6) had a non-finite")
 
 
 def test_a_fault_that_outlives_its_rollback_stops_the_run(dataset, tmp_path):
     """NaNs from iteration 3 on: the rollback lands on the checkpoint of iteration 4, saved
     inside the streak, and the NaNs come back at once: the run stops (non-zero, one line)
     instead of skipping its way to max_iters."""
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=10", "ckpt_interval=4"],
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}",
+                   "max_iters=10", "ckpt_interval=4"],
                   cwd=tmp_path, check=False, script=FAULTS, env=faults.nan_at(3, 100),
                   fork=True)
-    assert p.returncode == 1 and "rolled back to" in p.stdout and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert (p.returncode == 1 and "rolled back to" in p.stdout
+            and "Traceback" not in p.stderr), p.stderr[-2000:]
     assert p.stderr.strip().splitlines() == [
-        "error: 3 more iterations in a row (up to 8) had a non-finite loss or gradient norm right after rolling back: "
-        "the fault outlives a rollback, so it is not a few bad batches; lower learning_rate, check the data from "
-        "there on, or resume from an earlier checkpoint"]
+        "error: 3 more iterations in a row (up to 8) had a non-finite loss or gradient norm right "
+        "after rolling back: the fault outlives a rollback, so it is not a few bad batches; lower "
+        "learning_rate, check the data from there on, or resume from an earlier checkpoint"]
 
 
 def rank_pids(out_dir):
@@ -115,11 +128,12 @@ def rank_pids(out_dir):
 
 
 def start_torchrun(args, cwd, extra=(), faults_env=None):
-    """torchrun --standalone with 2 ranks of train.py (of tests/faults.py with faults_env: its faults)."""
+    """torchrun --standalone with 2 ranks of train.py (of tests/faults.py with faults_env:
+    its faults)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(faults_env or {})}
     script = os.path.join(ROOT, FAULTS if faults_env else "train.py")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *extra, script, *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", *extra, script, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -127,9 +141,11 @@ def wait_for_iter(out_dir, it, proc, timeout=120):
     deadline = time.time() + timeout
     while True:
         path = os.path.join(out_dir, "metrics.jsonl")
-        if os.path.exists(path) and any(r.get("iter", -1) >= it and "loss" in r for r in read_metrics(out_dir)):
+        if os.path.exists(path) and any(r.get("iter", -1) >= it and "loss" in r
+                                        for r in read_metrics(out_dir)):
             return
-        assert time.time() < deadline and proc.poll() is None, "the run ended or stalled before iteration %d" % it
+        assert (time.time() < deadline
+                and proc.poll() is None), ("the run ended or stalled before iteration %d" % it)
         time.sleep(0.05)
 
 
@@ -138,8 +154,8 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
     # async saves: the stop waits for the save in flight, then writes (and finishes) the last one
     # the agent looks at its workers once a second (not every 0.1 s): both ranks end within it, so
     # its report lists both, and each must say 143
-    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}", "ckpt_async=True"], tmp_path,
-                          extra=["--monitor-interval=1"])
+    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}", "ckpt_async=True"],
+                          tmp_path, extra=["--monitor-interval=1"])
     try:
         wait_for_iter(out, 7, proc)
         rank1 = [pid for pid, rank in rank_pids(out).items() if rank == 1]
@@ -154,20 +170,25 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly(dataset, tmp_path):
     with open(os.path.join(out, "ckpt", "latest")) as f:
         stopped = int(f.read().strip()[5:])
     assert 7 < stopped < 60 and "got SIGTERM" in err
-    assert max(r["iter"] for r in read_metrics(out) if "loss" in r) == stopped - 1  # stopped right after that step
+    # stopped right after that step
+    assert max(r["iter"] for r in read_metrics(out) if "loss" in r) == stopped - 1
     # run again: it continues, and the curve is the uninterrupted one
     full = str(tmp_path / "full")
     run_train([*LONG, f"dataset={dataset}", f"out_dir={full}"], cwd=tmp_path, fork=True)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(ROOT, "train.py"), *LONG, f"dataset={dataset}", f"out_dir={out}"],
-                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert p.returncode == 0 and f"resumed from {out}/ckpt/iter_{stopped:07d}" in p.stdout, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", os.path.join(ROOT, "train.py"),
+                        *LONG, f"dataset={dataset}", f"out_dir={out}"],
+                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True)
+    assert (p.returncode == 0
+            and f"resumed from {out}/ckpt/iter_{stopped:07d}" in p.stdout), p.stderr[-2000:]
     assert_same_curve(read_metrics(full), read_metrics(out))
 
 
 def test_sigkill_under_torchrun_restarts_resumes_and_completes(dataset, tmp_path):
     out, full = str(tmp_path / "run"), str(tmp_path / "full")
-    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}"], tmp_path, extra=["--max-restarts=1"])
+    proc = start_torchrun([*LONG, f"dataset={dataset}", f"out_dir={out}"], tmp_path,
+                          extra=["--max-restarts=1"])
     try:
         wait_for_iter(out, 12, proc)  # past the checkpoint at 10
         victim = [pid for pid, rank in rank_pids(out).items() if rank == 1]
@@ -213,18 +234,22 @@ def test_a_failed_save_is_reported_and_keeps_the_earlier_checkpoints(dataset, tm
     open(os.path.join(out, "ckpt", ".tmp_iter_0000008"), "w").close()
     p = run_train([*common, "max_iters=8"], cwd=tmp_path, check=False, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith("error: saving checkpoint iter_0000008 failed")
-    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == [".tmp_iter_0000008", "iter_0000004", "latest"]
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "error: saving checkpoint iter_0000008 failed")
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == [
+        ".tmp_iter_0000008", "iter_0000004", "latest"]
     os.remove(os.path.join(out, "ckpt", ".tmp_iter_0000008"))
     # the earlier checkpoint still resumes
     p = run_train([*common, "max_iters=8"], cwd=tmp_path, fork=True)
     assert f"resumed from {out}/ckpt/iter_0000004" in p.stdout
 
 
-def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exactly(dataset, tmp_path):
-    # dropout: the resumed run must restore the RNG states of the saved iteration, not of when its save finished
-    common = [*TINY, f"dataset={dataset}", "max_iters=12", "lr_decay_iters=12", "ckpt_interval=4", "dropout=0.1",
-              "ckpt_async=True"]
+def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exactly(
+        dataset, tmp_path):
+    # dropout: the resumed run must restore the RNG states of the saved iteration,
+    # not of when its save finished
+    common = [*TINY, f"dataset={dataset}", "max_iters=12", "lr_decay_iters=12", "ckpt_interval=4",
+              "dropout=0.1", "ckpt_async=True"]
     out = str(tmp_path / "run")
     ckpt = os.path.join(out, "ckpt")
 
@@ -234,11 +259,14 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
 
     # async saves on a slow disk (every write 1.5 s late), 2 ranks, killed while the save of
     # iteration 8 is being written (the loop meanwhile went on to iteration 8 or further)
-    proc = start_torchrun([*common, f"out_dir={out}"], tmp_path, faults_env={"FAULT_SAVE_DELAY_S": "1.5"})
+    proc = start_torchrun([*common, f"out_dir={out}"], tmp_path,
+                          faults_env={"FAULT_SAVE_DELAY_S": "1.5"})
     try:
         deadline = time.time() + 120
-        while not (latest() == "iter_0000004" and os.path.isdir(os.path.join(ckpt, ".tmp_iter_0000008"))):
-            assert time.time() < deadline and proc.poll() is None, "the run ended or stalled before its second save"
+        while not (latest() == "iter_0000004"
+                   and os.path.isdir(os.path.join(ckpt, ".tmp_iter_0000008"))):
+            assert (time.time() < deadline
+                    and proc.poll() is None), "the run ended or stalled before its second save"
             time.sleep(0.05)
         for pid in rank_pids(out):
             os.kill(pid, signal.SIGKILL)
@@ -246,20 +274,27 @@ def test_async_saves_overlap_the_loop_survive_sigkill_mid_write_and_resume_exact
         stdout, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    finished = re.search(r"saved checkpoint \S+iter_0000004 \(async: finished at iteration (\d+)\)", stdout)
-    assert finished and int(finished[1]) > 4, stdout[-2000:]  # the loop went on while iteration 4 was written
-    assert latest() == "iter_0000004" and "iter_0000008" not in os.listdir(ckpt)  # the killed save never became latest
-    killed = rundir.read_metrics(os.path.join(out, "metrics.jsonl"))  # a line torn by the kill is dropped
+    finished = re.search(
+        r"saved checkpoint \S+iter_0000004 \(async: finished at iteration (\d+)\)", stdout)
+    # the loop went on while iteration 4 was written
+    assert finished and int(finished[1]) > 4, stdout[-2000:]
+    # the killed save never became latest
+    assert latest() == "iter_0000004" and "iter_0000008" not in os.listdir(ckpt)
+    # a line torn by the kill is dropped
+    killed = rundir.read_metrics(os.path.join(out, "metrics.jsonl"))
     # run again (no save before the end): it resumes from iteration 4, removes the killed save's
     # temporary directory, and repeats the killed run's iterations from 4 on bit for bit
-    p = run_train(["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *common, f"out_dir={out}",
-                   "ckpt_interval=100"], cwd=tmp_path, script="-m torch.distributed.run")
+    p = run_train(
+        ["--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *common,
+         f"out_dir={out}", "ckpt_interval=100"], cwd=tmp_path, script="-m torch.distributed.run")
     assert f"resumed from {ckpt}/iter_0000004" in p.stdout
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000012", "latest"] and latest() == "iter_0000012"
-    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r}  # noqa: E731
-                          for r in rows]
+    assert (sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000012", "latest"]
+            and latest() == "iter_0000012")
+    strip = lambda rows: [  # noqa: E731
+        {k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]
     again = strip(read_metrics(out))[:len(killed)]
-    assert [r["iter"] for r in killed if "loss" in r][-1] >= 7 and strip(killed) == again  # == on floats
+    # == on floats
+    assert [r["iter"] for r in killed if "loss" in r][-1] >= 7 and strip(killed) == again
 
 
 def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, tmp_path):
@@ -269,7 +304,8 @@ def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, 
     out = str(tmp_path / "run")
     # a run that cannot end before the signal: LONG's 60 tiny iterations take about a second, and
     # on a loaded machine they ended between the check for iteration 3 and the signal (exit 0)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, "max_iters=1000000",
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
+                             *LONG, "max_iters=1000000",
                              f"dataset={dataset}", f"out_dir={out}"], cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -283,7 +319,8 @@ def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, 
     with open(os.path.join(out, "ckpt", "latest")) as f:
         stopped = int(f.read().strip()[5:])
     assert f"stopped by SIGINT after iteration {stopped}: checkpoint saved" in stdout
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LONG, "dataset=fresh",
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
+                             *LONG, "dataset=fresh",
                              "data_source=stdlib", f"out_dir={tmp_path / 'never'}"], cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -297,6 +334,7 @@ def test_ctrl_c_saves_and_exits_130_and_at_startup_is_one_line(dataset, corpus, 
     finally:
         proc.kill()
     assert proc.returncode == 130 and err.splitlines() == [
-        "interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the command again"], err
+        "interrupted (Ctrl-C): stopped before finishing; what was written is whole, run the "
+        "command again"], err
     assert not os.path.exists(tmp_path / "data") or not os.listdir(tmp_path / "data")
     assert not os.path.exists(tmp_path / "never")

@@ -19,42 +19,55 @@ def snapshot(out):
 def test_a_run_directory_knows_what_it_is(dataset, chat_dataset, tmp_path):
     out = str(tmp_path / "out")
     # max_iters below warmup_iters: the schedule says what it will do
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path, fork=True)
-    assert "note: max_iters=1 < warmup_iters=4: the learning rate only warms up, to 2.50e-03" in p.stdout
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"],
+                  cwd=tmp_path, fork=True)
+    assert ("note: max_iters=1 < warmup_iters=4: the learning rate only warms up, to "
+            "2.50e-03") in p.stdout
     # the same command again: a finished run, said in one line, exit 0, nothing rewritten
     before = snapshot(out)
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"], cwd=tmp_path, fork=True)
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4"],
+                  cwd=tmp_path, fork=True)
     assert f"{out} holds a finished run (iteration 1, max_iters=1): nothing to do" in p.stdout
     assert "val loss" not in p.stdout and snapshot(out) == before
     # another dataset on the same out_dir: not continued, refused in one line
-    p = run_train([*TINY, f"dataset={chat_dataset}", f"out_dir={out}", "max_iters=3"], cwd=tmp_path, check=False, fork=True)
+    p = run_train([*TINY, f"dataset={chat_dataset}", f"out_dir={out}", "max_iters=3"],
+                  cwd=tmp_path, check=False, fork=True)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-    assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={chat_dataset}: "
-            f"pick a new out_dir, or init_from={out} to start from its weights") in p.stderr
+    assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains "
+            f"dataset={chat_dataset}: pick a new out_dir, or init_from={out} to start from its "
+            "weights") in p.stderr
     assert snapshot(out) == before
     # only the tokenizer changed (the data re-prepared with it under the same name, say): another
     # run too, refused before the data is read, not taken for the finished one (max_iters=1)
-    for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512), ("optim", "muon", "adamw")):
-        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4",
-                       f"{key}={value}"], cwd=tmp_path, check=False, fork=True)
+    for key, value, had in (("tokenizer", "gpt2", "cl100k_base"), ("vocab_size", 256, 512),
+                            ("optim", "muon", "adamw")):
+        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1",
+                       "warmup_iters=4", f"{key}={value}"], cwd=tmp_path, check=False, fork=True)
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-        assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains dataset={dataset} with "
-                f"{key}={value} (the run has {had}): pick a new out_dir") in p.stderr, p.stderr
+        assert (f"error: {out} holds a run of {dataset} at iteration 1; this command trains "
+                f"dataset={dataset} with {key}={value} (the run has {had}): pick a new "
+                "out_dir") in p.stderr, p.stderr
     assert snapshot(out) == before
-    # init_from= the out_dir itself: the advice is not the command just refused; an export asked of a
-    # finished run is not skipped in silence
-    for extra, says in ((f"init_from={out}", "init_from= names out_dir itself: drop init_from= to continue the run"),
-                        (f"export_hf={tmp_path / 'hf'}", f"and export_hf= is written when a run ends: `python "
-                                                          f"sample.py out_dir={out} export_hf={tmp_path / 'hf'}`"),
-                        (f"export_lora={tmp_path / 'ad'}", "and export_lora= is written when a run ends")):
-        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=1", "warmup_iters=4", extra],
+    # init_from= the out_dir itself: the advice is not the command just refused; an export asked of
+    # a finished run is not skipped in silence
+    for extra, says in (
+            (f"init_from={out}",
+             "init_from= names out_dir itself: drop init_from= to continue the run"),
+            (f"export_hf={tmp_path / 'hf'}",
+             f"and export_hf= is written when a run ends: `python sample.py out_dir={out} "
+             f"export_hf={tmp_path / 'hf'}`"),
+            (f"export_lora={tmp_path / 'ad'}", "and export_lora= is written when a run ends")):
+        p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}",
+                       "max_iters=1", "warmup_iters=4", extra],
                       cwd=tmp_path, check=False, fork=True)
         assert p.returncode == 1 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
     assert snapshot(out) == before and not os.path.exists(tmp_path / "hf")
     # init_from=resume with nothing there: refused, and no directory left behind
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"], cwd=tmp_path,
-                  check=False, fork=True)
-    assert p.returncode == 1 and "init_from=resume but" in p.stderr and not os.path.exists(tmp_path / "nothing")
+    p = run_train(
+        [*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'nothing'}", "init_from=resume"],
+        cwd=tmp_path, check=False, fork=True)
+    assert (p.returncode == 1 and "init_from=resume but" in p.stderr
+            and not os.path.exists(tmp_path / "nothing"))
 
 
 def test_one_error_line_per_run_under_torchrun(tmp_path):
@@ -65,11 +78,13 @@ def test_one_error_line_per_run_under_torchrun(tmp_path):
 
     from conftest import torchrun
     for args, match in ((["max_iters=-1"], "error: max_iters=-1 must not be negative"),
-                        (["dataset=nope", "data_source=/nonexistent/x", f"out_dir={tmp_path / 'o'}"],
+                        (["dataset=nope", "data_source=/nonexistent/x",
+                          f"out_dir={tmp_path / 'o'}"],
                          "error: data source '/nonexistent/x' not found")):
         p = torchrun(2, [*TINY, *args], cwd=tmp_path, check=False, agent=True)
         lines = p.stderr.splitlines()
-        report = next(i for i, line in enumerate(lines) if re.match(r"[EWI]\d{4} ", line))  # torchrun's first line
+        # torchrun's first line
+        report = next(i for i, line in enumerate(lines) if re.match(r"[EWI]\d{4} ", line))
         assert p.returncode != 0 and sum("error" in line for line in lines[:report]) == 1, p.stderr
         assert lines[report - 1].startswith(match), p.stderr
     assert not os.path.exists(tmp_path / "o")
@@ -77,7 +92,8 @@ def test_one_error_line_per_run_under_torchrun(tmp_path):
 
 def test_a_stopped_run_exits_as_a_shell_reports_its_signal():
     """128 + the signal a rank got (143: SIGTERM, 130: Ctrl-C, 138: SIGUSR1), and SIGTERM's on a
-    rank that stopped because another rank got one (test_resilience watches both under torchrun)."""
+    rank that stopped because another rank got one
+    (test_resilience watches both under torchrun)."""
     import signal
 
     import rundir as saves

@@ -60,9 +60,12 @@ RNG = {"rng_cpu": [torch.get_rng_state()]}  # what state.pt must hold
 
 
 def meta(it):
-    """The least meta.json a checkpoint must hold: its iteration, its model's shape, its tokenizer."""
-    return {"iter": it, "model": asdict(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2,
-                                                    n_embd=32)), "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
+    """The least meta.json a checkpoint must hold: its iteration, its model's shape,
+    its tokenizer."""
+    return {"iter": it,
+            "model": asdict(ModelConfig(vocab_size=64, block_size=16, n_layer=2,
+                                        n_head=4, n_kv_head=2, n_embd=32)),
+            "config": {"tokenizer": "cl100k_base", "vocab_size": 64}}
 
 
 def last_line(p):
@@ -77,19 +80,22 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     marker = str(tmp_path / "PWNED")
     plant(os.path.join(ckpt, "iter_0000008"), ".metadata", marker)
     # sample.py pointed at the crafted checkpoint: refused, by name
-    p = run_train([f"ckpt={ckpt}/iter_0000008", f"export={tmp_path}/w.pt"], cwd=tmp_path, check=False,
-                  script="sample.py")
+    p = run_train([f"ckpt={ckpt}/iter_0000008", f"export={tmp_path}/w.pt"], cwd=tmp_path,
+                  check=False, script="sample.py")
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000008 does not verify (") and \
         "does not verify (.metadata " in last_line(p) and "refused" in last_line(p)
     # a ckpt= that is no directory (a typo): said so, not blamed on a save that did not finish
     p = run_train([f"ckpt={ckpt}/iter_0000009"], cwd=tmp_path, check=False, script="sample.py")
-    assert p.returncode != 0 and last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000009 is not a directory: ")
+    assert (p.returncode != 0
+            and last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000009 is not a directory: "))
     # sample.py on the run: the crafted one is skipped as corrupt, the older one is used
     p = run_train([f"out_dir={a}", f"export={tmp_path}/w.pt"], cwd=tmp_path, script="sample.py")
-    assert f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout and "iter_0000004" in p.stdout
+    assert (f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout
+            and "iter_0000004" in p.stdout)
     # init_from= that run: the same
-    p = run_train([*common, f"out_dir={tmp_path / 'c'}", "max_iters=1", f"init_from={a}"], cwd=tmp_path, fork=True)
+    p = run_train([*common, f"out_dir={tmp_path / 'c'}", "max_iters=1", f"init_from={a}"],
+                  cwd=tmp_path, fork=True)
     assert f"checkpoint {ckpt}/iter_0000008 is corrupt (" in p.stdout
     # auto-resume: falls back to iteration 4
     p = run_train([*common, f"out_dir={a}", "max_iters=10"], cwd=tmp_path, fork=True)
@@ -99,8 +105,8 @@ def test_crafted_checkpoint_files_never_run_code(dataset, tmp_path):
     plant(os.path.join(ckpt, "iter_0000010"), "state.pt", marker)
     p = run_train([f"ckpt={ckpt}/iter_0000010"], cwd=tmp_path, check=False, script="sample.py")
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000010 does not verify (state.pt") and \
-        "plain data" in last_line(p)
+    assert (last_line(p).startswith(f"error: ckpt={ckpt}/iter_0000010 does not verify (state.pt")
+            and "plain data" in last_line(p))
     p = run_train([*common, f"out_dir={a}", "max_iters=11"], cwd=tmp_path, fork=True)
     assert f"checkpoint {ckpt}/iter_0000010 is corrupt (state.pt" in p.stdout
     assert f"resumed from {ckpt}/iter_0000008" in p.stdout
@@ -113,7 +119,8 @@ def test_dcp_metadata_reader_allows_what_dcp_writes_only(tmp_path):
     opt = AdamW(model.parameters())
     path = checkpoint.save(str(tmp_path), 3, model, opt, RNG, meta(3), mesh, 0)
     md = guard_ckpt.read_dcp_metadata(path)
-    assert "model.norm.weight" in md.state_dict_metadata and "optim.norm.weight.exp_avg" in md.state_dict_metadata
+    assert ("model.norm.weight" in md.state_dict_metadata
+            and "optim.norm.weight.exp_avg" in md.state_dict_metadata)
     # a storage entry that points outside the checkpoint directory
     _, info = next(iter(md.storage_data.items()))
     info.relative_path = "../../etc/passwd"
@@ -125,7 +132,8 @@ def test_dcp_metadata_reader_allows_what_dcp_writes_only(tmp_path):
 
 def tiny_model(n_embd=32, seed=0):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd))
+    return Transformer(
+        ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd))
 
 
 def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
@@ -138,8 +146,10 @@ def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):
         with open(path, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw + bytes(32) + extra)
 
-    f32 = lambda begin: {"dtype": "F32", "shape": [4], "data_offsets": [begin, begin + 16]}  # noqa: E731
-    rewrite({"a": f32(0), "b": f32(0)}, bytes(0))  # b aliases a (and 16 bytes at the end are nobody's)
+    f32 = lambda begin: {"dtype": "F32", "shape": [4],  # noqa: E731
+                         "data_offsets": [begin, begin + 16]}
+    # b aliases a (and 16 bytes at the end are nobody's)
+    rewrite({"a": f32(0), "b": f32(0)}, bytes(0))
     with pytest.raises(UserError, match="invalid offset"):
         hf_safetensors.read_safetensors(path)
     rewrite({"a": f32(0), "b": f32(8)})  # overlapping
@@ -156,20 +166,22 @@ def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(t
     opt = AdamW(model.parameters())
     out, root = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
     save = lambda it, keep, resumed=None: checkpoint.save(out, it, model, opt, RNG,  # noqa: E731
-                                                          meta(it), mesh, keep, resumed_from=resumed)
+                                                          meta(it), mesh, keep,
+                                                          resumed_from=resumed)
     save(4, 0)
     save(8, 0)
     shutil.copytree(os.path.join(root, "iter_0000008"), os.path.join(root, "iter_0000012"))
     os.remove(os.path.join(root, "iter_0000012", "manifest.json"))  # a corrupt newer one
     resumed = checkpoint.find(out, None)
     assert resumed == os.path.join(root, "iter_0000008")
-    save(9, 1, resumed)  # keep 1 intact: 9; the resumed-from 8 stays too; the corrupt one is left alone
+    # keep 1 intact: 9; the resumed-from 8 stays too; the corrupt one is left alone
+    save(9, 1, resumed)
     assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000009", "iter_0000012", "latest"]
     # 8-digit iterations sort by number, are found and prune the older ones
     save(12345678, 2)
     assert checkpoint.find(out, None) == os.path.join(root, "iter_12345678")
-    assert sorted(d for d in os.listdir(root) if d.startswith("iter")) == ["iter_0000009", "iter_0000012",
-                                                                            "iter_12345678"]
+    assert sorted(d for d in os.listdir(root) if d.startswith("iter")) == [
+        "iter_0000009", "iter_0000012", "iter_12345678"]
     # a killed save's temporary directory is removed by the next run that locks out_dir
     os.makedirs(os.path.join(root, ".tmp_iter_0000010"))
     fd = guard_files.lock_out_dir(out)
@@ -290,30 +302,36 @@ def test_torn_metrics_line_is_dropped(tmp_path):
 
 def test_torn_metrics_do_not_block_resume_and_out_dir_is_locked(dataset, tmp_path):
     out = str(tmp_path / "run")
-    common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=400", "ckpt_interval=4"]
+    common = [*TINY, f"dataset={dataset}", f"out_dir={out}", "lr_decay_iters=400",
+              "ckpt_interval=4"]
     run_train([*common, "max_iters=4"], cwd=tmp_path, fork=True)
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"iter": 4, "lo')  # a kill in the middle of an append
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *common, "max_iters=400"],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), *common, "max_iters=400"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not any(r["iter"] >= 5 and "loss" in r for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl"))):
+        while not any(r["iter"] >= 5 and "loss" in r
+                      for r in rundir.read_metrics(os.path.join(out, "metrics.jsonl"))):
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-2000:]
             time.sleep(0.1)
         t0 = time.time()
         p = run_train([*common, "max_iters=400"], cwd=tmp_path, check=False, fork=True)
         assert p.returncode != 0 and "Traceback" not in p.stderr and time.time() - t0 < 60
-        assert last_line(p).startswith(f"error: out_dir {out} is in use by pid {first.pid} on host ")
+        assert last_line(p).startswith(f"error: out_dir {out} is in use by pid {first.pid} "
+                                       "on host ")
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
     finally:
         first.kill()
     latest = int(open(os.path.join(out, "ckpt", "latest")).read().strip().rsplit("_", 1)[1])
-    p = run_train([*common, f"max_iters={latest + 2}"], cwd=tmp_path, fork=True)  # the kernel dropped the dead run's lock
+    # the kernel dropped the dead run's lock
+    p = run_train([*common, f"max_iters={latest + 2}"], cwd=tmp_path, fork=True)
     resumed = int(re.search(r"resumed from .* at iteration (\d+)", p.stdout)[1])
-    assert resumed >= 4 and max(r["iter"] for r in read_metrics(out) if "loss" in r) == resumed + 1  # 2 steps on
+    # 2 steps on
+    assert resumed >= 4 and max(r["iter"] for r in read_metrics(out) if "loss" in r) == resumed + 1
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -328,10 +346,12 @@ def test_failed_reprepare_keeps_the_existing_dataset(dataset, tmp_path):
     with pytest.raises(UserError, match="malformed JSON"):
         prepare.prepare(str(bad), target, "cl100k_base", 512, verbose=False)
     assert {n: open(os.path.join(target, n), "rb").read() for n in os.listdir(target)} == before
-    assert [n for n in os.listdir(tmp_path) if n not in ("ds", "bad.jsonl")] == []  # no temp dir left
+    # no temp dir left
+    assert [n for n in os.listdir(tmp_path) if n not in ("ds", "bad.jsonl")] == []
     # and a successful re-prepare replaces it whole
     good = tmp_path / "good.jsonl"
-    good.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(30)))
+    good.write_text(
+        "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(30)))
     prepare.prepare(str(good), target, "cl100k_base", 512, val_fraction=0.2, verbose=False)
     assert guard_data.read_meta(target)["source"] == str(good)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds", "good.jsonl"]
@@ -351,18 +371,21 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
     d = broken(lambda d: os.remove(os.path.join(d, "val.bin")))
     with pytest.raises(UserError, match="val.bin is missing"):
         loader(d)
-    d = broken(lambda d: open(os.path.join(d, "val.bin"), "ab").write(b"\0" * (dtype.itemsize + 1)))
+    d = broken(
+        lambda d: open(os.path.join(d, "val.bin"), "ab").write(b"\0" * (dtype.itemsize + 1)))
     with pytest.raises(UserError, match=f"not a multiple of {dtype.itemsize}"):
         loader(d)
     d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write("{not json"))
     with pytest.raises(UserError, match="meta.json: malformed JSON"):
         loader(d)
-    d = broken(lambda d: open(os.path.join(d, "meta.json"), "w").write('{"tokenizer": "cl100k_base"}'))
+    d = broken(
+        lambda d: open(os.path.join(d, "meta.json"), "w").write('{"tokenizer": "cl100k_base"}'))
     with pytest.raises(UserError, match="meta.json lacks"):
         loader(d)
 
     def big_id(d):
-        np.array([600], dtype=dtype).tofile(open(os.path.join(d, "val.bin"), "r+b"))  # id 600 >= vocab 512
+        # id 600 >= vocab 512
+        np.array([600], dtype=dtype).tofile(open(os.path.join(d, "val.bin"), "r+b"))
     d = broken(big_id)
     with pytest.raises(UserError, match="token id 600.*vocab_size 512"):
         loader(d)
@@ -370,8 +393,10 @@ def test_damaged_dataset_files_are_one_line_errors(dataset, tmp_path):
 
 def _save_and_find_with_a_corrupt_share(mesh, out):
     hashed = []  # (what, file name) this rank hashed
-    sha256 = checkpoint.sha256_file  # a save hashes in checkpoint.py, a find's verify in guard_ckpt.py
-    checkpoint.sha256_file = guard_ckpt.sha256_file = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
+    # a save hashes in checkpoint.py, a find's verify in guard_ckpt.py
+    sha256 = checkpoint.sha256_file
+    checkpoint.sha256_file = guard_ckpt.sha256_file = (
+        lambda path: hashed.append(os.path.basename(path)) or sha256(path))
     model = tiny_model()
     fsdp.fully_shard_model(model, mesh)
     opt = AdamW(model.parameters())
@@ -389,17 +414,21 @@ def _save_and_find_with_a_corrupt_share(mesh, out):
     parallel.barrier(mesh)
     warnings = []
     found = checkpoint.find(out, mesh, warn=warnings.append)
-    return {"listed": listed, "found": found, "warnings": warnings, "saving": saving, "finding": hashed}
+    return {"listed": listed, "found": found, "warnings": warnings, "saving": saving,
+            "finding": hashed}
 
 
 def test_hashing_is_shared_by_the_ranks(tmp_path):
     from conftest import spawn
     r0, r1 = spawn(_save_and_find_with_a_corrupt_share, 2, str(tmp_path))
     # the manifest lists both ranks' shards (each hashed by its writer) and rank 0's files
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json", "state.pt"} <= set(r0["listed"])
+    assert ({"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json", "state.pt"}
+            <= set(r0["listed"]))
     assert r0["found"] == r1["found"] == os.path.join(str(tmp_path), "ckpt", "iter_0000001")
-    assert len(r0["warnings"]) == 1 and f"{r0['listed'][1]} does not match its checksum" in r0["warnings"][0]
+    assert (len(r0["warnings"]) == 1
+            and f"{r0['listed'][1]} does not match its checksum" in r0["warnings"][0])
     assert r1["warnings"] == []
     # who hashed what: at a save each rank its own shards; at find, every second file each
     assert sorted(r1["saving"]) == ["__1_0.distcp"] * 2 and "__1_0.distcp" not in r0["saving"]
-    assert set(r1["finding"]) == set(r0["listed"][1::2]) and not set(r0["finding"]) & set(r1["finding"])
+    assert (set(r1["finding"]) == set(r0["listed"][1::2])
+            and not set(r0["finding"]) & set(r1["finding"]))

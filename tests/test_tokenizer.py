@@ -1,5 +1,5 @@
-"""A model's tokenizer travels with it: Hugging Face tokenizers in (hf_tokenizer.py), built like the
-real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusals by kind, a
+"""A model's tokenizer travels with it: Hugging Face tokenizers in (hf_tokenizer.py), built like
+the real ones of each family (hf_families.py), with AutoTokenizer's ids; the refusals by kind, a
 tiktoken rank file, and data prepared for a model with its ids."""
 
 import base64
@@ -29,13 +29,16 @@ def varied_lines():
     for path in files[200:260]:
         with open(path, encoding="utf-8", errors="replace") as f:
             code += [line.rstrip("\n") for line in f][:6]
-    unicode = ["héllo wörld", "naïve café", "日本語のテキスト", "中文 文本 123", "Привет, мир!", "مرحبا بالعالم",
-               "emoji 🙂🚀 and 👩‍👩‍👧", "math: ∑ x² ≤ ∞", "tab\there", "ｆｕｌｌ ｗｉｄｔｈ", "ß ẞ Σς", "\u200bzero width",
-               "'s 'll 'VE 'Re", "it's don't we'll they're I've I'm he'd", "1234567890 3.14159 1e-10", "a\r\nb\rc\n", "e\u0301 é"]
-    spaces = ["    indented", "\t\t  mixed\t ", "trailing   ", "   ", "a  b   c    d", "\n\n\nx", "x\n\n", " \n \n",
+    unicode = ["héllo wörld", "naïve café", "日本語のテキスト", "中文 文本 123", "Привет, мир!",
+               "مرحبا بالعالم", "emoji 🙂🚀 and 👩‍👩‍👧", "math: ∑ x² ≤ ∞", "tab\there",
+               "ｆｕｌｌ ｗｉｄｔｈ", "ß ẞ Σς", "\u200bzero width", "'s 'll 'VE 'Re",
+               "it's don't we'll they're I've I'm he'd", "1234567890 3.14159 1e-10", "a\r\nb\rc\n",
+               "e\u0301 é"]
+    spaces = ["    indented", "\t\t  mixed\t ", "trailing   ",
+              "   ", "a  b   c    d", "\n\n\nx", "x\n\n", " \n \n",
               "if x:\n        return  y\n\n\n", "  ", "\u00a0nbsp\u3000ideographic"]
-    specials = ["a <|endoftext|> b", "<|begin|>start", "call <|tool|> now", "<|tool|><|tool|>", "x<|endoftext|>",
-                "<|endoftext", "|> <| tool |>"]
+    specials = ["a <|endoftext|> b", "<|begin|>start", "call <|tool|> now", "<|tool|><|tool|>",
+                "x<|endoftext|>", "<|endoftext", "|> <| tool |>"]
     return code + unicode * 4 + spaces * 4 + specials * 4
 
 
@@ -54,14 +57,17 @@ def hf_bpe(tmp_path_factory):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     _, files = prepare.stdlib_files()
     texts = [open(f, encoding="utf-8", errors="replace").read()[:4000] for f in files[:80]]
-    tok.train_from_iterator(texts + ["héllo wörld café naïve 日本語 Привет it's don't we'll they're I've"] * 20, trainer)
+    tok.train_from_iterator(
+        texts + ["héllo wörld café naïve 日本語 Привет it's don't we'll they're I've"] * 20, trainer)
     tok.add_tokens(["<|tool|>"])
-    tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A $B:1",
-                                                       special_tokens=[("<|begin|>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", pair="<|begin|> $A $B:1", special_tokens=[("<|begin|>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>",
+                                   eos_token="<|endoftext|>")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=96,
+    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(),
+                                 hidden_size=32, intermediate_size=96,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=64, bos_token_id=1, eos_token_id=0,
                                  tie_word_embeddings=False)).save_pretrained(path)
@@ -96,29 +102,34 @@ def test_hf_byte_level_bpe_gives_autotokenizers_ids(hf_bpe):
 def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
     """Each family's tokenizer (Llama 3, Llama 2 / TinyLlama, Mistral, Qwen2 built as the hub's
     are) read by hf_tokenizer.py gives AutoTokenizer's ids on varied text, its specials written in
-    the text included (as text through tokenizer_py.encode, as ids through allowed_special="all"), the
-    same BOS and EOS, and decodes as AutoTokenizer does; grown by extra tokens, the new ones take
-    the ids after the last."""
+    the text included (as text through tokenizer_py.encode, as ids through allowed_special="all"),
+    the same BOS and EOS, and decodes as AutoTokenizer does; grown by extra tokens, the new ones
+    take the ids after the last."""
     from transformers import AutoTokenizer
     n = hf_families.write_tokenizer(family, str(tmp_path))
-    enc, auto = hf_tokenizer.load(str(tmp_path / "tokenizer.json")), AutoTokenizer.from_pretrained(tmp_path)
-    specials = ["<s>hi</s> [INST] x [/INST]", "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|>a<|eot_id|>",
-                "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
+    enc, auto = (hf_tokenizer.load(str(tmp_path / "tokenizer.json")),
+                 AutoTokenizer.from_pretrained(tmp_path))
+    specials = ["<s>hi</s> [INST] x [/INST]", "<|im_start|>user\nhi<|im_end|>",
+                "<|begin_of_text|>a<|eot_id|>", "<unk> <0x41> ▁x", " leading", "  two\r\n\r\n"]
     lines = varied_lines() + specials * 4
     assert enc.n_vocab == len(auto) == n and compare(enc, auto, lines) == 0
-    assert (enc.twin is not None) == (family == "llama3")  # tiktoken encodes Llama 3's layout, exactly
+    # tiktoken encodes Llama 3's layout, exactly
+    assert (enc.twin is not None) == (family == "llama3")
     if enc.twin is not None:  # and `tokenizers` alone gives the same ids
         slow = copy.copy(enc)
         slow.twin = None
         assert compare(slow, auto, lines) == 0
-    assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None, auto.eos_token_id)
-    assert all(enc.decode(tokenizer_py.encode(enc, line)) == auto.decode(auto(line, split_special_tokens=True,
-                                                                      add_special_tokens=False).input_ids)
+    assert (enc.bos_token, enc.eot_token) == (auto.bos_token_id if family != "qwen2" else None,
+                                              auto.eos_token_id)
+    assert all(enc.decode(tokenizer_py.encode(enc, line)) == auto.decode(
+        auto(line, split_special_tokens=True, add_special_tokens=False).input_ids)
                for line in lines)
-    big = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"), 0, ["<|tool|>", "return None"])
+    big = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"), 0,
+                                     ["<|tool|>", "return None"])
     assert [big.encode_single_token(t) for t in ("<|tool|>", "return None")] == [n, n + 1]
     assert tokenizer_py.encode(big, "a<|tool|>b")[1:-1] == [n]
-    assert tokenizer_py.encode(big, "<|im_end|>") == tokenizer_py.encode(enc, "<|im_end|>")  # specials stay text
+    # specials stay text
+    assert tokenizer_py.encode(big, "<|im_end|>") == tokenizer_py.encode(enc, "<|im_end|>")
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
@@ -132,22 +143,29 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     from transformers import AutoTokenizer
     hf_families.write_tokenizer(family, str(tmp_path / "base"))
     base = AutoTokenizer.from_pretrained(tmp_path / "base")
-    enc = tokenizer_py.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0, [*tokenizer_py.CHAT_TOKENS, "<|tool|>"])
-    cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    enc = tokenizer_py.get_tokenizer(str(tmp_path / "base" / "tokenizer.json"), 0,
+                                     [*tokenizer_py.CHAT_TOKENS, "<|tool|>"])
+    cfg = ModelConfig(vocab_size=enc.n_vocab, block_size=16, n_layer=1, n_head=2, n_kv_head=1,
+                      n_embd=16)
     hf.save_hf(str(tmp_path / "hf"), Transformer(cfg).state_dict(), cfg, enc)
-    tok, config = AutoTokenizer.from_pretrained(tmp_path / "hf"), json.load(open(tmp_path / "hf" / "config.json"))
+    tok, config = (AutoTokenizer.from_pretrained(tmp_path / "hf"),
+                   json.load(open(tmp_path / "hf" / "config.json")))
     assert len(tok) == enc.n_vocab == len(base) + 5 and config["vocab_size"] == enc.n_vocab
-    assert (tok.bos_token_id, tok.eos_token_id, tok.model_max_length) == (base.bos_token_id, base.eos_token_id,
-                                                                          base.model_max_length)
-    assert (config["bos_token_id"], config["eos_token_id"]) == (base.bos_token_id, base.eos_token_id)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.model_max_length) == (
+        base.bos_token_id, base.eos_token_id, base.model_max_length)
+    assert ((config["bos_token_id"], config["eos_token_id"])
+            == (base.bos_token_id, base.eos_token_id))
     special = json.load(open(tmp_path / "hf" / "special_tokens_map.json"))
     assert special.get("bos_token") == base.bos_token and special["eos_token"] == base.eos_token
     bos = [enc.bos_token] if enc.bos_token is not None else []
     lines = varied_lines()[::3] + ["<|user|>hi<|end|><|assistant|>", "a<|tool|>b"]
-    assert all(tok(line, split_special_tokens=True).input_ids == bos + tokenizer_py.encode(enc, line) for line in lines)
+    assert all(tok(line, split_special_tokens=True).input_ids
+               == bos + tokenizer_py.encode(enc, line) for line in lines)
     chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
-    ids = tok.apply_chat_template(chat)  # the template starts with the BOS as prepare starts every document
-    assert (ids if isinstance(ids, list) else ids["input_ids"]) == bos + tokenizer_py.render_chat(enc, chat)[0]
+    # the template starts with the BOS as prepare starts every document
+    ids = tok.apply_chat_template(chat)
+    assert ((ids if isinstance(ids, list) else ids["input_ids"])
+            == bos + tokenizer_py.render_chat(enc, chat)[0])
 
 
 def test_the_default_tokenizer_walks_no_hugging_face_machinery():
@@ -156,10 +174,11 @@ def test_the_default_tokenizer_walks_no_hugging_face_machinery():
     tokenizer file takes that path."""
     import subprocess
     import sys
-    code = ("import sys, tokenizer, hf; e = tokenizer.get_tokenizer('cl100k_base', 8192, ['<|x|>']); "
-            "tokenizer.encode(e, 'a <|x|>'); hf.hf_tokenizer(e, 8); "
+    code = ("import sys, tokenizer, hf; e = tokenizer.get_tokenizer('cl100k_base', 8192, "
+            "['<|x|>']); tokenizer.encode(e, 'a <|x|>'); hf.hf_tokenizer(e, 8); "
             "print(sorted({'tokenizers', 'hf_tokenizer', 'transformers'} & set(sys.modules)))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
 
 
@@ -168,8 +187,10 @@ def test_extra_tokens_that_start_one_another(llama3_dir):
     special tokens in no fixed order, so there such a list is refused in one line."""
     path = os.path.join(llama3_dir, "tokenizer.json")
     big = tokenizer_py.get_tokenizer(path, 0, ["return", "return None"])
-    assert big.twin is None and tokenizer_py.encode(big, "return None")[-1] == big.encode_single_token("return None")
-    with pytest.raises(UserError, match="extra token 'return None' starts with the token 'return'"):
+    assert (big.twin is None and tokenizer_py.encode(big, "return None")[-1]
+            == big.encode_single_token("return None"))
+    with pytest.raises(UserError,
+                       match="extra token 'return None' starts with the token 'return'"):
         tokenizer_py.get_tokenizer("cl100k_base", 512, ["return", "return None"])
 
 
@@ -187,7 +208,8 @@ def test_a_changed_tokenizer_config_is_a_changed_tokenizer(tmp_path, corpus):
     path = str(tmp_path / "tok" / "tokenizer.json")
     meta = prepare.prepare(corpus, str(tmp_path / "data"), path, 0, 0.2, verbose=False)
     enc = tokenizer_py.tokenizer_from_meta(meta)
-    assert enc.bos_token == 1 and np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[0] == 1
+    assert (enc.bos_token == 1
+            and np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[0] == 1)
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": True}))
     with pytest.raises(UserError, match="is gone or changed since"):
@@ -198,11 +220,13 @@ def test_tiktoken_rank_file_is_read(tmp_path):
     """Meta's Llama 3 format: base64 token and rank a line; the specials follow the ranks."""
     base = tokenizer_py.get_tokenizer("cl100k_base", 2048)
     path = tmp_path / "tokenizer.model"
-    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in base._mergeable_ranks.items()))
+    path.write_bytes(
+        b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in base._mergeable_ranks.items()))
     enc = hf_tokenizer.load(str(path))
     assert enc.n_vocab == 2047 + 256 and enc.bos_token == 2047 and enc.eot_token == 2048
     for line in varied_lines()[:100]:
-        assert enc.encode_ordinary(line) == [i for i in base.encode_ordinary(line)]  # the same pattern and ranks here
+        # the same pattern and ranks here
+        assert enc.encode_ordinary(line) == [i for i in base.encode_ordinary(line)]
 
 
 def hf_dir_with(tmp_path, tokenizer_json=None, vocab_size=512, model_file=None):
@@ -237,14 +261,17 @@ def test_vocab_that_disagrees_with_the_weights_is_refused(tmp_path, hf_bpe):
     path = hf_dir_with(tmp_path, vocab_size=32000)
     p = run_train(["sample_tokens=0", "max_iters=1", "vocab_size=512", f"init_from={path}",
                    f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, check=False, fork=True)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr[-2000:]  # one line, and nothing left behind
-    assert "has no tokenizer.json or tokenizer.model, and its vocab_size 32,000 is not the 512 ids" in p.stderr
+    # one line, and nothing left behind
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert ("has no tokenizer.json or tokenizer.model, and its vocab_size 32,000 is not the 512 "
+            "ids") in p.stderr
     assert not os.path.exists(tmp_path / "run")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         os.link(os.path.join(hf_bpe[0], name), os.path.join(path, name))
     with pytest.raises(UserError, match="has 701 ids but the weights in .* have 32,000 rows"):
         spec_of_dir(path)
-    # a few rows past the ids load (an embedding padded to a round size, as Qwen2's); an id without a row does not
+    # a few rows past the ids load (an embedding padded to a round size, as Qwen2's);
+    # an id without a row does not
     for rows in (704, 700):
         path = hf_dir_with(tmp_path / str(rows), vocab_size=rows)
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -260,35 +287,47 @@ def test_data_for_a_model_keeps_its_ids(tmp_path, corpus):
     """A dataset prepared for a model extends the model's tokenizer: its added tokens keep
     their ids, the chat tokens come after them; data with other ids is refused."""
     words = ["sublicense", "licensee"]
-    spec = tokenizer_py.spec_of({"tokenizer": "cl100k_base", "vocab_size": 514, "base_vocab_size": 512, "extra_tokens": words})
+    spec = tokenizer_py.spec_of({"tokenizer": "cl100k_base", "vocab_size": 514,
+                                 "base_vocab_size": 512, "extra_tokens": words})
     chat = tmp_path / "chat.jsonl"
-    chat.write_text("".join(json.dumps({"prompt": f"q{i} sublicense", "response": f"a{i}"}) + "\n" for i in range(30)))
-    meta = prepare.prepare(str(chat), str(tmp_path / "chat"), "cl100k_base", 512, 0.2, verbose=False,
-                           model_tokens=words)
+    chat.write_text("".join(json.dumps({"prompt": f"q{i} sublicense", "response": f"a{i}"}) + "\n"
+                            for i in range(30)))
+    meta = prepare.prepare(str(chat), str(tmp_path / "chat"), "cl100k_base", 512, 0.2,
+                           verbose=False, model_tokens=words)
     assert meta["extra_tokens"] == words + tokenizer_py.CHAT_TOKENS and meta["vocab_size"] == 518
     tokenizer_py.check_model_tokenizer(meta, "data/chat", spec, "the model")
-    alone = prepare.prepare(str(chat), str(tmp_path / "alone"), "cl100k_base", 512, 0.2, verbose=False)
-    with pytest.raises(UserError, match=r"data/alone was tokenized as cl100k_base/512 \+ \['<\|system\|>'.*re-prepare|"
+    alone = prepare.prepare(str(chat), str(tmp_path / "alone"), "cl100k_base", 512, 0.2,
+                            verbose=False)
+    with pytest.raises(
+            UserError,
+            match=r"data/alone was tokenized as cl100k_base/512 \+ \['<\|system\|>'.*re-prepare|"
                                         r"prepare it for the model"):
         tokenizer_py.check_model_tokenizer(alone, "data/alone", spec, "the model")
-    # a model's tokenizer file is known by its bytes: the same file elsewhere (a copied base) is the same
-    # tokenizer, another file under the same path is not
-    file = tokenizer_py.spec_of({"tokenizer": "/a/base/tokenizer.json", "vocab_size": 512, "tokenizer_sha256": "ab" * 32})
-    tokenizer_py.check_model_tokenizer({**file, "tokenizer": "/copy/of/base/tokenizer.json"}, "data/d", file, "the model")
+    # a model's tokenizer file is known by its bytes: the same file elsewhere (a copied base) is
+    # the same tokenizer, another file under the same path is not
+    file = tokenizer_py.spec_of(
+        {"tokenizer": "/a/base/tokenizer.json", "vocab_size": 512, "tokenizer_sha256": "ab" * 32})
+    tokenizer_py.check_model_tokenizer({**file, "tokenizer": "/copy/of/base/tokenizer.json"},
+                                       "data/d", file, "the model")
     # only the bytes differ: the line names the two hashes, not the same description twice
-    with pytest.raises(UserError, match=r"tokenizer.json/512 \+ \[\] \(sha256 cdcdcdcdcdcd\), but the model uses "
-                                        r"tokenizer.json/512 \+ \[\] \(sha256 abababababab\): its ids mean other"):
-        tokenizer_py.check_model_tokenizer({**file, "tokenizer_sha256": "cd" * 32}, "data/d", file, "the model")
+    with pytest.raises(
+            UserError,
+            match=r"tokenizer.json/512 \+ \[\] \(sha256 cdcdcdcdcdcd\), but the model uses "
+            r"tokenizer.json/512 \+ \[\] \(sha256 abababababab\): its ids mean other"):
+        tokenizer_py.check_model_tokenizer({**file, "tokenizer_sha256": "cd" * 32}, "data/d", file,
+                                           "the model")
 
 
 def doc_commands(path, heading, script="train.py"):
-    """The arguments of each `python train.py ...` (or `torchrun ... train.py`) command of the first
-    bash block after `heading` in a doc (`script`: sample.py's instead)."""
+    """The arguments of each `python train.py ...` (or `torchrun ... train.py`) command of the
+    first bash block after `heading` in a doc (`script`: sample.py's instead)."""
     import shlex
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
-    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    block = (text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+             .replace("\\\n", " "))
     commands = [shlex.split(line, comments=True) for line in block.splitlines()]
-    return [c[c.index(script) + 1:] for c in commands if c[:1] in (["python"], ["torchrun"]) and script in c]
+    return [c[c.index(script) + 1:] for c in commands
+            if c[:1] in (["python"], ["torchrun"]) and script in c]
 
 
 def doc_python(path):
@@ -314,34 +353,40 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     (tmp_path / "domain_words.txt").write_text("return None\nself.assert\n")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(
         {"messages": [{"role": "user", "content": f"What is {i} times 2? return None"},
-                      {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n" for i in range(60)))
-    shrink = [a for a in RUN if not a.startswith("vocab_size=")] + ["max_iters=2", "val_fraction=0.2", "sample_tokens=8"]
+                      {"role": "assistant", "content": f"It is {2 * i}."}]})
+                                                 + "\n" for i in range(60)))
+    shrink = [a for a in RUN if not a.startswith("vocab_size=")] + [
+        "max_iters=2", "val_fraction=0.2", "sample_tokens=8"]
     for args in steps:
         keys = {a.split("=")[0] for a in args}
-        run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path, fork=True)
+        run_train([*args, *(a for a in shrink if a.split("=")[0] not in keys)], cwd=tmp_path,
+                  fork=True)
     # one id per string: the words got 701, 702 in step 1 and keep them; the chat tokens follow
     base = len(hf_bpe[1])
     words, chat = ["return None", "self.assert"], tokenizer_py.CHAT_TOKENS
-    specs = [json.load(open(tmp_path / "runs" / run / "ckpt" / "iter_0000002" / "meta.json"))["tokenizer_spec"]
-             for run in ("cpt", "sft", "lora")]
+    specs = [json.load(open(tmp_path / "runs" / run / "ckpt" / "iter_0000002"
+                            / "meta.json"))["tokenizer_spec"] for run in ("cpt", "sft", "lora")]
     assert [s["extra_tokens"] for s in specs] == [words, words + chat, words + chat]
-    assert all(s["tokenizer"] == str(tmp_path / "runs" / "base" / "tokenizer.json") and s["base_vocab_size"] == base
-               for s in specs)
+    assert all(s["tokenizer"] == str(tmp_path / "runs" / "base" / "tokenizer.json")
+               and s["base_vocab_size"] == base for s in specs)
     enc = tokenizer_py.tokenizer_from_meta(specs[-1])
     assert [enc.encode_single_token(t) for t in words + chat] == list(range(base, base + 6))
     lines = varied_lines() + ["x = f() ; return None", "<|user|>hi<|end|><|assistant|>"]
     for export in ("sft_hf", "lora_merged"):
         tok = AutoTokenizer.from_pretrained(tmp_path / "runs" / export)
-        assert json.load(open(tmp_path / "runs" / export / "config.json"))["vocab_size"] == len(tok) == base + 6
-        assert all(tok(line, split_special_tokens=True).input_ids == [enc.bos_token, *tokenizer_py.encode(enc, line)]
-                   for line in lines)
-    # transformers generates from the merged export, and peft's adapter on the SFT export is the same model
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}], add_generation_prompt=True,
-                                  return_tensors="pt")
+        assert (json.load(open(tmp_path / "runs" / export / "config.json"))["vocab_size"]
+                == len(tok) == base + 6)
+        assert all(tok(line, split_special_tokens=True).input_ids
+                   == [enc.bos_token, *tokenizer_py.encode(enc, line)] for line in lines)
+    # transformers generates from the merged export,
+    # and peft's adapter on the SFT export is the same model
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}],
+                                  add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "lora_merged").eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "sft_hf"),
-                                        tmp_path / "runs" / "lora_adapter").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "sft_hf"),
+        tmp_path / "runs" / "lora_adapter").eval()
     out = merged.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8 and isinstance(tok.decode(out[0]), str)
     # the adapter names its base (the SFT run's export), so PEFT's Auto class finds it alone
@@ -353,13 +398,16 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
         torch.testing.assert_close(auto(out).logits, merged(out).logits, rtol=1e-4, atol=1e-4)
     # the page's export and LoRA-on-the-base commands (that one in one process), then its Python
     # blocks as written, in the directory the commands made
-    run_train(doc_commands("docs/finetuning.md", "### Exporting to Hugging Face", "sample.py")[0], cwd=tmp_path,
-              script="sample.py")
+    run_train(doc_commands("docs/finetuning.md", "### Exporting to Hugging Face", "sample.py")[0],
+              cwd=tmp_path, script="sample.py")
     lora_base = doc_commands("docs/finetuning.md", "## LoRA")[0]
-    run_train([*lora_base, *(a for a in shrink if a.split("=")[0] not in {a.split("=")[0] for a in lora_base})],
+    run_train([*lora_base,
+               *(a for a in shrink
+                 if a.split("=")[0] not in {a.split("=")[0] for a in lora_base})],
               cwd=tmp_path, fork=True)
     adapter = json.load(open(tmp_path / "runs" / "lora_base_adapter" / "adapter_config.json"))
-    assert adapter["base_model_name_or_path"] == str(tmp_path / "runs" / "base")  # a Hugging Face base: itself
+    # a Hugging Face base: itself
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "runs" / "base")
     monkeypatch.chdir(tmp_path)
     blocks = doc_python("docs/finetuning.md")
     assert len(blocks) == 3

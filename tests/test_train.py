@@ -12,7 +12,8 @@ from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, tor
 import guard_errors
 from guard_errors import UserError
 
-TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu", "elapsed_s"}
+TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu",
+              "elapsed_s"}
 
 
 def test_the_curve_comparison_can_fail():
@@ -50,35 +51,40 @@ def test_torchrun_reports_a_rank_killed_by_a_signal(dataset, tmp_path):
     """conftest.torchrun, which every multi-process test runs: a rank that dies of a signal
     (a negative exit code) fails the call, naming it, and the waiting rank is not left behind."""
     with pytest.raises(AssertionError, match="rank 1 exited with -9"):
-        torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1"], cwd=tmp_path,
-                 before=killed_on_rank_1, timeout=60)
+        torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={tmp_path / 'run'}", "max_iters=1"],
+                 cwd=tmp_path, before=killed_on_rank_1, timeout=60)
 
 
 def test_tiny_run_learns_logs_and_checkpoints(dataset, tmp_path):
     out = str(tmp_path / "run")
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=30", "ckpt_interval=10",
-                   "keep_ckpts=2", "sample_tokens=20"], cwd=tmp_path, fork=True)
+    p = run_train(
+        [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=30", "ckpt_interval=10",
+         "keep_ckpts=2", "sample_tokens=20"], cwd=tmp_path, fork=True)
     rows = read_metrics(out)
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     assert [r["iter"] for r in train] == list(range(30))
     assert all(set(r) == TRAIN_KEYS for r in train)
     assert [r["iter"] for r in val] == [0, 5, 10, 15, 20, 25, 30]
-    assert all(set(r) == {"iter", "val_loss", "val_bpb", "tokens", "elapsed_s"} and r["tokens"] == r["iter"] * 4 * 2 * 32
-               for r in val)
-    assert 0 < val[0]["elapsed_s"] < val[-1]["elapsed_s"]  # wall time since launch: what bench.py race reads
+    assert all(set(r) == {"iter", "val_loss", "val_bpb", "tokens", "elapsed_s"}
+               and r["tokens"] == r["iter"] * 4 * 2 * 32 for r in val)
+    # wall time since launch: what bench.py race reads
+    assert 0 < val[0]["elapsed_s"] < val[-1]["elapsed_s"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, "the loss did not fall"
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.3
     assert train[-1]["tokens"] == 30 * 4 * 2 * 32
     ckpt = os.path.join(out, "ckpt")
-    assert sorted(os.listdir(ckpt)) == ["iter_0000020", "iter_0000030", "latest"]  # keep_ckpts=2 pruned iter 10
+    # keep_ckpts=2 pruned iter 10
+    assert sorted(os.listdir(ckpt)) == ["iter_0000020", "iter_0000030", "latest"]
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000030"
-    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == [".metadata", "__0_0.distcp", "manifest.json",
-                                                                   "meta.json", "state.pt"]
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030"))) == [
+        ".metadata", "__0_0.distcp", "manifest.json", "meta.json", "state.pt"]
     assert json.load(open(os.path.join(out, "config.json")))["max_iters"] == 30
     assert "sample" in p.stdout
-    assert next(ln for ln in p.stdout.splitlines() if ln.startswith("model: ")).endswith("; float32")
-    s = run_train([f"out_dir={out}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path, script="sample.py")
+    assert next(ln for ln in p.stdout.splitlines()
+                if ln.startswith("model: ")).endswith("; float32")
+    s = run_train([f"out_dir={out}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path,
+                  script="sample.py")
     assert "iteration 30" in s.stdout
 
 
@@ -101,7 +107,8 @@ def test_embed_lr_scale_sets_the_embeddings_rate_alone(dataset, tmp_path):
     from model import init_tensor
     for opt in ("muon", "adamw"):
         out = str(tmp_path / opt)
-        run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=3", "embed_lr_scale=0", f"optim={opt}"],
+        run_train([*TINY, f"dataset={dataset}", f"out_dir={out}",
+                   "max_iters=3", "embed_lr_scale=0", f"optim={opt}"],
                   cwd=tmp_path, fork=True)
         model, _ = checkpoint.load_whole(checkpoint.find(out, None))
         emb, head = model.tok_embeddings.weight, model.output.weight
@@ -122,23 +129,27 @@ def test_resume_is_bit_exact(dataset, tmp_path):
                   fork=True)
     assert "resumed from" in p.stdout
     a, b = read_metrics(full), read_metrics(half)
-    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]  # noqa: E731
+    strip = lambda rows: [  # noqa: E731
+        {k: r[k] for k in ("iter", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in rows]
     assert strip(b) == strip(a)  # == on floats: bit for bit
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on CUDA dropout draws from the GPU's "
-                    "generator, whose state per rank this checks is saved and restored (CPU: the test above)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: on CUDA dropout draws from the GPU's "
+                    "generator, whose state per rank this checks is saved and restored (CPU: the "
+                    "test above)")
 def test_resume_is_exact_on_gpu_with_dropout_on_two_ranks(dataset, tmp_path):
     # two ranks on one GPU (gloo over CUDA tensors would need nccl: one process per GPU is the
     # usual setup, so this runs dp=1 when there is one GPU and dp=2 when there are two)
     nproc = min(2, torch.cuda.device_count())
-    common = [*TINY, f"dataset={dataset}", "device=cuda", "dtype=float32", "dropout=0.1", "neftune_alpha=5",
-              "lr_decay_iters=20", "ckpt_interval=100"]
+    common = [*TINY, f"dataset={dataset}", "device=cuda", "dtype=float32", "dropout=0.1",
+              "neftune_alpha=5", "lr_decay_iters=20", "ckpt_interval=100"]
     full, half = str(tmp_path / "full"), str(tmp_path / "half")
     torchrun(nproc, [*common, f"out_dir={full}", "max_iters=20"], cwd=tmp_path)
     torchrun(nproc, [*common, f"out_dir={half}", "max_iters=10"], cwd=tmp_path)
     torchrun(nproc, [*common, f"out_dir={half}", "max_iters=20"], cwd=tmp_path)
-    strip = lambda rows: [{k: r[k] for k in ("iter", "loss", "grad_norm", "val_loss") if k in r} for r in rows]  # noqa: E731
+    strip = lambda rows: [  # noqa: E731
+        {k: r[k] for k in ("iter", "loss", "grad_norm", "val_loss") if k in r} for r in rows]
     assert strip(read_metrics(half)) == strip(read_metrics(full))
     state = torch.load(os.path.join(half, "ckpt", "iter_0000020", "state.pt"), weights_only=True)
     assert len(state["rng_cuda"]) == nproc
@@ -153,14 +164,16 @@ def test_config_file_and_resume_keeps_the_model_shape(dataset, tmp_path):
     assert meta["model"]["n_layer"] == 1 and meta["config"]["n_layer"] == 1
     # resuming without the config file: the shape comes from the checkpoint
     rest = [a for a in TINY if not a.startswith(("n_layer=", "n_embd="))]
-    run_train([*rest, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=5"], cwd=tmp_path, fork=True)
+    run_train([*rest, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=5"],
+              cwd=tmp_path, fork=True)
     assert read_metrics(out)[-2]["iter"] == 4
 
 
 @pytest.fixture(scope="module")
 def saved_run(dataset, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("saved") / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"], cwd=os.path.dirname(out), fork=True)
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2"],
+              cwd=os.path.dirname(out), fork=True)
     return out
 
 
@@ -168,26 +181,32 @@ def snapshot(out):
     files = {}
     for root, _, names in os.walk(out):
         for n in names:
-            if n != ".lock":  # who holds out_dir (host, pid): rewritten by every run, not saved data
+            # who holds out_dir (host, pid): rewritten by every run, not saved data
+            if n != ".lock":
                 files[os.path.join(root, n)] = open(os.path.join(root, n), "rb").read()
     return files
 
 
 BAD = {
-    "unknown key": (["n_layers=3"], "unknown config key 'n_layers' on the command line: did you mean 'n_layer'"),
+    "unknown key": (["n_layers=3"],
+                    "unknown config key 'n_layers' on the command line: did you mean 'n_layer'"),
     "wrong type": (["max_iters=1.5"], "max_iters=1.5 on the command line has type float"),
     "bad init_from": (["init_from=pretrained"], "init_from='pretrained' is not"),
     "scratch over a run": (["init_from=scratch", "@saved"], "init_from=scratch but"),
     "bad nan_action": (["nan_action=ignore"], "nan_action='ignore' is not"),
     "bad dtype": (["dtype=half"], "dtype='half' is not one of auto, float32, bfloat16, float16"),
     "no gpu": (["device=cuda"], "CUDA is not available here"),
-    "nccl on cpu": (["device=cpu", "backend=nccl"], "backend=nccl needs CUDA tensors but device is cpu"),
+    "nccl on cpu": (["device=cpu", "backend=nccl"],
+                    "backend=nccl needs CUDA tensors but device is cpu"),
     "dataset not prepared": (["dataset=nope"], "dataset 'nope' is not prepared"),
-    "missing source": (["dataset=nope", "data_source=/no/such/dir"], "data source '/no/such/dir' not found"),
-    "vocab mismatch": (["vocab_size=1024"], "was prepared with tokenizer=cl100k_base vocab_size=512"),
+    "missing source": (["dataset=nope", "data_source=/no/such/dir"],
+                       "data source '/no/such/dir' not found"),
+    "vocab mismatch": (["vocab_size=1024"],
+                       "was prepared with tokenizer=cl100k_base vocab_size=512"),
     "block too long": (["block_size=100000"], "fewer than block_size + 1"),
     "resume nothing": (["init_from=resume", "out_dir=empty"], "empty/ckpt has no checkpoint"),
-    "resume other shape": (["init_from=resume", "n_layer=3", "@saved"], "with n_layer=3 (the run has 2): pick a new out_dir"),
+    "resume other shape": (["init_from=resume", "n_layer=3", "@saved"],
+                           "with n_layer=3 (the run has 2): pick a new out_dir"),
     "rejected key on a run": (["log_interval=0", "@saved"], "log_interval=0 must be at least 1"),
     "config file syntax": (["@badcfg"], "bad.py:2: SyntaxError"),
 }
@@ -216,7 +235,8 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     src.write_text('{"text": "a"}\n' * 5 + '{"text": oops}\n')
     p = run_train([*TINY, "dataset=chat", f"data_source={src}"], cwd=tmp_path, check=False,
                   fork=True)
-    assert p.returncode != 0 and "c.jsonl:6: malformed JSON" in p.stderr and "Traceback" not in p.stderr
+    assert (p.returncode != 0 and "c.jsonl:6: malformed JSON" in p.stderr
+            and "Traceback" not in p.stderr)
     assert not os.path.exists(tmp_path / "data" / "chat" / "meta.json")
 
 
@@ -227,7 +247,8 @@ def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
     shard = os.path.join(out, "ckpt", "iter_0000002", "__0_0.distcp")
     data_ = open(shard, "rb").read()
     open(shard, "wb").write(data_[: len(data_) // 2])
-    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "init_from=resume", "max_iters=4"],
+    p = run_train([*TINY, f"dataset={dataset}", f"out_dir={out}",
+                   "init_from=resume", "max_iters=4"],
                   cwd=tmp_path, check=False, fork=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "no intact checkpoint" in p.stderr and "iter_0000002: __0_0.distcp has" in p.stderr
@@ -235,8 +256,8 @@ def test_corrupt_checkpoint_is_reported_by_name(dataset, tmp_path):
 
 def test_wandb_offline(dataset, tmp_path):
     out = str(tmp_path / "run")
-    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "wandb_log=True"], cwd=tmp_path,
-              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, fork=True)
+    run_train([*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "wandb_log=True"],
+              cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, fork=True)
     runs = [d for d in os.listdir(os.path.join(out, "wandb")) if d.startswith("offline-run-")]
     assert len(runs) == 1
     run_id = runs[0].rsplit("-", 1)[1]
@@ -270,19 +291,24 @@ MISTAKES = {
     "zero=1 fsdp=True": "zero=1 with fsdp=True: fsdp is ZeRO stage 3",
     "zero=2 ddp_impl=naive": "zero=2 shards along the buckets of ddp_impl=bucketed",
     "offload=True": "offload=True moves sharded optimizer state to CPU memory: use it with zero=1",
-    # under torchrun with 2 processes (WORLD_SIZE=2): the layout is checked before the process group
+    # under torchrun with 2 processes (WORLD_SIZE=2):
+    # the layout is checked before the process group
     "2: pp=3": "pp=3 pipeline stages do not divide the 2 ranks",
     "2: pp=2 n_layer=1": "pp=2 stages but only n_layer=1 layers",
     "2: pp=2 pp_schedule=zb": "pp_schedule='zb' is not one of 1f1b, gpipe, interleaved",
     "2: pp=2 pp_schedule=interleaved": "interleaved 1F1B needs pp > 1 and pp_virtual >= 2",
-    "2: pp=2 pp_virtual=2 pp_schedule=interleaved": "pp=2 x pp_virtual=2 virtual stages but only n_layer=2 layers",
+    "2: pp=2 pp_virtual=2 pp_schedule=interleaved":
+        "pp=2 x pp_virtual=2 virtual stages but only n_layer=2 layers",
     "4: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved grad_accum_steps=2":
         "each pipeline gets grad_accum_steps / dp = 1",
-    "2: pp=2 pp_layers=2,1": "pp_layers='2,1' must give 2 layer counts (one per stage), each at least 1, summing to",
+    "2: pp=2 pp_layers=2,1":
+        "pp_layers='2,1' must give 2 layer counts (one per stage), each at least 1, summing to",
     "2: pp=2 n_layer=4 pp_virtual=2 pp_schedule=interleaved pp_layers=3,1":
         "pp_layers='3,1' must give 4 layer counts (one per stage, per virtual stage)",
-    "2: pp=2 pp_layers=one,one": "pp_layers='one,one' is not a comma-separated list of layer counts",
-    "2: grad_accum_steps=3": "grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2",
+    "2: pp=2 pp_layers=one,one":
+        "pp_layers='one,one' is not a comma-separated list of layer counts",
+    "2: grad_accum_steps=3":
+        "grad_accum_steps=3 micro-batches per iteration cannot be shared evenly by 2",
     "4: pp=2 ddp_impl=torch": "ddp_impl=torch cannot sit inside a pipeline",
     "2: tp=4": "pp=1 x tp=4 does not divide the 2 ranks",
     "4: tp=4 n_head=2 n_kv_head=2": "tp=4 does not divide n_head=2",
@@ -305,16 +331,20 @@ MISTAKES = {
 
 
 @pytest.mark.parametrize("case", list(MISTAKES))
-def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, saved_run, tmp_path, monkeypatch):
+def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, saved_run, tmp_path,
+                                                                monkeypatch):
     (tmp_path / "file").write_text("x")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     world, _, args = case.rpartition(": ")
     monkeypatch.setenv("WORLD_SIZE", world or "1")
-    args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full")) for a in args.split()]
-    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
+    args = [a.replace("@file", str(tmp_path / "file")).replace("@full", str(tmp_path / "full"))
+            for a in args.split()]
+    monkeypatch.setattr(sys, "argv",
+                        ["train.py", *TINY, f"dataset={dataset}", f"out_dir={saved_run}", *args])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py installs its own
-    monkeypatch.setattr(guard_errors, "start_command", lambda *a: None)  # (and its signal handlers: not in pytest's process)
+    # (and its signal handlers: not in pytest's process)
+    monkeypatch.setattr(guard_errors, "start_command", lambda *a: None)
     before = snapshot(saved_run)
     with pytest.raises(UserError) as e:
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
@@ -325,8 +355,9 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
 def test_a_dead_peer_is_one_line_that_keeps_the_cause(capfd):
     import guard_dist
     cause = "Connection reset by peer [127.0.0.1]:45678"
-    err = RuntimeError(f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: {cause}"
-                       f"{' while waiting for the peer of the all-reduce in process group 0' * 4}\nmore lines")
+    err = RuntimeError(
+        f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: {cause}"
+        f"{' while waiting for the peer of the all-reduce in process group 0' * 4}\nmore lines")
     guard_dist.run_excepthook(RuntimeError, err, None)
     line = capfd.readouterr().err.strip()
     assert line.startswith("error: a collective failed") and cause in line and "\n" not in line
@@ -336,6 +367,7 @@ def test_a_slow_end_of_run_sample_does_not_time_out_the_other_ranks(dataset, tmp
     # rank 0 samples (and exports) after the process group is gone: the other rank does not
     # wait for it inside a collective, so a sample far longer than dist_timeout_s is fine
     out = str(tmp_path / "run")
-    p = torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2", "dist_timeout_s=4",
-                     "sample_tokens=4000", f"export_hf={tmp_path / 'hf'}"], cwd=tmp_path, agent=True)
+    p = torchrun(2, [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=2",
+                     "dist_timeout_s=4", "sample_tokens=4000", f"export_hf={tmp_path / 'hf'}"],
+                 cwd=tmp_path, agent=True)
     assert "sample" in p.stdout and os.path.isfile(tmp_path / "hf" / "model.safetensors")

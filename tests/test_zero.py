@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
+from conftest import (INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, run_train, spawn,
+                      torchrun)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import checkpoint
@@ -20,20 +21,25 @@ from model import ModelConfig, Transformer
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
-# under a pipeline dp is half the world (4 ranks: dp=2 x pp=2): ZeRO averages over dp, not the world
-@pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]), (4, ["zero=2"]),
-                                          (4, ["zero=2", "pp=2", "offload=True"]),
+# under a pipeline dp is half the world (4 ranks: dp=2 x pp=2): ZeRO averages over dp,
+# not the world
+@pytest.mark.parametrize("nproc, extra", [(2, ["zero=1"]), (2, ["zero=2", "offload=True"]),
+                                          (4, ["zero=2"]), (4, ["zero=2", "pp=2", "offload=True"]),
                                           (4, ["zero=1", *INTERLEAVED, "offload=True"])],
-                         ids=["zero1", "zero2-offload", "zero2-dp4", "zero2-pp2-offload", "zero1-interleaved-offload"])
+                         ids=["zero1", "zero2-offload", "zero2-dp4", "zero2-pp2-offload",
+                              "zero1-interleaved-offload"])
 def test_zero_gives_the_single_process_curve(nproc, extra, dataset, reference_run, tmp_path):
     # the reference clips (grad_clip=0.5): the norm from the slices must be the whole model's
     assert max(r["grad_norm"] for r in reference_run if "grad_norm" in r) > 0.5
     out = str(tmp_path / "run")
     # REFERENCE has 4 micro-batches per iteration: no_sync accumulation at every layout here;
     # tiny buckets, so the slices cut across parameters and buckets
-    p = torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", "ddp_bucket_mb=0.01", *extra],
+    p = torchrun(nproc,
+                 [*REFERENCE, f"dataset={dataset}",
+                  f"out_dir={out}", "ddp_bucket_mb=0.01", *extra],
                  cwd=tmp_path)
-    assert f"({extra[0]}: 1/{nproc // (2 if 'pp=2' in extra else 1)} of the optimizer" in p.stdout, p.stdout[-2000:]
+    assert (f"({extra[0]}: 1/{nproc // (2 if 'pp=2' in extra else 1)} of the "
+            "optimizer") in p.stdout, p.stdout[-2000:]
     assert_same_curve(reference_run, read_metrics(out))
 
 
@@ -48,7 +54,8 @@ def zero_run(dataset, tmp_path_factory):
     At 2 ranks zero=2 gives the same bits (a sum of two numbers has one order, and both
     stages step the same slices), so this one run is the reference for either stage."""
     out = str(tmp_path_factory.mktemp("zero_run") / "run")
-    torchrun(2, [*RESUME, f"dataset={dataset}", f"out_dir={out}", "zero=1", "max_iters=12"], cwd=os.path.dirname(out))
+    torchrun(2, [*RESUME, f"dataset={dataset}", f"out_dir={out}", "zero=1", "max_iters=12"],
+             cwd=os.path.dirname(out))
     return out, read_metrics(out)
 
 
@@ -71,8 +78,10 @@ def test_zero_resumes_exactly_into_zero_and_moves_to_one_process(zero_run, datas
     ref_dir, ref = zero_run
     assert_same_curve(ref, read_metrics(out), exact=True)
     want, got = final_weights(ref_dir), final_weights(out)
-    assert all(torch.equal(want[n], got[n]) for n in want), [n for n in want if not torch.equal(want[n], got[n])]
-    run_train([*RESUME, f"dataset={dataset}", f"out_dir={one}", "init_from=auto", "max_iters=12"], cwd=tmp_path, fork=True)
+    assert all(torch.equal(want[n], got[n]) for n in want), \
+        [n for n in want if not torch.equal(want[n], got[n])]
+    run_train([*RESUME, f"dataset={dataset}", f"out_dir={one}", "init_from=auto", "max_iters=12"],
+              cwd=tmp_path, fork=True)
     assert_same_curve(ref, read_metrics(one))
     for n, t in final_weights(one).items():
         torch.testing.assert_close(t, want[n], rtol=1e-4, atol=1e-5, msg=n)
@@ -96,10 +105,13 @@ def muon_reference(dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc, extra", [(2, ["zero=2"]), (2, ["tp=2"])])
-def test_muon_on_sharded_layouts_gives_the_single_process_curve(nproc, extra, dataset, muon_reference, tmp_path):
-    assert min(r["grad_norm"] for r in muon_reference if "grad_norm" in r) > 0.3  # every step clips
+def test_muon_on_sharded_layouts_gives_the_single_process_curve(
+        nproc, extra, dataset, muon_reference, tmp_path):
+    # every step clips
+    assert min(r["grad_norm"] for r in muon_reference if "grad_norm" in r) > 0.3
     out = str(tmp_path / "run")
-    torchrun(nproc, [*MUON, f"dataset={dataset}", f"out_dir={out}", "ddp_bucket_mb=0.01", *extra], cwd=tmp_path)
+    torchrun(nproc, [*MUON, f"dataset={dataset}", f"out_dir={out}", "ddp_bucket_mb=0.01", *extra],
+             cwd=tmp_path)
     assert_same_curve(muon_reference, read_metrics(out), rtol=1e-5)
 
 
@@ -108,10 +120,11 @@ def test_muon_moves_through_the_2d_layouts(dataset, muon_reference, tmp_path):
     last (whole momentum buffers, gathered from ZeRO pieces, tp slices and FSDP shards, and
     cut again): the single-process Muon curve."""
     out = str(tmp_path / "run")
-    chain = [*[a for a in MUON if not a.startswith("max_iters=")], f"dataset={dataset}", f"out_dir={out}",
-             "lr_decay_iters=8", "ddp_bucket_mb=0.01", "keep_ckpts=0"]
+    chain = [*[a for a in MUON if not a.startswith("max_iters=")], f"dataset={dataset}",
+             f"out_dir={out}", "lr_decay_iters=8", "ddp_bucket_mb=0.01", "keep_ckpts=0"]
     p = torchrun(4, [*chain, "max_iters=3", "zero=2", "tp=2"], cwd=tmp_path)
-    assert "dp=2 x pp=1 x tp=2" in p.stdout and "(zero=2: 1/2 of the optimizer and grads) (tp:" in p.stdout
+    assert ("dp=2 x pp=1 x tp=2" in p.stdout
+            and "(zero=2: 1/2 of the optimizer and grads) (tp:" in p.stdout)
     p = torchrun(4, [*chain, "max_iters=6", "fsdp=True", "tp=2"], cwd=tmp_path)
     assert "(fsdp: 1/2 of each) (tp:" in p.stdout
     run_train([*chain, "max_iters=8"], cwd=tmp_path, fork=True)
@@ -119,7 +132,8 @@ def test_muon_moves_through_the_2d_layouts(dataset, muon_reference, tmp_path):
 
 
 def batch(rank, step):
-    return torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
+    return torch.randint(0, 64, (2, 2, 17),
+                         generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 def three_steps(mesh, kind):
@@ -134,8 +148,8 @@ def three_steps(mesh, kind):
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     if kind == "torch_zero":  # torch's ZeRO-1 over our all-reduce: the peer
         ddp = data_parallel.DataParallel(model, mesh, 0.002)
-        opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                      process_group=mesh.dp_group)
+        opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=1e-2,
+                                      weight_decay=0.1, process_group=mesh.dp_group)
         opt.add_param_group(groups[1])
     else:
         ddp = zero.ZeroDataParallel(model, mesh, 0.002, stage=int(kind[4]))
@@ -149,27 +163,35 @@ def three_steps(mesh, kind):
             (ddp(x[k, :, :-1], x[k, :, 1:])[1] / 2).backward()
         ddp.wait()
         params = opt.params if kind != "torch_zero" else list(model.parameters())
-        norms.append(parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero").item())
+        norms.append(
+            parallel.clip_grad_norm_(params, 0.5, mesh, sharded=kind != "torch_zero").item())
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         unchanged.append([n for n, p in model.named_parameters() if torch.equal(p, before[n])])
-    return {"norms": norms, "unchanged": unchanged, **{n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"norms": norms, "unchanged": unchanged,
+            **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def all_kinds(mesh):
-    return {kind: three_steps(mesh, kind) for kind in ("torch_zero", "zero1", "zero2", "zero2_offload")}
+    return {kind: three_steps(mesh, kind)
+            for kind in ("torch_zero", "zero1", "zero2", "zero2_offload")}
 
 
 def test_stage1_and_2_match_torch_zero_redundancy_optimizer():
     for rank in spawn(all_kinds, 2):
         peer = rank["torch_zero"]
         for kind in ("zero1", "zero2", "zero2_offload"):
-            assert rank[kind]["unchanged"] == [[], [], []], kind  # every step moved every weight on every rank
+            # every step moved every weight on every rank
+            assert rank[kind]["unchanged"] == [[], [], []], kind
             for n in peer:
-                torch.testing.assert_close(rank[kind][n], peer[n], rtol=1e-5, atol=1e-6, msg=f"{kind} {n}")
-        # offload steps copies in CPU memory (on a CPU device too) and copies them back: the same bits
-        assert all(torch.equal(rank["zero2_offload"][n], rank["zero2"][n]) for n in peer if "." in n)
-        assert not torch.equal(peer["norm.weight"], torch.ones_like(peer["norm.weight"]))  # it did train
+                torch.testing.assert_close(rank[kind][n], peer[n], rtol=1e-5, atol=1e-6,
+                                           msg=f"{kind} {n}")
+        # offload steps copies in CPU memory (on a CPU device too) and copies them back:
+        # the same bits
+        assert all(torch.equal(rank["zero2_offload"][n], rank["zero2"][n]) for n in peer
+                   if "." in n)
+        # it did train
+        assert not torch.equal(peer["norm.weight"], torch.ones_like(peer["norm.weight"]))
         assert min(peer["norms"]) > 0.5  # and every step clipped
 
 
@@ -198,7 +220,10 @@ def test_zero_holds_one_nth_per_rank(n):
     full = spawn(one_step_memory, 1, 0)[0]
     for rank in spawn(memory_at, n):
         one, two = rank[1], rank[2]
-        assert one["params"] == two["params"] == full["params"] and one["grads"] == full["grads"], (one, two, full)
+        assert (one["params"] == two["params"] == full["params"]
+                and one["grads"] == full["grads"]), (one, two, full)
         assert 0 < one["optimizer"] <= full["optimizer"] / n * 1.10, (one, full)
-        assert 0 < two["grads"] + two["optimizer"] <= (full["grads"] + full["optimizer"]) / n * 1.10, (two, full)
-        assert full["grads"] / n <= two["grads"] <= full["grads"] / n * 1.10, (two, full)  # its chunks, counted
+        assert (0 < two["grads"] + two["optimizer"]
+                <= (full["grads"] + full["optimizer"]) / n * 1.10), (two, full)
+        # its chunks, counted
+        assert full["grads"] / n <= two["grads"] <= full["grads"] / n * 1.10, (two, full)
