@@ -23,9 +23,10 @@ from bench.base import MODEL, run_ranks, sized
 
 def ckpt_worker(model_kw, saves_n):
     """One rank of the checkpoint table: `saves_n` plain saves, then `saves_n` async ones, of a
-    model with AdamW state. Async: blocked = AsyncSaves.save (the copy to CPU) + finish, called once
-    every rank has written (as the loop does); the time in between, when the loop would train,
-    is the background write. Rank 0's times (it also writes the manifest and moves `latest`)."""
+    model with AdamW state. Async: blocked = AsyncSaves.save (the copy to CPU) + finish, called
+    once every rank has written (as the loop does); the time in between, when the loop would
+    train, is the background write. Rank 0's times (it also writes the manifest and moves
+    `latest`)."""
     mesh = parallel.setup("auto", 600)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**model_kw)).to(mesh.device)
