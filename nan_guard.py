@@ -63,21 +63,20 @@ def roll_back(out_dir, model, optimizer, mesh, skip_iters, streak, it, nan_actio
               again=False):
     """The NaN guard's last resort after `streak` bad iterations up to `it`: the latest
     checkpoint back into the model, the optimizer, the random streams (and fp16's loss
-    scaler), metrics.jsonl cut
-    back to it; returns its iteration. Its known bad iterations join skip_iters, so this time
-    their batches are stepped over. With nan_action=stop, or nothing to go back to, an error;
-    and `again` (no finite step since the last rollback): the fault is not in a few batches."""
+    scaler), metrics.jsonl cut back to it; returns its iteration. Its known bad iterations join
+    skip_iters, so this time their batches are stepped over. With nan_action=stop, or nothing to
+    go back to, an error; and `again` (no finite step since the last rollback): the fault is not
+    in a few batches."""
     check(not again, f"{streak} more iterations in a row (up to {it}) had a non-finite loss or "
                      "gradient norm right after rolling back: the fault outlives a rollback, so "
                      "it is not a few bad batches; lower learning_rate, check the data from "
                      "there on, or resume from an earlier checkpoint")
     path = checkpoint.find(out_dir, mesh, warn=mesh.print0)
     if nan_action == "stop" or path is None:
+        none = "" if path else " and there is no checkpoint to roll back to"
         raise UserError(f"{streak} iterations in a row (up to {it}) had a non-finite loss or "
-                        f"gradient norm"
-                        f"{'' if path else ' and there is no checkpoint to roll back to'}: lower "
-                        f"learning_rate, "
-                        f"check the data around these iterations, or raise nan_max_consecutive")
+                        f"gradient norm{none}: lower learning_rate, check the data around these "
+                        "iterations, or raise nan_max_consecutive")
     meta, state = guard_ckpt.read_meta(path)
     checkpoint.load(path, model, optimizer)
     restore_streams(state, meta, mesh, scaler)
