@@ -162,8 +162,7 @@ def read_small(path):
             state = torch.load(os.path.join(path, "state.pt"), map_location="cpu",
                                weights_only=True)
     except Exception as e:  # weights_only refuses any class but tensors and plain containers
-        # torch's message starts with a paragraph on the weights_only default; the cause is further
-        # down
+        # torch's message opens with a paragraph on the weights_only default; the cause follows
         cause = re.search(r"WeightsUnpickler error:\s*([^\n]{1,160})", str(e))
         return (None, None,
                 f"state.pt is not plain data "

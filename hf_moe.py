@@ -67,8 +67,7 @@ def config_fields(hf, refuse):
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=True, moe_every=1)
     else:  # Qwen2-MoE, Qwen3-MoE (no shared expert; their classes' defaults)
         qwen3 = hf["model_type"] == "qwen3_moe"
-        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; the hub's files,
-        # num_experts)
+        # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts; hub files keep it)
         E = hf.get("num_local_experts", hf.get("num_experts", 128)) if qwen3 else \
             hf.get("num_experts", 60)
         ffn = hf.get("moe_intermediate_size", 768 if qwen3 else 1408)

@@ -46,8 +46,7 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_to
                   *[f"<|reserved_special_token_{i}|>" for i in range(5, 251)]]
 # unused ids between a tokenizer's tokens: a real one has none or a few (cl100k_base: 1)
 MAX_ID_GAP = 1024
-# where transformers 5 saves a tokenizer's chat template (tokenizer_config.json's "chat_template"
-# before)
+# where transformers 5 saves a tokenizer's chat template (before: tokenizer_config.json's)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 

@@ -232,9 +232,8 @@ def all_reduce_sum(t, mesh, group=None):
 
 
 # A tensor-parallel slice knows its split: tensor_parallel.py marks it with `_split_dim` (the
-# dimension
-# it is cut along) and `_split_group`, and from those marks alone its whole tensor is gathered, or
-# a whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
+# dimension it is cut along) and `_split_group`, and from those marks alone its whole tensor is
+# gathered, or a whole tensor cut to this rank's slice (checkpoints, Muon and ZeRO use them).
 
 
 def tp_gather(t, p):

@@ -372,8 +372,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
     try:
         batch, batch_bytes = [], 0
-        # a tool's results (function calling) have no token of ours; a model's template renders
-        # them
+        # a tool's results (function calling) have no token of ours; a model's template has
         roles = ROLES + ("tool",) if own else ROLES
         for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt, roles):
             if not doc:

@@ -389,8 +389,7 @@ def evaluate(val_loader):
 
 
 import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
-# the bytes each id decodes to (the dataset's; a mixture's from its tokenizer), the tasks'
-# tokenizer
+# each id's bytes (the dataset's; a mixture's from its tokenizer), and the tasks' tokenizer
 lengths = None if mixing else guard_data.read_token_bytes(data_dir, meta["vocab_size"])
 scorer = evals.Evaluator(eval_tasks, val_loaders, lengths,
                          lambda: tokenizer_py.tokenizer_from_meta(meta),
@@ -398,8 +397,7 @@ scorer = evals.Evaluator(eval_tasks, val_loaders, lengths,
 
 # ---- run state, logging, checkpoints ---------------------------------------------------------
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
-# dropout masks differ across ranks, but not within a tp group (its ranks hold the same
-# activations)
+# dropout masks differ across ranks, not within a tp group (its ranks hold the same activations)
 torch.manual_seed(seed + mesh.rank // mesh.tp)
 start_iter, run_id, skip_iters = 0, None, set()
 if src.kind == "resume":
@@ -471,8 +469,7 @@ loss_mean = grad_norm = None  # (a known bad batch is skipped before its step: n
 restored_at = start_iter if src.kind == "resume" else None
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != restored_at:
-        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so before it
-        # starts
+        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so first
         if (it == start_iter
             and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11)):
             mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")

@@ -182,9 +182,8 @@ class ZeroOptimizer:
             self.optimizer = torch.optim.AdamW(groups, **adamw)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         # expert parallel (expert_parallel.py): a rank's own experts are in no bucket; a plain
-        # optimizer
-        # of their own steps them whole (each expert's matrices are all here: Muon needs no
-        # gathering)
+        # optimizer of their own steps them whole (each expert's matrices are all here: Muon needs
+        # no gathering)
         self.experts = [p for g in param_groups for p in g["params"] if hasattr(p, "_ep")]
         if self.experts:
             own = [{**{k: v for k, v in g.items() if k != "params"},

@@ -266,6 +266,27 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000001"
 
 
+def test_an_async_save_is_finished_only_once_every_rank_has_written(tmp_path):
+    """finish_if_written makes the save in flight the latest only when every rank's write is done:
+    with a second rank counted that has not written, this rank's finished write alone (a sum of
+    1 of 2) finishes nothing; counted alone, it does."""
+    import dataclasses
+    mesh = parallel.setup("cpu")
+    model = tiny_model()
+    opt = AdamW(model.parameters())
+    saves = ckpt_async.AsyncSaves(str(tmp_path), model, opt, mesh, 0)
+    saves.save(1, meta(1), RNG)
+    while not saves.written():
+        time.sleep(0.01)
+    latest = os.path.join(str(tmp_path), "ckpt", "latest")
+    saves.mesh = dataclasses.replace(mesh, world=2)  # another rank, still writing
+    saves.finish_if_written(2)
+    assert not os.path.exists(latest) and saves.pending is not None
+    saves.mesh = mesh
+    saves.finish_if_written(2)
+    assert open(latest).read().strip() == "iter_0000001" and saves.pending is None
+
+
 def test_hf_config_with_non_positive_sizes_is_refused():
     cfg = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 0, "head_dim": 8}
