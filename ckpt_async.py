@@ -52,8 +52,11 @@ class AsyncSaves:
             failed = Future()
             failed.set_exception(e)
             return failed
+        def write_then_hash():
+            written.result()
+            return checkpoint.own_hashes(tmp, self.mesh.rank)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt_hash")
-        work = pool.submit(lambda: (written.result(), checkpoint.own_hashes(tmp, self.mesh.rank)))
+        work = pool.submit(write_then_hash)
         pool.shutdown(wait=False)  # the thread ends when its one job is done
         return work
 
@@ -77,7 +80,7 @@ class AsyncSaves:
         (tmp, work, run_state, meta), self.pending = self.pending, None
         hashes, error = {}, None
         try:
-            hashes = work.result()[1]
+            hashes = work.result()
         except (Exception, CheckpointException) as e:
             error = checkpoint.cause(e)
         path = checkpoint.complete(tmp, hashes, error, run_state, meta, self.mesh, self.keep,

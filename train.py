@@ -439,10 +439,11 @@ def save(it):  # weights, optimizer state, RNG states, and the run's metadata th
                 "tokenizer_spec": tokenizer_py.spec_of(meta),
                 "loss_scale": scaler.state_dict() if scaler else None}
     if ckpt_async:  # ckpt_async.py
-        return saves.save(it, run_meta, rundir.rng_states(mesh))
-    path = checkpoint.save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh), run_meta,
-                           mesh, keep_ckpts, resumed_from)
-    mesh.print0(f"saved checkpoint {path}")
+        saves.save(it, run_meta, rundir.rng_states(mesh))
+    else:
+        path = checkpoint.save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh),
+                               run_meta, mesh, keep_ckpts, resumed_from)
+        mesh.print0(f"saved checkpoint {path}")
 
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
