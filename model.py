@@ -332,14 +332,19 @@ def init_tensor(name, shape, n_layer, seed):
         0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, name)))
 
 
-def sliding_window_mask(start, T, window, device, mask=None):
-    """(T, start + T) boolean attention mask of a sliding window (Mistral's, as transformers
-    builds it): the query at position start + i sees key j iff start + i - window < j <= start + i.
-    And a document mask (B, 1, T, T) (start 0): both, (B, 1, T, T)."""
-    q = torch.arange(start, start + T, device=device)[:, None]
-    k = torch.arange(start + T, device=device)[None]
-    window = (k <= q) & (k > q - window)
-    return window if mask is None else mask & window
+def attention_mask(cfg, start, T, doc_ids, device):
+    """The mask a forward needs beyond SDPA's own causal one. A sliding window shorter than the
+    keys (Mistral's, as transformers builds it): the query at position start + i sees key j iff
+    start + i - window < j <= start + i, boolean (T, start + T), or (B, 1, T, T) with a packed
+    row's documents (start 0). Documents alone (doc_attention.py): each document's own attention,
+    or the dense mask (the reference; under torch.compile, where the documents' lengths, new in
+    every batch, would compile again)."""
+    if 0 < cfg.sliding_window < start + T:
+        q = torch.arange(start, start + T, device=device)[:, None]
+        k = torch.arange(start + T, device=device)[None]
+        window = (k <= q) & (k > q - cfg.sliding_window)
+        return window if doc_ids is None else document_mask(doc_ids) & window
+    return Documents(doc_ids, cfg.doc_attention == "dense" or torch.compiler.is_compiling())
 
 
 class Transformer(nn.Module):
@@ -390,16 +395,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of length {start + T} is longer than "
                              f"block_size={self.cfg.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        # attention inside each document (doc_attention.py): each document's own, or the dense
-        # mask (the reference; under a window; under torch.compile, where the documents' lengths,
-        # new in every batch, would compile again); None: SDPA's own causal mask
-        mask = None
-        if 0 < self.cfg.sliding_window < start + T:  # a window shorter than the keys: it masks
-            mask = sliding_window_mask(start, T, self.cfg.sliding_window, idx.device,
-                                       None if doc_ids is None else document_mask(doc_ids))
-        elif doc_ids is not None:
-            dense = self.cfg.doc_attention == "dense" or torch.compiler.is_compiling()
-            mask = Documents(doc_ids, dense)
+        # None: SDPA's own causal mask; a window shorter than the keys, or a packed row's documents
+        # (doc_attention.py), need their own
+        needs = 0 < self.cfg.sliding_window < start + T or doc_ids is not None
+        mask = attention_mask(self.cfg, start, T, doc_ids, idx.device) if needs else None
         names = list(self.layers) if chunk is None else [str(i) for i in self.chunks[chunk]]
         if self.tok_embeddings is not None and not chunk:  # chunk None or 0
             x = self.tok_embeddings(idx)  # (B, T, n_embd)
