@@ -216,11 +216,11 @@ def _delete_old(root, names, keep, protect):
 # between them in the background.)
 
 
-def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_from=None):
+def save(out_dir, it, model, optimizer, rng_states, meta, mesh, keep, resumed_from=None):
     """Called by every rank: writes checkpoint ckpt/iter_XXXXXXX of iteration `it` and returns
     its path. Every rank writes its part (weights and optimizer state under global names: the
-    whole model once, whatever the layout, so any layout resumes it); rank 0 adds run_state
-    (every rank's RNG states: state.pt) and `meta`, the run's metadata (meta.json)."""
+    whole model once, whatever the layout, so any layout resumes it); rank 0 adds rng_states
+    (every rank's random streams: state.pt) and `meta`, the run's metadata (meta.json)."""
     tmp = begin(out_dir, it, model, mesh)
     state, hashes, error = train_state(model, optimizer), {}, None
     try:
@@ -228,7 +228,7 @@ def save(out_dir, it, model, optimizer, run_state, meta, mesh, keep, resumed_fro
         hashes = own_hashes(tmp, mesh.rank)
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         error = cause(e)
-    return complete(tmp, hashes, error, run_state, meta, mesh, keep, resumed_from)
+    return complete(tmp, hashes, error, rng_states, meta, mesh, keep, resumed_from)
 
 
 def begin(out_dir, it, model, mesh):
@@ -258,7 +258,7 @@ def own_hashes(path, rank):
     return _hash_files(path, [n for n in os.listdir(path) if n.startswith(f"__{rank}_")])
 
 
-def complete(tmp, hashes, error, run_state, meta, mesh, keep, resumed_from=None):
+def complete(tmp, hashes, error, rng_states, meta, mesh, keep, resumed_from=None):
     """Every rank, once its part is written (`hashes`: its files'; `error`: why it is not): rank 0
     adds state.pt, meta.json and, last, manifest.json (size and sha256 of every file), renames the
     directory to ckpt/iter_XXXXXXX, points ckpt/latest at it and deletes all but the newest `keep`
@@ -270,7 +270,8 @@ def complete(tmp, hashes, error, run_state, meta, mesh, keep, resumed_from=None)
     hashes = gather_to_master(hashes, mesh)
     if error is None and mesh.master:
         try:
-            write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(run_state, f))
+            write_atomic(os.path.join(tmp, "state.pt"),
+                         lambda f: torch.save(rng_states, f))
             write_atomic(os.path.join(tmp, "meta.json"),
                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})

@@ -19,9 +19,9 @@ from parallel import all_reduce_sum
 
 
 class AsyncSaves:
-    """This run's checkpoints, written in the background: save(it, meta, run_state) starts one on
-    every rank; finish_if_written(now), called by the loop after each step it takes, finishes it
-    once every rank has written; finish(now) waits for it (before a rollback, at the end)."""
+    """This run's checkpoints, written in the background: save(it, rng_states, meta) starts one
+    on every rank; finish_if_written(now), called by the loop after each step it takes, finishes
+    it once every rank has written; finish(now) waits for it (before a rollback, at the end)."""
 
     def __init__(self, out_dir, model, optimizer, mesh, keep, resumed_from=None):
         self.out_dir, self.model, self.optimizer, self.mesh = out_dir, model, optimizer, mesh
@@ -30,15 +30,16 @@ class AsyncSaves:
         # must not share a process group, and DCP's async save needs a CPU backend (gloo), even
         # on nccl. Every rank makes it, once, before the first save.
         self.group = dist.new_group(backend="gloo") if mesh.backend else None
-        self.pending = None  # the save in flight: (its directory, its write, run_state, meta)
+        # the save in flight: (its directory, its write, rng_states, meta)
+        self.pending = None
 
-    def save(self, it, meta, run_state):
-        """Like checkpoint.save, but returns once the state is copied to CPU memory. run_state
-        and meta belong to iteration `it`, whenever the save finishes."""
+    def save(self, it, rng_states, meta):
+        """Like checkpoint.save, but returns once the state is copied to CPU memory.
+        rng_states and meta belong to iteration `it`, whenever the save finishes."""
         self.finish(it)  # the previous save first
         tmp = checkpoint.begin(self.out_dir, it, self.model, self.mesh)
         state = checkpoint.train_state(self.model, self.optimizer)
-        self.pending = (tmp, self._write(state, tmp), run_state, meta)
+        self.pending = (tmp, self._write(state, tmp), rng_states, meta)
 
     def _write(self, state, tmp):
         """A Future of this rank's file hashes: DCP copies the state to CPU memory now and writes
@@ -47,8 +48,9 @@ class AsyncSaves:
         try:
             written = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                      no_dist=not self.mesh.backend)
-        # staging failed (out of CPU memory): reported at the finish
-        except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
+        # staging failed (out of CPU memory): reported at the finish. (DCP's exception derives
+        # from BaseException)
+        except (Exception, CheckpointException) as e:
             failed = Future()
             failed.set_exception(e)
             return failed
@@ -77,12 +79,12 @@ class AsyncSaves:
         (`now`: the iteration then); a failed write raises here, on every rank."""
         if self.pending is None:
             return
-        (tmp, work, run_state, meta), self.pending = self.pending, None
+        (tmp, work, rng_states, meta), self.pending = self.pending, None
         hashes, error = {}, None
         try:
             hashes = work.result()
         except (Exception, CheckpointException) as e:
             error = checkpoint.cause(e)
-        path = checkpoint.complete(tmp, hashes, error, run_state, meta, self.mesh, self.keep,
+        path = checkpoint.complete(tmp, hashes, error, rng_states, meta, self.mesh, self.keep,
                                    self.resumed_from)
         self.mesh.print0(f"saved checkpoint {path} (async: finished at iteration {now})")

@@ -105,7 +105,8 @@ class Loader:
 
     def batch(self, it):
         """This rank's (x, y, loss_mask) for iteration it: x and y int64 of shape (micro_steps,
-        batch_size, block_size), loss_mask float32 of y's shape for a chat dataset, else None."""
+        batch_size, block_size), loss_mask float32 of y's shape for a chat dataset or packed
+        rows, else None."""
         first = it * self.global_batch + self.first_micro * self.batch_size
         x, y, mask = self.rows(np.arange(first, first + self.micro_steps * self.batch_size))
         shape = (self.micro_steps, self.batch_size, self.block_size)
@@ -116,8 +117,10 @@ class Loader:
         """Whether rows come with a loss mask (chat data, or padded rows)."""
         return self.mask is not None or self.packed is not None
 
-    def epoch(self, it):
+    def passes(self, it):
+        """How many times `it` iterations pass over the training data."""
         return it * self.global_batch / self.n_chunks
+
 
 def passes_note(max_iters, passes):
     """A line for a trained model set to see its training data (a mixture: its most repeated

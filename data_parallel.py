@@ -35,7 +35,7 @@ from pipeline import tied_copy
 #   1 only gets (g0 + 0) / dp, what torch DDP(find_unused_parameters=True) gives. A
 #   parameter unused on every rank keeps grad None, so AdamW leaves it alone (no momentum,
 #   no decay), again as torch DDP does. Knowing "unused everywhere" costs one small
-#   all-reduce of a used-flag per parameter in wait().
+#   all-reduce in wait(), of a vector of used-flags (one per parameter).
 # Frozen parameters (requires_grad=False) are neither hooked nor reduced.
 
 

@@ -46,8 +46,8 @@ class Documents:
         new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         starts = new.reshape(-1).nonzero()[:, 0]
         lengths = torch.diff(starts, append=starts.new_tensor([B * T]))
-        # {length: (n, length) flattened positions of the n documents of that length}: padding's
-        # one-token documents all share one call
+        # one (n, L) tensor per length L, the flattened positions of the n documents that long:
+        # padding's one-token documents all share one call
         self.groups = [starts[lengths == n][:, None] + torch.arange(n, device=starts.device)
                        for n in torch.unique(lengths).tolist()]
         # where each position's output lies in the groups' outputs laid end to end

@@ -113,8 +113,8 @@ class MixtureLoader:
     def n_chunks(self):
         return sum(loader.n_chunks for loader in self.loaders)
 
-    def epoch(self, it):
-        """Epochs of the most-repeated source after `it` iterations."""
+    def passes(self, it):
+        """How many times `it` iterations pass over the most repeated source."""
         return max(n / loader.n_chunks for n, loader in zip(self.counts_before(it), self.loaders))
 
     def _tempered(self, weights, temperature):

@@ -361,6 +361,7 @@ class Transformer(nn.Module):
         # each target's loss from (final hidden states, head, targets, chunk); tensor parallelism
         # swaps in one that works on a vocabulary slice (tensor_parallel.vocab_parallel_losses)
         self.loss_fn = cross_entropy_losses
+        self.chunks = None  # an interleaved pipeline stage's layers, chunk by chunk (pipeline.py)
         self.init_rope()
         # on the meta device there is nothing to fill (build.py fills the shards)
         if not self.norm.weight.is_meta:
@@ -618,7 +619,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             return ChunkedCrossEntropy._backward(ctx, grad, enabled)
 
     @staticmethod
-    def _backward(ctx, grad, autocast):
+    def _backward(ctx, grad, autocast_on):
         local, mine, lse, valid, kept, *xw = ctx.saved_tensors
         grad = grad * valid.to(grad.dtype)
         xs, ws = xw[0::2], xw[1::2]
@@ -639,10 +640,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             for i, (x, w) in enumerate(zip(xs, mm)):
                 if gx[i] is not None:
                     gx[i][a:b] = (g.to(w.dtype) @ w).to(x.dtype)
-                if gw[i] is not None and not autocast:
+                if gw[i] is not None and not autocast_on:
                     gw[i].addmm_(g.T, x[a:b].to(g.dtype))
-                # (an in-place addmm_ would leave autocast's dtype: float32)
-                elif gw[i] is not None:
+                elif gw[i] is not None:  # (an in-place addmm_ would leave autocast's dtype)
                     gw[i] += (g.T @ x[a:b]).float()
         return (None, None, None, None,
                 *(t for i in range(len(xs))

@@ -245,22 +245,23 @@ def sharded_orthogonalize(mesh, dtype):
 def build_optimizer(raw_model, model, mesh, c, sharded=None):
     """(The optimizer over what trains, the parameters whose gradients clipping measures: the
     model's, or with ZeRO (`sharded`: zero.py's class, picked by train.py) this rank's slices).
-    Weight decay on 2-D weights only; optim=muon: Muon for the layers' matrices, AdamW for the
-    embedding (at embed_lr_scale x the rate: a row learns only when its token appears), head and
-    gains, and for LoRA's adapters (a rank-r factor is no weight matrix Muon's scaling is for)."""
+    Weight decay on matrices only (2-D, and a MoE layer's 3-D stack of experts); optim=muon:
+    Muon for the layers' matrices, AdamW for the embedding (at embed_lr_scale x the rate: a row
+    learns only when its token appears), head and gains, and for LoRA's adapters (a rank-r
+    factor is no weight matrix Muon's scaling is for)."""
     trains = [(n, p) for n, p in raw_model.named_parameters() if p.requires_grad]
     lora = len(trains) < len(list(raw_model.parameters()))  # a frozen base: LoRA
     if c["optim"] == "muon" and lora:
         mesh.print0("optim=muon with LoRA: the adapters train with AdamW (Muon is for whole "
                     "weight matrices)")
     muon = c["optim"] == "muon" and not lora
-    # (3: experts)
+    # (3-D: a MoE layer's stacked experts)
     hidden = [p for n, p in trains if muon and p.dim() in (2, 3) and n.startswith("layers.")]
     # the head is the embedding (on the last pipeline stage: its copy)
     tied = raw_model.cfg.tie_embeddings
     embedding = [p for n, p in trains
                  if n == "tok_embeddings.weight" or (tied and n == "output.weight")]
-    # head (+ AdamW: matmuls)
+    # the head; with optim=adamw also every layer's matrices
     decay = [p for n, p in trains if p.dim() >= 2 and all(p is not q for q in hidden + embedding)]
     # norm gains
     no_decay = [p for n, p in trains if p.dim() < 2]
@@ -271,8 +272,10 @@ def build_optimizer(raw_model, model, mesh, c, sharded=None):
               {"params": hidden, "weight_decay": c["weight_decay"], "muon": True}]
     # a pipeline stage without the embedding, LoRA (frozen embedding)
     groups = [g for g in groups if g["params"]]
-    # fused AdamW: one pass over each tensor. On a CPU the default loop over tensors reads and
-    # writes each weight-sized tensor ~10 times: 6x slower, at 135M parameters a third of a step
+    # fused AdamW (optim=adamw, and ZeRO's): one pass over each tensor. On a CPU the default loop
+    # over tensors reads and writes each weight-sized tensor ~10 times: 6x slower, at 135M
+    # parameters a third of a step. (MuonWithAdamW's AdamW groups are the embedding, head and
+    # gains, stepped by its own loop)
     betas, fused = ((c["beta1"], c["beta2"]),
                     mesh.device.type in ("cuda", "cpu") and not c["offload"])
     muon_kw = dict(lr=c["learning_rate"], betas=betas, momentum=c["muon_momentum"],

@@ -25,8 +25,8 @@ class Source:
     checkpoint: its weights), "hf" (a Hugging Face LLaMA directory) or "fresh"."""
     kind: str
     path: str = None        # the checkpoint (resume, run) or the directory (hf)
-    meta: dict = None       # resume, run: the checkpoint's meta.json; resume: state, its state.pt
-    state: dict = None
+    meta: dict = None       # resume, run: the checkpoint's meta.json
+    state: dict = None      # resume: its state.pt (the RNG states)
     saved: dict = None      # the model's shape there (ModelConfig fields), None when fresh
     where: str = ""         # for messages
     hf_index: object = None  # hf: the weight files' index (hf.hf_index)

@@ -1,10 +1,9 @@
 """
-Everything that knows about processes and that every layout shares, in the order train.py
-uses it: the dp x pp x cp x tp rank grid (one explicit Mesh object, passed to whoever needs it:
-no hidden global), process setup and teardown from the torchrun environment (a dead peer
-turned into one line is guard_dist.py's), small collectives, the gradient-sync toggle that
-accumulation uses, global-norm gradient clipping across every kind of shard, and memory
-accounting.
+Everything that knows about processes and that every layout shares: the dp x pp x cp x tp rank
+grid (one explicit Mesh object, passed to whoever needs it: no hidden global), process setup and
+teardown from the torchrun environment (a dead peer turned into one line is guard_dist.py's),
+small collectives, the gradient-sync toggle that accumulation uses, global-norm gradient clipping
+across every kind of shard, the dtype and peak FLOP/s a machine gives, and memory accounting.
 
 Each technique lives in a file of its own and is applied to a built model from outside:
 data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, context_parallel.py, pipeline.py,
@@ -398,9 +397,9 @@ def global_grad_squared_norm(params, mesh, sharded=False):
         # tied across stages: the embedding's gradient again
         if getattr(whole, "_tied_copy", False):
             continue
-        # (the same on the ranks holding the same
+        # an ep rank's own experts (the same on the ranks holding the same experts): counted once,
+        # after dp's sum; under fsdp a shard like the others
         if hasattr(whole, "_ep") and not isinstance(p.grad, DTensor):
-            # experts: counted once, after dp's sum; under fsdp a shard like the others)
             experts += s
         elif hasattr(whole, "_split_dim"):
             sq_tp += s

@@ -35,7 +35,8 @@ def stage_costs(cfg):
     cross-entropy; the embedding: a row copy. Backward costs about twice the forward of each,
     so the proportions, all that the split uses, are the same for training."""
     attn = cfg.n_embd * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # wq, wo; wk, wv
-    block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + 4 * cfg.n_embd * cfg.block_size
+    scores = 4 * cfg.n_head * cfg.head_dim * cfg.block_size  # q k^T and the values' sum
+    block = 2 * (attn + 3 * cfg.n_embd * cfg.ffn_dim) + scores
     return block, (2 * cfg.n_embd + LOSS_FLOPS_PER_LOGIT) * cfg.vocab_size, cfg.n_embd
 
 

@@ -2,10 +2,9 @@
 The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the
 run's config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
 writes them, train.py's loop decides when, origin.py reads them to decide where the weights come
-from). Also
-each rank's random streams, which checkpoints carry so that a resumed run draws the same dropout
-masks as the uninterrupted one, the signals that stop a run with a last checkpoint (SIGTERM,
-SIGUSR1, Ctrl-C), and the block that ends a run.
+from). Also each rank's random streams, which checkpoints carry so that a resumed run draws the
+same dropout masks as the uninterrupted one, the signals that stop a run with a last checkpoint
+(SIGTERM, SIGUSR1, Ctrl-C), and the block that ends a run.
 """
 
 import functools

@@ -70,6 +70,7 @@ packing = "auto"                # rows: 'concat' (end to end, cut), 'bfd' (whole
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
 block_size = 64
+max_iters = 350                 # iterations: optimizer steps
 # model
 n_layer = 4
 n_head = 4
@@ -113,7 +114,6 @@ optim = "muon"
 learning_rate = 4e-3
 embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this
 muon_momentum = 0.95
-max_iters = 350
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
@@ -124,7 +124,8 @@ warmup_iters = 20
 lr_decay_iters = 0              # 0: max_iters
 cooldown_frac = 0.2
 min_lr = 4e-4
-# the NaN guard: a non-finite loss or grad norm skips the step; after nan_max_consecutive in a row,
+# the NaN guard: a non-finite loss or grad norm skips the step; nan_max_consecutive in a row stop
+# the run or roll it back (nan_action)
 nan_max_consecutive = 3
 nan_action = "rollback"         # roll back to the latest checkpoint, or 'stop'
 # system; float16 scales the loss (the loss_scale keys: torch's GradScaler's defaults)
@@ -154,6 +155,7 @@ fsdp = False                    # shard weights, gradients and optimizer state o
 reshard_after_forward = True    # fsdp: free a block's gathered weights after its forward
 zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
 offload = False                 # zero, fsdp on CUDA: optimizer state in CPU memory
+# the end of the run, and the profiler
 sample_tokens = 120             # tokens to generate at the end (0: none)
 profile_iters = ""              # 'a:b': profile iterations a..b-1 (traces in out_dir/trace/)
 profile_memory = False          # profile_iters on CUDA: also a snapshot of the allocator's history
@@ -276,13 +278,13 @@ guard_errors.check(lora or not export_lora,
 # (build.py).
 use_fsdp = fsdp and mesh.dp > 1
 grows = model_cfg.vocab_size < meta["vocab_size"]
-whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
-whole_first = whole or lora is not None or grows
+holds_whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
+built_whole = holds_whole or lora is not None or grows
 # each weight is drawn from (seed, its name): the same bits on every layout
 torch.manual_seed(seed)
-with nullcontext() if whole_first else torch.device("meta"):
+with nullcontext() if built_whole else torch.device("meta"):
     raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
-if whole_first and src.kind in ("hf", "run"):
+if built_whole and src.kind in ("hf", "run"):
     origin.load_whole_into(raw_model, src)
 if lora:  # LoRA: lora.py
     lora_py.attach(raw_model, lora, adapter, src, meta, mesh, seed, lora_from)
@@ -304,7 +306,7 @@ if pp > 1:  # pipeline: pipeline.py
     import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers),
                                    pp_virtual)
-if whole_first:
+if built_whole:
     raw_model.to(mesh.device)
 if ep > 1:  # expert parallel: expert_parallel.py
     import expert_parallel
@@ -319,7 +321,7 @@ if cp > 1:  # context parallel: context_parallel.py
 if use_fsdp:  # FSDP: fsdp.py
     import fsdp as fsdp_py
     fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, offload=offload)
-if not whole_first:  # the meta-device build: build.py
+if not built_whole:  # the meta-device build: build.py
     import build
     build.fill(raw_model, src, seed, mesh,
                torch.device("cpu") if use_fsdp and offload else mesh.device)
@@ -439,7 +441,7 @@ def save(it):  # weights, optimizer state, RNG states, and the run's metadata th
                 "tokenizer_spec": tokenizer_py.spec_of(meta),
                 "loss_scale": scaler.state_dict() if scaler else None}
     if ckpt_async:  # ckpt_async.py
-        saves.save(it, run_meta, rundir.rng_states(mesh))
+        saves.save(it, rundir.rng_states(mesh), run_meta)
     else:
         path = checkpoint.save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh),
                                run_meta, mesh, keep_ckpts, resumed_from)
@@ -452,7 +454,7 @@ signals = rundir.catch_signals(mesh)
 per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
               else None)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
-passes = train_loader.epoch(max_iters)
+passes = train_loader.passes(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{passes:.2f} epochs by max_iters)")
 if src.kind in ("hf", "run") and passes > 3:
@@ -474,7 +476,7 @@ while True:
         if (it == start_iter
             and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11)):
             mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")
-        val = {name: evaluate(loader) for name, loader in val_loaders.items()}
+        val = {name: evaluate(vl) for name, vl in val_loaders.items()}
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
             val_loss, by_source = mixture.val_losses(val, val_weights)
@@ -614,8 +616,8 @@ parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
     # rank 0's model where it is whole and its attention plain (cp's: a ring), else the checkpoint
-    sample.end_of_run(raw_model if whole and cp == 1 else None, out_dir, lora, model_cfg, meta,
-                      export_hf, export_lora, export_shard_mb, sample_tokens, autocast,
+    sample.end_of_run(raw_model if holds_whole and cp == 1 else None, out_dir, lora, model_cfg,
+                      meta, export_hf, export_lora, export_shard_mb, sample_tokens, autocast,
                       mesh.device)
 if mesh.master:
     exports = [] if stop else [("Hugging Face export", export_hf),

@@ -4,7 +4,7 @@ drop them: neither changes what is computed.
 
 - keep_freed_memory: glibc's malloc serves a block over its mmap threshold (128 KB at first)
   with a fresh mmap and returns it to the OS when it is freed, so every step's logits, softmax
-  and their gradients (512 x 8192 floats = 16 MB each in the default job) arrive as untouched
+  and their gradients (768 x 8192 floats = 24 MiB each in the default job) arrive as untouched
   pages that the kernel faults in and zeroes one 4 KB page at a time: ~6,600 page faults per
   step, measured ~7% of the default job's time. Fixing the threshold (32 MB, the most glibc
   allows on 64-bit) and raising the trim threshold lets the heap keep and reuse those blocks.

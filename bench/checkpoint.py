@@ -46,7 +46,7 @@ def ckpt_worker(model_kw, saves_n):
             parallel.barrier(mesh)
             t0 = time.perf_counter()
             if mode == "async":
-                saves.save(it, {"iter": it}, {"rng_cpu": []})
+                saves.save(it, {"rng_cpu": []}, {"iter": it})
                 t1 = time.perf_counter()
                 while not saves.written():  # the loop trains meanwhile
                     time.sleep(0.005)

@@ -172,6 +172,14 @@ def test_pipeline_split_balances_the_head_and_keeps_global_names():
     default = ModelConfig(vocab_size=8192, n_layer=4, n_embd=128, n_head=4, block_size=128)
     block, head, emb = stage_costs(default)
     assert 7 < head / block < 8.5 and emb < block / 100
+    # a block's forward is a third of what flops_per_token counts per layer for training, also
+    # where n_head x head_dim is not n_embd (Qwen3's heads), once the head and the gains are out
+    wide = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, head_dim=32,
+                       block_size=32)
+    m = Transformer(wide)
+    gains = sum(p.numel() for p in m.parameters() if p.dim() == 1)
+    training = m.flops_per_token() - 6 * (m.output.weight.numel() + gains)
+    assert stage_costs(wide)[0] * 3 * wide.n_layer == training
     assert pipeline_split(default, 2) == [3, 1] and pipeline_split(default, 4) == [1, 1, 1, 1]
     assert (pipeline_split(ModelConfig(vocab_size=8192, n_layer=12, n_embd=128, block_size=128), 3)
             == [5, 6, 1])

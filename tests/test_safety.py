@@ -238,7 +238,7 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     out, ckpt = str(tmp_path), os.path.join(str(tmp_path), "ckpt")
     monkeypatch.setattr(checkpoint, "FileSystemWriter", faults.slow_writer(0.5))
     saves = ckpt_async.AsyncSaves(out, model, opt, mesh, 0)
-    saves.save(1, meta(1), RNG)
+    saves.save(1, RNG, meta(1))
     # the write sleeps (faults.slow_writer) while "training" goes on:
     assert not saves.written()
     with torch.no_grad():
@@ -258,7 +258,7 @@ def test_async_save_writes_the_state_of_its_start_and_fails_at_the_finish(tmp_pa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(fs, "_write_item", full)
-    saves.save(2, meta(2), RNG)
+    saves.save(2, RNG, meta(2))
     with pytest.raises(UserError,
                        match="saving checkpoint iter_0000002 failed .*No space left on device"):
         saves.finish(2)
@@ -275,7 +275,7 @@ def test_an_async_save_is_finished_only_once_every_rank_has_written(tmp_path):
     model = tiny_model()
     opt = AdamW(model.parameters())
     saves = ckpt_async.AsyncSaves(str(tmp_path), model, opt, mesh, 0)
-    saves.save(1, meta(1), RNG)
+    saves.save(1, RNG, meta(1))
     while not saves.written():
         time.sleep(0.01)
     latest = os.path.join(str(tmp_path), "ckpt", "latest")
