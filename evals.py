@@ -36,7 +36,7 @@ import data
 import sources
 from common import write_atomic
 from guard_errors import UserError, excepthook
-from guard_files import loads_json
+from guard_files import check_exports, loads_json
 from parallel import all_reduce_sum, pick_device
 
 TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
@@ -274,6 +274,7 @@ def convert(argv):
         raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or "
                         f".parquet)")
     sources.check_readers([source])
+    check_exports({"OUT": out}, files=("OUT",))
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
     for row, record, _ in sources.records(source, None, decode):
@@ -282,7 +283,11 @@ def convert(argv):
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise UserError(f"{source}:{row}: not a {kind} record ({type(e).__name__}: {e}): "
                             f"give the benchmark's own file, or write {TASK_EXAMPLE}") from None
-    write_atomic(out, lambda f: f.write("".join(lines).encode()))
+    try:
+        write_atomic(out, lambda f: f.write("".join(lines).encode()))
+    except OSError as e:
+        raise UserError(f"cannot write {out} ({e.strerror or e}): free disk space, or pick "
+                        f"another OUT") from None
     print(f"{out}: {len(lines):,} {kind} questions", flush=True)
 
 

@@ -17,7 +17,7 @@ import torch
 import configurator
 import guard_env
 from guard_errors import UserError, check
-from guard_files import check_exports, check_writable
+from guard_files import check_exports, check_place, check_writable
 from model import ModelConfig
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
@@ -404,6 +404,7 @@ def check_files(c):
     check(out_dir.strip() != "",
           "out_dir='' names no directory: give one for checkpoints and logs, e.g. out_dir=out")
     check_writable("out_dir", out_dir)  # (a directory made and removed: os.access trusts root)
+    check_place("out_dir", out_dir, "a run directory")
     if export_hf or c["export_lora"]:  # checked now, not after the run has trained
         check_exports({"export_hf": export_hf, "export_lora": c["export_lora"]}, runs=[out_dir])
 

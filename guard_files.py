@@ -128,10 +128,13 @@ def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):
 RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")
 
 
-def check_writable(key, path):
-    """key=path can be made: its nearest existing part is a directory we can create a file in."""
+def check_writable(key, path, file=False):
+    """key=path can be made: its nearest existing part is a directory we can create a file in
+    (file: path is a file, which may be there already: check_exports says which may be replaced)."""
     near = os.path.abspath(path)
     while not os.path.lexists(near):
+        near = os.path.dirname(near)
+    if file and near == os.path.abspath(path):
         near = os.path.dirname(near)
     check(os.path.isdir(near),
           f"{key}={path}{'' if near == os.path.abspath(path) else ': ' + near} is a file, not a "
@@ -159,7 +162,7 @@ def check_exports(exports, runs=(), files=()):
                   "exist: create it or export elsewhere")
             check(not os.path.isdir(path), f"{key}={path} is a directory: name the file to write, "
                                            f"e.g. {key}={os.path.join(path, 'model.pt')}")
-        check_writable(key, path)
+        check_writable(key, path, key in files)
         mode = os.lstat(path).st_mode if os.path.lexists(path) else None
         check(mode is None
               or (stat.S_ISREG(mode) if key in files
@@ -173,21 +176,48 @@ def check_exports(exports, runs=(), files=()):
         check(not any(r == p or r.startswith(p + os.sep) for r in runs),
               f"{key}={path} is or holds the run directory {runs[0] if runs else ''}: export "
               f"elsewhere, e.g. {os.path.join(path, 'export')}")
-        a = p
-        while a != os.path.dirname(a):
-            inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
-            check(not os.path.isfile(os.path.join(a, "manifest.json")),
-                  f"{key}={path} is inside the checkpoint {a}: "
-                  f"an export may not change a checkpoint; export elsewhere")
-            run = (a in runs or os.path.isdir(os.path.join(a, "ckpt"))
-                   or os.path.isfile(os.path.join(a, "metrics.jsonl")))
-            check(not run or inside not in RUN_FILES,
-                  f"{key}={path} would write into the run directory {a}'s own "
-                  f"{inside}: export elsewhere, e.g. {os.path.join(a, 'export')}")
+        _outside_others(f"{key}={path}", p, runs, "an export may not change a checkpoint; "
+                        "export elsewhere", lambda a: f"export elsewhere, e.g. "
+                                                     f"{os.path.join(a, 'export')}")
     for (k1, p1), (k2, p2) in ((x, y) for x in real.items() for y in real.items() if x[0] < y[0]):
         check(not (p1 == p2 or p1.startswith(p2 + os.sep) or p2.startswith(p1 + os.sep)),
               f"{k1}={exports[k1]} and {k2}={exports[k2]} are the same directory or one holds the "
               f"other: each export needs a place of its own")
+
+
+def _outside_others(what, p, runs, in_checkpoint, fix):
+    """`what` (real path p) lies neither inside a checkpoint (a directory with manifest.json)
+    nor in a run directory's own files (`runs`, or what holds ckpt/ or metrics.jsonl)."""
+    a = p
+    while a != os.path.dirname(a):
+        inside, a = os.path.relpath(p, os.path.dirname(a)).split(os.sep)[0], os.path.dirname(a)
+        check(not os.path.isfile(os.path.join(a, "manifest.json")),
+              f"{what} is inside the checkpoint {a}: {in_checkpoint}")
+        run = (a in runs or os.path.isdir(os.path.join(a, "ckpt"))
+               or os.path.isfile(os.path.join(a, "metrics.jsonl")))
+        check(not run or inside not in RUN_FILES,
+              f"{what} would write into the run directory {a}'s own {inside}: {fix(a)}")
+
+
+# what marks a directory as someone's: a run writes its config.json into its out_dir, and
+# prepare.py swaps a whole dataset directory into place
+KINDS = {"manifest.json": "a checkpoint", "ckpt": "a run directory",
+         "metrics.jsonl": "a run directory", ".lock": "a run directory",
+         "model.safetensors": "a model directory",
+         "model.safetensors.index.json": "a model directory",
+         "pytorch_model.bin": "a model directory", "adapter_config.json": "a PEFT adapter",
+         "meta.json": "a dataset", "train.bin": "a dataset"}
+
+
+def check_place(key, path, kind):
+    """key=path, the directory a run (kind 'a run directory') or a preparation ('a dataset')
+    writes into, is nobody else's: it holds no file that marks another kind (KINDS), and lies
+    neither inside a checkpoint nor in a run directory's own files."""
+    for name, other in KINDS.items():
+        check(other == kind or not os.path.lexists(os.path.join(path, name)),
+              f"{key}={path} holds {name}: it is {other}, not {kind}; pick another {key}")
+    _outside_others(f"{key}={path}", os.path.realpath(path), (),
+                    f"pick another {key}", lambda a: f"pick another {key}")
 
 
 def sha256_file(path):

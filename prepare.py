@@ -38,6 +38,7 @@ import numpy as np
 import chat_template
 import evals
 import guard_chat
+import guard_files
 import packing
 import sources
 from guard_errors import UserError
@@ -545,6 +546,8 @@ def main():
                     help="JSONL records: text, chat conversations, or auto (from the first "
                          "record)")
     args = ap.parse_args()
+    if args.out:
+        guard_files.check_place("--out", args.out, "a dataset")
     name = args.name or sources.stem(args.source.rstrip("/*")) or "data"
     model_tokens = ()
     # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it

@@ -25,6 +25,7 @@ import checkpoint
 import guard_ckpt
 import configurator
 import data
+import evals
 import guard_data
 import guard_dist
 import guard_env
@@ -556,6 +557,49 @@ def in_tmp(**paths):
     """validated() with each value a path under tmp ('FILE': the harness's outside.txt)."""
     return lambda b, tmp: validated(**{k: os.path.join(tmp, v.replace("FILE", "outside.txt"))
                                        for k, v in paths.items()})(b, tmp)
+
+
+def placed_in(key, kind, rel=""):
+    """A copy (under tmp, outside out/: it must stay as it was) of the base's run, HF directory
+    or dataset, and `key` (train.py's out_dir, prepare.py's --out, evals.py's OUT) at `rel`
+    inside it; a row that holds: the call returns True."""
+    def make(b, tmp):
+        where = os.path.join(copy(b[kind], os.path.join(tmp, kind)), rel)
+        if key == "out_dir":
+            return lambda: bool(validate_as_train({**b["defaults"], key: where}, {key: where}, 1))
+        if key == "--out":
+            return lambda: with_argv(prepare.main, "prepare.py", "stdlib", "--out", where)
+        task = os.path.join(tmp, "p.jsonl")
+        with open(task, "w") as f:
+            f.write(json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 0}) + "\n")
+        return lambda: evals.convert(["piqa", task, where])
+    return make
+
+
+def written_twice(script):
+    """sample.py export= or plot.py --out at the file the same command wrote before: replaced."""
+    def make(b, tmp):
+        path = os.path.join(tmp, "out", "again.pt" if script == "sample" else "again.png")
+        os.makedirs(os.path.dirname(path))
+        def twice():
+            for _ in range(2):
+                if script == "sample":
+                    sample.main([f"out_dir={b['run']}", f"export={path}"])
+                else:
+                    plot.main([b["run"], "--out", path])
+            return os.path.isfile(path)
+        return twice
+    return make
+
+
+def with_argv(main, *argv):
+    """A script's main() that reads sys.argv, as the command line `argv` runs it."""
+    import sys
+    saved, sys.argv = sys.argv, list(argv)
+    try:
+        return main()
+    finally:
+        sys.argv = saved
 
 
 def prepare_workers(b, tmp):
@@ -1111,6 +1155,26 @@ CASES = [
         MASTER_PORT=str(free_port()))(b, tmp)),
     (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
     (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
+    # ---- round seven (2026-11-29): where a run, a preparation and a conversion write ----
+    (64, "out_dir= a Hugging Face model directory", "raises", placed_in("out_dir", "hf")),
+    (64, "out_dir= another run's checkpoint", "raises",
+     placed_in("out_dir", "run", "ckpt/iter_0000004")),
+    (64, "out_dir= inside another run's ckpt/", "raises", placed_in("out_dir", "run", "ckpt/x")),
+    (64, "out_dir= a dataset", "raises", placed_in("out_dir", "data")),
+    (64, "out_dir= a new directory inside another run", "holds",
+     placed_in("out_dir", "run", "sub")),
+    (64, "prepare.py --out another run's checkpoint", "raises",
+     placed_in("--out", "run", "ckpt/iter_0000004")),
+    (64, "prepare.py --out a run directory", "raises", placed_in("--out", "run")),
+    (64, "prepare.py --out a Hugging Face model directory", "raises", placed_in("--out", "hf")),
+    (64, "evals.py OUT a checkpoint's meta.json", "raises",
+     placed_in("OUT", "run", "ckpt/iter_0000004/meta.json")),
+    (64, "evals.py OUT a run's config.json", "raises", placed_in("OUT", "run", "config.json")),
+    (64, "evals.py OUT a run's ckpt/latest", "raises", placed_in("OUT", "run", "ckpt/latest")),
+    (64, "evals.py OUT a directory", "raises", placed_in("OUT", "run", "ckpt")),
+    (64, "evals.py OUT in a missing directory", "raises", placed_in("OUT", "run", "no/t.jsonl")),
+    (64, "sample.py export= the file it exported before", "holds", written_twice("sample")),
+    (64, "plot.py --out the picture it drew before", "holds", written_twice("plot")),
 ]
 
 
