@@ -148,7 +148,11 @@ def parse_mixture(spec, phases=()):
         if not weight > 0 or not math.isfinite(weight):
             raise UserError(f"datasets: '{source}' has weight {w}: weights must be positive "
                             f"(leave a source out to not use it)")
-        if source_name(source) in map(source_name, mixture):
+        same = [s for s in mixture if source_name(s) == source_name(source)]
+        if same and same[0] != source:  # the logs and phases name a source by its base name
+            raise UserError(f"datasets: {same[0]} and {source} are both named "
+                            f"'{source_name(source)}': rename one of the directories")
+        if same:
             raise UserError(f"datasets: '{source_name(source)}' is listed twice: list each source "
                             f"once")
         mixture[source] = weight
