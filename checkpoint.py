@@ -33,6 +33,7 @@ from guard_ckpt import (
     _SafeReader,
     all_finite,
     read_dcp_metadata,
+    read_latest,
     read_manifest,
     read_meta,
     verify,
@@ -321,14 +322,10 @@ def find(out_dir, mesh, warn=print):
     names = None
     if master:
         names = [n for _, n in sorted(_checkpoints(root).items(), reverse=True)]
-        try:
-            with open(os.path.join(root, "latest")) as f:
-                latest = f.read().strip()
-            if latest in names:  # latest first, then the others, newest first
-                names.remove(latest)
-                names.insert(0, latest)
-        except OSError:
-            pass
+        latest = read_latest(root)
+        if latest in names:  # latest first, then the others, newest first
+            names.remove(latest)
+            names.insert(0, latest)
     if mesh is not None:
         names = broadcast_object(names, mesh)
     problems = []

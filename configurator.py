@@ -50,8 +50,9 @@ def _typed(key, value, default, where):
 def _parse_value(raw, default):
     try:
         value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        # a bare word: a string (init_from=resume), or the type check names the mismatch
+    except (ValueError, SyntaxError, RecursionError, MemoryError):
+        # a bare word: a string (init_from=resume), or the type check names the mismatch (a value
+        # nested past the parser's depth, '-' * 5000 + '1', is no literal either)
         return raw
     # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume',
     # tag=1e3

@@ -26,7 +26,6 @@ cross-entropy; an all-reduce puts the rows together. sample.py eval=True scores 
 import json
 import math
 import os
-import re
 import sys
 
 import numpy as np
@@ -35,7 +34,7 @@ import torch
 import data
 import sources
 from common import write_atomic
-from guard_errors import UserError, excepthook
+from guard_errors import UserError, check, excepthook
 from guard_files import check_exports, loads_json
 from parallel import all_reduce_sum, pick_device
 
@@ -102,10 +101,14 @@ class Task:
         start = enc.eot_token if start is None else start
         self.pad, self.block_size = enc.eot_token, block_size
         self.ids, self.n, self.answers, self.row_question, self.bytes = [], [], [], [], []
-        for q, (context, choices, answer) in enumerate(read_task(path)):
+        for q, (lineno, context, choices, answer) in enumerate(read_task(path)):
             self.answers.append(answer)
-            for choice in choices:
+            for k, choice in enumerate(choices):
                 ids, n = encode_pair(enc, context, choice)
+                # (lm-evaluation-harness asserts a continuation: none would score 0, and win)
+                check(n > 0, f"{path}:{lineno}: choice {k} ({choice[:40]!r}) has no tokens of "
+                             f"its own: it merges into the context's last token; start the "
+                             f"choices with a space, as lm-evaluation-harness's tasks do")
                 # cut from the left, as lm-evaluation-harness does past max_length
                 self.ids.append(([start] + ids)[-(block_size + 1):])
                 self.n.append(n)
@@ -132,7 +135,7 @@ class Task:
 
 
 def read_task(path):
-    """[(context, choices, answer)] of a task file, each line checked."""
+    """[(line number, context, choices, answer)] of a task file, each line checked."""
     if not os.path.isfile(path):
         raise UserError(f"eval_tasks: {path} is not a file: give JSONL files of {TASK_EXAMPLE}, "
                         f"comma-separated")
@@ -152,7 +155,7 @@ def read_task(path):
                 raise UserError(f"{where}: not a question: write {TASK_EXAMPLE} (a string "
                                 f"context, "
                                 f"two or more non-empty choices, answer the right one's index)")
-            out.append((q["context"], q["choices"], q["answer"]))
+            out.append((lineno, q["context"], q["choices"], q["answer"]))
     if not out:
         raise UserError(f"eval_tasks: {path} has no questions: write one a line, {TASK_EXAMPLE}")
     return out
@@ -239,7 +242,17 @@ def split_bytes(data_dir, block_size, enc, split="val"):
 def _hellaswag_text(text):
     """lm-evaluation-harness's preprocess: WikiHow's [title] and [step] marks out."""
     text = text.strip().replace(" [title]", ". ")
-    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+    return "\n".join(map(_unbracketed, text.split("\n"))).replace("  ", " ")
+
+
+def _unbracketed(line):
+    r"""re.sub(r"\[.*?\]", "", line) of a line with no newline (`.` matches none: a mark never
+    spans lines), in one pass: the regex retries every '[' of '[' * 200000, in quadratic time."""
+    out, i = [], 0
+    while (start := line.find("[", i)) >= 0 and (end := line.find("]", start)) >= 0:
+        out.append(line[i:start])
+        i = end + 1
+    return "".join(out) + line[i:]
 
 
 def from_hellaswag(r):  # Rowan/hellaswag (validation: the split lm-evaluation-harness scores)

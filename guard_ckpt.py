@@ -12,6 +12,7 @@ writes.
 import os
 import pickle
 import re
+import stat
 import warnings
 
 import torch
@@ -269,6 +270,19 @@ def all_finite(model, collective=False):
         bad = bad.cuda() if dist.get_backend() == "nccl" else bad
         dist.all_reduce(bad)
     return bad.item() == 0
+
+
+def read_latest(root):
+    """The name root/latest holds, or None when it holds no readable name (absent, a FIFO or
+    directory someone put there, not UTF-8): like a name of no checkpoint, find passes it by."""
+    try:  # (opened without blocking: a FIFO is refused, not waited on)
+        with os.fdopen(os.open(os.path.join(root, "latest"), os.O_RDONLY | os.O_NONBLOCK),
+                       "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read(4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def read_meta(path):

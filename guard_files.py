@@ -130,7 +130,8 @@ RUN_FILES = (".lock", "config.json", "metrics.jsonl", "ckpt")
 
 def check_writable(key, path, file=False):
     """key=path can be made: its nearest existing part is a directory we can create a file in
-    (file: path is a file, which may be there already: check_exports says which may be replaced)."""
+    (file: path is a file, which may be there already: check_exports says which may be
+    replaced)."""
     near = os.path.abspath(path)
     while not os.path.lexists(near):
         near = os.path.dirname(near)

@@ -465,7 +465,8 @@ class Transformer(nn.Module):
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # the best logit at 0 first: a tiny temperature then tends to greedy, not to nan
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
                 if top_k:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -127,9 +127,14 @@ def start_wandb(config, out_dir, project, name, run_id):
     its .id is what checkpoints keep, .log() and .finish() what the loop calls."""
     import uuid
     import wandb
-    return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)),
-                      id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config,
-                      dir=out_dir)
+    try:
+        return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(out_dir)),
+                          id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config,
+                          dir=out_dir)
+    except Exception as e:  # no login, no network, a bad project name: the user's to fix
+        raise UserError(f"wandb could not start ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}): run `wandb login`, or set "
+                        f"WANDB_MODE=offline, or use wandb_log=False") from None
 
 
 def summary(out_dir, c, started, world, exports, stopped):

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 from dataclasses import asdict
 
@@ -860,6 +861,93 @@ def data_asked(**asked):
     return make
 
 
+def latest_unreadable(kind):
+    """ckpt/latest holding no name (not UTF-8, or a FIFO, which a read waited on forever): find
+    passes it by, as a name of no checkpoint, for the newest intact one."""
+    def make(b, tmp):
+        run = copy(b["run"], os.path.join(tmp, "out"))
+        latest = os.path.join(run, "ckpt", "latest")
+        os.remove(latest)
+        if kind == "fifo":
+            os.mkfifo(latest)
+        else:
+            with open(latest, "wb") as f:
+                f.write(b"\xff\xfe\n")
+
+        def call():
+            def hang(*_):  # (not a TimeoutError: that is an OSError, which find took for absent)
+                raise AssertionError("find waited on ckpt/latest")
+            old = signal.signal(signal.SIGALRM, hang)
+            signal.alarm(30)
+            try:
+                return checkpoint.find(run, None) == os.path.join(run, "ckpt", "iter_0000004")
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, old)
+        return call
+    return make
+
+
+def tiny_temperature_is_greedy(b, tmp):
+    """temperature=1e-40 (logits / T overflowed to inf - inf = nan): the greedy tokens."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2,
+                                    n_kv_head=1, n_embd=16)).eval()
+    idx = torch.randint(0, 64, (3, 4))
+    greedy = model.generate(idx, 12, temperature=0)
+    return lambda: all(torch.equal(model.generate(idx, 12, 1e-40, top_k), greedy)
+                       for top_k in (None, 5))
+
+
+def wandb_without_login(b, tmp):
+    """wandb.init failing as it does with no API key (no network here, so a stand-in)."""
+    import wandb
+
+    def init(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    def call():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(wandb, "init", init)
+            rundir.start_wandb({}, os.path.join(tmp, "out"), "trainer", "", None)
+    return call
+
+
+def task_choice_without_tokens(b, tmp):
+    """A choice that joins the context's last token ("in" + "g" is one token of this
+    vocabulary): no tokens of its own, it scored log-likelihood 0 and always won."""
+    path = os.path.join(tmp, "zt.jsonl")
+    with open(path, "w") as f:
+        f.write('{"context": "x", "choices": [" a", " b"], "answer": 0}\n\n'
+                '{"context": "in", "choices": [" y", "g"], "answer": 0}\n')
+    return lambda: evals.Task(path, tokenizer_py.get_tokenizer("cl100k_base", 512), 32)
+
+
+def hellaswag_marks_in_one_pass(b, tmp):
+    """_hellaswag_text's marks taken out as re.sub(r"\\[.*?\\]", "", ...) does, line by line
+    (the regex took quadratic time on '[' * 200000), then a record of such a line converted."""
+    tricky = ["", "[", "]", "[]", "a[b]c", "[a[b]c]d", "[[x]]", "a[b\nc]d", "[\n[x]\n]",
+              "[a\n[b]", "x[\r]y", "[ [title] ]", "[[[\n]]]", "a]b[c", "[a][b][", "\n\n[]\n",
+              " Cake [title] Mix it. [step] Bake [it\n]. "]
+    src, out = os.path.join(tmp, "hs.jsonl"), os.path.join(tmp, "out", "tasks.jsonl")
+    with open(src, "w") as f:
+        f.write(json.dumps({"activity_label": "a", "ctx_a": "[" * 200000, "ctx_b": "x",
+                            "endings": ["a", "b"], "label": "0"}) + "\n")
+    os.makedirs(os.path.dirname(out))
+
+    def call():
+        for t in tricky:
+            assert all(evals._unbracketed(line) == re.sub(r"\[.*?\]", "", line)
+                       for line in t.split("\n")), repr(t)
+            # (lm-evaluation-harness's preprocess, whole)
+            assert evals._hellaswag_text(t) == re.sub(
+                r"\[.*?\]", "", t.strip().replace(" [title]", ". ")).replace("  ", " "), repr(t)
+        evals.convert(["hellaswag", src, out])
+        with open(out) as f:
+            return json.loads(f.read())["context"] == "a: " + "[" * 200000 + " X"
+    return call
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1155,7 +1243,8 @@ CASES = [
         MASTER_PORT=str(free_port()))(b, tmp)),
     (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
     (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
-    # ---- round seven (2026-11-29): where a run, a preparation and a conversion write ----
+    # ---- round seven (2026-11-29): where a run, a preparation and a conversion write; parser
+    # depth, ckpt/latest, temperature, wandb, task files ----
     (64, "out_dir= a Hugging Face model directory", "raises", placed_in("out_dir", "hf")),
     (64, "out_dir= another run's checkpoint", "raises",
      placed_in("out_dir", "run", "ckpt/iter_0000004")),
@@ -1175,6 +1264,17 @@ CASES = [
     (64, "evals.py OUT in a missing directory", "raises", placed_in("OUT", "run", "no/t.jsonl")),
     (64, "sample.py export= the file it exported before", "holds", written_twice("sample")),
     (64, "plot.py --out the picture it drew before", "holds", written_twice("plot")),
+    (64, "max_new_tokens= '-' * 5000 + '1' (RecursionError in ast)", "raises",
+     sample_args("max_new_tokens=" + "-" * 5000 + "1")),
+    (64, "max_iters= '-' * 100000 + '1' (MemoryError in ast)", "raises",
+     lambda b, tmp: lambda: configurator.configure(b["defaults"],
+                                                   ["max_iters=" + "-" * 100000 + "1"])),
+    (64, "ckpt/latest not UTF-8", "holds", latest_unreadable("bytes")),
+    (64, "ckpt/latest a FIFO", "holds", latest_unreadable("fifo")),
+    (64, "temperature=1e-40 samples the greedy tokens", "holds", tiny_temperature_is_greedy),
+    (64, "wandb_log=True without a wandb login", "raises", wandb_without_login),
+    (64, "a task choice with no tokens after the context", "raises", task_choice_without_tokens),
+    (64, "hellaswag: '[' * 200000 in a context", "holds", hellaswag_marks_in_one_pass),
 ]
 
 
