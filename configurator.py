@@ -43,7 +43,8 @@ def _typed(key, value, default, where):
         return float(value)
     if type(default) is list and type(value) is tuple:  # phases = ((0, {...}),)
         return list(value)
-    raise UserError(f"{key}={value!r} {where} has type {type(value).__name__}, but {key} needs "
+    # (the value cut to 80 characters: a line, whatever was typed)
+    raise UserError(f"{key}={value!r:.80} {where} has type {type(value).__name__}, but {key} needs "
                     f"{type(default).__name__} (default {default!r})")
 
 

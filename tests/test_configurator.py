@@ -177,3 +177,11 @@ def test_the_continuation_recipes_load_and_are_not_from_scratch_rates(recipe):
     got = configure(defaults, [os.path.join(ROOT, recipe)])
     assert got["optim"] == "adamw" and got["learning_rate"] < 1e-3 <= defaults["learning_rate"]
     assert got["min_lr"] < got["learning_rate"] and got["embed_lr_scale"] == 1.0
+
+
+def test_a_long_mistyped_value_is_cut_in_its_line():
+    """A value of 100,000 characters (here one nested past Python's parser) is named by its first
+    80, not repeated whole in the error line."""
+    with pytest.raises(UserError) as e:
+        configure({"max_iters": 3}, ["max_iters=" + "-" * 100000 + "1"])
+    assert str(e.value).startswith("max_iters='---") and len(str(e.value)) < 200
