@@ -44,8 +44,8 @@ def _typed(key, value, default, where):
     if type(default) is list and type(value) is tuple:  # phases = ((0, {...}),)
         return list(value)
     # (the value cut to 80 characters: a line, whatever was typed)
-    raise UserError(f"{key}={value!r:.80} {where} has type {type(value).__name__}, but {key} needs "
-                    f"{type(default).__name__} (default {default!r})")
+    raise UserError(f"{key}={value!r:.80} {where} has type {type(value).__name__}, but {key} "
+                    f"needs {type(default).__name__} (default {default!r})")
 
 
 def _parse_value(raw, default):

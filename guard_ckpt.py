@@ -285,6 +285,14 @@ def read_latest(root):
         return None
 
 
+def check_finite(tensors, path, fix):
+    """Each of {name: tensor} (read from the file `path`) holds finite values only: a NaN read
+    in would train on NaN, and the run would blame its data."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise UserError(f"{path}: tensor '{name}' holds non-finite values (NaN or inf): {fix}")
+
+
 def read_meta(path):
     """meta.json and state.pt of a checkpoint (see read_small); a UserError naming the file
     if either is unreadable or not plain data."""

@@ -10,14 +10,15 @@ import numpy as np
 
 import guard_chat
 from guard_errors import UserError, describe_error
-from guard_files import json_field, read_json
+from guard_files import MAX_LIST_JSON_BYTES, json_field, read_json
 
 def check_made_as_asked(data_dir, asked, given):
     """An existing dataset was made with the val_fraction and data_source the command gives
     (meta.json records them): else one line naming the setting that differs, not the old split."""
     if "val_fraction" not in given and "data_source" not in given:
         return
-    made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again")
+    made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again",
+                     limit=MAX_LIST_JSON_BYTES)
     for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
         # (older data: no record)
         if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:
@@ -39,7 +40,7 @@ def read_meta(data_dir):
         raise UserError(f"no prepared dataset at '{data_dir}' (meta.json missing): run `python "
                         f"prepare.py SOURCE --out {data_dir}` or set data_source= to prepare it")
     fix = "it was not written by prepare; prepare the dataset again"
-    meta = read_json(path, fix)
+    meta = read_json(path, fix, limit=MAX_LIST_JSON_BYTES)  # (it lists the source's files)
     json_field(meta, "tokenizer", str, path, fix)
     json_field(meta, "dtype", str, path, fix)
     if meta["dtype"] not in TOKEN_DTYPES:

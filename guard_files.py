@@ -1,7 +1,8 @@
 """
 The guard of files from outside: JSON read with limits (loads_json, read_json, json_field),
-where an export may write (check_exports), file hashes (sha256_file). Each either refuses
-bad input with one line or returns what a plain read would.
+sources that are regular files (check_regular), where an export may write (check_exports),
+file hashes (sha256_file). Each either refuses bad input with one line or returns what a
+plain read would.
 
 The out_dir lock is here too: one run owns its out_dir, and a refused run leaves nothing
 behind (remove_refused).
@@ -35,7 +36,14 @@ MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_h
 # nesting past MAX_JSON_DEPTH, and every failure one UserError naming the file and the fix.
 # The readers then check each field they use (json_field) before anything is allocated.
 MAX_JSON_DEPTH = 64
-MAX_JSON_BYTES = 1 << 30
+# Parsed JSON takes ~50x its bytes in Python objects ("[{}, {}, ...]": 60 MB of text became
+# 3.3 GB), so a file's bytes are bounded by what it is: a config, a checkpoint's meta.json or
+# manifest, an index or adapter_config.json is a few kB (16 MB is far past any). Two hold
+# lists that grow with what they describe and pass MAX_LIST_JSON_BYTES: a tokenizer.json (its
+# vocabulary and merges: tens of MB for a 256k vocabulary) and a dataset's meta.json (the names
+# of its source files: ~50 MB for a million).
+MAX_JSON_BYTES = 16 << 20
+MAX_LIST_JSON_BYTES = 256 << 20
 
 
 def _json_int(s):
@@ -85,16 +93,17 @@ def loads_json(text, where, fix):
     return obj
 
 
-def read_json(path, fix, kind=dict):
-    """loads_json of the regular file `path` (a directory, FIFO or device is refused without
-    blocking), which must hold a JSON `kind` (dict: an object; None: anything)."""
+def read_json(path, fix, kind=dict, limit=MAX_JSON_BYTES):
+    """loads_json of the regular file `path` of at most `limit` bytes (a directory, FIFO or
+    device is refused without blocking), which must hold a JSON `kind` (dict: an object; None:
+    anything)."""
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             size, regular = (os.fstat(f.fileno()).st_size,
                              stat.S_ISREG(os.fstat(f.fileno()).st_mode))
             check(regular, f"{path} is not a regular file: {fix}")
-            check(size <= MAX_JSON_BYTES,
-                  f"{path} has {size} bytes, past the {MAX_JSON_BYTES >> 20} MB limit: {fix}")
+            check(size <= limit,
+                  f"{path} has {size} bytes, past the {limit >> 20} MB limit: {fix}")
             obj = loads_json(f.read(), path, fix)
     except OSError as e:
         raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
@@ -102,6 +111,17 @@ def read_json(path, fix, kind=dict):
           f"{path} holds a JSON {type(obj).__name__}, not "
           f"an {'object' if kind is dict else kind}: {fix}")
     return obj
+
+
+def check_regular(paths, fix):
+    """Each of `paths`, its links followed, is a regular file: a device or a FIFO read as one
+    would never end (/dev/zero) or never start. By stat, which does not open it."""
+    for path in paths:
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as e:
+            raise UserError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
+        check(regular, f"{path} is not a regular file (a device, FIFO or directory): {fix}")
 
 
 def json_field(obj, key, kind, where, fix, lo=None, hi=None, required=True):

@@ -233,22 +233,16 @@ def expected_shapes(cfg):
     return shapes
 
 
-def hf_index(path):
-    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging
-    Face LLaMA model that save_pretrained wrote into directory `path`: config.json and
-    model.safetensors, or model.safetensors.index.json and the shards its weight_map names. Reads
-    config.json and the safetensors headers only, and checks that the tensors are exactly the
-    model's, of the right shapes; load_hf or load_hf_parts read the data."""
-    def read(file):
-        guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
-        return read_json(os.path.join(path, file), "copy or download it again")
+def _read(path, file):
+    guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")
+    return read_json(os.path.join(path, file), "copy or download it again")
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UserError(f"{path}: no config.json; point at a Hugging Face model directory "
-                        f"(what save_pretrained writes)")
-    kwargs = hf_config_to_ours(read("config.json"))
+
+def weight_files(path):
+    """The files of the Hugging Face directory `path` that hold its weights: the shards that its
+    model.safetensors.index.json names, or model.safetensors."""
     if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        weight_map = read("model.safetensors.index.json").get("weight_map")
+        weight_map = _read(path, "model.safetensors.index.json").get("weight_map")
         # a shard is a file of this directory: not ../elsewhere, not /proc/self/environ
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")
@@ -256,13 +250,25 @@ def hf_index(path):
             raise UserError(f"{path}/model.safetensors.index.json: weight_map is not a map of "
                             f"names to .safetensors "
                             f"files in that directory: copy or download it again")
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only "
-                        "safetensors weights are read: re-save the model with "
-                        "save_pretrained(..., safe_serialization=True)")
+        return sorted(set(weight_map.values()))
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
+    raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json; only "
+                    "safetensors weights are read: re-save the model with "
+                    "save_pretrained(..., safe_serialization=True)")
+
+
+def hf_index(path):
+    """(ModelConfig kwargs, {our name: (HF name, file, data_start, header entry)}) of the Hugging
+    Face LLaMA model that save_pretrained wrote into directory `path`: config.json and
+    model.safetensors, or model.safetensors.index.json and the shards its weight_map names. Reads
+    config.json and the safetensors headers only, and checks that the tensors are exactly the
+    model's, of the right shapes; load_hf or load_hf_parts read the data."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{path}: no config.json; point at a Hugging Face model directory "
+                        f"(what save_pretrained writes)")
+    kwargs = hf_config_to_ours(_read(path, "config.json"))
+    files = weight_files(path)
     hf_tensors = {}  # HF name -> (file, data_start, header entry)
     for file in files:
         guard_chat.check_in_model_dir(os.path.join(path, file), "copy or download it again")

@@ -75,8 +75,12 @@ def write_safetensors(path, tensors, metadata=None):
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        with open(tmp, "wb"):  # made as open() makes a file: its mode is what the umask allows
+            mode = os.stat(tmp).st_mode & 0o777
         save_file(tensors, tmp,
                   {str(k): str(v) for k, v in metadata.items()} if metadata else None)
+        # (the library writes through a temp file of its own, of mode 0600)
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

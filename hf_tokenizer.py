@@ -32,7 +32,7 @@ import tiktoken
 
 import guard_chat
 from guard_errors import UserError
-from guard_files import MAX_SIZES, read_json, sha256_file
+from guard_files import MAX_JSON_BYTES, MAX_LIST_JSON_BYTES, MAX_SIZES, read_json, sha256_file
 
 # Meta's Llama 3 tokenizer.py: its split and its 256 special tokens after the 128,000 ranks
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
@@ -83,9 +83,9 @@ def unchanged(path, recorded):
 FIX = "copy the model's tokenizer files again"
 
 
-def _json(path):
+def _json(path, limit=MAX_JSON_BYTES):
     guard_chat.check_in_model_dir(path, FIX)
-    return read_json(path, FIX)  # bounded: depth, numbers, size
+    return read_json(path, FIX, limit=limit)  # bounded: depth, numbers, size
 
 
 def _bad(path, problem):
@@ -274,7 +274,7 @@ def _byte_level(tj):
 
 def load_tokenizer_json(path):
     """The HFTokenizer of a tokenizer.json (and the tokenizer_config.json beside it)."""
-    tj = _json(path)
+    tj = _json(path, MAX_LIST_JSON_BYTES)  # (a vocabulary and its merges: tens of MB)
     tokens = check_tokenizer_json(tj, path)
     cfg = _config(path, tokens)
     tj = _as_transformers_reads(tj, cfg)

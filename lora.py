@@ -20,7 +20,7 @@ import guard_ckpt
 from guard_errors import UserError
 from guard_files import read_json, sha256_file
 from guard_config import LORA_TARGETS, lora_targets
-from hf import HF_NAMES, load_hf, rename, write_export_dir
+from hf import HF_NAMES, load_hf, rename, weight_files, write_export_dir
 from hf_safetensors import read_safetensors
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
@@ -139,17 +139,20 @@ def merge_lora(model):
 
 def base_reference(path, mesh=None):
     """{"kind", "path", "sha256"} of a base model: a Hugging Face LLaMA directory (kind "hf":
-    the sha256 covers config.json and the weight files) or one checkpoint ckpt/iter_X of a run
-    of ours (kind "ckpt": its manifest.json, which holds the sha256 of every file). Rank 0
-    reads the files (once, not once per rank) and tells the others."""
+    the sha256 covers config.json, the index and the weight files that hf_index reads, not a
+    stray file beside them) or one checkpoint ckpt/iter_X of a run of ours (kind "ckpt": its
+    manifest.json, which holds the sha256 of every file). Rank 0 reads the files (once, not
+    once per rank) and tells the others."""
     ref = None
     if mesh is None or mesh.master:
         path = os.path.abspath(path)
         if os.path.isfile(os.path.join(path, "config.json")):
-            kind = "hf"
-            files = sorted(f for f in os.listdir(path)
-                           if f == "config.json" or f.endswith(".safetensors")
-                           or f == "model.safetensors.index.json")
+            index = "model.safetensors.index.json"
+            files = ["config.json", *weight_files(path)]
+            files += [index] if os.path.isfile(os.path.join(path, index)) else []
+            kind, files = "hf", sorted(files)
+            for f in files:  # (a FIFO or a link to /dev/zero would never finish hashing)
+                guard_chat.check_in_model_dir(os.path.join(path, f), "copy or download it again")
         else:
             kind, files = "ckpt", ["manifest.json"]
         h = hashlib.sha256()
@@ -279,7 +282,8 @@ def load_peft_lora(path):
                   f"a positive finite number, lora_dropout in [0, 1)", "fix adapter_config.json")
     modules = cfg.get("target_modules")
     from_hf = {v: k for k, v in PEFT_TARGETS.items()}
-    if not isinstance(modules, list) or not modules or not all(m in from_hf for m in modules):
+    if not isinstance(modules, list) or not modules or not all(
+            isinstance(m, str) and m in from_hf for m in modules):  # ([["q_proj"]]: unhashable)
         raise bad(f"target_modules={modules!r} is not a list of {', '.join(from_hf)}")
     targets = sorted(from_hf[m] for m in modules)
     file = os.path.join(path, "adapter_model.safetensors")
@@ -295,6 +299,8 @@ def load_peft_lora(path):
                       f"PEFT's save_embedding_layers, or a module outside target_modules)",
                       "save the adapter alone (save_embedding_layers=False)")
         sd[f"{module.removesuffix('.weight')}.{m[2]}.weight"] = t
+    guard_ckpt.check_finite(sd, file, "export the adapter again from a checkpoint before the "
+                                      "loss diverged")
     return {"rank": r, "alpha": float(alpha), "dropout": float(drop), "targets": targets}, sd
 
 

@@ -20,6 +20,9 @@ from guard_errors import UserError, check, excepthook
 from guard_files import check_exports, loads_json
 
 PANEL_INCHES, DPI = (5.5, 4.0), 100  # each panel 550 x 400 pixels, side by side
+# a panel per mixture source: 64 is far past any mixture's, and 35,200 pixels wide (each more
+# costs matplotlib time and memory: 2,000 took 190 s and 3 GB)
+MAX_PANELS = 64
 
 
 def read_run(path):
@@ -90,6 +93,15 @@ def smooth(values, alpha):
 
 def plot(runs, out, x_key="tokens", alpha=0.6):
     """Draws `runs` ([(label, rows)]) into the PNG `out`; returns its (width, height) in pixels."""
+    drawn = [(label, curves(rows, x_key)) for label, rows in runs]
+    names = sorted({name for _, panels in drawn for name in panels})
+    check(names, f"no loss in {', '.join(label for label, _ in runs)}" + (
+        " with elapsed_s (a log from before wall time was recorded): plot against "
+        "tokens" if x_key == "time" else ""))
+    check(len(names) <= MAX_PANELS,
+          f"{len(names)} loss panels (loss, and loss/<source> per mixture source) in "
+          f"{', '.join(label for label, _ in runs)[:200]}: plot.py draws at most {MAX_PANELS} "
+          f"side by side; plot a copy of metrics.jsonl with the sources you want to see")
     try:
         import matplotlib
     except ImportError:
@@ -97,11 +109,6 @@ def plot(runs, out, x_key="tokens", alpha=0.6):
                         "matplotlib") from None
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
-    drawn = [(label, curves(rows, x_key)) for label, rows in runs]
-    names = sorted({name for _, panels in drawn for name in panels})
-    check(names, f"no loss in {', '.join(label for label, _ in runs)}" + (
-        " with elapsed_s (a log from before wall time was recorded): plot against "
-        "tokens" if x_key == "time" else ""))
     fig, axes = plt.subplots(1, len(names),
                              figsize=(PANEL_INCHES[0] * len(names), PANEL_INCHES[1]), dpi=DPI,
                              squeeze=False)

@@ -101,6 +101,7 @@ def resolve_source(source):
     if not files:
         raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or "
                         f"a .jsonl file")
+    guard_files.check_regular(files, "leave it out of the source")
     jsonl = [sources.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
         raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "

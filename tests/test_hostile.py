@@ -19,7 +19,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import validate_as_train, ROOT, TINY, free_port, run_train
+from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
 
 import guard_files
 import checkpoint
@@ -948,6 +948,123 @@ def hellaswag_marks_in_one_pass(b, tmp):
     return call
 
 
+# ---- round seven: files that grow, block or lie ----
+
+
+def bounded(call, seconds=60):
+    """call(), ended by a TimeoutError after `seconds`: a read that blocks (a FIFO) fails its
+    case instead of hanging the suite."""
+    def run():
+        def stop(*_):
+            raise TimeoutError(f"still blocked after {seconds} s")
+        old = signal.signal(signal.SIGALRM, stop)
+        signal.alarm(seconds)
+        try:
+            return call()
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+    return run
+
+
+def base_with(name, kind):
+    """lora.base_reference of a copy of the base's Hugging Face directory with `name` a regular
+    file of junk, a FIFO or a link to /dev/zero: True when it equals the untouched directory's
+    (a stray file beside the weights is none of the base)."""
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            os.remove(path)
+        if kind == "file":
+            with open(path, "wb") as f:
+                f.write(b"junk")
+        else:
+            os.mkfifo(path) if kind == "fifo" else os.symlink("/dev/zero", path)
+        clean = lora.base_reference(b["hf"])["sha256"]
+        return bounded(lambda: lora.base_reference(d)["sha256"] == clean)
+    return make
+
+
+def prepare_beside(kind):
+    """prepare.py of a directory of good .txt files and a .txt that is a FIFO or a link to a
+    device (/dev/null; /dev/zero read whole would fill the memory)."""
+    def make(b, tmp):
+        src = os.path.join(tmp, "src")
+        os.makedirs(src)
+        for i in range(4):
+            with open(os.path.join(src, f"ok{i}.txt"), "w") as f:
+                f.write(f"document {i} " * 50)
+        bad = os.path.join(src, "b.txt")
+        os.mkfifo(bad) if kind == "fifo" else os.symlink("/dev/null", bad)
+        return bounded(lambda: prepare.prepare(src, os.path.join(tmp, "out", "d"), "cl100k_base",
+                                               512, val_fraction=0.5, verbose=False))
+    return make
+
+
+def plot_sources(n):
+    """plot.py of a metrics.jsonl of one record with n mixture sources' losses."""
+    def make(b, tmp):
+        os.makedirs(os.path.join(tmp, "run"))
+        os.makedirs(os.path.join(tmp, "out"))
+        with open(os.path.join(tmp, "run", "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"iter": 0, "tokens": 10, **{f"loss/s{i}": 1 for i in range(n)}})
+                    + "\n")
+        return lambda: plot.main([os.path.join(tmp, "run"), "--out",
+                                  os.path.join(tmp, "out", "c.png")])
+    return make
+
+
+def padded(path, size):
+    """The JSON file `path` grown past `size` bytes by trailing whitespace (still valid)."""
+    with open(path, "a") as f:
+        f.write(" " * (size + 1))
+
+
+def hf_config_past(size):
+    def make(b, tmp):
+        d = copy(b["hf"], os.path.join(tmp, "hf"))
+        padded(os.path.join(d, "config.json"), size)
+        return lambda: hf.hf_index(d)
+    return make
+
+
+def big_tokenizer_json_loads(b, tmp):
+    """A tokenizer.json past the small files' 16 MB (a 256k vocabulary's is tens of MB)."""
+    load = exported_tokenizer(lambda tj: None)(b, tmp)
+    padded(os.path.join(tmp, "tok", "tokenizer.json"), 16 << 20)
+    return lambda: isinstance(load(), hf_tokenizer.HFTokenizer)
+
+
+def big_dataset_meta_loads(b, tmp):
+    """A dataset's meta.json past 16 MB (it names every source file: a million of them)."""
+    d = copy(b["data"], os.path.join(tmp, "ds"))
+    padded(os.path.join(d, "meta.json"), 16 << 20)
+    return lambda: guard_data.read_meta(d)["vocab_size"] == 512
+
+
+def nan_adapter(b, tmp):
+    """The base's adapter with one NaN in a lora_B."""
+    d = copy(b["adapter"], os.path.join(tmp, "adapter"))
+    file = os.path.join(d, "adapter_model.safetensors")
+    tensors = hf_safetensors.read_safetensors(file)
+    next(t for n, t in tensors.items() if "lora_B" in n)[0, 0] = math.nan
+    hf_safetensors.write_safetensors(file, tensors)
+    return lambda: lora.load_peft_lora(d)
+
+
+def export_modes(b, tmp):
+    """An export's model.safetensors is as readable as its config.json (the safetensors library
+    writes through a temp file of mode 0600)."""
+    def call():
+        path = os.path.join(tmp, "out", "hf")
+        hf.save_hf(path, Transformer(ModelConfig(**{**CFG, "n_layer": 1})).state_dict(),
+                   ModelConfig(**{**CFG, "n_layer": 1}))
+        modes = {n: os.stat(os.path.join(path, n)).st_mode & 0o777 for n in os.listdir(path)}
+        return modes["model.safetensors"] == modes["config.json"]
+    return call
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1244,7 +1361,7 @@ CASES = [
     (59, "rank 1's own environment is its line", "holds", a_ranks_own_environment_is_reported),
     (59, "out_dir/trace a file under profile_iters", "raises", trace_a_file),
     # ---- round seven (2026-11-29): where a run, a preparation and a conversion write; parser
-    # depth, ckpt/latest, temperature, wandb, task files ----
+    # depth, ckpt/latest, temperature, wandb, task files; files that grow, block or lie ----
     (64, "out_dir= a Hugging Face model directory", "raises", placed_in("out_dir", "hf")),
     (64, "out_dir= another run's checkpoint", "raises",
      placed_in("out_dir", "run", "ckpt/iter_0000004")),
@@ -1275,6 +1392,25 @@ CASES = [
     (64, "wandb_log=True without a wandb login", "raises", wandb_without_login),
     (64, "a task choice with no tokens after the context", "raises", task_choice_without_tokens),
     (64, "hellaswag: '[' * 200000 in a context", "holds", hellaswag_marks_in_one_pass),
+    (64, "adapter_config.json target_modules [[\"q_proj\"]]", "raises",
+     adapter(target_modules=[["q_proj"]])),
+    (64, "a stray junk .safetensors beside the base's weights: not hashed", "holds",
+     base_with("junk.safetensors", "file")),
+    (64, "a FIFO .safetensors beside the base's weights: not read", "holds",
+     base_with("junk.safetensors", "fifo")),
+    (64, "a link to /dev/zero as .safetensors beside the base's: not read", "holds",
+     base_with("junk.safetensors", "device")),
+    (64, "the base's model.safetensors a FIFO: base_reference refuses", "raises",
+     base_with("model.safetensors", "fifo")),
+    (64, "prepare.py: a FIFO .txt in the source directory", "raises", prepare_beside("fifo")),
+    (64, "prepare.py: a .txt link to /dev/null in the source directory", "raises",
+     prepare_beside("device")),
+    (64, "plot.py: 65 mixture sources (65 panels)", "raises", plot_sources(65)),
+    (64, "config.json past 16 MB", "raises", hf_config_past(16 << 20)),
+    (64, "tokenizer.json past 16 MB loads", "holds", big_tokenizer_json_loads),
+    (64, "a dataset's meta.json past 16 MB loads", "holds", big_dataset_meta_loads),
+    (64, "adapter_model.safetensors with a NaN in lora_B", "raises", nan_adapter),
+    (64, "an export's model.safetensors reads like its config.json", "holds", export_modes),
 ]
 
 
