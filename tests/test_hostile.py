@@ -986,15 +986,20 @@ def base_with(name, kind):
     return make
 
 
+def text_files(src, n, words):
+    """Directory `src` made with n small text files, 0.txt ... (n-1).txt; returns it."""
+    os.makedirs(src)
+    for i in range(n):
+        with open(os.path.join(src, f"{i}.txt"), "w") as f:
+            f.write(f"document {i} " * words)
+    return src
+
+
 def prepare_beside(kind):
     """prepare.py of a directory of good .txt files and a .txt that is a FIFO or a link to a
     device (/dev/null; /dev/zero read whole would fill the memory)."""
     def make(b, tmp):
-        src = os.path.join(tmp, "src")
-        os.makedirs(src)
-        for i in range(4):
-            with open(os.path.join(src, f"ok{i}.txt"), "w") as f:
-                f.write(f"document {i} " * 50)
+        src = text_files(os.path.join(tmp, "src"), 4, 50)
         bad = os.path.join(src, "b.txt")
         os.mkfifo(bad) if kind == "fifo" else os.symlink("/dev/null", bad)
         return bounded(lambda: prepare.prepare(src, os.path.join(tmp, "out", "d"), "cl100k_base",
@@ -1526,11 +1531,7 @@ def test_signals_at_startup_and_while_preparing_are_one_line_and_128_plus_n(tmp_
                  128 + sig, line)
     one_line(signalled(2, "torch", "sample.py", f"out_dir={tmp}/out", cwd=tmp), 130,
              "interrupted (Ctrl-C)")
-    src = os.path.join(tmp, "src")
-    os.makedirs(src)
-    for i in range(12):
-        with open(os.path.join(src, f"{i}.txt"), "w") as f:
-            f.write(f"document {i} " * 20)
+    src = text_files(os.path.join(tmp, "src"), 12, 20)
     final = os.path.join(tmp, "d")
     old = prepare.prepare(os.path.join(src, "*.txt"), final, "cl100k_base", 512, val_fraction=0.3,
                           verbose=False)
