@@ -18,6 +18,8 @@ from guard_files import loads_json
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 # the columns a Parquet record may need: the text field, or a conversation's
 CHAT_COLUMNS = ("messages", "prompt", "response")
+# the longest JSONL line read (a book is a few MB): past it, one line instead of the memory
+MAX_LINE_BYTES = 256 << 20
 
 
 def is_records(path):
@@ -52,39 +54,58 @@ def _corrupt(path, e):
 
 
 def _lines(path):
-    """The raw lines of a JSONL file, decompressed on the fly by its suffix."""
+    """The raw lines of a JSONL file, decompressed on the fly by its suffix, each at most
+    MAX_LINE_BYTES: a few kB of .gz or .zst can expand to gigabytes of one endless line."""
     broken = (OSError, EOFError, zlib.error)  # gzip's BadGzipFile is an OSError
+    if path.endswith(".zst"):
+        import zstandard
+        broken += (zstandard.ZstdError,)
     with open(path, "rb") as raw:
-        if path.endswith(".gz"):
-            f = gzip.GzipFile(fileobj=raw)
-        elif path.endswith(".zst"):
-            import zstandard
-            f = _zst_lines(raw, zstandard)
-            broken += (zstandard.ZstdError,)
-        else:
-            f = raw
+        rest, size, n = [], 0, 0  # the line so far, in pieces (joined once: no quadratic copy)
         try:
-            yield from f
+            for block in _blocks(path, raw):
+                *lines, last = block.split(b"\n")
+                for line in lines:
+                    yield b"".join(rest) + line + b"\n"
+                    rest, size, n = [], 0, n + 1
+                rest.append(last)
+                size += len(last)
+                if size > MAX_LINE_BYTES:
+                    raise UserError(f"{path}:{n + 1}: a line of over {MAX_LINE_BYTES >> 20} MB "
+                                    f"(no JSONL record is that long: a decompression bomb?): "
+                                    f"leave the file out of the source")
         except broken as e:
             raise _corrupt(path, e) from None
+        if size:
+            yield b"".join(rest)
 
 
-def _zst_lines(raw, zstandard):
-    """The lines of a zstd stream (one frame or several), and an error where it ends inside a
-    frame: zstandard's stream reader gives a truncated file's first part and no word."""
-    d, rest, inside = zstandard.ZstdDecompressor().decompressobj(), b"", False
-    for block in iter(lambda: raw.read(1 << 20), b""):
+def _blocks(path, raw):
+    """The file's bytes, decompressed by its suffix, in blocks of bounded size."""
+    if path.endswith(".gz"):
+        f = gzip.GzipFile(fileobj=raw)
+        yield from iter(lambda: f.read(1 << 20), b"")
+    elif path.endswith(".zst"):
+        yield from _zst_blocks(raw)
+    else:
+        yield from iter(lambda: raw.read(1 << 20), b"")
+
+
+def _zst_blocks(raw):
+    """A zstd stream's bytes (one frame or several), and an error where it ends inside a frame:
+    zstandard's stream reader gives a truncated file's first part and no word. 4 kB of input at
+    a time: zstd's densest blocks (~30,000x) make at most ~128 MB of it."""
+    import zstandard
+    d, inside = zstandard.ZstdDecompressor().decompressobj(), False
+    for block in iter(lambda: raw.read(1 << 12), b""):
         while block:
             out, inside, block = d.decompress(block), True, b""
             if d.eof:  # a frame ended: what follows is the next one
                 block, inside = d.unused_data, False
                 d = zstandard.ZstdDecompressor().decompressobj()
-            *lines, rest = (rest + out).split(b"\n")
-            yield from (line + b"\n" for line in lines)
+            yield out
     if inside:
         raise zstandard.ZstdError("the stream ends inside a frame")
-    if rest:
-        yield rest
 
 
 def _parquet_rows(path, text_field):
