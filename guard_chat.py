@@ -103,7 +103,26 @@ def _refuse(what):
 
 
 def _size(x):
-    return len(x) if isinstance(x, (str, list, tuple)) else 0
+    """About the characters x renders to: a string's length; a list's, tuple's or dict's items
+    (each at least one), nested: ['a' * 16000000] * 16000000 is 16M items but 2.56e14 characters
+    once printed. Counted only until it passes the bound."""
+    total, stack = 0, [x]
+    while stack and total <= MAX_RENDER_CHARS:
+        y = stack.pop()
+        if isinstance(y, str):
+            total += len(y)
+        elif isinstance(y, (list, tuple, dict)):
+            total += len(y)
+            stack.extend((*y.keys(), *y.values()) if isinstance(y, dict) else y)
+    return total
+
+
+def _finalize(value):
+    """What {{ value }} prints, checked before str() turns a list into text (C code that
+    neither the checks nor the timer can stop)."""
+    if isinstance(value, (list, tuple, dict)):
+        _check_width(_size(value), "a printed list")
+    return value
 
 
 def _check_width(n, what):
@@ -220,7 +239,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
     deadline = float("inf")
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(finalize=_finalize, **kwargs)
         self.filters.update(join=_join, replace=_replace, center=_center, indent=_indent,
                             format=_format)
 

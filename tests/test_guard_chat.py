@@ -155,6 +155,11 @@ COSTLY = {
                          "{{ ns.s }}",
                          "replace filter"),
     "power": ("{{ 10 ** 1000000000 }}", "integer power"),
+    # few items, each long: 2,000 x 100,000 characters once printed
+    "list of long strings times 2,000": ("{% set x = 'a' * 100000 %}{{ [x] * 2000 }}",
+                                         "list * 2000"),
+    "a long list printed": ("{% set x = ['a' * 10000] * 1000 %}{{ [x, x] }}",
+                            "a printed list"),
     "endless recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
                           "nests past Python's recursion limit"),
     "deep nesting": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
