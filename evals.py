@@ -101,16 +101,18 @@ class Task:
         start = enc.eot_token if start is None else start
         self.pad, self.block_size = enc.eot_token, block_size
         self.ids, self.n, self.answers, self.row_question, self.bytes = [], [], [], [], []
+        keep = block_size + 1
         for q, (lineno, context, choices, answer) in enumerate(read_task(path)):
             self.answers.append(answer)
-            for k, choice in enumerate(choices):
-                ids, n = encode_pair(enc, context, choice)
+            for k, (choice, (head, tail, n)) in enumerate(
+                    zip(choices, encode_choices(enc, context, choices))):
                 # (lm-evaluation-harness asserts a continuation: none would score 0, and win)
                 check(n > 0, f"{path}:{lineno}: choice {k} ({choice[:40]!r}) has no tokens of "
                              f"its own: it merges into the context's last token; start the "
                              f"choices with a space, as lm-evaluation-harness's tasks do")
                 # cut from the left, as lm-evaluation-harness does past max_length
-                self.ids.append(([start] + ids)[-(block_size + 1):])
+                # (head + tail: the row's ids; head, shared by the choices, sliced first)
+                self.ids.append(([start] + head[-keep:] + tail)[-keep:])
                 self.n.append(n)
                 self.row_question.append(q)
                 self.bytes.append(len(choice.encode()))
@@ -146,19 +148,44 @@ def read_task(path):
                 continue
             where = f"{path}:{lineno}"
             q = loads_json(raw, where, f"each line must be one JSON object such as {TASK_EXAMPLE}")
-            choices = q.get("choices") if isinstance(q, dict) else None
-            ok = isinstance(choices, list) and len(choices) >= 2
-            ok = ok and isinstance(q.get("context"), str)
-            ok = ok and all(isinstance(c, str) and c for c in choices)
-            ok = ok and type(q.get("answer")) is int and 0 <= q["answer"] < len(choices)
-            if not ok:
-                raise UserError(f"{where}: not a question: write {TASK_EXAMPLE} (a string "
-                                f"context, "
-                                f"two or more non-empty choices, answer the right one's index)")
-            out.append((lineno, q["context"], q["choices"], q["answer"]))
+            out.append((lineno, *check_question(q, where)))
     if not out:
         raise UserError(f"eval_tasks: {path} has no questions: write one a line, {TASK_EXAMPLE}")
     return out
+
+
+# Where the context cannot be cut (encode_choices), each choice is encoded after the whole
+# context: a line may not ask for many more choices than a benchmark has (MMLU and HellaSwag 4,
+# ARC up to 5, PIQA 2); 64 is far past them and keeps a 1 MB line to seconds.
+MAX_CHOICES = 64
+
+
+def check_question(q, where, fix=None):
+    """(context, choices, answer) of a task line's JSON value q, or a UserError naming `where`:
+    reading a task file and evals.py's converters both check each question here. fix: what to
+    do about a question of the wrong shape (None: write one as TASK_EXAMPLE)."""
+    choices = q.get("choices") if isinstance(q, dict) else None
+    ok = isinstance(choices, list) and len(choices) >= 2
+    ok = ok and isinstance(q.get("context"), str)
+    ok = ok and all(isinstance(c, str) and c for c in choices)
+    ok = ok and type(q.get("answer")) is int and 0 <= q["answer"] < len(choices)
+    if not ok:
+        raise UserError(f"{where}: not a question: " + (fix or f"write {TASK_EXAMPLE} (a string "
+                        f"context, two or more non-empty choices, answer the right one's index)"))
+    if len(choices) > MAX_CHOICES:
+        raise UserError(f"{where}: {len(choices):,} choices, more than {MAX_CHOICES} (a "
+                        f"benchmark's questions have 2 to 5): split the question, or drop choices")
+    # JSON's escapes can write half of a surrogate pair, which is no character: refused as the
+    # same text in UTF-8 is (malformed JSON), not scored as some other text
+    for what, text in [("the context", q["context"])] + [
+            (f"choice {k}", c) for k, c in enumerate(choices)]:
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise UserError(f"{where}: {what} ({text[:40]!r}) is not valid Unicode: a lone "
+                            f"surrogate {text[e.start]!r} at character {e.start}: write the "
+                            f"character itself, or both halves of its surrogate pair") from None
+    return q["context"], choices, q["answer"]
 
 
 def encode(enc, text):
@@ -175,6 +202,48 @@ def encode_pair(enc, context, choice):
         context, choice = context[:-spaces], context[-spaces:] + choice
     whole, ctx = encode(enc, context + choice), encode(enc, context)
     return whole, len(whole) - len(ctx)
+
+
+# The last TAIL tokens of a long context are encoded again with each choice, the rest once
+TAIL = 64
+
+
+def encode_choices(enc, context, choices):
+    """[(head, tail, n)] of each choice: head + tail and n are encode_pair's (ids, n), with the
+    context encoded once, not once per choice. A tokenizer that splits text into pieces first
+    (words, numbers, runs of spaces; tiktoken's regex, a tokenizer.json's pre-tokenizer) gives
+    the text before a piece boundary the same ids whatever follows it, so the context is cut at a
+    token boundary TAIL tokens from its end that is one for both halves: head = the ids before
+    the cut (shared), tail = each choice encoded after the context's last TAIL tokens. A choice
+    that changes the tail's first half anyway is encoded whole, as is a short context."""
+    text = context.rstrip()
+    spaces = context[len(text):]
+    ctx = encode(enc, text)
+    cut = _cut(enc, text, ctx)
+    head, out = ctx[:-TAIL], []
+    for choice in choices:
+        tail = None if cut is None else encode(enc, text[cut:] + spaces + choice)
+        if tail is None or tail[:TAIL // 2] != ctx[-TAIL:][:TAIL // 2]:
+            whole, n = encode_pair(enc, context, choice)
+            out.append((whole, [], n))
+        else:
+            out.append((head, tail, len(tail) - TAIL))
+    return out
+
+
+def _cut(enc, text, ctx):
+    """The character where text's last TAIL tokens (of ctx, its ids) begin, if encoding the text
+    before it and after it gives ctx's ids apart; None otherwise, or for a shorter text."""
+    if len(ctx) <= 2 * TAIL:
+        return None
+    try:
+        last = b"".join(enc.decode_single_token_bytes(i) for i in ctx[-TAIL:])
+        raw = text.encode()
+        cut = len(raw[:-len(last)].decode()) if raw.endswith(last) else None
+    except (KeyError, ValueError):  # an id without bytes; a cut inside a character
+        return None
+    ok = cut is not None and encode(enc, text[cut:]) == ctx[-TAIL:]
+    return cut if ok and encode(enc, text[:cut]) == ctx[:-TAIL] else None
 
 
 def scores(task, logliks):
@@ -292,10 +361,16 @@ def convert(argv):
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
     for row, record, _ in sources.records(source, None, decode):
         try:
-            lines.append(json.dumps(CONVERTERS[kind](record)) + "\n")
+            q = CONVERTERS[kind](record)
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise UserError(f"{source}:{row}: not a {kind} record ({type(e).__name__}: {e}): "
                             f"give the benchmark's own file, or write {TASK_EXAMPLE}") from None
+        # what eval_tasks= will read: an unlabeled split converted was refused only there
+        check_question(q, f"{source}:{row}", f"its answer is {q['answer']} of "
+                       f"{len(q['choices'])} choices (a question needs two or more, and the "
+                       f"right one's index; a test split has no labels, -1): convert the "
+                       f"validation split")
+        lines.append(json.dumps(q) + "\n")
     try:
         write_atomic(out, lambda f: f.write("".join(lines).encode()))
     except OSError as e:

@@ -75,6 +75,29 @@ def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
     assert all(ll < 0 for ll in ours)
 
 
+
+@pytest.mark.parametrize("tail", [2, None])
+def test_a_context_encoded_once_gives_each_choice_the_ids_of_the_whole_text(monkeypatch, tail):
+    """encode_choices (the context encoded once, each choice after its last TAIL tokens) gives
+    encode_pair's ids and counts (context + choice encoded whole): choices that join the
+    context's last word or number, without a leading space, of several bytes a character, after
+    spaces moved from the context; and takes the shortcut on a long context."""
+    if tail:  # (None: evals.TAIL)
+        monkeypatch.setattr(evals, "TAIL", tail)
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 300)
+    body = "def square(x):\n    return x * x  # héllo 日本 123\n\n" * 12
+    ends = ["", "Hello wor", "12345", "it", "word  ", "a\n\n ", "日", "x = (", "🚀"]
+    choices = ["ld", " world", "6", "'s", "s", "😀", "é", "\n\tx", "  two", "<|endoftext|>", "本"]
+    shortcuts = 0
+    for end in ends:
+        context = body + end
+        got = evals.encode_choices(enc, context, choices)
+        assert [(head + t, n) for head, t, n in got] == [
+            evals.encode_pair(enc, context, c) for c in choices], repr(end)
+        shortcuts += sum(1 for _, t, _ in got if t)
+    assert shortcuts > len(ends) * len(choices) // 2
+
+
 def test_acc_and_acc_norm_are_the_definitions_worked_by_hand(tmp_path):
     """acc: the highest log-likelihood is the answer's; acc_norm: the highest per UTF-8 byte of
     the choice (lm-evaluation-harness). Log-likelihoods set by hand, the scores worked out here."""

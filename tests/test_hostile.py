@@ -1070,6 +1070,30 @@ def export_modes(b, tmp):
     return call
 
 
+
+# ---- round eight: task files (surrogates, unlabeled records converted, too many choices) ----
+
+
+def task_line(line):
+    """A task file of one line, read as eval_tasks= reads it."""
+    def make(b, tmp):
+        path = os.path.join(tmp, "t.jsonl")
+        with open(path, "w") as f:
+            f.write(line + "\n")
+        return lambda: evals.Task(path, tokenizer_py.get_tokenizer("cl100k_base", 512), 32)
+    return make
+
+
+def converted(kind, record):
+    """evals.py KIND IN OUT of one record that converts to no question (a test split's)."""
+    def make(b, tmp):
+        src, out = os.path.join(tmp, "in.jsonl"), os.path.join(tmp, "out", "tasks.jsonl")
+        with open(src, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.makedirs(os.path.dirname(out))
+        return lambda: evals.convert([kind, src, out])
+    return make
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1416,6 +1440,22 @@ CASES = [
     (64, "a dataset's meta.json past 16 MB loads", "holds", big_dataset_meta_loads),
     (64, "adapter_model.safetensors with a NaN in lora_B", "raises", nan_adapter),
     (64, "an export's model.safetensors reads like its config.json", "holds", export_modes),
+    # ---- round eight (2026-11-29): task files: surrogates, unlabeled records, 65 choices ----
+    (64, "a task choice that is a lone surrogate", "raises",
+     task_line(r'{"context": "Q: x", "choices": [" \ud800", " b"], "answer": 0}')),
+    (64, "a task context with a lone surrogate", "raises",
+     task_line(r'{"context": "Q: \udc00", "choices": [" a", " b"], "answer": 0}')),
+    (64, "a task question of 65 choices", "raises",
+     task_line(json.dumps({"context": "Q", "choices": [f" {i}" for i in range(65)],
+                           "answer": 0}))),
+    (64, "evals.py piqa: the test split's label -1", "raises",
+     converted("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": -1})),
+    (64, "evals.py hellaswag: label '7' of 4 endings", "raises",
+     converted("hellaswag", {"activity_label": "a", "ctx_a": "x", "ctx_b": "y",
+                             "endings": ["a", "b", "c", "d"], "label": "7"})),
+    (64, "evals.py arc: a question of one choice", "raises",
+     converted("arc", {"question": "q", "choices": {"text": ["a"], "label": ["A"]},
+                       "answerKey": "A"})),
 ]
 
 
