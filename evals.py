@@ -250,8 +250,10 @@ def scores(task, logliks):
     """{"acc", "acc_norm", "gold_ll"} of a task from each row's log-likelihood."""
     ll, n_bytes = np.asarray(logliks, dtype=np.float64), np.asarray(task.bytes, dtype=np.float64)
     acc = acc_norm = gold = 0.0
+    # a question's rows lie together, in order (Task): where each question's begin
+    bounds = np.searchsorted(task.row_question, np.arange(len(task.answers) + 1))
     for q, answer in enumerate(task.answers):
-        rows = np.flatnonzero(task.row_question == q)
+        rows = np.arange(bounds[q], bounds[q + 1])
         acc += int(np.argmax(ll[rows])) == answer
         acc_norm += int(np.argmax(ll[rows] / n_bytes[rows])) == answer
         gold += ll[rows[answer]]
