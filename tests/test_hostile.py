@@ -1070,6 +1070,44 @@ def export_modes(b, tmp):
     return call
 
 
+# ---- round eight: a checkpoint's meta.json config and tokenizer_spec; tool_calls ----
+
+
+def run_config(**changes):
+    """The run's newest checkpoint, keys of its meta.json config changed."""
+    return damaged("meta.json",
+                   in_place(lambda m: {**m, "config": {**m["config"], **changes}}))
+
+
+def run_tokenizer_spec(change):
+    """The run's newest checkpoint, its meta.json tokenizer_spec changed by change(spec)."""
+    return damaged("meta.json",
+                   in_place(lambda m: {**m, "tokenizer_spec": change(m["tokenizer_spec"])}))
+
+
+def sample_damaged(make_run):
+    """sample.py ckpt= the damaged checkpoint that make_run made (loaded directly)."""
+    def make(b, tmp):
+        ckpt = os.path.join(make_run(b, tmp), "ckpt", "iter_0000004")
+        return lambda: sample.main([f"ckpt={ckpt}", "max_new_tokens=2"])
+    return make
+
+
+def tool_calls_in_our_template(b, tmp):
+    """prepare.py with our template (cl100k_base) of a conversation whose empty assistant
+    message carries a tool call (it was dropped: the model learned an empty reply)."""
+    src = os.path.join(tmp, "chat.jsonl")
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    chat = [{"role": "user", "content": "a"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "assistant", "content": "b"}]
+    other = [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with open(src, "w") as f:
+        f.write("".join(json.dumps({"messages": m}) + "\n" for m in (chat, other)))
+    return lambda: prepare.prepare(src, os.path.join(tmp, "out", "d"), "cl100k_base", 512,
+                                   val_fraction=0.5, verbose=False)
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1416,6 +1454,21 @@ CASES = [
     (64, "a dataset's meta.json past 16 MB loads", "holds", big_dataset_meta_loads),
     (64, "adapter_model.safetensors with a NaN in lora_B", "raises", nan_adapter),
     (64, "an export's model.safetensors reads like its config.json", "holds", export_modes),
+    # ---- round eight (2026-11-29): meta.json config and tokenizer_spec; tool_calls ----
+    (64, "meta.json config tp 0", "fallback", run_config(tp=0)),
+    (64, "meta.json config tp 0.5", "fallback", run_config(tp=0.5)),
+    (64, "meta.json config block_size -5", "fallback", run_config(block_size=-5)),
+    (64, "meta.json config block_size 10**11", "fallback", run_config(block_size=10 ** 11)),
+    (64, "meta.json config block_size 'abc'", "fallback", run_config(block_size="abc")),
+    (64, "sample.py ckpt= a meta.json config block_size -5", "raises",
+     sample_damaged(run_config(block_size=-5))),
+    (64, "meta.json tokenizer_spec {}", "fallback", run_tokenizer_spec(lambda s: {})),
+    (64, "meta.json tokenizer_spec base_vocab_size 'x'", "fallback",
+     run_tokenizer_spec(lambda s: {**s, "base_vocab_size": "x"})),
+    (64, "sample.py ckpt= a meta.json tokenizer_spec {}", "raises",
+     sample_damaged(run_tokenizer_spec(lambda s: {}))),
+    (64, "an assistant's tool_calls with our chat template", "raises",
+     tool_calls_in_our_template),
 ]
 
 
