@@ -101,10 +101,32 @@ def check_meta(meta, path):
             return ("meta.json: model has a moe_score, moe_every or moe_top_k (1 to n_experts) "
                     "not implemented here")
         ModelConfig(**model)
-        # the run's keys: its tokenizer for sample.py
+        # the run's keys that are read back: its tokenizer (sample.py), tp and seed (a resume's
+        # random streams), block_size (sample.py's), the keys a resume compares (check_same_run)
         config = json_field(meta, "config", dict, "meta.json", fix)
         json_field(config, "tokenizer", str, "meta.json config", fix)
         json_field(config, "vocab_size", int, "meta.json config", fix, 0, MAX_SIZES["vocab_size"])
+        # (tp splits the heads)
+        json_field(config, "tp", int, "meta.json config", fix, 1, MAX_SIZES["n_head"],
+                   required=False)
+        json_field(config, "seed", int, "meta.json config", fix, 0, 2 ** 32 - 1, required=False)
+        json_field(config, "block_size", int, "meta.json config", fix, 1, MAX_SIZES["block_size"],
+                   required=False)
+        json_field(config, "rope_theta", float, "meta.json config", fix, 0, required=False)
+        for key in ("dataset", "datasets", "optim", "rope_scaling", "init_from", "export_hf"):
+            json_field(config, key, str, "meta.json config", fix, required=False)
+        # the model's tokenizer (tokenizer.checkpoint_spec): what sample.py and a run from it read
+        spec = json_field(meta, "tokenizer_spec", dict, "meta.json", fix, required=False)
+        if spec is not None:
+            where = "meta.json tokenizer_spec"
+            json_field(spec, "tokenizer", str, where, fix)
+            vocab = json_field(spec, "vocab_size", int, where, fix, 1, MAX_SIZES["vocab_size"])
+            json_field(spec, "base_vocab_size", int, where, fix, 1, vocab, required=False)
+            json_field(spec, "tokenizer_sha256", str, where, fix, required=False)
+            for key in ("extra_tokens", "chat_tokens"):
+                tokens = json_field(spec, key, list, where, fix, required=key == "extra_tokens")
+                if not all(isinstance(t, str) for t in tokens or []):
+                    return f"meta.json: tokenizer_spec {key} holds the wrong type"
         skip = json_field(meta, "skip_iters", list, "meta.json", fix, required=False) or []
         extra = json_field(meta, "extra_tokens", list, "meta.json", fix, required=False) or []
         if not all(type(i) is int for i in skip) or not all(isinstance(t, str) for t in extra):

@@ -169,6 +169,11 @@ def chat_messages(record, where, roles=ROLES):
                                                "renders it)")
             raise UserError(f"{where}: message {i} has role {m.get('role')!r}: "
                             f"use {', '.join(roles[:-1])} or {roles[-1]}{tool}")
+        # our template writes a message's content only: the call would be dropped unsaid
+        if m.get("tool_calls") and "tool" not in roles:
+            raise UserError(f"{where}: message {i} has tool_calls (only a model whose own chat "
+                            f"template renders them): write the call into its content, or "
+                            f"start from such a model")
         if not isinstance(m.get("content"), str):
             raise UserError(f"{where}: message {i}'s content "
                             f"is {type(m.get('content')).__name__}, not a string: "

@@ -1070,7 +1070,6 @@ def export_modes(b, tmp):
     return call
 
 
-
 # ---- round eight: task files (surrogates, unlabeled records converted, too many choices) ----
 
 
@@ -1093,6 +1092,45 @@ def converted(kind, record):
         os.makedirs(os.path.dirname(out))
         return lambda: evals.convert([kind, src, out])
     return make
+
+
+# ---- round eight: a checkpoint's meta.json config and tokenizer_spec; tool_calls ----
+
+
+def run_config(**changes):
+    """The run's newest checkpoint, keys of its meta.json config changed."""
+    return damaged("meta.json",
+                   in_place(lambda m: {**m, "config": {**m["config"], **changes}}))
+
+
+def run_tokenizer_spec(change):
+    """The run's newest checkpoint, its meta.json tokenizer_spec changed by change(spec)."""
+    return damaged("meta.json",
+                   in_place(lambda m: {**m, "tokenizer_spec": change(m["tokenizer_spec"])}))
+
+
+def sample_damaged(make_run):
+    """sample.py ckpt= the damaged checkpoint that make_run made (loaded directly)."""
+    def make(b, tmp):
+        ckpt = os.path.join(make_run(b, tmp), "ckpt", "iter_0000004")
+        return lambda: sample.main([f"ckpt={ckpt}", "max_new_tokens=2"])
+    return make
+
+
+def tool_calls_in_our_template(b, tmp):
+    """prepare.py with our template (cl100k_base) of a conversation whose empty assistant
+    message carries a tool call (it was dropped: the model learned an empty reply)."""
+    src = os.path.join(tmp, "chat.jsonl")
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    chat = [{"role": "user", "content": "a"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "assistant", "content": "b"}]
+    other = [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with open(src, "w") as f:
+        f.write("".join(json.dumps({"messages": m}) + "\n" for m in (chat, other)))
+    return lambda: prepare.prepare(src, os.path.join(tmp, "out", "d"), "cl100k_base", 512,
+                                   val_fraction=0.5, verbose=False)
+
 
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
@@ -1440,7 +1478,8 @@ CASES = [
     (64, "a dataset's meta.json past 16 MB loads", "holds", big_dataset_meta_loads),
     (64, "adapter_model.safetensors with a NaN in lora_B", "raises", nan_adapter),
     (64, "an export's model.safetensors reads like its config.json", "holds", export_modes),
-    # ---- round eight (2026-11-29): task files: surrogates, unlabeled records, 65 choices ----
+    # ---- round eight (2026-11-29): task files (surrogates, unlabeled records, 65 choices);
+    # meta.json config and tokenizer_spec; tool_calls ----
     (64, "a task choice that is a lone surrogate", "raises",
      task_line(r'{"context": "Q: x", "choices": [" \ud800", " b"], "answer": 0}')),
     (64, "a task context with a lone surrogate", "raises",
@@ -1456,6 +1495,20 @@ CASES = [
     (64, "evals.py arc: a question of one choice", "raises",
      converted("arc", {"question": "q", "choices": {"text": ["a"], "label": ["A"]},
                        "answerKey": "A"})),
+    (64, "meta.json config tp 0", "fallback", run_config(tp=0)),
+    (64, "meta.json config tp 0.5", "fallback", run_config(tp=0.5)),
+    (64, "meta.json config block_size -5", "fallback", run_config(block_size=-5)),
+    (64, "meta.json config block_size 10**11", "fallback", run_config(block_size=10 ** 11)),
+    (64, "meta.json config block_size 'abc'", "fallback", run_config(block_size="abc")),
+    (64, "sample.py ckpt= a meta.json config block_size -5", "raises",
+     sample_damaged(run_config(block_size=-5))),
+    (64, "meta.json tokenizer_spec {}", "fallback", run_tokenizer_spec(lambda s: {})),
+    (64, "meta.json tokenizer_spec base_vocab_size 'x'", "fallback",
+     run_tokenizer_spec(lambda s: {**s, "base_vocab_size": "x"})),
+    (64, "sample.py ckpt= a meta.json tokenizer_spec {}", "raises",
+     sample_damaged(run_tokenizer_spec(lambda s: {}))),
+    (64, "an assistant's tool_calls with our chat template", "raises",
+     tool_calls_in_our_template),
 ]
 
 
