@@ -222,6 +222,16 @@ def _call(source, method, args, kwargs):
     return getattr(tok, method)(*args, **kwargs) if method else tok
 
 
+def _whole(text):
+    """text with each lone surrogate (half a UTF-16 pair: JSON's escapes can write one) made
+    U+FFFD, as tiktoken reads it; the tokenizers library takes only whole characters."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def guarded(path, source, method=None, *args, **kwargs):
     """source.method(*args) of the `tokenizers` library, where source is a Tokenizer or a
     tokenizer.json dict (read first; no method: the Tokenizer). A Rust panic (a regex that
@@ -454,7 +464,7 @@ class HFTokenizer:
         if self.twin:
             return self.twin.encode(text, allowed_special=_set(allowed_special),
                                     disallowed_special=())
-        return guarded(self._path, self._variant(allowed_special), "encode", text,
+        return guarded(self._path, self._variant(allowed_special), "encode", _whole(text),
                        add_special_tokens=False).ids
 
     def encode_batch(self, texts, num_threads=8, allowed_special=(), disallowed_special=()):
@@ -465,7 +475,7 @@ class HFTokenizer:
         # num_threads: the library's own pool (RAYON_NUM_THREADS, one thread per core) does it
         return [e.ids
                 for e in guarded(self._path, self._variant(allowed_special), "encode_batch_fast",
-                                 texts, add_special_tokens=False)]
+                                 [_whole(t) for t in texts], add_special_tokens=False)]
 
     def encode_inner_batch(self, texts, allowed_special=()):
         """encode_batch of texts that each follow a token in a longer text (a chat message after
@@ -476,7 +486,8 @@ class HFTokenizer:
             return self.encode_batch(texts, allowed_special=allowed_special)
         return [e.ids
                 for e in guarded(self._path, self._variant(allowed_special, True),
-                                 "encode_batch_fast", texts, add_special_tokens=False)]
+                                 "encode_batch_fast", [_whole(t) for t in texts],
+                                 add_special_tokens=False)]
 
     def encode_with_offsets(self, text, as_text=False, first=True):
         """(ids, each token's character span) of a piece of a rendered chat, as transformers

@@ -130,6 +130,11 @@ def test_family_tokenizers_give_autotokenizers_ids(tmp_path, family):
     assert tokenizer_py.encode(big, "a<|tool|>b")[1:-1] == [n]
     # specials stay text
     assert tokenizer_py.encode(big, "<|im_end|>") == tokenizer_py.encode(enc, "<|im_end|>")
+    # a lone surrogate (JSON's "\ud800" in a document) reads as U+FFFD, as tiktoken reads it
+    for e in (enc, copy.copy(enc)):
+        e.twin = None if e is not enc else e.twin
+        assert tokenizer_py.encode(e, "a \ud800 b") == tokenizer_py.encode(e, "a \ufffd b")
+        assert tokenizer_py.encode_batch(e, ["x\udc00"]) == [tokenizer_py.encode(e, "x\ufffd")]
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
