@@ -224,7 +224,10 @@ def _call(source, method, args, kwargs):
 
 def _whole(text):
     """text with each lone surrogate (half a UTF-16 pair: JSON's escapes can write one) made
-    U+FFFD, as tiktoken reads it; the tokenizers library takes only whole characters."""
+    U+FFFD, as tiktoken reads it; the tokenizers library takes only whole characters. (ASCII
+    text, known without a scan, is never copied.)"""
+    if text.isascii():
+        return text
     try:
         text.encode()
         return text
