@@ -23,6 +23,27 @@ sys.path.insert(0, ROOT)
 import prepare
 import workarounds
 
+# folders beside the project's files that are not wings of it: the tests, the benchmarks (they
+# sit on top of everything), configs, docs, datasets and runs
+NOT_WINGS = {"tests", "bench", "config", "docs", "data", "out", "runs", "wandb", "nanogpt"}
+
+
+def project_files():
+    """The project's .py files as paths from ROOT: the root's ('train.py') and each wing's
+    ('techniques/zero.py': a folder of them beside the root's), bench.py and __init__.py aside.
+    Every check that knows "a project file" asks here: a file moved into a wing stays checked."""
+    def py(folder):
+        return sorted(f for f in os.listdir(os.path.join(ROOT, folder))
+                      if f.endswith(".py") and f not in ("bench.py", "__init__.py"))
+    wings = sorted(d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d))
+                   and d not in NOT_WINGS and not d.startswith(".") and py(d))
+    return py("") + [f"{w}/{f}" for w in wings for f in py(w)]
+
+
+def module_of(path):
+    """'techniques/zero.py' -> 'techniques.zero', the name an import gives it."""
+    return path[:-3].replace("/", ".")
+
 # a tiny model and batch: a run of 20 iterations takes a few seconds on one core
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
         "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5",
@@ -185,12 +206,8 @@ def spawn(fn, world, *args, pp=1, tp=1, timeout=300):
 # what every rank of a train.py run imports (torch, torch._dynamo through the optimizers, DCP,
 # the project): ~4.5 s of CPU per process on this machine, against well under a second of
 # training in a tiny test run. A forkserver imports them once; each rank is a fork of it.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken", "build",
-           "checkpoint", "common", "guard_errors", "guard_files", "guard_config", "guard_data",
-           "guard_dist", "guard_ckpt", "configurator", "data", "data_parallel", "fsdp", "hf",
-           "lora", "mixture", "model", "optim", "origin", "parallel", "pipeline", "prepare",
-           "rundir", "sample", "tensor_parallel", "tokenizer", "hf_tokenizer", "workarounds",
-           "zero", "moe", "expert_parallel", "hf_moe"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "tiktoken",
+           *(module_of(f) for f in project_files() if f not in ("train.py", "plot.py"))]
 
 
 def _rank_main(rank, env, args, cwd, out_path, err_path, before=None):

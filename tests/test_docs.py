@@ -12,7 +12,7 @@ import pytest
 
 import configurator
 import guard_config
-from conftest import ROOT
+from conftest import ROOT, module_of, project_files
 
 
 def read(path):
@@ -42,7 +42,7 @@ def test_files_and_lines_stay_short():
     """Every file of the project (tests and bench aside) at most 650 lines; every line of it, of
     bench/ and of tests/ under 100 characters (a subprocess's script held in a string aside);
     and the README's map names each file in one row."""
-    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    files = project_files()
     long_files = {f: n for f in files if (n := len(read(f).splitlines())) > 650}
     assert not long_files, f"files over 650 lines: {long_files}"
     everything = files + [os.path.join(d, f) for d in ("bench", "tests")
@@ -121,7 +121,7 @@ def test_the_compatibility_matrix_is_the_refusal_table():
 def test_readme_is_a_map_that_names_every_file():
     readme = read("README.md")
     assert len(readme.splitlines()) <= 200
-    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    files = project_files() + ["bench.py"]
     missing = [f for f in files if f"`{f}`" not in readme]
     assert not missing, f"README.md's file map lacks {missing}"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
@@ -165,18 +165,26 @@ def test_every_link_of_the_docs_resolves():
 
 
 def project_imports():
-    """{file: the project files it imports}, counting imports anywhere in it (inside functions
-    too), as ../shared/tools/import_layers.py counts them; bench.py and the tests sit on top."""
-    mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "bench.py"}
+    """{module: the project modules it imports}, counting imports anywhere in it (inside functions
+    too), as ../shared/tools/import_layers.py counts them; a wing's file is 'techniques.zero',
+    reached by `from techniques import zero` or `import techniques.zero`; bench.py and the tests
+    sit on top."""
+    mods = {module_of(f): f for f in project_files()}
+    wings = {m.split(".")[0] for m in mods if "." in m}
+
+    def reached(name):
+        return {name} if name in mods else set()
     deps = {}
-    for m in mods:
+    for m, f in mods.items():
         names = set()
-        for node in ast.walk(ast.parse(read(m + ".py"))):
+        for node in ast.walk(ast.parse(read(f))):
             if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
+                names |= {x for a in node.names for x in reached(a.name)}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        deps[m] = (names & mods) - {m}
+                names |= reached(node.module)
+                if node.module in wings:
+                    names |= {x for a in node.names for x in reached(f"{node.module}.{a.name}")}
+        deps[m] = names - {m}
     return deps
 
 
@@ -194,12 +202,14 @@ def test_the_files_stand_on_floors_as_the_readme_says():
     for m in sorted(deps):
         floor_of(m)
     assert max(floor.values()) <= 8, floor
+    techniques = {"zero", "lora", "tensor_parallel", "fsdp", "pipeline"}
     assert (not deps["common"]
-            and not deps["checkpoint"] & {"zero", "lora", "tensor_parallel", "fsdp", "pipeline"})
+            and not {d.split(".")[-1] for d in deps["checkpoint"]} & techniques)
     section = read("README.md").split("### How the files stand")[1].split("\n## ")[0]
-    said = {f: int(row[0]) for row in re.findall(r"^\| (\d+) \| (.*?) \|", section, re.M)
-            for f in re.findall(r"`(\w+)\.py`", row[1])}
-    wrong = {f"{f}.py": (said.get(f), floor.get(f)) for f in set(said) | set(floor)
+    said = {module_of(f + ".py"): int(row[0])
+            for row in re.findall(r"^\| (\d+) \| (.*?) \|", section, re.M)
+            for f in re.findall(r"`([\w/]+)\.py`", row[1])}
+    wrong = {f: (said.get(f), floor.get(f)) for f in set(said) | set(floor)
              if said.get(f) != floor.get(f)}
     assert not wrong, ("README.md's 'How the files stand' puts files on other floors (README's, "
                        f"the real): {wrong}")
@@ -239,8 +249,7 @@ def test_what_the_docs_commands_write_is_git_ignored():
                                *(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))
                                  if f.endswith(".md")),
                                *(f"config/{f}" for f in os.listdir(os.path.join(ROOT, "config")))]]
-    texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in os.listdir(ROOT)
-              if f.endswith(".py")]
+    texts += [ast.get_docstring(ast.parse(read(f))) or "" for f in project_files() + ["bench.py"]]
     written = r"(out_dir|export_hf|export_lora|export|--out)(?:=| = |(?<=--out) )(['\"]?[\w./-]+)"
     found = {(k, v.strip("'\"")) for t in texts for k, v in re.findall(written, t)}
     # directories, but export='s file
