@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from guard_ckpt import (
+from guards.guard_ckpt import (
     CKPT_NAME,
     check_file,
     _SafeReader,
@@ -39,8 +39,8 @@ from guard_ckpt import (
     verify,
 )
 from common import write_atomic
-from guard_errors import UserError, describe_error
-from guard_files import sha256_file
+from guards.guard_errors import UserError, describe_error
+from guards.guard_files import sha256_file
 from model import ModelConfig, Transformer
 from parallel import (
     broadcast_object,

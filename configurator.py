@@ -26,7 +26,7 @@ import stat
 import traceback
 
 from common import script_help
-from guard_errors import UserError, check
+from guards.guard_errors import UserError, check
 
 
 def _unknown(key, defaults, where, script):

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-import guard_data
+from guards import guard_data
 
 
 def dataset_dir(source):
@@ -60,7 +60,7 @@ class Loader:
         if packing == "auto":
             packing = "bfd" if self.mask is not None else "concat"
         if packing == "bfd":  # whole documents per row: packing.py
-            import packing as packing_py
+            from techniques import packing as packing_py
             self.packed = packing_py.Packed(self.tokens, self.mask, self.eot_token, block_size + 1)
             self.n_chunks = self.packed.n_rows
         guard_data.check_rows(path, len(self.tokens), self.n_chunks, block_size)

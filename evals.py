@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 import data
-import sources
+from formats import corpora
 from common import write_atomic
-from guard_errors import UserError, check, excepthook
-from guard_files import check_exports, loads_json
+from guards.guard_errors import UserError, check, excepthook
+from guards.guard_files import check_exports, loads_json
 from parallel import all_reduce_sum, pick_device
 
 TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
@@ -357,11 +357,11 @@ def convert(argv):
     if not os.path.isfile(source):
         raise UserError(f"{source} is not a file: give the {kind} file you downloaded (.jsonl or "
                         f".parquet)")
-    sources.check_readers([source])
+    corpora.check_readers([source])
     check_exports({"OUT": out}, files=("OUT",))
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
-    for row, record, _ in sources.records(source, None, decode):
+    for row, record, _ in corpora.records(source, None, decode):
         try:
             q = CONVERTERS[kind](record)
         except (KeyError, ValueError, TypeError, AttributeError) as e:

@@ -19,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from guard_errors import check
-from doc_attention import Documents, document_mask
-from moe import MoE
+from guards.guard_errors import check
+from techniques.doc_attention import Documents, document_mask
+from techniques.moe import MoE
 
 # ModelConfig.rope_type: none, or Hugging Face's (scaled_frequencies)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         self.loss_fn = cross_entropy_losses
         self.chunks = None  # an interleaved pipeline stage's layers, chunk by chunk (pipeline.py)
         self.init_rope()
-        # on the meta device there is nothing to fill (build.py fills the shards)
+        # on the meta device there is nothing to fill (meta_build.py fills the shards)
         if not self.norm.weight.is_meta:
             self.init_weights()
 

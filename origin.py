@@ -10,10 +10,10 @@ import os
 from dataclasses import dataclass
 
 import checkpoint
-import guard_ckpt
-import guard_config
-from guard_config import SHAPE_KEYS
-from guard_errors import check
+from guards import guard_ckpt
+from guards import guard_config
+from guards.guard_config import SHAPE_KEYS
+from guards.guard_errors import check
 from model import ModelConfig
 from parallel import broadcast_object
 
@@ -75,7 +75,7 @@ def start_from(init_from, mesh):
                                     "model (export_hf= of train.py or sample.py), or its base "
                                     "with lora_from= its export_lora")
         return Source("run", ckpt, meta, saved=meta["model"], where=f"the checkpoint {ckpt}")
-    import hf                                                               # (3)
+    from formats import hf                                                               # (3)
     saved, index = hf.hf_index(init_from)
     return Source("hf", init_from, saved=saved, where=f"the Hugging Face model in {init_from}",
                   hf_index=index)
@@ -118,7 +118,7 @@ def saved_shape(src, overrides, base_vocab, c, world):
 def load_whole_into(model, src):
     """(2) or (3) into a model built whole: every rank reads all of it."""
     if src.kind == "hf":
-        import hf
+        from formats import hf
         weights = hf.load_hf(src.path)[1]
         if model.cfg.tie_embeddings:  # one tensor under two names
             weights.setdefault("output.weight", weights["tok_embeddings.weight"])

@@ -5,10 +5,11 @@ teardown from the torchrun environment (a dead peer turned into one line is guar
 small collectives, the gradient-sync toggle that accumulation uses, global-norm gradient clipping
 across every kind of shard, the dtype and peak FLOP/s a machine gives, and memory accounting.
 
-Each technique lives in a file of its own and is applied to a built model from outside:
-data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, context_parallel.py, pipeline.py,
-expert_parallel.py (build.py gives a model built on the meta device its storage and weights). A
-single process (`python train.py`) gets a Mesh of one and never starts a process group.
+Each technique lives in a file of its own in techniques/ and is applied to a built model from
+outside: data_parallel.py, zero.py, fsdp.py, tensor_parallel.py, context_parallel.py,
+pipeline.py, expert_parallel.py (meta_build.py gives a model built on the meta device its storage
+and weights). A single process (`python train.py`) gets a Mesh of one and never starts a
+process group.
 """
 
 import os
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 # ---------------------------------------------------------------------------------------
 # process setup and the rank grid

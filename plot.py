@@ -16,8 +16,8 @@ import os
 import sys
 
 from common import write_atomic
-from guard_errors import UserError, check, excepthook
-from guard_files import check_exports, loads_json
+from guards.guard_errors import UserError, check, excepthook
+from guards.guard_files import check_exports, loads_json
 
 PANEL_INCHES, DPI = (5.5, 4.0), 100  # each panel 550 x 400 pixels, side by side
 # a panel per mixture source: 64 is far past any mixture's, and 35,200 pixels wide (each more

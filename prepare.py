@@ -4,7 +4,7 @@ Dataset preparation: a corpus -> data/NAME/{train.bin, val.bin, meta.json}.
     python prepare.py stdlib                       # the embedded default corpus -> data/stdlib
     python prepare.py 'notes/*.txt' --name notes   # a directory or glob of .txt files
     python prepare.py docs.jsonl --name docs --text_field text
-    python prepare.py 'fineweb/*.parquet' --name fineweb  # Parquet, .jsonl.gz/.zst: sources.py
+    python prepare.py 'fineweb/*.parquet' --name fineweb  # Parquet, .jsonl.gz/.zst: corpora.py
     python prepare.py sft.jsonl --name sft --extra_tokens tokens.txt   # chat records: SFT data
 
 (`python prepare.py ...` is the same command.) Every document's tokens followed by
@@ -28,20 +28,20 @@ import time
 import zlib
 
 import common
-import guard_errors
+from guards import guard_errors
 
 # Ctrl-C and SIGTERM as the run's own from here (guard_errors.start_command)
 if __name__ == "__main__":
     guard_errors.start_command()
 import numpy as np
 
-import chat_template
+from formats import chat_template
 import evals
-import guard_chat
-import guard_files
-import packing
-import sources
-from guard_errors import UserError
+from guards import guard_chat
+from guards import guard_files
+from techniques import packing
+from formats import corpora
+from guards.guard_errors import UserError
 from tokenizer import (
     CHAT_TOKENS,
     ROLES,
@@ -102,11 +102,11 @@ def resolve_source(source):
         raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or "
                         f"a .jsonl file")
     guard_files.check_regular(files, "leave it out of the source")
-    jsonl = [sources.is_records(f) for f in files]
+    jsonl = [corpora.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
         raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
                         f"files: prepare them separately")
-    sources.check_readers(files)
+    corpora.check_readers(files)
     real = {}  # real path -> the name kept: the file's own rather than a link's
     for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
         real.setdefault(os.path.realpath(f), f)
@@ -133,7 +133,7 @@ def detect_format(kind, files, text_field="text", format="auto"):
     if format != "auto":
         return format
     for path in files:
-        for _, record, _ in sources.records(path, text_field, _decode):
+        for _, record, _ in corpora.records(path, text_field, _decode):
             return "chat" if _is_chat(record) and text_field not in record else "text"
     return "text"
 
@@ -194,7 +194,7 @@ def iter_documents(kind, root, files, text_field="text", format="text", roles=RO
                 text, bad = _decode(f.read())
             yield rel, text, bad
             continue
-        for lineno, record, bad in sources.records(path, text_field, _decode):
+        for lineno, record, bad in corpora.records(path, text_field, _decode):
             if format == "chat":
                 yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}", roles), bad
                 continue
@@ -439,7 +439,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
             "text_chars": n_chars, "replaced_bytes": n_replaced}
     # a model's tokenizer file (hf_tokenizer.py): checked when read again
     if "eot_token" in vars(base):
-        import hf_tokenizer
+        from formats import hf_tokenizer
         meta.update(tokenizer_sha256=hf_tokenizer.sha256(tokenizer))
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
@@ -554,7 +554,7 @@ def main():
     args = ap.parse_args()
     if args.out:
         guard_files.check_place("--out", args.out, "a dataset")
-    name = args.name or sources.stem(args.source.rstrip("/*")) or "data"
+    name = args.name or corpora.stem(args.source.rstrip("/*")) or "data"
     model_tokens = ()
     # the model's tokenizer (tokenizer.model_spec), as train.py's init_from= prepares it
     if args.init_from:

@@ -21,8 +21,8 @@ import zlib
 import torch
 
 from common import write_atomic
-from guard_errors import UserError
-from guard_files import loads_json
+from guards.guard_errors import UserError
+from guards.guard_files import loads_json
 from parallel import gather_to_master
 
 

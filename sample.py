@@ -19,24 +19,25 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-import guard_errors  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+# first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+from guards import guard_errors
 if __name__ == "__main__":
     guard_errors.start_command(sys.argv[1:], "sample.py")
 import numpy as np
 import torch
 
 import checkpoint
-import guard_ckpt
+from guards import guard_ckpt
 import configurator
-import guard_files
+from guards import guard_files
 import data
-import guard_data
-import hf
-import hf_tokenizer
+from guards import guard_data
+from formats import hf
+from formats import hf_tokenizer
 import origin
 import parallel
 import tokenizer
-from lora import load_lora_whole, merge_lora, save_peft_lora
+from techniques.lora import load_lora_whole, merge_lora, save_peft_lora
 from model import ModelConfig, Transformer, grow_vocab
 
 

@@ -9,7 +9,7 @@ import os
 
 import tiktoken
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 EOT = "<|endoftext|>"
 # the chat template's tokens: added to the tokenizer of a chat dataset before any user tokens
@@ -66,7 +66,7 @@ def get_tokenizer(name="cl100k_base", vocab_size=0, extra_tokens=()):
 def _base_encoding(name, vocab_size):
     # a model's tokenizer file: hf_tokenizer.py
     if os.sep in name or name.endswith((".json", ".model")):
-        import hf_tokenizer
+        from formats import hf_tokenizer
         enc = hf_tokenizer.load(name)
         if vocab_size not in (0, enc.n_vocab):
             raise UserError(f"vocab_size={vocab_size} but the tokenizer {name} has {enc.n_vocab} "
@@ -97,7 +97,7 @@ def tokenizer_from_meta(meta):
     """The tokenizer a prepared dataset was encoded with (its meta.json as a dict), or a
     model's (a checkpoint's "tokenizer_spec", see model_spec): the same fields."""
     if meta.get("tokenizer_sha256"):
-        import hf_tokenizer
+        from formats import hf_tokenizer
         if not hf_tokenizer.unchanged(meta["tokenizer"], meta["tokenizer_sha256"]):
             raise UserError(f"the tokenizer file {meta['tokenizer']} that this model and its data "
                             f"were tokenized with is gone or changed since: put the original back")
@@ -238,7 +238,7 @@ def model_spec(src, tokenizer, vocab_size):
         return checkpoint_spec(src.meta)
     if src.kind != "hf":
         return None
-    import hf_tokenizer
+    from formats import hf_tokenizer
     rows, path = src.saved["vocab_size"], hf_tokenizer.find(src.path)
     if path is None:
         ids = get_tokenizer(tokenizer, vocab_size).n_vocab

@@ -15,20 +15,21 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 
-import guard_errors  # first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+# first: --help, and a Ctrl-C while torch imports (seconds), need no torch
+from guards import guard_errors
 guard_errors.start_command(sys.argv[1:], "train.py")
 import torch
 
 import checkpoint
 import configurator
 import data
-import guard_config
-import guard_data
-import guard_dist
-import guard_files
-import guard_env
-import loss_scale  # fp16: loss_scale.py
-import nan_guard
+from guards import guard_config
+from guards import guard_data
+from guards import guard_dist
+from guards import guard_files
+from guards import guard_env
+from techniques import loss_scale  # fp16: loss_scale.py
+from techniques import nan_guard
 import origin
 import parallel
 import rundir
@@ -241,7 +242,7 @@ if not mixing:
     meta = guard_data.read_meta(data_dir)
     train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
-    import mixture
+    from techniques import mixture
     sources = configurator.mixture_sources(config)
     data_dir, meta, train_loader, val_loaders, val_weights = mixture.setup(
         sources, phases, mix_temperature,
@@ -262,12 +263,12 @@ if src.saved is not None:
     model_cfg = origin.saved_shape(src, overrides, meta.get("base_vocab_size", meta["vocab_size"]),
                                    config, world)
 if (rope_theta or rope_scaling) and src.kind != "resume":  # long context: hf_rope.py
-    import hf_rope
+    from formats import hf_rope
     model_cfg = ModelConfig(**hf_rope.with_run_rope(asdict(model_cfg), rope_theta, rope_scaling,
                                                     block_size))
 lora = None
 if lora_rank or lora_from or src.lora:  # LoRA: lora.py
-    import lora as lora_py
+    from techniques import lora as lora_py
     lora, adapter = lora_py.settings(config, overrides, src)
 guard_errors.check(lora or not export_lora,
                    "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
@@ -275,7 +276,7 @@ guard_errors.check(lora or not export_lora,
 # stage, tp slices, FSDP shards or an ep rank's experts? A whole model is built as one process
 # builds it, and so is a model that changes once built (LoRA adapters, a grown vocabulary). The
 # others are built on the meta device: cut as shapes, then given only this rank's weights
-# (build.py).
+# (meta_build.py).
 use_fsdp = fsdp and mesh.dp > 1
 grows = model_cfg.vocab_size < meta["vocab_size"]
 holds_whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
@@ -303,38 +304,38 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
 # In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),
 # shard, give a meta model its weights, compile, and wrap for data parallel last (its hooks).
 if pp > 1:  # pipeline: pipeline.py
-    import pipeline
+    from techniques import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers),
                                    pp_virtual)
 if built_whole:
     raw_model.to(mesh.device)
 if ep > 1:  # expert parallel: expert_parallel.py
-    import expert_parallel
-    import moe
+    from techniques import expert_parallel
+    from techniques import moe
     expert_parallel.expert_parallel(raw_model, mesh, ep, moe.moe_layers)
 if tp > 1:  # tensor parallel: tensor_parallel.py (sp too)
-    import tensor_parallel
+    from techniques import tensor_parallel
     tensor_parallel.tensor_parallel(raw_model, mesh, sp)
 if cp > 1:  # context parallel: context_parallel.py
-    import context_parallel
+    from techniques import context_parallel
     context_parallel.context_parallel(raw_model, mesh)
 if use_fsdp:  # FSDP: fsdp.py
-    import fsdp as fsdp_py
+    from techniques import fsdp as fsdp_py
     fsdp_py.fully_shard_model(raw_model, mesh, reshard_after_forward, offload=offload)
-if not built_whole:  # the meta-device build: build.py
-    import build
-    build.fill(raw_model, src, seed, mesh,
+if not built_whole:  # the meta-device build: meta_build.py
+    from techniques import meta_build
+    meta_build.fill(raw_model, src, seed, mesh,
                torch.device("cpu") if use_fsdp and offload else mesh.device)
 if model_cfg.n_experts:  # mixture of experts: moe.py
-    import moe
+    from techniques import moe
     moe.attach(raw_model, model_cfg)
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
 if use_zero:  # ZeRO: zero.py
-    import zero as zero_py
+    from techniques import zero as zero_py
     model = zero_py.ZeroDataParallel(model, mesh, ddp_bucket_mb, zero)
 elif mesh.dp > 1 and not use_fsdp:  # data parallel: data_parallel.py
-    import data_parallel
+    from techniques import data_parallel
     model = data_parallel.wrap(model, mesh, ddp_impl, ddp_bucket_mb)
 optimizer, grad_params = build_optimizer(raw_model, model, mesh, config,
                                          zero_py.ZeroOptimizer if use_zero else None)
@@ -429,7 +430,7 @@ def log(record):
 
 resumed_from = src.path if src.kind == "resume" else None  # never pruned
 if ckpt_async:  # checkpoints written in the background: ckpt_async.py
-    import ckpt_async
+    from techniques import ckpt_async
     saves = ckpt_async.AsyncSaves(out_dir, raw_model, optimizer, mesh, keep_ckpts, resumed_from)
 
 
@@ -461,7 +462,7 @@ if src.kind in ("hf", "run") and passes > 3:
     mesh.print0(data.passes_note(max_iters, passes))
 
 if profile_iters:  # profiler: profiling.py (labels the loop's calls from outside)
-    import profiling
+    from techniques import profiling
     profiling.attach(profile_iters, start_iter, out_dir, mesh, raw_model, optimizer,
                      profile_memory)
 

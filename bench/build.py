@@ -8,8 +8,8 @@ from contextlib import nullcontext
 
 import torch
 
-import build
-import fsdp
+from techniques import meta_build
+from techniques import fsdp
 import parallel
 from model import ModelConfig, Transformer
 
@@ -25,15 +25,15 @@ def build_worker(layout, hf_dir):
     the model with fresh weights and while it imports the Hugging Face copy, the meta way
     (train.py) and the old way (whole model first, then cut and shard)."""
     
-    import hf
-    from pipeline import make_stage
+    from formats import hf
+    from techniques.pipeline import make_stage
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     mesh = parallel.setup("cpu", 300, pp=world if layout == "pp" else 1)
     row = {}
     for meta in (True, False):
         for source in ("init", "import"):
-            with build.TensorMemory() as mem:
+            with meta_build.TensorMemory() as mem:
                 torch.manual_seed(0)
                 with torch.device("meta") if meta else nullcontext():
                     model = Transformer(ModelConfig(**BUILD_MODEL))
@@ -43,12 +43,12 @@ def build_worker(layout, hf_dir):
                 if layout == "fsdp" and world > 1:
                     fsdp.fully_shard_model(model, mesh)
                 if meta:
-                    build.materialize(model, "cpu")
+                    meta_build.materialize(model, "cpu")
                     model.init_rope()
                     if source == "import":
-                        hf.load_hf_parts(hf.hf_index(hf_dir)[1], build.local_parts(model))
+                        hf.load_hf_parts(hf.hf_index(hf_dir)[1], meta_build.local_parts(model))
                     else:
-                        build.init_weights(model, 0)
+                        meta_build.init_weights(model, 0)
             row[f"{'meta' if meta else 'whole'}_{source}"] = mem.peak / 2 ** 20
             del model
     rows = parallel.all_gather_object(row, mesh)
@@ -65,11 +65,12 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, "
           f"n_embd={cfg.n_embd}, vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M "
           f"parameters, fp32: {whole:.1f} MB whole, largest single parameter {largest:.1f} MB); "
-          "peak MB of tensors a rank allocates (counted by build.TensorMemory), the busiest rank")
+          "peak MB of tensors a rank allocates (counted by meta_build.TensorMemory), the busiest "
+          "rank")
     print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | "
           f"{'old build':>9} | {'old import':>10}")
     print("-" * 62)
-    import hf
+    from formats import hf
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")
         hf.save_hf(hf_dir, model.state_dict(), cfg)

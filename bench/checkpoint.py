@@ -13,7 +13,7 @@ import time
 import torch
 
 import checkpoint
-import ckpt_async
+from techniques import ckpt_async
 import parallel
 from model import ModelConfig, Transformer
 from optim import AdamW

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from doc_attention import Documents
+from techniques.doc_attention import Documents
 
 from bench.base import ITERS, SMOKE, in_subprocess, peak_and_median
 

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import data_parallel
+from techniques import data_parallel
 import parallel
 from model import ModelConfig, Transformer
 

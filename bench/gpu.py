@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import fsdp
+from techniques import fsdp
 import parallel
 from model import ModelConfig, Transformer
 from parallel import measure_matmul_flops

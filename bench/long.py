@@ -9,9 +9,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-import context_parallel
+from techniques import context_parallel
 import parallel
-import tensor_parallel
+from techniques import tensor_parallel
 import workarounds
 from model import ModelConfig, Transformer
 

@@ -4,7 +4,7 @@ process each: ms/iter, trainable parameters, optimizer bytes, peak memory."""
 import torch
 
 import parallel
-from lora import apply_lora
+from techniques.lora import apply_lora
 from model import ModelConfig, Transformer
 
 from bench.base import ACCUM, BATCH, ITERS, MODEL, in_subprocess, median_step_time, peak_memory_mb

@@ -9,18 +9,18 @@ import time
 import torch
 import torch.distributed as dist
 
-import data_parallel
-import fsdp
+from techniques import data_parallel
+from techniques import fsdp
 import parallel
-import pipeline
-import zero
+from techniques import pipeline
+from techniques import zero
 from model import ModelConfig, Transformer
 
 from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks
 
 
 def layout_worker(layout):
-    from pipeline import make_stage
+    from techniques.pipeline import make_stage
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     with open("/proc/self/statm") as f:

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-import data_parallel
-import fsdp
+from techniques import data_parallel
+from techniques import fsdp
 import parallel
-import tensor_parallel
-import zero
+from techniques import tensor_parallel
+from techniques import zero
 from model import ModelConfig, Transformer
 
 from bench.base import MODEL, SMOKE, run_ranks

@@ -15,9 +15,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import data_parallel
-import expert_parallel
-import moe
+from techniques import data_parallel
+from techniques import expert_parallel
+from techniques import moe
 import parallel
 from model import ModelConfig, Transformer
 

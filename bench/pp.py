@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import pipeline
+from techniques import pipeline
 import workarounds
 from model import ModelConfig, Transformer
 
@@ -23,7 +23,7 @@ from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks, sized
 def pp_worker(ms, model):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from pipeline import make_stage, pipeline_split
+    from techniques.pipeline import make_stage, pipeline_split
     mesh = parallel.setup("auto", 300, pp=int(os.environ["WORLD_SIZE"]))
     workarounds.keep_freed_memory()  # as train.py does on a CPU
     dev, T, V = mesh.device, model["block_size"], model["vocab_size"]

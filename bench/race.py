@@ -20,7 +20,7 @@ import torch
 
 import checkpoint
 import data
-import guard_data
+from guards import guard_data
 import prepare
 
 from bench.base import RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, default_threads_env, nanogpt_dir

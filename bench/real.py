@@ -105,7 +105,7 @@ def ours(path, T, grad_ckpt, device, dtype, compiled):
     them on a trained model: AdamW (at the recipe's rate; the speed does not depend on it) and
     the head and loss in chunks (loss_chunk, loss_recompute); compiled: train.py's compile=True."""
     import configurator
-    import hf
+    from formats import hf
     import optim
     import parallel
     from model import ModelConfig, Transformer

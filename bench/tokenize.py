@@ -15,9 +15,9 @@ import tokenizer as tokenizer_py
 
 
 def table_tokenize(max_mb=30, repeats=3):
-    import hf
+    from formats import hf
     import prepare
-    import hf_tokenizer
+    from formats import hf_tokenizer
     enc = tokenizer_py.get_tokenizer("cl100k_base", 8192)
     tmp = tempfile.mkdtemp()
     tj, config = hf.hf_tokenizer(enc, 256)

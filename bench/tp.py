@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import tensor_parallel
+from techniques import tensor_parallel
 from model import ModelConfig, Transformer
 
 from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks, sized

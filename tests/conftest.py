@@ -370,7 +370,7 @@ def validate_as_train(config, given, world):
     """The config checked as train.py checks it: the layout's batch derived
     (configurator.batch_for_layout), then guard_config.validate's one pass."""
     import configurator
-    import guard_config
+    from guards import guard_config
     config = {**config, "grad_accum_steps": configurator.batch_for_layout(config, given, world)}
     guard_config.validate(config, given, world)
     return config

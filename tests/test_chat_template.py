@@ -10,10 +10,10 @@ import pytest
 import torch
 from real_model import smollm2_dir
 
-import chat_template
-import hf_tokenizer
+from formats import chat_template
+from formats import hf_tokenizer
 import prepare
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 WORDS = ["hello", "Ça va ?", "日本語のテキスト", "Привет", "🙂👩‍👩‍👧", "naïve café", "x² ≤ ∞",
          "def f(x):\n    return x", "  leading", "trailing  ", "\n\nnewlines\n", "tab\tbed",
@@ -270,9 +270,9 @@ def test_chat_and_text_of_one_base_mix_cut_at_their_own_document_ends(tmp_path):
     from conftest import RUN, read_metrics, run_train, write_corpus
 
     import data
-    import guard_data
-    import hf
-    import mixture
+    from guards import guard_data
+    from formats import hf
+    from techniques import mixture
     from model import ModelConfig, Transformer
     base = tiny_base_on_smollm2s_tokenizer(tmp_path / "base")
     chats = [[{"role": "user", "content": f"What is {w}?"},

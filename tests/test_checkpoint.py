@@ -18,9 +18,9 @@ from transformers import (
 
 import prepare
 import tokenizer as tokenizer_py
-from guard_errors import UserError
-from hf import hf_config_to_ours, hf_tokenizer, load_hf, save_hf
-from hf_safetensors import read_safetensors, write_safetensors
+from guards.guard_errors import UserError
+from formats.hf import hf_config_to_ours, hf_tokenizer, load_hf, save_hf
+from formats.hf_safetensors import read_safetensors, write_safetensors
 from model import ModelConfig, Transformer
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160,

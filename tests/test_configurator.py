@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 from configurator import configure
 
 DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False,

@@ -10,7 +10,7 @@ import torch
 import data
 import prepare
 import tokenizer
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
          "    \t\n\n  trailing spaces   ", "<|endoftext|> is plain text here",
@@ -277,18 +277,18 @@ def test_compressed_lines_are_read_whole_and_bounded(tmp_path, monkeypatch):
     of several frames); a line past MAX_LINE_BYTES (a decompression bomb: a few kB that expand
     to one endless line) is one line of error, read no further than the bound."""
     import zstandard
-    import sources
+    from formats import corpora
     lines = [b"x" * n + b"\n" for n in (0, 1, (1 << 20) + 7, 5, 3 << 20, 2)] + [b"tail"]
     raw = b"".join(lines)
     zc = zstandard.ZstdCompressor()
     files = {"a.jsonl": raw, "a.jsonl.gz": gzip.compress(raw),
              "a.jsonl.zst": zc.compress(raw[:1000]) + zc.compress(raw[1000:])}
     for name, data in files.items():
-        assert list(sources._lines(_write(tmp_path / name, data))) == lines, name
+        assert list(corpora._lines(_write(tmp_path / name, data))) == lines, name
     monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1 << 20)
     bomb = b"{}\n" + b"\0" * (64 << 20)  # (a record, then 64 MB of zeros: a 2 kB .zst)
     for name, data in {"b.jsonl.gz": gzip.compress(bomb, 1), "b.jsonl.zst": zc.compress(bomb),
                        "b.jsonl": bomb[:3 << 20]}.items():
         with pytest.raises(UserError, match=r":2: a line of over 1 MB \(no JSONL record") as e:
-            list(sources._lines(_write(tmp_path / name, data)))
+            list(corpora._lines(_write(tmp_path / name, data)))
         assert "\n" not in str(e.value) and name in str(e.value)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from doc_attention import Documents, document_mask
+from techniques.doc_attention import Documents, document_mask
 from model import ModelConfig, Transformer
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import configurator
-import guard_config
+from guards import guard_config
 from conftest import ROOT, module_of, project_files
 
 

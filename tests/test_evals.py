@@ -13,10 +13,10 @@ import torch
 from conftest import TINY, read_metrics, run_train
 
 import data
-import guard_data
+from guards import guard_data
 import evals
 import tokenizer as tokenizer_py
-from guard_errors import UserError
+from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
 
 
@@ -42,7 +42,7 @@ def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
     (as lm-evaluation-harness splits the text), cut from the left past block_size."""
     from transformers import LlamaForCausalLM
 
-    import hf
+    from formats import hf
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
     model = Transformer(cfg).eval()

@@ -13,11 +13,11 @@ import torch
 from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchrun
 
 import checkpoint
-import guard_ckpt
-import hf
-import hf_tokenizer
-from guard_errors import UserError
-import lora
+from guards import guard_ckpt
+from formats import hf
+from formats import hf_tokenizer
+from guards.guard_errors import UserError
+from techniques import lora
 from model import ModelConfig, Transformer
 
 SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -327,7 +327,7 @@ def test_rope_scalings_as_transformers(tmp_path):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    import hf_rope
+    from formats import hf_rope
     from model import rope_tables
     base = dict(
         ModelConfig(vocab_size=64, n_embd=64, n_head=4, max_position=32, block_size=32).__dict__)

@@ -11,14 +11,14 @@ from conftest import (REFERENCE, assert_same_curve, read_metrics, run_train, spa
                       torchrun)
 from test_parallel import CLIP_CFG, clip_batch, clip_model_grads
 
-import data_parallel
+from techniques import data_parallel
 import faults
-import fsdp
+from techniques import fsdp
 import parallel
-import tensor_parallel
-import zero
-from guard_ckpt import check_meta
-from loss_scale import LossScaler
+from techniques import tensor_parallel
+from techniques import zero
+from guards.guard_ckpt import check_meta
+from techniques.loss_scale import LossScaler
 from model import ModelConfig, Transformer
 
 # ---- the scaler against torch.amp.GradScaler, in one process ---------------------------

@@ -16,9 +16,9 @@ from conftest import (
     torchrun,
 )
 
-import fsdp
-import hf
-import hf_safetensors
+from techniques import fsdp
+from formats import hf
+from formats import hf_safetensors
 import parallel
 from model import ModelConfig, Transformer
 

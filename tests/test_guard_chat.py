@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from real_model import smollm2_dir
 
-import chat_template
+from formats import chat_template
 import data
-import guard_chat
-import hf_tokenizer
+from guards import guard_chat
+from formats import hf_tokenizer
 import prepare
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 # a template that renders every field a tool-calling template may (Qwen's, Llama 3.1's)
 TOOLS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

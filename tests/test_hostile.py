@@ -21,20 +21,20 @@ import pytest
 import torch
 from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
 
-import guard_files
+from guards import guard_files
 import checkpoint
-import guard_ckpt
+from guards import guard_ckpt
 import configurator
 import data
 import evals
-import guard_data
-import guard_dist
-import guard_env
-import hf
-import hf_safetensors
-import hf_tokenizer
-import lora
-import mixture
+from guards import guard_data
+from guards import guard_dist
+from guards import guard_env
+from formats import hf
+from formats import hf_safetensors
+from formats import hf_tokenizer
+from techniques import lora
+from techniques import mixture
 import origin
 import parallel
 import plot
@@ -42,8 +42,8 @@ import prepare
 import rundir
 import sample
 import tokenizer as tokenizer_py
-from guard_errors import UserError
-from guard_files import check_exports
+from guards.guard_errors import UserError
+from guards.guard_files import check_exports
 from model import ModelConfig, Transformer
 from optim import AdamW
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 
-import context_parallel
+from techniques import context_parallel
 import parallel
-import tensor_parallel
+from techniques import tensor_parallel
 from model import ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
@@ -148,7 +148,7 @@ def test_context_parallel_refuses_a_sliding_window_shorter_than_the_sequence():
     """The ring and the all-gather build causal (and document) masks, no window: a Mistral base
     whose window is shorter than block_size is refused in one line, not trained without it."""
     from types import SimpleNamespace
-    from guard_errors import UserError
+    from guards.guard_errors import UserError
     model = Transformer(ModelConfig(**{**CFG, "sliding_window": 8}))
     with pytest.raises(UserError, match=r"sliding_window=8 is shorter than block_size=16: context "
                                         r"parallelism \(cp=2\) has no sliding window"):
@@ -188,7 +188,7 @@ def test_one_run_moves_between_context_parallel_and_one_process(dataset, referen
 ])
 def test_a_long_sequence_layout_mistake_is_one_line(args, world, message):
     import configurator
-    from guard_errors import UserError
+    from guards.guard_errors import UserError
     from conftest import ROOT, validate_as_train
     config = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), **args}
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):

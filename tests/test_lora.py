@@ -19,13 +19,13 @@ from conftest import (
 )
 
 import faults
-import fsdp
-import hf
-import lora
-from guard_errors import UserError
-from lora import LoRALinear, apply_lora, merge_lora
+from techniques import fsdp
+from formats import hf
+from techniques import lora
+from guards.guard_errors import UserError
+from techniques.lora import LoRALinear, apply_lora, merge_lora
 from model import ModelConfig, Transformer
-from pipeline import make_stage
+from techniques.pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"
 # every target, clipping on, a poisoned iteration for the NaN guard (4 is skipped: tests/faults.py,

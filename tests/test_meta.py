@@ -9,13 +9,13 @@ from conftest import spawn
 from test_fsdp import check_one_nth, one_step_memory
 from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp
+from techniques import fsdp
 import parallel
-import build
-import hf
-import tensor_parallel
+from techniques import meta_build
+from formats import hf
+from techniques import tensor_parallel
 from model import ModelConfig, Transformer
-from pipeline import make_stage
+from techniques.pipeline import make_stage
 
 # layers dominate (16 of them, a 64-token vocabulary), so 1/4 of the model is well above the
 # fixed overhead of one parameter drawn whole
@@ -25,7 +25,7 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=16, n_head=4, n_kv_head=2, n_em
 def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=None):
     """train.py's model section at one layout: (model, peak bytes of tensors allocated).
     meta=False: the old way, the whole model built (and imported) first, then cut and sharded."""
-    with build.TensorMemory() as mem:
+    with meta_build.TensorMemory() as mem:
         torch.manual_seed(0)
         with torch.device("meta") if meta else nullcontext():
             model = Transformer(ModelConfig(**cfg))
@@ -38,12 +38,12 @@ def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=Non
             fsdp.fully_shard_model(model,
                                    SimpleNamespace(dp_mesh=dp_mesh, device=torch.device("cpu")))
         if meta:
-            build.materialize(model, "cpu")
+            meta_build.materialize(model, "cpu")
             model.init_rope()
             if hf_dir:
-                hf.load_hf_parts(hf.hf_index(hf_dir)[1], build.local_parts(model))
+                hf.load_hf_parts(hf.hf_index(hf_dir)[1], meta_build.local_parts(model))
             else:
-                build.init_weights(model, 0)
+                meta_build.init_weights(model, 0)
     return model, mem.peak
 
 

@@ -11,10 +11,10 @@ from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import configurator
 import data
-import guard_data
-import mixture
+from guards import guard_data
+from techniques import mixture
 import prepare
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 
 @pytest.fixture(scope="module")

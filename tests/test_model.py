@@ -15,7 +15,7 @@ from model import (
     rope_tables,
 )
 from optim import MuonWithAdamW, get_lr, newton_schulz, newton_schulz_each
-from pipeline import make_stage
+from techniques.pipeline import make_stage
 
 tiny = tiny_model
 
@@ -65,7 +65,7 @@ def test_the_chunked_head_and_loss_equal_the_whole_logits(head):
     sums), tied embeddings, and a LoRA head (its adapter path is a second (input, weight) pair).
     With the softmax kept for backward (loss_recompute=False): the same losses bit for bit (the
     same forward), and the gradients of one backward over all rows to float rounding."""
-    import lora
+    from techniques import lora
     g = torch.Generator().manual_seed(3)
     idx, tgt = (torch.randint(0, 97, (2, 2, 16), generator=g),
                 torch.randint(0, 97, (2, 2, 16), generator=g))
@@ -115,7 +115,7 @@ def test_the_chunked_loss_under_bf16_autocast(head):
     adapter input meets a float32 weight: an error). The softmax kept instead
     (loss_recompute=False): the recomputing one's gradients up to the rounding of one bf16 backward
     over all rows, not chunks."""
-    import lora
+    from techniques import lora
     g = torch.Generator().manual_seed(3)
     idx, tgt = (torch.randint(0, 97, (2, 16), generator=g),
                 torch.randint(0, 97, (2, 16), generator=g))
@@ -452,7 +452,7 @@ def test_the_optimizer_groups_by_name(optim):
     last = group_of_each_name(make_stage(tiny_model(n_layer=2, tie_embeddings=True), 1, 2), optim)
     assert (last["output.weight"] == (0.1, 10.0, False)
             and last["norm.weight"] == (0.0, 1.0, False)), last
-    import lora
+    from techniques import lora
     model = tiny_model(n_layer=1)
     lora.apply_lora(model, 2, 4.0, 0.0, ["wq", "output"], seed=0)
     assert group_of_each_name(model, optim) == {f"{m}.lora_{ab}.weight": (0.1, 1.0, False)

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
-import hf
-import moe
+from formats import hf
+from techniques import moe
 from model import ModelConfig, Transformer
 
 # the tiny MoE model of the run tests: 4 experts, 2 a token, in both layers
@@ -241,9 +241,9 @@ def _ep_grads(mesh):
     send split on the wrong axis shows), ep=2 under FSDP (sharded over the replicas), and ep=4
     with the experts of ep rank 1 starved (the bias keeps every token off them: they receive no
     row and must still join the exchanges). Per case {name: (ep's gradient, one process's)}."""
-    import data_parallel
-    import expert_parallel
-    import fsdp
+    from techniques import data_parallel
+    from techniques import expert_parallel
+    from techniques import fsdp
     cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                       n_experts=8, moe_ffn_dim=24, moe_aux_weight=0.01, moe_z_weight=0.01)
     x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
@@ -578,7 +578,7 @@ def test_every_expert_a_token_and_every_other_layer_trains(tmp_path):
     Qwen2-MoE's decoder_sparse_step does, and trains:
     both report their loads and move their bias."""
     import configurator
-    import guard_config
+    from guards import guard_config
     from conftest import ROOT
     defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
     given = {"n_experts": 4, "moe_top_k": 4, "out_dir": str(tmp_path / "out")}

@@ -10,8 +10,8 @@ import torch
 from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import data
-import guard_data
-import packing
+from guards import guard_data
+from techniques import packing
 import prepare
 import tokenizer as tokenizer_py
 from model import ModelConfig, Transformer
@@ -91,7 +91,7 @@ def test_the_first_loss_equals_transformers_on_the_same_padded_rows_on_any_layou
     labels -100 where the loss does not count; dp=2 x pp=2 trains the same curve."""
     from transformers import LlamaForCausalLM
 
-    import hf
+    from formats import hf
     out = str(tmp_path / "run")
     args = [*TINY, f"dataset={chats}", "max_iters=4", f"block_size={T}", "grad_accum_steps=4",
             "packing=bfd"]
@@ -130,7 +130,7 @@ def test_a_mixture_takes_packed_sources(chats, dataset):
     """A packed chat source beside a packed text one: each slot is its source's packed row, a
     text row masked only on its padding."""
     import configurator
-    import mixture
+    from techniques import mixture
     names = ["chats", "tiny"]
     loaders = [data.Loader(d, "train", T, 4, 2, 1337, packing="bfd") for d in (chats, dataset)]
     mix = mixture.MixtureLoader(loaders, names, [0.5, 0.5],

@@ -29,12 +29,12 @@ from conftest import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-import data_parallel
-import fsdp
-import guard_ckpt
+from techniques import data_parallel
+from techniques import fsdp
+from guards import guard_ckpt
 import parallel
-import tensor_parallel
-import zero
+from techniques import tensor_parallel
+from techniques import zero
 from model import ModelConfig, Transformer
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import guard_ckpt
+from guards import guard_ckpt
 from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
 
-import pipeline
+from techniques import pipeline
 from model import ModelConfig, Transformer
-from pipeline import make_stage, pipeline_split, stage_costs, stage_layers
+from techniques.pipeline import make_stage, pipeline_split, stage_costs, stage_layers
 
 CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4
 B = 2

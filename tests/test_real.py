@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import assert_same_curve, read_metrics, run_train, torchrun, write_corpus
 from real_model import smollm2_dir
 
-import hf
+from formats import hf
 import sample
 from model import ModelConfig, Transformer
 

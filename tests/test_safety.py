@@ -19,20 +19,20 @@ import pytest
 import torch
 from conftest import ROOT, TINY, read_metrics, run_train
 
-import guard_files
+from guards import guard_files
 import checkpoint
-import ckpt_async
-import guard_ckpt
+from techniques import ckpt_async
+from guards import guard_ckpt
 import rundir
 import data
-import guard_data
+from guards import guard_data
 import faults
-import fsdp
-import hf
-import hf_safetensors
+from techniques import fsdp
+from formats import hf
+from formats import hf_safetensors
 import parallel
 import prepare
-from guard_errors import UserError
+from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
 from optim import AdamW
 

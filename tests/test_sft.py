@@ -11,7 +11,7 @@ from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torc
 import data
 import prepare
 import tokenizer
-from guard_errors import UserError
+from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",

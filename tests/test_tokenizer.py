@@ -13,10 +13,10 @@ import torch
 from conftest import ROOT, run_train
 
 import hf_families
-import hf_tokenizer
+from formats import hf_tokenizer
 import prepare
 import tokenizer as tokenizer_py
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 SPECIALS = ["<|endoftext|>", "<|begin|>"]
 
@@ -143,7 +143,7 @@ def test_family_export_keeps_the_bases_tokenizer(tmp_path, family):
     tokenizer.json as `tokenizers` serializes it (the added tokens at their ids): AutoTokenizer
     gives our ids, one per embedding row, and the base's BOS (none for Qwen2: not its EOS), EOS
     and model_max_length, in tokenizer_config.json, special_tokens_map.json and config.json."""
-    import hf
+    from formats import hf
     from model import ModelConfig, Transformer
     from transformers import AutoTokenizer
     hf_families.write_tokenizer(family, str(tmp_path / "base"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
-import guard_errors
-from guard_errors import UserError
+from guards import guard_errors
+from guards.guard_errors import UserError
 
 TRAIN_KEYS = {"iter", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "mfu",
               "elapsed_s"}
@@ -353,7 +353,7 @@ def test_config_mistakes_are_refused_before_anything_is_touched(case, dataset, s
 
 
 def test_a_dead_peer_is_one_line_that_keeps_the_cause(capfd):
-    import guard_dist
+    from guards import guard_dist
     cause = "Connection reset by peer [127.0.0.1]:45678"
     err = RuntimeError(
         f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: {cause}"

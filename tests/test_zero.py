@@ -13,9 +13,9 @@ from conftest import (INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, r
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import checkpoint
-import data_parallel
+from techniques import data_parallel
 import parallel
-import zero
+from techniques import zero
 from model import ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)

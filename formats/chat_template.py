@@ -27,8 +27,8 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 
-import guard_chat
-from guard_errors import UserError
+from guards import guard_chat
+from guards.guard_errors import UserError
 
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
          "mask_token")

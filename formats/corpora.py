@@ -12,8 +12,8 @@ import gzip
 import os
 import zlib
 
-from guard_errors import UserError
-from guard_files import loads_json
+from guards.guard_errors import UserError
+from guards.guard_files import loads_json
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 # the columns a Parquet record may need: the text field, or a conversation's

@@ -19,7 +19,7 @@ import socket
 import stat
 import tempfile
 
-from guard_errors import UserError, check, describe_error
+from guards.guard_errors import UserError, check, describe_error
 
 # Sanity bounds of a model's sizes, far past any model trained here, checked before anything
 # is built from a file's numbers; guard_config.check_memory is the real bound.

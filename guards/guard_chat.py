@@ -29,7 +29,7 @@ from jinja2 import pass_eval_context
 from jinja2.filters import do_center, do_format, do_indent, sync_do_join, do_replace
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 MAX_TEMPLATE_BYTES = 1 << 20  # the longest real ones (tool-calling templates) are ~20 kB
 MAX_RENDER_CHARS = 1 << 24  # one conversation: ~4M tokens, far past any block_size

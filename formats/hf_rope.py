@@ -7,7 +7,7 @@ scalings' fields and calls these; model.py computes the tables.
 
 import math
 
-from guard_errors import check
+from guards.guard_errors import check
 
 # rope_scaling='yarn:4' -> (rope_type, factor); '' keeps the base's, 'none' drops it
 RUN_SCALINGS = ("none", "linear", "llama3", "yarn")

@@ -10,8 +10,8 @@ here, never counted.
 import os
 
 import checkpoint
-import guard_ckpt
-from guard_errors import UserError, check
+from guards import guard_ckpt
+from guards.guard_errors import UserError, check
 from rundir import restore_streams, truncate_metrics
 
 

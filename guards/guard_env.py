@@ -9,7 +9,7 @@ import os
 import socket
 import time
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 FIX = ("start the run with torchrun (`torchrun --nproc_per_node=N train.py ...`), which sets "
        "them, or unset them for one process")

@@ -15,9 +15,9 @@ import re
 import torch
 
 import configurator
-import guard_env
-from guard_errors import UserError, check
-from guard_files import check_exports, check_place, check_writable
+from guards import guard_env
+from guards.guard_errors import UserError, check
+from guards.guard_files import check_exports, check_place, check_writable
 from model import ModelConfig
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
@@ -108,7 +108,7 @@ def _check_profiler(c, overrides):
 
 
 def _check_rope(c, overrides):  # long context: hf_rope.py
-    import hf_rope
+    from formats import hf_rope
     hf_rope.check_run_rope(c)
 
 

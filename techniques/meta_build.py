@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp import keeping_marks
+from techniques.fsdp import keeping_marks
 from model import init_tensor
 
 # ---- meta-device build: no rank ever holds the whole model ------------------------------
@@ -147,7 +147,7 @@ def fill(model, src, seed, mesh, device):
     model.init_rope(mesh.device)  # buffers derived from the config, not loaded
     with torch.no_grad():
         if src.kind == "hf":
-            import hf
+            from formats import hf
             hf.load_hf_parts(src.hf_index, local_parts(model))
         elif src.kind == "run":
             import checkpoint

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-import guard_errors
-import guard_files
+from guards import guard_errors
+from guards import guard_files
 import parallel
 
 def run_excepthook(kind, err, tb):

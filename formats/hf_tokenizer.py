@@ -30,9 +30,10 @@ import re
 
 import tiktoken
 
-import guard_chat
-from guard_errors import UserError
-from guard_files import MAX_JSON_BYTES, MAX_LIST_JSON_BYTES, MAX_SIZES, read_json, sha256_file
+from guards import guard_chat
+from guards.guard_errors import UserError
+from guards.guard_files import (MAX_JSON_BYTES, MAX_LIST_JSON_BYTES, MAX_SIZES, read_json,
+                                sha256_file)
 
 # Meta's Llama 3 tokenizer.py: its split and its 256 special tokens after the 128,000 ranks
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
@@ -270,7 +271,7 @@ def guarded(path, source, method=None, *args, **kwargs):
 @functools.cache
 def _char_bytes():
     """ByteLevel's alphabet: the byte each of its 256 characters stands for."""
-    from hf import bytes_to_unicode
+    from formats.hf import bytes_to_unicode
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
@@ -346,7 +347,7 @@ def tiktoken_twin(tj):
     listed merge), a piece that is a token is that token (ignore_merges, tiktoken's shortcut),
     and no added token starts another (tiktoken tries them in no fixed order, `tokenizers` the
     longest first)."""
-    from hf import bytes_to_unicode
+    from formats.hf import bytes_to_unicode
     model, pre, added = tj["model"], tj.get("pre_tokenizer") or {}, tj.get("added_tokens") or []
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if (tj.get("normalizer") or model.get("byte_fallback") or not model.get("ignore_merges")

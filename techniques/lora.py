@@ -15,13 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-import guard_chat
-import guard_ckpt
-from guard_errors import UserError
-from guard_files import read_json, sha256_file
-from guard_config import LORA_TARGETS, lora_targets
-from hf import HF_NAMES, load_hf, rename, weight_files, write_export_dir
-from hf_safetensors import read_safetensors
+from guards import guard_chat
+from guards import guard_ckpt
+from guards.guard_errors import UserError
+from guards.guard_files import read_json, sha256_file
+from guards.guard_config import LORA_TARGETS, lora_targets
+from formats.hf import HF_NAMES, load_hf, rename, weight_files, write_export_dir
+from formats.hf_safetensors import read_safetensors
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
 

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 
 # model_type -> architecture
 MOE_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",

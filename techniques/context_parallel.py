@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from guard_errors import check
+from guards.guard_errors import check
 from model import apply_rope
 
 # Everything in a block but the attention is per token, so a rank that holds a part of the

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from guard_errors import UserError
+from guards.guard_errors import UserError
 from model import RMSNorm, chunked_losses
 
 # The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline import tied_copy
+from techniques.pipeline import tied_copy
 
 # Every rank then takes the same step, so the weights stay identical. Two ways to average, side
 # by side, with one interface (forward, no_sync() or the require_backward_grad_sync flag, wait()):

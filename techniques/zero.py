@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from data_parallel import Bucket, DataParallel
+from techniques.data_parallel import Bucket, DataParallel
 from optim import AdamW, MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
 from parallel import tp_gather, tp_slice
 

@@ -14,19 +14,19 @@ import shutil
 
 import torch
 
-import guard_chat
-from guard_errors import UserError
-from guard_files import MAX_SIZES, read_json
-import hf_moe
-from hf_safetensors import (
+from guards import guard_chat
+from guards.guard_errors import UserError
+from guards.guard_files import MAX_SIZES, read_json
+from formats import hf_moe
+from formats.hf_safetensors import (
     open_safetensors,
     read_safetensors_header,
     read_safetensors_part,
     write_safetensors,
 )
-from hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts,
+from formats.hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts,
                     read_experts, tensors_out)
-from hf_rope import rope_scaling_out, yarn_factor, yarn_fields
+from formats.hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 from model import ROPE_TYPES, ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------------------------

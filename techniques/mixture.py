@@ -9,8 +9,8 @@ one dataset never enters this file.
 import numpy as np
 import torch
 
-import guard_data
-from guard_errors import UserError
+from guards import guard_data
+from guards.guard_errors import UserError
 from configurator import parse_phases, source_name
 
 
