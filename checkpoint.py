@@ -5,8 +5,9 @@ load any other; atomic (a temp directory renamed into place), a manifest of size
 sha256 sums, `latest`, pruning, and a reader that never runs code from the files. A save is
 begin, the write, complete (ckpt_async.py writes in the background between the two ends).
 
-The foreign formats are hf.py (Hugging Face model directories: safetensors, the LLaMA family),
-hf_moe.py (their experts), hf_tokenizer.py (their tokenizers) and lora.py (PEFT adapters).
+The foreign formats are in formats/: hf.py (Hugging Face model directories: safetensors, the
+LLaMA family), hf_moe.py (their experts), hf_tokenizer.py (their tokenizers); and
+techniques/lora.py reads PEFT adapters.
 
 A LoRA run's checkpoints hold only what trains (the adapters and their AdamW state); the
 frozen base is referenced (meta.json's "lora" -> "base": its path and a sha256), not copied,
@@ -19,6 +20,7 @@ import json
 import os
 import shutil
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -39,9 +41,9 @@ from guards.guard_ckpt import (
     verify,
 )
 from common import write_atomic
+from model import ModelConfig, Transformer
 from guards.guard_errors import UserError, describe_error
 from guards.guard_files import sha256_file
-from model import ModelConfig, Transformer
 from parallel import (
     broadcast_object,
     all_reduce_sum,
@@ -399,3 +401,51 @@ def load_whole(path):
     model = Transformer(ModelConfig(**meta["model"]))
     load(path, model, no_dist=True)
     return model, meta
+
+
+# ---- what a checkpoint carries beside the weights: each rank's random streams, so that a
+# resumed run draws the same dropout masks as the uninterrupted one, and fp16's loss scale
+
+
+def rng_states(mesh):
+    """Every rank's random streams (dropout, NEFTune) on rank 0, as checkpoints keep them:
+    {"rng_cpu": [rank 0's, rank 1's, ...], "rng_cuda": [...]} (None on the other ranks)."""
+    mine = {"cpu": torch.get_rng_state(),
+            **({"cuda": torch.cuda.get_rng_state()} if mesh.device.type == "cuda" else {})}
+    every = gather_to_master(mine, mesh)
+    return None if every is None else {f"rng_{k}": [r[k] for r in every] for k in every[0]}
+
+
+def set_rng_states(state, mesh, meta):
+    """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved
+    it; meta: its meta.json). A tp group shares one stream (its replicated dropout), so the
+    saved run had world / tp distinct streams, entry k * tp being stream k; this rank's is
+    stream rank // tp. A rank with no saved stream (resumed into more dp ranks or stages than
+    the checkpoint had) starts a fresh one from (seed, its stream, the iteration): never one
+    that another rank continues, which would repeat its dropout and NEFTune draws."""
+    saved_tp = meta["config"].get("tp", 1)
+    k, n = mesh.rank // mesh.tp, len(state["rng_cpu"]) // saved_tp
+    if k >= n:
+        torch.manual_seed(zlib.crc32(f"rng/{meta['config']['seed']}/{k}/{meta['iter']}".encode()))
+        return
+    torch.set_rng_state(state["rng_cpu"][k * saved_tp])
+    if mesh.device.type == "cuda" and "rng_cuda" in state:
+        torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
+
+
+def restore_streams(state, meta, mesh, scaler=None):
+    """A checkpoint's random streams (set_rng_states), and fp16's loss scale: what a resume and
+    a rollback (nan_guard.py) take back beside the weights."""
+    set_rng_states(state, mesh, meta)
+    # (a checkpoint of a run that was not fp16: none)
+    if scaler is not None and meta.get("loss_scale"):
+        scaler.load_state_dict(meta["loss_scale"])
+
+
+def resume_state(src, mesh, scaler=None):
+    """(1) Where the run in out_dir stopped: (its iteration, its wandb run id, its known bad
+    iterations), and this rank's random streams restored from src's checkpoint (fp16: and the
+    loss scaler's state, loss_scale.py)."""
+    restore_streams(src.state, src.meta, mesh, scaler)
+    mesh.print0(f"resumed from {src.path} at iteration {src.meta['iter']}")
+    return src.meta["iter"], src.meta.get("wandb_id"), set(src.meta.get("skip_iters", []))

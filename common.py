@@ -1,8 +1,9 @@
 """
-What every file of the trainer uses, and nothing of the project beneath it: files written
-whole or not at all (write_atomic, uninterrupted), and a script's --help from its own text
-(configurator.py and guard_errors.start_command print it). The guards (errors, files from
-outside) are guard_errors.py and guard_files.py.
+The foundation beneath the files that write or explain (checkpoints, the run directory,
+prepare.py, evals, plot.py, the configurator and the guards' errors), with nothing of the
+project beneath it: files written whole or not at all (write_atomic, uninterrupted), and a
+script's --help from its own text (configurator.py and guard_errors.start_command print it).
+The guards (errors, files from outside) are guards/guard_errors.py and guards/guard_files.py.
 """
 
 import ast
@@ -11,6 +12,7 @@ import io
 import os
 import signal
 import tokenize
+
 
 @contextlib.contextmanager
 def uninterrupted():

@@ -130,7 +130,6 @@ def script_defaults(path):
     return out
 
 
-
 # ---- the mixture keys and the layout's batch: what the config derives before it is checked
 def parse_mixture(spec, phases=()):
     """{source: weight} from 'stdlib:0.7,notes:0.3' (a source without ':w' weighs 1). A source

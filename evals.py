@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 import data
-from formats import corpora
 from common import write_atomic
+from parallel import all_reduce_sum, pick_device
+from formats import corpora
 from guards.guard_errors import UserError, check, excepthook
 from guards.guard_files import check_exports, loads_json
-from parallel import all_reduce_sum, pick_device
 
 TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
 

@@ -221,9 +221,10 @@ class KVCache:
 
 
 def attend(q, k, v, mask, is_causal, dropout, gqa, recompute):
-    """SDPA. Under a CPU's bf16 autocast in float32 (flash-cpu's bf16 backward is ~20x slower at
-    small heads), and with recompute keeping only the bf16 q, k, v for backward, where it runs
-    again: float32 ones are twice what transformers keeps (docs/benchmarks.md, bench real)."""
+    """SDPA. A workaround for one machine, as those of workarounds.py (a fork may drop it): under
+    a CPU's bf16 autocast it runs in float32 (flash-cpu's bf16 backward is ~20x slower at small
+    heads), and with recompute keeping only the bf16 q, k, v for backward, where it runs again:
+    float32 ones are twice what transformers keeps (docs/benchmarks.md, bench real)."""
     f32 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     if f32 and recompute and torch.is_grad_enabled():
         return checkpoint(attend, q, k, v, mask, is_causal, dropout, gqa, False,
@@ -348,7 +349,7 @@ def attention_mask(cfg, start, T, doc_ids, device):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, seed=0):  # seed: the run's (init_weights)
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -365,7 +366,7 @@ class Transformer(nn.Module):
         self.init_rope()
         # on the meta device there is nothing to fill (meta_build.py fills the shards)
         if not self.norm.weight.is_meta:
-            self.init_weights()
+            self.init_weights(seed)
 
     def init_rope(self, device=None):
         """(Re)computes the rotary tables: after a build on the meta device they are empty."""
@@ -376,11 +377,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed=None):
-        """Every parameter from init_tensor, seeded by (seed, its name); seed None:
-        torch.initial_seed(), so `torch.manual_seed(s); Transformer(cfg)` is train.py's model for
-        seed=s on any layout."""
-        seed = torch.initial_seed() if seed is None else seed
+    def init_weights(self, seed):
+        """Every parameter from init_tensor, seeded by (seed, its name): `Transformer(cfg, s)` is
+        train.py's model for seed=s on any layout (meta_build.init_weights gives a shard the
+        same bits)."""
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 

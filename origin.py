@@ -10,12 +10,12 @@ import os
 from dataclasses import dataclass
 
 import checkpoint
+from model import ModelConfig
+from parallel import broadcast_object
 from guards import guard_ckpt
 from guards import guard_config
 from guards.guard_config import SHAPE_KEYS
 from guards.guard_errors import check
-from model import ModelConfig
-from parallel import broadcast_object
 
 
 @dataclass

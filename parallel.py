@@ -268,6 +268,12 @@ def wait_grad_sync(model):
         model.wait()
 
 
+# The logged loss: every rank's weighted loss (train.py's token_weights) summed over the world is
+# the global batch's mean, counted once per rank of a tp or cp group (which all hold the same).
+def global_mean(total, mesh):
+    return total.item() / (mesh.tp * mesh.cp)
+
+
 def all_reduce_named(values, mesh):
     """{name: sum over all ranks} for {name: a number, bool or tensor}: one all-reduce (float64)
     for all of them: one collective per step for the loss and the stop flag."""
@@ -325,16 +331,27 @@ def auto_dtype(device_type):
     return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
 
 
-def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
-    """FLOP/s of a square matmul on this device, the fastest of those run in `seconds` (a
-    neighbour's load slows some, not the best): the peak that MFU is measured against when
-    peak_flops is not given (nobody publishes one for your laptop's CPU). Timed in groups of
-    at least 5 ms, so that a GPU's launch and synchronize latency does not count."""
+# Datasheet dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s: what nanoGPT's and
+# nanochat's MFU divide by (a 1024^2 matmul probe runs far below an H100's). Matched in order
+# against torch.cuda.get_device_name(), the longer names first ("H100 NVL" before "H100").
+GPU_PEAKS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("GH200", 989e12), ("H100", 989e12),
+             ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("B100", 1750e12),
+             ("A100", 312e12), ("A800", 312e12), ("A10G", 125e12), ("A10", 125e12),
+             ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 4090", 165e12),
+             ("RTX 3090", 71e12), ("V100", 125e12), ("T4", 65e12), ("MI300X", 1307e12)]
+
+
+def peak_flops(device, dtype, n=1024, seconds=0.5):
+    """(FLOP/s, whence) for MFU: a known GPU's datasheet bf16/fp16 peak, else the fastest (load
+    slows some) square matmul in `seconds`, in groups >= 5 ms (past a GPU's launch latency)."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else ""
+    for key, flops in GPU_PEAKS if dtype in (torch.bfloat16, torch.float16) else []:
+        if key in name:
+            return flops, f"the {key}'s datasheet, dense {str(dtype)[6:]}"
     # its own generator: the run's RNG stream is untouched
     g = torch.Generator(device).manual_seed(0)
-    a = torch.rand(n, n, device=device, dtype=dtype, generator=g)
-    b = torch.rand(n, n, device=device, dtype=dtype, generator=g)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a, b = (torch.rand(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
+    sync = torch.cuda.synchronize if name else (lambda: None)
     a @ b  # warm up
     sync()
     best, group, end = float("inf"), 1, time.perf_counter() + seconds
@@ -348,7 +365,7 @@ def measure_matmul_flops(device, dtype=torch.float32, n=1024, seconds=0.5):
         # mostly launch latency (a GPU): time more of them at once (a CPU's takes ~10 ms)
         if dt < 0.005:
             group *= 2
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / best, "a measured matmul"
 
 
 def clip_grad_norm_(params, max_norm, mesh, sharded=False):

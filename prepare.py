@@ -35,13 +35,13 @@ if __name__ == "__main__":
     guard_errors.start_command()
 import numpy as np
 
-from formats import chat_template
 import evals
+from formats import chat_template
+from formats import corpora
 from guards import guard_chat
 from guards import guard_files
-from techniques import packing
-from formats import corpora
 from guards.guard_errors import UserError
+from techniques import packing
 from tokenizer import (
     CHAT_TOKENS,
     ROLES,

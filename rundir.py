@@ -2,9 +2,8 @@
 The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the
 run's config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
 writes them, train.py's loop decides when, origin.py reads them to decide where the weights come
-from). Also each rank's random streams, which checkpoints carry so that a resumed run draws the
-same dropout masks as the uninterrupted one, the signals that stop a run with a last checkpoint
-(SIGTERM, SIGUSR1, Ctrl-C), and the block that ends a run.
+from). Also the signals that stop a run with a last checkpoint (SIGTERM, SIGUSR1, Ctrl-C), and
+the block that ends a run.
 """
 
 import functools
@@ -16,14 +15,12 @@ import shlex
 import signal
 import sys
 import time
-import zlib
 
 import torch
 
 from common import write_atomic
 from guards.guard_errors import UserError
 from guards.guard_files import loads_json
-from parallel import gather_to_master
 
 
 def write_file(path, text):
@@ -76,50 +73,6 @@ def truncate_metrics(path, upto):
         old = read_metrics(path)  # a torn last line (killed mid-append) is dropped
         old = [r for r in old if r["iter"] < upto or ("val_loss" in r and r["iter"] == upto)]
     write_file(path, "".join(json.dumps(r) + "\n" for r in old))
-
-
-def rng_states(mesh):
-    """Every rank's random streams (dropout, NEFTune) on rank 0, as checkpoints keep them:
-    {"rng_cpu": [rank 0's, rank 1's, ...], "rng_cuda": [...]} (None on the other ranks)."""
-    mine = {"cpu": torch.get_rng_state(),
-            **({"cuda": torch.cuda.get_rng_state()} if mesh.device.type == "cuda" else {})}
-    every = gather_to_master(mine, mesh)
-    return None if every is None else {f"rng_{k}": [r[k] for r in every] for k in every[0]}
-
-
-def set_rng_states(state, mesh, meta):
-    """Restores this rank's streams from a checkpoint's state.pt (one entry per rank that saved
-    it; meta: its meta.json). A tp group shares one stream (its replicated dropout), so the
-    saved run had world / tp distinct streams, entry k * tp being stream k; this rank's is
-    stream rank // tp. A rank with no saved stream (resumed into more dp ranks or stages than
-    the checkpoint had) starts a fresh one from (seed, its stream, the iteration): never one
-    that another rank continues, which would repeat its dropout and NEFTune draws."""
-    saved_tp = meta["config"].get("tp", 1)
-    k, n = mesh.rank // mesh.tp, len(state["rng_cpu"]) // saved_tp
-    if k >= n:
-        torch.manual_seed(zlib.crc32(f"rng/{meta['config']['seed']}/{k}/{meta['iter']}".encode()))
-        return
-    torch.set_rng_state(state["rng_cpu"][k * saved_tp])
-    if mesh.device.type == "cuda" and "rng_cuda" in state:
-        torch.cuda.set_rng_state(state["rng_cuda"][k * saved_tp])
-
-
-def restore_streams(state, meta, mesh, scaler=None):
-    """A checkpoint's random streams (set_rng_states), and fp16's loss scale: what a resume and
-    a rollback (nan_guard.py) take back beside the weights."""
-    set_rng_states(state, mesh, meta)
-    # (a checkpoint of a run that was not fp16: none)
-    if scaler is not None and meta.get("loss_scale"):
-        scaler.load_state_dict(meta["loss_scale"])
-
-
-def resume_state(src, mesh, scaler=None):
-    """(1) Where the run in out_dir stopped: (its iteration, its wandb run id, its known bad
-    iterations), and this rank's random streams restored from src's checkpoint (fp16: and the
-    loss scaler's state, loss_scale.py)."""
-    restore_streams(src.state, src.meta, mesh, scaler)
-    mesh.print0(f"resumed from {src.path} at iteration {src.meta['iter']}")
-    return src.meta["iter"], src.meta.get("wandb_id"), set(src.meta.get("skip_iters", []))
 
 
 def start_wandb(config, out_dir, project, name, run_id):

@@ -27,18 +27,18 @@ import numpy as np
 import torch
 
 import checkpoint
-from guards import guard_ckpt
 import configurator
-from guards import guard_files
 import data
-from guards import guard_data
-from formats import hf
-from formats import hf_tokenizer
 import origin
 import parallel
 import tokenizer
-from techniques.lora import load_lora_whole, merge_lora, save_peft_lora
 from model import ModelConfig, Transformer, grow_vocab
+from formats import hf
+from formats import hf_tokenizer
+from guards import guard_ckpt
+from guards import guard_data
+from guards import guard_files
+from techniques.lora import load_lora_whole, merge_lora, save_peft_lora
 
 
 def load_model(path):

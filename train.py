@@ -26,13 +26,13 @@ import data
 from guards import guard_config
 from guards import guard_data
 from guards import guard_dist
-from guards import guard_files
 from guards import guard_env
+from guards import guard_files
 from techniques import loss_scale  # fp16: loss_scale.py
-from techniques import nan_guard
 import origin
 import parallel
 import rundir
+from techniques import nan_guard
 import tokenizer as tokenizer_py
 import workarounds
 from model import ModelConfig, Transformer, grow_vocab
@@ -40,48 +40,48 @@ from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 
 # ---- defaults: a config file or key=value overrides any of them (--help lists them) ----
 # I/O: out_dir holds the checkpoints, metrics.jsonl and config.json
-out_dir = "out"
+out_dir = "out"                 # where this run writes (see above)
 init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or where to start
                                 # from: a Hugging Face model directory, or a run's out_dir
 export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
-eval_interval = 100
+eval_interval = 100             # iterations between evaluations (val loss, bits per byte)
 eval_iters = 10                 # global batches of val data per evaluation
 eval_tasks = ""                 # multiple-choice tasks scored at each eval: 'a.jsonl,b.jsonl'
-log_interval = 10
-ckpt_interval = 250
+log_interval = 10               # iterations between log lines
+ckpt_interval = 250             # iterations between checkpoints (and one at the end)
 keep_ckpts = 2                  # the newest this many (0: all)
 ckpt_async = False              # write checkpoints in the background
-wandb_log = False
-wandb_project = "trainer"
+wandb_log = False               # also log to Weights & Biases (rank 0)
+wandb_project = "trainer"       # its project
 wandb_run_name = ""             # '': out_dir's base name
 # data: a name under data/ or a directory, prepared from data_source if missing
-dataset = "stdlib"
+dataset = "stdlib"              # one prepared dataset: a name under data/ or a directory
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
-mix_temperature = 1.0
+mix_temperature = 1.0           # a mixture's weights^(1/T), renormalised (1: as given)
 phases = []                     # [(start_iter, {source: weight}[, lr_scale]), ...]
 data_source = ""                # 'stdlib', a directory or glob of .txt, .jsonl(.gz/.zst), .parquet
 tokenizer = "cl100k_base"       # any tiktoken encoding; cl100k_base works offline
 vocab_size = 8192               # the BPE cut to this many ids (0: whole)
 extra_tokens = ""               # a file of domain strings (one a line) added to the tokenizer
-val_fraction = 0.01
+val_fraction = 0.01             # preparing: the share of documents held out for val
 packing = "auto"                # rows: 'concat' (end to end, cut), 'bfd' (whole documents:
                                 # packing.py), 'auto' (bfd for chat data, concat for text)
 # batch_size x grad_accum_steps x block_size tokens per iteration, whatever the layout
 batch_size = 12                 # sequences per micro-batch per rank
 grad_accum_steps = 2            # micro-batches per iteration, summed over data-parallel ranks
-block_size = 64
+block_size = 64                 # tokens per sequence
 max_iters = 350                 # iterations: optimizer steps
 # model
-n_layer = 4
-n_head = 4
+n_layer = 4                     # transformer blocks
+n_head = 4                      # query heads
 n_kv_head = 2                   # < n_head: grouped-query attention
-n_embd = 128
+n_embd = 128                    # the residual stream's width
 ffn_dim = 0                     # SwiGLU width (0: 8/3 n_embd, rounded up to a multiple of 32)
 head_dim = 0                    # each head's width (0: n_embd / n_head)
 qk_norm = False                 # RMSNorm each head's q and k before RoPE (Qwen3)
-dropout = 0.0
-tie_embeddings = False
+dropout = 0.0                   # 0 for layout equivalence (and for fine-tuning)
+tie_embeddings = False          # the head shares the token embedding's weights
 grad_ckpt = False               # recompute each block in backward
 loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
 loss_recompute = True           # loss_chunk: backward recomputes each chunk's logits (False: keeps
@@ -92,66 +92,66 @@ neftune_alpha = 0.0             # noise of scale alpha/sqrt(T*n_embd) on the inp
 rope_theta = 0.0                # long context: a new RoPE base (0: the model's)
 rope_scaling = ""               # and/or 'yarn:4', 'linear:4', 'llama3:8' ('': the model's; 'none')
 # mixture of experts (moe.py): every moe_every-th feed-forward becomes n_experts (0: dense) experts
-n_experts = 0
-moe_top_k = 2
-moe_every = 1
-moe_ffn_dim = 0
-moe_score = "softmax"
+n_experts = 0                   # experts per MoE layer (0: dense)
+moe_top_k = 2                   # experts each token goes to
+moe_every = 1                   # every this-many-th layer is MoE (the last of each group)
+moe_ffn_dim = 0                 # each expert's width (0: ffn_dim)
+moe_score = "softmax"           # router scores: 'softmax' or 'sigmoid' (DeepSeek-V3)
 moe_norm_topk = True            # renormalise the top_k weights to sum 1
 moe_shared_ffn_dim = 0          # > 0: a shared expert this wide (Qwen2-MoE)
-moe_aux_weight = 0.01
-moe_z_weight = 0.0
-moe_bias_rate = 0.0
+moe_aux_weight = 0.01           # load-balancing loss weight (Switch)
+moe_z_weight = 0.0              # router z-loss weight (ST-MoE)
+moe_bias_rate = 0.0             # > 0: DeepSeek-V3's aux-loss-free balancing bias step
 ep = 1                          # expert parallel: the experts split over ep ranks of dp
 # LoRA: adapters of rank lora_rank (0: none) on a frozen base; the checkpoints hold the adapters
-lora_rank = 0
-lora_alpha = 16.0
-lora_dropout = 0.0
+lora_rank = 0                   # adapters' rank (0: no LoRA, full fine-tuning)
+lora_alpha = 16.0               # the adapters' scale is lora_alpha / lora_rank
+lora_dropout = 0.0              # dropout on the adapters' input
 lora_targets = "wq,wk,wv,wo"    # any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT directory)
 export_lora = ""                # at the end, also write the adapters here (PEFT's format)
 # optimizer: Muon for the layers' matrices, AdamW for the rest (or AdamW alone), one learning rate
-optim = "muon"
-learning_rate = 4e-3
+optim = "muon"                  # 'muon' (Muon + AdamW) or 'adamw'
+learning_rate = 4e-3            # the peak rate
 embed_lr_scale = 10.0           # the token embedding's rate is learning_rate x this
-muon_momentum = 0.95
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.99
+muon_momentum = 0.95            # Muon's Nesterov momentum
+weight_decay = 0.1              # on matrices (2-D and up), not gains or biases
+beta1 = 0.9                     # AdamW's
+beta2 = 0.99                    # AdamW's
 grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping)
 # learning rate: warmup, then 'cosine' to min_lr, or 'wsd': flat, then linear over cooldown_frac
-lr_schedule = "cosine"
-warmup_iters = 20
+lr_schedule = "cosine"          # 'cosine' or 'wsd' (above)
+warmup_iters = 20               # linear warmup from 0
 lr_decay_iters = 0              # 0: max_iters
-cooldown_frac = 0.2
-min_lr = 4e-4
+cooldown_frac = 0.2             # wsd: the share of iterations that decays
+min_lr = 4e-4                   # the rate at the end of the decay
 # the NaN guard: a non-finite loss or grad norm skips the step; nan_max_consecutive in a row stop
 # the run or roll it back (nan_action)
-nan_max_consecutive = 3
+nan_max_consecutive = 3         # non-finite steps in a row before nan_action
 nan_action = "rollback"         # roll back to the latest checkpoint, or 'stop'
 # system; float16 scales the loss (the loss_scale keys: torch's GradScaler's defaults)
 device = "auto"                 # 'auto': cuda if available, else cpu
 dtype = "auto"                  # autocast's: bf16 where native (CUDA: else fp16), else float32
-loss_scale_init = 65536.0
-loss_scale_growth = 2.0
-loss_scale_backoff = 0.5
-loss_scale_interval = 2000
-compile = False
+loss_scale_init = 65536.0       # float16: the first loss scale
+loss_scale_growth = 2.0         # times this after loss_scale_interval clean steps
+loss_scale_backoff = 0.5        # times this after an overflow
+loss_scale_interval = 2000      # clean steps before it grows
+compile = False                 # torch.compile the model
 seed = 1337                     # weights, data order and dropout all derive from it
-peak_flops = 0.0                # what MFU is measured against (0: a measured matmul)
+peak_flops = 0.0                # what MFU divides by (0: a GPU's datasheet, or a measured matmul)
 dist_timeout_s = 300            # a collective waiting longer (a dead peer) ends the run
 backend = "auto"                # 'auto': nccl on CUDA, gloo on CPU
 # layout: dp = world_size / (pp x cp x tp)
-pp = 1
-tp = 1
+pp = 1                          # pipeline stages
+tp = 1                          # tensor parallel ranks (Megatron slices)
 sp = False                      # tp: sequence parallel
 cp = 1                          # context parallel: each rank holds a part of every sequence
 pp_schedule = "1f1b"            # '1f1b', 'gpipe' or 'interleaved' (pp_virtual chunks per stage)
-pp_virtual = 1
+pp_virtual = 1                  # interleaved: chunks of layers per stage
 pp_layers = ""                  # layers per stage, e.g. '3,1' ('': balanced by cost)
 pp_trace = False                # print the schedule as an ASCII timeline
 ddp_impl = "bucketed"           # 'bucketed' (overlapped), 'naive' (per parameter) or 'torch'
-ddp_bucket_mb = 4.0
+ddp_bucket_mb = 4.0             # data parallel's all-reduce bucket size
 fsdp = False                    # shard weights, gradients and optimizer state over dp (FSDP2)
 reshard_after_forward = True    # fsdp: free a block's gathered weights after its forward
 zero = 0                        # ZeRO: 1 shards the optimizer state over dp, 2 also the gradients
@@ -191,9 +191,9 @@ if mesh.device.type == "cpu":
     # keep freed memory: each step's large tensors would page-fault in again (~7% of a CPU step)
     workarounds.keep_freed_memory()
 # where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
-# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its
-# checkpoints.
-if mesh.master and os.path.isdir(out_dir):
+# Face directory, or (4) fresh. A run may be writing out_dir: lock it (made if new; a refused run
+# removes what the lock made) before reading its checkpoints.
+if mesh.master:
     guard_files.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
 # a model we start from brings its tokenizer: the data must be tokenized with it
@@ -272,19 +272,19 @@ if lora_rank or lora_from or src.lora:  # LoRA: lora.py
     lora, adapter = lora_py.settings(config, overrides, src)
 guard_errors.check(lora or not export_lora,
                    "export_lora= needs a LoRA run: set lora_rank= (e.g. 8) or lora_from=")
-# Does each rank hold the whole model (plain data parallel, ZeRO, cp), or a part of it: a pipeline
-# stage, tp slices, FSDP shards or an ep rank's experts? A whole model is built as one process
-# builds it, and so is a model that changes once built (LoRA adapters, a grown vocabulary). The
-# others are built on the meta device: cut as shapes, then given only this rank's weights
-# (meta_build.py).
+# Where the weights come from, in a forced order. Built whole (one process, dp, ZeRO, cp; and any
+# layout under LoRA or a vocabulary growth, which change a whole model): fresh, then a base or
+# run loaded over them, then LoRA's adapters, a growth's rows. The others (pp, tp, FSDP, ep): on
+# the meta device, cut below, then given this rank's part (fresh, base or run: meta_build.py). A
+# resume loads its checkpoint into either once the optimizer exists (its state too).
 use_fsdp = fsdp and mesh.dp > 1
 grows = model_cfg.vocab_size < meta["vocab_size"]
 holds_whole = not (pp > 1 or tp > 1 or use_fsdp or ep > 1)
 built_whole = holds_whole or lora is not None or grows
-# each weight is drawn from (seed, its name): the same bits on every layout
-torch.manual_seed(seed)
+# each weight is drawn from (seed, its name): the same bits on every layout; raw_model is the
+# plain module that checkpoints, eval and sampling use
 with nullcontext() if built_whole else torch.device("meta"):
-    raw_model = Transformer(model_cfg)  # the plain module: checkpoints, eval and sampling use it
+    raw_model = Transformer(model_cfg, seed)
 if built_whole and src.kind in ("hf", "run"):
     origin.load_whole_into(raw_model, src)
 if lora:  # LoRA: lora.py
@@ -301,8 +301,9 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
             + f"; {dtype}" + (" (dtype=auto)" if config["dtype"] == "auto" else ""))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
-# In this order: cut the stage, split the matmuls (before anything holds the parameters tp swaps),
-# shard, give a meta model its weights, compile, and wrap for data parallel last (its hooks).
+# In this order: cut the stage, move a whole model to the device, split the experts and the
+# matmuls (before anything holds what tp swaps), then the sequence, shard, give a meta model its
+# weights, attach MoE's balancing, compile, and wrap for data parallel last (its hooks).
 if pp > 1:  # pipeline: pipeline.py
     from techniques import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers),
@@ -325,7 +326,7 @@ if use_fsdp:  # FSDP: fsdp.py
 if not built_whole:  # the meta-device build: meta_build.py
     from techniques import meta_build
     meta_build.fill(raw_model, src, seed, mesh,
-               torch.device("cpu") if use_fsdp and offload else mesh.device)
+                    torch.device("cpu") if use_fsdp and offload else mesh.device)
 if model_cfg.n_experts:  # mixture of experts: moe.py
     from techniques import moe
     moe.attach(raw_model, model_cfg)
@@ -354,15 +355,15 @@ def micro_batches(x, y, mask, eot):
 
 
 def token_weights(y, mask, scale=1.0):
-    """Micro-batch k's weight in the mean over ALL target tokens of the global batch: n_k * dp / N
+    """Micro-batch k's weight in the mean over ALL target tokens of the global batch: n_k / N
     (n_k: its target tokens, the loss-mask ones; N: those of every micro-batch of every dp rank).
-    loss_k * n_k is its token sum, and the dp average divides by dp, which the factor dp undoes.
-    scale: fp16's loss scale."""
+    The one place the loss is normalised: every gradient collective sums, so the weighted losses
+    of all ranks add up to the mean, and their gradients too. scale: fp16's loss scale."""
     if mask is None:
-        return [scale / y.size(0)] * y.size(0)
+        return [scale / (y.size(0) * mesh.dp)] * y.size(0)
     n = mask.sum(dim=(1, 2)).double()
     total = parallel.all_reduce_sum(n.sum(), mesh, group=mesh.dp_group).item()
-    return (n * mesh.dp * scale / max(total, 1.0)).tolist()
+    return (n * scale / max(total, 1.0)).tolist()
 
 
 @torch.no_grad()
@@ -386,9 +387,7 @@ def evaluate(val_loader):
     raw_model.train()
     if use_fsdp:  # fsdp: free the weights eval gathered (reshard_after_forward=False keeps them)
         fsdp_py.reshard(raw_model)
-    # the global mean, as in training: only last stages hold losses, a tp or cp group's ranks the
-    # same one
-    return parallel.all_reduce_sum(loss_sum.double(), mesh).item() / (mesh.dp * mesh.tp * mesh.cp)
+    return parallel.global_mean(parallel.all_reduce_sum(loss_sum.double(), mesh), mesh)
 
 
 import evals  # evaluation: evals.py (bits per byte beside the val loss, eval_tasks)
@@ -404,13 +403,11 @@ metrics_path = os.path.join(out_dir, "metrics.jsonl")
 torch.manual_seed(seed + mesh.rank // mesh.tp)
 start_iter, run_id, skip_iters = 0, None, set()
 if src.kind == "resume":
-    start_iter, run_id, skip_iters = rundir.resume_state(src, mesh, scaler)
+    start_iter, run_id, skip_iters = checkpoint.resume_state(src, mesh, scaler)
 # the NaN guard: what it counts of skipped steps, and the known bad batches it steps over
 # (nan_guard.py)
 nan = nan_guard.NanGuard(nan_max_consecutive, nan_action, skip_iters)
 if mesh.master:
-    # out_dir is made only now: a refused run leaves none behind
-    guard_files.lock_out_dir(out_dir)
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
@@ -442,9 +439,9 @@ def save(it):  # weights, optimizer state, RNG states, and the run's metadata th
                 "tokenizer_spec": tokenizer_py.spec_of(meta),
                 "loss_scale": scaler.state_dict() if scaler else None}
     if ckpt_async:  # ckpt_async.py
-        saves.save(it, rundir.rng_states(mesh), run_meta)
+        saves.save(it, checkpoint.rng_states(mesh), run_meta)
     else:
-        path = checkpoint.save(out_dir, it, raw_model, optimizer, rundir.rng_states(mesh),
+        path = checkpoint.save(out_dir, it, raw_model, optimizer, checkpoint.rng_states(mesh),
                                run_meta, mesh, keep_ckpts, resumed_from)
         mesh.print0(f"saved checkpoint {path}")
 
@@ -473,19 +470,19 @@ loss_mean = grad_norm = None  # (a known bad batch is skipped before its step: n
 restored_at = start_iter if src.kind == "resume" else None
 while True:
     if (it % eval_interval == 0 or it == max_iters) and it != restored_at:
-        # a first evaluation of over 10 s at peak_flops (or a CPU's 100 GFLOP/s) says so first
-        if (it == start_iter
-            and 2 * n_params * eval_iters * tokens_per_iter > 10 * (peak_flops or 1e11)):
+        # an evaluation of over 10 s at peak_flops (or a CPU's 1e11 FLOP/s, a GPU's 1e14) says so
+        guess = peak_flops or (1e11 if mesh.device.type == "cpu" else 1e14)
+        if it == start_iter and 2 * n_params * eval_iters * tokens_per_iter > 10 * guess:
             mesh.print0(f"iter {it}: evaluating the {n_params / 1e6:.3g}M-parameter model ...")
         val = {name: evaluate(vl) for name, vl in val_loaders.items()}
         val_loss, by_source = next(iter(val.values())), {}
         if mixing:  # mixture: mixture.py (the weighted mean of the sources', and each one's)
             val_loss, by_source = mixture.val_losses(val, val_weights)
         # evaluation: evals.py
-        scores, line = scorer.run(val, evaluate, val_weights if mixing else None)
+        eval_scores, line = scorer.run(val, evaluate, val_weights if mixing else None)
         by_text = mixture.compact(by_source) if by_source else ""
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
-        log({"iter": it, "val_loss": val_loss, **by_source, **scores,
+        log({"iter": it, "val_loss": val_loss, **by_source, **eval_scores,
              "tokens": it * tokens_per_iter,
              "elapsed_s": time.time() - started})
     if ((it % ckpt_interval == 0 or it == max_iters or stop)
@@ -531,21 +528,20 @@ while True:
             # data parallel: the last buckets' all-reduces may still be in flight
             parallel.wait_grad_sync(model)
         if cp > 1:  # context parallel: context_parallel.py
-            context_parallel.average_gradients(grad_params, mesh)
+            context_parallel.sum_gradients(grad_params, mesh)
         if ep > 1:  # expert parallel: expert_parallel.py
-            expert_parallel.sync_grads(raw_model, mesh)
+            expert_parallel.sync_grads(raw_model)
         if pp > 1 and model_cfg.tie_embeddings:  # pipeline: pipeline.py
             pipeline.all_reduce_tied(raw_model, grad_params)
         if scaler:  # fp16: loss_scale.py
             loss_sum = scaler.unscale_(grad_params, loss_sum)
-        # One all-reduce for the numbers the ranks agree on each step: the loss (dp ranks' weighted
-        # sums; tp and cp ranks hold the same one) and the stop flag (a signal on any rank).
+        # One all-reduce for the numbers the ranks agree on each step: the loss (each rank's part
+        # of the global mean) and the stop flag (a signal on any rank).
         agree = {"loss": loss_sum, "stop": len(signals) > 0}
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
         totals = parallel.all_reduce_named(agree, mesh)
-        loss_mean, stop = (totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp),
-                           totals["stop"].item() > 0)
+        loss_mean, stop = parallel.global_mean(totals["loss"], mesh), totals["stop"].item() > 0
         # clip by the norm of the whole model's gradient, over every stage, shard and slice
         grad_norm = parallel.clip_grad_norm_(grad_params, grad_clip, mesh, sharded=use_zero).item()
         # the NaN guard: no update from a non-finite batch (the verdict is the same on every rank)
@@ -579,8 +575,8 @@ while True:
     if skipped is None:
         if it % log_interval == 0 or it == max_iters - 1:
             if not peak:
-                peak = parallel.measure_matmul_flops(mesh.device, getattr(torch, dtype))
-                mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s (a measured matmul) for MFU")
+                peak, how = parallel.peak_flops(mesh.device, getattr(torch, dtype))
+                mesh.print0(f"peak {peak / 1e9:.1f} GFLOP/s ({how}) for MFU")
             tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
             # mixture.py
             by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}

@@ -27,6 +27,7 @@ def keep_freed_memory(mmap_mb=32):
     return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_mb << 20)
                 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
+
 def exit_now(code=0):
     """Ends a process that has torn its process group down and written everything, without
     the interpreter's shutdown. There gloo's worker threads, still holding finished work, can

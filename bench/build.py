@@ -4,16 +4,54 @@ building the whole model first, on a model whose layers dominate."""
 
 import os
 import tempfile
+import weakref
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from techniques import meta_build
-from techniques import fsdp
 import parallel
 from model import ModelConfig, Transformer
+from techniques import fsdp
+from techniques import meta_build
 
 from bench.base import MODEL, run_ranks, sized
+
+
+class TensorMemory(TorchDispatchMode):
+    """Counts the bytes of CPU tensor storage created while active and still alive (`now`)
+    and the most at any moment (`peak`): what a rank allocates while it builds or imports the
+    model (this table, tests/test_meta.py). Storage that existed before is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.seen = set()
+
+    def _free(self, key, n):
+        self.seen.discard(key)
+        self.now -= n
+
+    @staticmethod
+    def _cpu_storages(tree):
+        for t in torch.utils._pytree.tree_leaves(tree):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                s = t.untyped_storage()
+                yield (s.data_ptr(), s.nbytes()), s
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # a view or an in-place result is not new
+        old = {key for key, _ in self._cpu_storages((args, kwargs))}
+        for key, s in self._cpu_storages(out):
+            if key not in self.seen and key not in old and s.nbytes():
+                self.seen.add(key)
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self._free, key, s.nbytes())
+        return out
 
 
 # deeper and wider: the layers outweigh embedding and head
@@ -33,7 +71,7 @@ def build_worker(layout, hf_dir):
     row = {}
     for meta in (True, False):
         for source in ("init", "import"):
-            with meta_build.TensorMemory() as mem:
+            with TensorMemory() as mem:
                 torch.manual_seed(0)
                 with torch.device("meta") if meta else nullcontext():
                     model = Transformer(ModelConfig(**BUILD_MODEL))
@@ -65,7 +103,7 @@ def table_build(layouts=(("-", 1), ("fsdp", 2), ("fsdp", 4), ("pp", 2), ("pp", 4
     print(f"\n## building and importing the model, per rank: n_layer={cfg.n_layer}, "
           f"n_embd={cfg.n_embd}, vocab {cfg.vocab_size} ({model.num_params() / 1e6:.2f}M "
           f"parameters, fp32: {whole:.1f} MB whole, largest single parameter {largest:.1f} MB); "
-          "peak MB of tensors a rank allocates (counted by meta_build.TensorMemory), the busiest "
+          "peak MB of tensors a rank allocates (counted by TensorMemory), the busiest "
           "rank")
     print(f"{'layout':<6} {'ranks':>5} | {'whole/N':>7} | {'build':>6} | {'import':>6} | "
           f"{'old build':>9} | {'old import':>10}")

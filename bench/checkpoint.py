@@ -13,10 +13,10 @@ import time
 import torch
 
 import checkpoint
-from techniques import ckpt_async
 import parallel
 from model import ModelConfig, Transformer
 from optim import AdamW
+from techniques import ckpt_async
 
 from bench.base import MODEL, run_ranks, sized
 
@@ -75,8 +75,8 @@ def ckpt_worker(model_kw, saves_n):
 
 
 BIG = sized({**MODEL, "n_layer": 2 * MODEL["n_layer"],
-       "n_embd": 4 * MODEL["n_embd"], "n_head": 2 * MODEL["n_head"],
-       "n_kv_head": 2 * MODEL["n_kv_head"]})  # ~10x the default model's parameters
+             "n_embd": 4 * MODEL["n_embd"], "n_head": 2 * MODEL["n_head"],
+             "n_kv_head": 2 * MODEL["n_kv_head"]})  # ~10x the default model's parameters
 
 
 def table_checkpoint(worlds=(1, 2), saves=3, models=None):

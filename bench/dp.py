@@ -7,9 +7,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from techniques import data_parallel
 import parallel
 from model import ModelConfig, Transformer
+from techniques import data_parallel
 
 from bench.base import ACCUM, BATCH, ITERS, MODEL, WARMUP, run_ranks
 

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from techniques import fsdp
 import parallel
 from model import ModelConfig, Transformer
-from parallel import measure_matmul_flops
+from parallel import peak_flops
+from techniques import fsdp
 
 from bench.base import nanogpt_dir, run_ranks
 from bench.checkpoint import table_checkpoint
@@ -29,16 +29,9 @@ GPU_MODEL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_
 GPU_BATCH = 12
 
 
-# dense bf16 peaks from the vendors' data sheets, the first name found in the device's wins
-# (the PCIe and NVL H100s before the SXM one); another GPU: its measured matmul rate
-BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
-             "A100": 312e12}
-
-
 def gpu_peak():
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in BF16_PEAK.items() if k in name), None) or measure_matmul_flops(
-        torch.device("cuda"), torch.bfloat16, n=8192)
+    """The datasheet's dense bf16 peak (parallel.GPU_PEAKS), else an 8192^2 matmul's rate."""
+    return peak_flops(torch.device("cuda"), torch.bfloat16, n=8192)[0]
 
 
 def gpu_worker(use_fsdp, steps=20):

@@ -9,11 +9,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from techniques import context_parallel
 import parallel
-from techniques import tensor_parallel
 import workarounds
 from model import ModelConfig, Transformer
+from techniques import context_parallel
+from techniques import tensor_parallel
 
 from bench.base import run_ranks
 
@@ -79,7 +79,7 @@ def table_long(lengths=(512, 1024, 2048)):
     print("-" * (9 + 22 * len(layouts)))
     for T in lengths:
         print(f"{T:>6} | " + " | ".join(f"{r[str(T)]['act_mb']:7.1f} MB {r[str(T)]['ms']:5.0f} ms"
-                                       for r in results.values()))
+                                        for r in results.values()))
     one = 4 * B * C / 2 ** 20  # MB of one fp32 (B, 1, n_embd) slice: per token of T
     print("communication per layer and micro-batch, forward (backward the same), for T tokens: "
           "tp: 2 all-reduces of (B, T, C); tp + sp: 2 all-gathers + 2 reduce-scatters of (B, T, "

@@ -4,8 +4,8 @@ process each: ms/iter, trainable parameters, optimizer bytes, peak memory."""
 import torch
 
 import parallel
-from techniques.lora import apply_lora
 from model import ModelConfig, Transformer
+from techniques.lora import apply_lora
 
 from bench.base import ACCUM, BATCH, ITERS, MODEL, in_subprocess, median_step_time, peak_memory_mb
 

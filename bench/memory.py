@@ -9,12 +9,12 @@ import time
 import torch
 import torch.distributed as dist
 
+import parallel
+from model import ModelConfig, Transformer
 from techniques import data_parallel
 from techniques import fsdp
-import parallel
 from techniques import pipeline
 from techniques import zero
-from model import ModelConfig, Transformer
 
 from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks
 

@@ -11,12 +11,12 @@ import time
 
 import torch
 
+import parallel
+from model import ModelConfig, Transformer
 from techniques import data_parallel
 from techniques import fsdp
-import parallel
 from techniques import tensor_parallel
 from techniques import zero
-from model import ModelConfig, Transformer
 
 from bench.base import MODEL, SMOKE, run_ranks
 from bench.memory import MEM_ACCUM, MEM_BATCH

@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
+import parallel
+from model import ModelConfig, Transformer
 from techniques import data_parallel
 from techniques import expert_parallel
 from techniques import moe
-import parallel
-from model import ModelConfig, Transformer
 
 from bench.base import (ACCUM, BATCH, ITERS, MODEL, RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, WARMUP,
                         run_ranks)
@@ -92,7 +92,7 @@ def exchange_worker(model_kw, ep):
             _, loss = wrapped(x[k, :, :-1], x[k, :, 1:])
             (loss / micro).backward()
         wrapped.wait()
-        expert_parallel.sync_grads(model, mesh)
+        expert_parallel.sync_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from techniques import pipeline
 import workarounds
 from model import ModelConfig, Transformer
+from techniques import pipeline
 
 from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks, sized
 

@@ -10,7 +10,7 @@ import torch
 import parallel
 import workarounds
 from model import ModelConfig, Transformer
-from parallel import measure_matmul_flops
+from parallel import peak_flops
 
 from bench.base import TRAIN
 
@@ -53,7 +53,7 @@ def table_profile(steps=5):
             times.append(time.perf_counter() - t0)
         dt = sorted(times)[len(times) // 2]
         mfu = (model.flops_per_token() * tokens / dt
-               / measure_matmul_flops(torch.device("cpu"), dtype))
+               / peak_flops(torch.device("cpu"), dtype)[0])
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(steps):
                 step()

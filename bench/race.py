@@ -20,8 +20,8 @@ import torch
 
 import checkpoint
 import data
-from guards import guard_data
 import prepare
+from guards import guard_data
 
 from bench.base import RUN_KEYS, SMOKE, TRAIN, TRAIN_PY, default_threads_env, nanogpt_dir
 

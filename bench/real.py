@@ -165,7 +165,7 @@ def real_row(side, path, B, T, grad_ckpt, steps=STEPS, dtype="float32", compiled
     """One side at one shape, eager or compiled, timed in this process: a dict of measurements
     (first_s: the first step, where torch.compile compiles)."""
     import workarounds
-    from parallel import measure_matmul_flops
+    from parallel import peak_flops
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         workarounds.keep_freed_memory()  # as train.py does on a CPU
@@ -187,7 +187,7 @@ def real_row(side, path, B, T, grad_ckpt, steps=STEPS, dtype="float32", compiled
         from bench.gpu import gpu_peak
         peak = gpu_peak()
     else:
-        peak = measure_matmul_flops(device, getattr(torch, dtype))
+        peak = peak_flops(device, getattr(torch, dtype))[0]
     return {"side": side, "ms": dt * 1000, "tok_s": B * T / dt, "flops_per_s": B * T / dt / peak,
             "peak_mb": peak_memory_mb(device), "first_loss": first, "flops": flops,
             "first_s": times[0]}

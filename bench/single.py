@@ -6,7 +6,7 @@ its own."""
 import torch
 
 from model import ModelConfig, Transformer
-from parallel import measure_matmul_flops
+from parallel import peak_flops
 
 from bench.base import ACCUM, BATCH, ITERS, MODEL, in_subprocess, median_step_time, peak_memory_mb
 
@@ -23,7 +23,7 @@ def single_row(grad_ckpt):
                 else torch.autocast("cpu", enabled=False))
     dt = median_step_time(model, opt, x, autocast)
     tokens = ACCUM * BATCH * MODEL["block_size"]
-    peak = measure_matmul_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    peak = peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)[0]
     return {"grad_ckpt": grad_ckpt, "ms_iter": dt * 1000, "tok_s": tokens / dt,
             "mfu": model.flops_per_token() * tokens / dt / peak, "peak_gflops": peak / 1e9,
             "peak_mb": peak_memory_mb(device), "params_m": model.num_params() / 1e6}

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from techniques import tensor_parallel
 from model import ModelConfig, Transformer
+from techniques import tensor_parallel
 
 from bench.base import ITERS, MODEL, SMOKE, WARMUP, run_ranks, sized
 

@@ -14,20 +14,20 @@ import shutil
 
 import torch
 
+from formats import hf_moe
 from guards import guard_chat
 from guards.guard_errors import UserError
 from guards.guard_files import MAX_SIZES, read_json
-from formats import hf_moe
 from formats.hf_safetensors import (
     open_safetensors,
     read_safetensors_header,
     read_safetensors_part,
     write_safetensors,
 )
-from formats.hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out, index_experts,
-                    read_experts, tensors_out)
-from formats.hf_rope import rope_scaling_out, yarn_factor, yarn_fields
+from formats.hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out,
+                            index_experts, read_experts, tensors_out)
 from model import ROPE_TYPES, ModelConfig, Transformer
+from formats.hf_rope import rope_scaling_out, yarn_factor, yarn_fields
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face LLaMA checkpoints (LlamaForCausalLM, save_pretrained's directory layout).

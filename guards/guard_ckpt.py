@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from model import MODEL_TYPES, ROPE_TYPES, ModelConfig
+from parallel import all_gather_object, broadcast_object
 from guards.guard_errors import UserError, describe_error
 from guards.guard_files import MAX_SIZES, json_field, read_json, sha256_file
-from parallel import all_gather_object, broadcast_object
-from model import MODEL_TYPES, ROPE_TYPES, ModelConfig
 
 
 CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on

@@ -15,10 +15,10 @@ import re
 import torch
 
 import configurator
+from model import ModelConfig
 from guards import guard_env
 from guards.guard_errors import UserError, check
 from guards.guard_files import check_exports, check_place, check_writable
-from model import ModelConfig
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
            "pp_schedule": ("1f1b", "gpipe", "interleaved"),

@@ -12,6 +12,7 @@ from guards import guard_chat
 from guards.guard_errors import UserError, describe_error
 from guards.guard_files import MAX_LIST_JSON_BYTES, json_field, read_json
 
+
 def check_made_as_asked(data_dir, asked, given):
     """An existing dataset was made with the val_fraction and data_source the command gives
     (meta.json records them): else one line naming the setting that differs, not the old split."""

@@ -12,9 +12,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+import parallel
 from guards import guard_errors
 from guards import guard_files
-import parallel
+
 
 def run_excepthook(kind, err, tb):
     """train.py's sys.excepthook: guard_errors' (a UserError is one line, a bug keeps its

@@ -39,7 +39,7 @@ def _int(name, lo, hi=None):
         n = None
     bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
     _check(n is not None and n >= lo and (hi is None or n <= hi),
-          f"{name}={value[:40]!r} is not a whole number {bound}: {FIX}")
+           f"{name}={value[:40]!r} is not a whole number {bound}: {FIX}")
     return n
 
 
@@ -54,7 +54,7 @@ def world_size():
     _check(rank < world, f"RANK={rank} is not below WORLD_SIZE={world}: {FIX}")
     _check(local is not None, f"RANK={rank} is set but LOCAL_RANK is not: {FIX}")
     _check(os.environ.get("MASTER_ADDR") and port is not None, f"RANK={rank} WORLD_SIZE={world} "
-          f"without MASTER_ADDR and MASTER_PORT: the ranks cannot meet; {FIX}")
+           f"without MASTER_ADDR and MASTER_PORT: the ranks cannot meet; {FIX}")
     return world
 
 

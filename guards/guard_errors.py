@@ -15,6 +15,7 @@ import traceback
 
 from common import script_help
 
+
 class UserError(ValueError):
     """A mistake in what the user asked for: reported as one line, no traceback."""
 

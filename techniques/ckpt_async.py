@@ -54,6 +54,7 @@ class AsyncSaves:
             failed = Future()
             failed.set_exception(e)
             return failed
+
         def write_then_hash():
             written.result()
             return checkpoint.own_hashes(tmp, self.mesh.rank)

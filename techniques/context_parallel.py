@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from guards.guard_errors import check
 from model import apply_rope
+from guards.guard_errors import check
 
 # Everything in a block but the attention is per token, so a rank that holds a part of the
 # sequence runs the norms, matmuls, residuals and the MLP on its part alone, with the whole
@@ -37,11 +37,12 @@ from model import apply_rope
 # the same amount of causal work, and of every block but its own exactly half is visible to it
 # (_visible), which is all the ring computes.
 # RoPE rotates each token by its global position (cos and sin at this rank's positions); the
-# loss gathers each token's cross-entropy into the whole (B, T) (backward: reduce-scatter, as
-# K and V), so every cp rank holds the loss of the whole sequence and the token mean is over
-# all of it. The weights' gradients, each rank's part times cp (the gather's backward sums
-# cp copies of the same upstream gradient), are averaged over the cp group after backward
-# (average_gradients), as data parallelism averages over its replicas.
+# loss gathers each token's cross-entropy into the whole (B, T), so every cp rank holds the loss
+# of the whole sequence and the token mean is over all of it. Every rank then computes the same
+# loss from the same gathered values, so the gather's backward keeps this rank's slice of the
+# upstream gradient (GatherLoss; K and V's gather must sum every rank's gradient instead). The
+# weights' gradients, each rank's part, are summed over the cp group after backward
+# (sum_gradients), as data parallelism sums over its replicas.
 
 
 def positions(T, cp, rank, device=None):
@@ -79,6 +80,17 @@ class GatherSeq(torch.autograd.Function):
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=ctx.group)
         return out, None, None
+
+
+class GatherLoss(GatherSeq):
+    """GatherSeq for a value every rank then uses alike (the loss): its backward is this rank's
+    slice of the gradient, which every rank holds whole and the same."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        ranked, _ = _order(grad.shape[ctx.dim], cp, grad.device)
+        return grad.index_select(ctx.dim, ranked).chunk(cp, ctx.dim)[rank], None, None
 
 
 def allgather_attention(q, k, v, pos, docs, dropout, group):
@@ -119,7 +131,7 @@ def cp_losses(inner, mesh, h, head, targets, chunk=0, keep=False):
     into every target's loss (B, T), in sequence order, the same on every cp rank."""
     pos = positions(targets.shape[1], mesh.cp, mesh.cp_rank, targets.device)
     losses = inner(h, head, targets.index_select(1, pos), chunk, keep)
-    return GatherSeq.apply(losses, 1, mesh.cp_group)
+    return GatherLoss.apply(losses, 1, mesh.cp_group)
 
 
 def context_parallel(model, mesh, ring=True):
@@ -144,15 +156,13 @@ def context_parallel(model, mesh, ring=True):
     return model
 
 
-def average_gradients(params, mesh):
-    """After backward: each cp rank's gradient came from its part of the sequences, times cp
-    (the loss gather's backward), so `params`' gradients become their mean over the cp group,
-    in one all-reduce."""
+def sum_gradients(params, mesh):
+    """After backward: each cp rank's gradient came from its part of the sequences, so
+    `params`' gradients become their sum over the cp group, in one all-reduce."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params
              if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=mesh.cp_group)
-    flat /= mesh.cp  # all_reduce summed; we want the mean
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 

@@ -1,6 +1,7 @@
 """
 Data parallel, by hand: every dp rank holds the whole model (or pipeline stage) and runs its
-own micro-batches; the gradients are averaged over the ranks before the optimizer step.
+own micro-batches; the gradients are summed over the ranks before the optimizer step (the
+loss weights make the sum the mean: train.py's token_weights).
 NaiveDataParallel (one all-reduce per parameter, after backward: the oracle) beside the
 bucketed, overlapped DataParallel, both with no_sync() and the require_backward_grad_sync
 flag that train.py toggles for gradient accumulation. zero.py builds ZeRO on these buckets.
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from techniques.pipeline import tied_copy
 
-# Every rank then takes the same step, so the weights stay identical. Two ways to average, side
+# Every rank then takes the same step, so the weights stay identical. Two ways to sum, side
 # by side, with one interface (forward, no_sync() or the require_backward_grad_sync flag, wait()):
 #   NaiveDataParallel: after backward, one all-reduce per parameter, in wait(). Simple,
 #             and the test oracle.
@@ -32,7 +33,7 @@ from techniques.pipeline import tied_copy
 #   its bucket 2 with another rank's bucket 1.
 # - unused parameters: every trainable parameter that got a gradient on *some* dp rank is
 #   reduced on every rank, a missing .grad counting as zeros. So a parameter unused on rank
-#   1 only gets (g0 + 0) / dp, what torch DDP(find_unused_parameters=True) gives. A
+#   1 only gets g0 + 0, what torch DDP(find_unused_parameters=True) gives. A
 #   parameter unused on every rank keeps grad None, so AdamW leaves it alone (no momentum,
 #   no decay), again as torch DDP does. Knowing "unused everywhere" costs one small
 #   all-reduce in wait(), of a vector of used-flags (one per parameter).
@@ -41,7 +42,7 @@ from techniques.pipeline import tied_copy
 
 class DataParallelBase(nn.Module):
     """What both data-parallel wrappers share: the same start on every replica, the forward,
-    and the sync flag. Subclasses average the gradients; call wait() before clipping."""
+    and the sync flag. Subclasses sum the gradients; call wait() before clipping."""
 
     def __init__(self, module, mesh):
         super().__init__()
@@ -84,14 +85,13 @@ class NaiveDataParallel(DataParallelBase):
     here."""
 
     def wait(self):
-        """Averages the gradients: after this every rank holds the same mean gradient."""
+        """Sums the gradients: after this every rank holds the same gradient of the mean loss."""
         for p, used in zip(self.params, self._used_anywhere()):
             if not used:
                 continue  # no gradient on any rank: stays None
             if p.grad is None:  # unused here, used elsewhere: this rank contributes zeros
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.mesh.dp_group)
-            p.grad /= self.mesh.dp  # all_reduce summed; we want the mean (gloo has no AVG)
             self.launches += 1
 
 
@@ -157,7 +157,8 @@ class DataParallel(DataParallelBase):
         self.launches += 1
 
     def wait(self):
-        """Finishes the gradient average: after this every rank holds the same mean gradient."""
+        """Finishes the gradient sum: after this every rank holds the same gradient of the mean
+        loss."""
         # buckets backward did not complete (a parameter without gradient on this rank, or
         # gradients from no_sync micro-steps only) go now, still in bucket order
         while self.launched < len(self.buckets):
@@ -167,7 +168,6 @@ class DataParallel(DataParallelBase):
             work.wait()
         used = dict(zip(self.params, self._used_anywhere()))
         for bucket, _ in self.pending:
-            bucket.flat /= self.mesh.dp  # all_reduce summed; we want the mean
             offset = 0
             for p in bucket.params:
                 n = p.numel()
@@ -191,12 +191,21 @@ class Bucket:
         return self.ready == len(self.params)
 
 
+def sum_hook(group, bucket):
+    """torch DDP's comm hook that all-reduces a bucket and leaves the sum (its default divides)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def wrap(model, mesh, impl="bucketed", bucket_mb=4.0):
-    """train.py's data-parallel line: the model in the wrapper that averages its gradients over
-    the dp ranks: ours by hand (bucketed, or naive), or torch's DistributedDataParallel (the
-    peer). ZeRO 1/2 (zero.py's ZeroDataParallel, on these buckets) is train.py's own line."""
+    """train.py's data-parallel line: the model in the wrapper that sums its gradients over the
+    dp ranks: ours by hand (bucketed, or naive), or torch's DistributedDataParallel (the peer,
+    which averages unless a comm hook says otherwise: ours sums, as torchtitan's does). ZeRO 1/2
+    (zero.py's ZeroDataParallel, on these buckets) is train.py's own line."""
     if impl == "torch":
-        return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, process_group=mesh.dp_group)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, process_group=mesh.dp_group)
+        ddp.register_comm_hook(mesh.dp_group, sum_hook)
+        return ddp
     if impl == "naive":
         return NaiveDataParallel(model, mesh)
     return DataParallel(model, mesh, bucket_mb)

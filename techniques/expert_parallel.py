@@ -2,7 +2,7 @@
 Expert parallelism (`ep=N`), by hand: the experts of every MoE layer (moe.py) split over ep
 ranks taken from the data-parallel ones, tokens sent to the rank holding their expert and
 back with all_to_all_single (its backward written out too), and the experts' gradients
-averaged over the ranks that hold the same experts. Applied to a built model from outside,
+summed over the ranks that hold the same experts. Applied to a built model from outside,
 like tensor_parallel.py; model.py and moe.py know none of it.
 """
 
@@ -30,12 +30,11 @@ from torch.distributed.tensor import DTensor
 # A rank whose experts got no token still joins both exchanges with zero rows: every rank
 # calls the same collectives in the same order, or the group hangs.
 #
-# Gradients. Rank r's backward scales its tokens' loss by dp / N (train.py's token weights:
-# data parallel then averages over dp). An expert on rank r collects the gradient of every
-# token of its ep group that chose it, each with that dp / N; the dp / ep ranks that hold the
-# same experts (one in each ep group) together saw every token once. So the expert gradients
-# are summed over those replicas and divided by dp (sync_grads), not averaged over the
-# replicas: that would leave them ep times too large (tests/test_moe.py checks against one
+# Gradients. Rank r's backward scales its tokens' loss by 1 / N (train.py's token weights:
+# every gradient collective sums). An expert on rank r collects the gradient of every token of
+# its ep group that chose it, each with that 1 / N; the dp / ep ranks that hold the same experts
+# (one in each ep group) together saw every token once. So the expert gradients are summed over
+# those replicas (sync_grads), as the others are over dp (tests/test_moe.py checks against one
 # process). The experts are kept out of the data-parallel wrapper (marked _ep).
 #
 # The experts' slices carry the marks of a tensor-parallel slice (_split_dim=0, _split_group = the
@@ -120,18 +119,14 @@ def expert_parallel(model, mesh, ep, moe_layers):
 
 
 @torch.no_grad()
-def sync_grads(model, mesh):
-    """The experts' gradients: summed over the ranks that hold the same experts, / dp (see above).
+def sync_grads(model):
+    """The experts' gradients: summed over the ranks that hold the same experts (see above).
     One all-reduce for all of them."""
     # (LoRA: frozen)
     experts = [p for p in model.parameters() if hasattr(p, "_ep") and p.requires_grad]
-    # fsdp (fsdp.py): its reduce-scatter over the replicas took
-    if experts and isinstance(experts[0], DTensor):
-        # their mean, the sum / (dp / ep): / ep more (gloo has no pre-scaled sum to ask it for)
-        for p in experts:
-            p.grad.to_local().div_(dist.get_world_size(p._split_group))
-        return
-    if not experts:  # (a pipeline stage without MoE layers)
+    # (fsdp.py: its reduce-scatter over the replicas summed them already; a pipeline stage
+    # without MoE layers has none)
+    if not experts or isinstance(experts[0], DTensor):
         return
     for p in experts:  # (every expert runs, with no rows if none came: a gradient on every rank)
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -140,6 +135,5 @@ def sync_grads(model, mesh):
     replicas = experts[0]._ep
     if dist.get_world_size(replicas) > 1:
         dist.all_reduce(flat, group=replicas)
-    flat /= mesh.dp
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))

@@ -45,9 +45,7 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
 
     def shard():
         # expert parallel (expert_parallel.py): a rank's experts are its own, sharded over the
-        # ranks that hold
-        # the same ones (their _ep group), whose mean expert_parallel.sync_grads turns into the sum
-        # / dp it needs
+        # ranks that hold the same ones (their _ep group)
         for experts in [m for m in model.modules()
                         if any(hasattr(p, "_ep") for p in m.parameters(recurse=False))]:
             group = next(iter(experts.parameters()))._ep
@@ -55,6 +53,13 @@ def fully_shard_model(model, mesh, reshard_after_forward=True, offload=False):
         for block in model.layers.values():
             fully_shard(block, **kw)
         fully_shard(model, **kw)
+        # the reduce-scatters sum: the loss weights already make the mean (train.py's
+        # token_weights), as torchtitan asks of FSDP2 with the same call; by SUM alone (gloo has
+        # no PREMUL_SUM)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
     return keeping_marks(model, shard)
 
 

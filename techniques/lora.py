@@ -15,15 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from guards import guard_chat
-from guards import guard_ckpt
-from guards.guard_errors import UserError
-from guards.guard_files import read_json, sha256_file
-from guards.guard_config import LORA_TARGETS, lora_targets
-from formats.hf import HF_NAMES, load_hf, rename, weight_files, write_export_dir
-from formats.hf_safetensors import read_safetensors
 from model import ModelConfig, Transformer, param_seed
 from parallel import broadcast_object
+from formats.hf import HF_NAMES, load_hf, rename, weight_files, write_export_dir
+from formats.hf_safetensors import read_safetensors
+from guards import guard_chat
+from guards import guard_ckpt
+from guards.guard_config import LORA_TARGETS, lora_targets
+from guards.guard_errors import UserError
+from guards.guard_files import read_json, sha256_file
 
 # LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen weight W plus a trainable low-rank update,
 #   y = x W^T + (alpha / r) * dropout(x) A^T B^T,   A: (r, in), B: (out, r)
@@ -31,7 +31,6 @@ from parallel import broadcast_object
 # The names follow PEFT's LoraLayer (lora_A.weight, lora_B.weight, scaling = lora_alpha / r,
 # dropout on the adapter's input only, A Kaiming-uniform), so that an adapter maps one to
 # one onto PEFT's files (save_peft_lora and load_peft_lora below write and read them).
-
 
 
 class LoRALinear(nn.Module):

@@ -1,28 +1,20 @@
 """
 The meta-device build: train.py builds the model with shapes only, cuts its pipeline stage,
 applies tensor parallel and FSDP there, and only then gives each rank storage for what it
-holds and fills it: fresh weights drawn per parameter name (the same bits a single process
-draws), or its part of an imported file or a checkpoint. No rank ever holds the whole model.
-TensorMemory counts what a rank allocates on the way (bench.py, tests).
+holds (materialize) and fills it: fresh weights drawn per parameter name (the same bits a
+single process draws), or its part of an imported file or a checkpoint, each rank reading only
+its own part (local_parts says which part of which full tensor that is). No rank ever holds the
+whole model.
 """
-
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from techniques.fsdp import keeping_marks
 from model import init_tensor
-
-# ---- meta-device build: no rank ever holds the whole model ------------------------------
-# train.py builds the model on the meta device (shapes, no storage), cuts its pipeline stage,
-# applies tensor parallel and FSDP there, then gives each rank storage for what it holds
-# (materialize) and fills it: fresh weights, an imported file or a checkpoint, each rank
-# reading only its own part (local_parts says which part of which full tensor that is).
+from techniques.fsdp import keeping_marks
 
 
 def materialize(model, device):
@@ -100,41 +92,6 @@ def init_weights(model, seed):
     for name, local, shape, dim, start, stop in local_parts(model):
         full = init_tensor(name, shape, model.cfg.n_layer, seed)
         local.copy_(full if dim is None else full.narrow(dim, start, stop - start))
-
-
-class TensorMemory(TorchDispatchMode):
-    """Counts the bytes of CPU tensor storage created while active and still alive (`now`)
-    and the most at any moment (`peak`): what a rank allocates while it builds or imports the
-    model (bench.py, tests). Storage that existed before is not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.now = self.peak = 0
-        self.seen = set()
-
-    def _free(self, key, n):
-        self.seen.discard(key)
-        self.now -= n
-
-    @staticmethod
-    def _cpu_storages(tree):
-        for t in torch.utils._pytree.tree_leaves(tree):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                s = t.untyped_storage()
-                yield (s.data_ptr(), s.nbytes()), s
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # a view or an in-place result is not new
-        old = {key for key, _ in self._cpu_storages((args, kwargs))}
-        for key, s in self._cpu_storages(out):
-            if key not in self.seen and key not in old and s.nbytes():
-                self.seen.add(key)
-                self.now += s.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self._free, key, s.nbytes())
-        return out
 
 
 def fill(model, src, seed, mesh, device):

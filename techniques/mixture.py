@@ -9,9 +9,9 @@ one dataset never enters this file.
 import numpy as np
 import torch
 
+from configurator import parse_phases, source_name
 from guards import guard_data
 from guards.guard_errors import UserError
-from configurator import parse_phases, source_name
 
 
 def temper(weights, temperature):

@@ -10,9 +10,10 @@ here, never counted.
 import os
 
 import checkpoint
+from checkpoint import restore_streams
+from rundir import truncate_metrics
 from guards import guard_ckpt
 from guards.guard_errors import UserError, check
-from rundir import restore_streams, truncate_metrics
 
 
 class NanGuard:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from guards.guard_errors import UserError
 from model import RMSNorm, chunked_losses
+from guards.guard_errors import UserError
 
 # The tp ranks of a stage each hold a slice of every matmul and run the same tokens. Per
 # block, two pairs:

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from techniques.data_parallel import Bucket, DataParallel
 from optim import AdamW, MuonWithAdamW, orthogonalize_shared, sharing_ranks, whole_shape
 from parallel import tp_gather, tp_slice
+from techniques.data_parallel import Bucket, DataParallel
 
 # Where the memory of training goes: plain data parallel keeps on every rank the whole
 # model's parameters (4 bytes each in fp32), their gradients (4) and AdamW's two moments
@@ -52,7 +52,7 @@ class Shard:
 
 class ZeroDataParallel(DataParallel):
     """DataParallel whose optimizer state (stage 1) and also gradients (stage 2) are split
-    over the dp ranks. After wait(), each Shard's tensor.grad holds the mean gradient of
+    over the dp ranks. After wait(), each Shard's tensor.grad holds the summed gradient of
     this rank's pieces (a view of the whole gradient in stage 1, of the reduced chunk in
     stage 2); ZeroOptimizer steps them."""
 
@@ -117,11 +117,11 @@ class ZeroDataParallel(DataParallel):
         return (used > 0).tolist()
 
     def wait(self):
-        """Finishes the gradient reduction; then each shard's .grad is its piece of the mean
+        """Finishes the gradient reduction; then each shard's .grad is its piece of the summed
         gradient (None for a parameter that no rank used: AdamW leaves it alone, as in
         DataParallel)."""
         if self.stage == 1:
-            # every rank holds the whole mean gradient; the shards' gradients are views of it
+            # every rank holds the whole summed gradient; the shards' gradients are views of it
             super().wait()
             self.used = {p: p.grad is not None for p in self.params}
             for s in self.shards:
@@ -134,7 +134,6 @@ class ZeroDataParallel(DataParallel):
         for bucket, work in self.pending:
             work.wait()
             bucket.flat = None  # the full-size buffer goes back to the allocator
-            bucket.grad_chunk /= self.mesh.dp  # reduce-scatter summed; we want the mean
             bucket.ready = 0
         used = self.used = dict(zip(self.params, self._used_anywhere()))
         for s in self.shards:

@@ -44,6 +44,7 @@ def module_of(path):
     """'techniques/zero.py' -> 'techniques.zero', the name an import gives it."""
     return path[:-3].replace("/", ".")
 
+
 # a tiny model and batch: a run of 20 iterations takes a few seconds on one core
 TINY = ["n_layer=2", "n_head=4", "n_kv_head=2", "n_embd=32", "block_size=32", "batch_size=4",
         "grad_accum_steps=2", "vocab_size=512", "eval_iters=2", "eval_interval=5",

@@ -10,9 +10,9 @@ import pytest
 import torch
 from real_model import smollm2_dir
 
+import prepare
 from formats import chat_template
 from formats import hf_tokenizer
-import prepare
 from guards.guard_errors import UserError
 
 WORDS = ["hello", "Ça va ?", "日本語のテキスト", "Привет", "🙂👩‍👩‍👧", "naïve café", "x² ≤ ∞",

@@ -18,10 +18,10 @@ from transformers import (
 
 import prepare
 import tokenizer as tokenizer_py
-from guards.guard_errors import UserError
+from model import ModelConfig, Transformer
 from formats.hf import hf_config_to_ours, hf_tokenizer, load_hf, save_hf
 from formats.hf_safetensors import read_safetensors, write_safetensors
-from model import ModelConfig, Transformer
+from guards.guard_errors import UserError
 
 HF = dict(vocab_size=512, hidden_size=64, intermediate_size=160,
           num_hidden_layers=2, num_attention_heads=4,

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from guards.guard_errors import UserError
 from configurator import configure
+from guards.guard_errors import UserError
 
 DEFAULTS = {"n_layer": 4, "dropout": 0.1, "learning_rate": 3e-4, "compile": False,
             "out_dir": "out", "init_from": "scratch", "n_embd": 128}

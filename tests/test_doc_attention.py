@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from techniques.doc_attention import Documents, document_mask
 from model import ModelConfig, Transformer
+from techniques.doc_attention import Documents, document_mask
 
 
 def packed_rows(B, T, eot, seed, pad_from=None):

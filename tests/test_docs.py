@@ -56,6 +56,19 @@ def test_files_and_lines_stay_short():
     assert not rows, f"README.md's map gives these files two rows: {rows}"
 
 
+def test_blank_lines_and_continuation_indents():
+    """pycodestyle's blank-line rules (E30x) and visual-indent continuations (E128) on every
+    project file and bench/ (the tests aside, like the 650-line cap)."""
+    import subprocess
+    import sys
+    files = project_files() + ["bench.py"] + [f"bench/{f}" for f in
+                                              sorted(os.listdir(os.path.join(ROOT, "bench")))
+                                              if f.endswith(".py")]
+    p = subprocess.run([sys.executable, "-m", "pycodestyle", "--select=E30,E128", *files],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and not p.stderr, p.stdout + p.stderr
+
+
 def keys_of(source, stop):
     """{key: default} of the literal assignments of `source`'s statements up to the first
     statement that `stop` accepts: train.py's commented globals, sample.py's main() locals."""
@@ -81,6 +94,18 @@ def sample_keys():
                 if isinstance(n, ast.FunctionDef) and n.name == "main")
     return keys_of(main.body,
                    lambda n: isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "defaults")
+
+
+def test_every_key_of_train_py_has_its_comment():
+    """README says every key is a commented global: each default of train.py's block carries a
+    comment on its line (a continuation line below it counts with it)."""
+    lines = read("train.py").splitlines()
+    body = ast.parse(read("train.py")).body
+    keys = train_keys()
+    bare = [n.targets[0].id for n in body if isinstance(n, ast.Assign)
+            and isinstance(n.targets[0], ast.Name) and n.targets[0].id in keys
+            and "#" not in lines[n.lineno - 1]]
+    assert len(keys) > 60 and not bare, f"keys of train.py without a comment: {bare}"
 
 
 def doc_table(text, heading):

@@ -13,11 +13,11 @@ import torch
 from conftest import TINY, read_metrics, run_train
 
 import data
-from guards import guard_data
 import evals
+from guards import guard_data
 import tokenizer as tokenizer_py
-from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
+from guards.guard_errors import UserError
 
 
 def write_task(path, questions):

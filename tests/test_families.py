@@ -13,12 +13,12 @@ import torch
 from conftest import HF, RUN, assert_same_curve, read_metrics, run_train, torchrun
 
 import checkpoint
-from guards import guard_ckpt
+from model import ModelConfig, Transformer
 from formats import hf
 from formats import hf_tokenizer
+from guards import guard_ckpt
 from guards.guard_errors import UserError
 from techniques import lora
-from model import ModelConfig, Transformer
 
 SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -13,13 +13,13 @@ from test_parallel import CLIP_CFG, clip_batch, clip_model_grads
 
 from techniques import data_parallel
 import faults
-from techniques import fsdp
 import parallel
+from model import ModelConfig, Transformer
+from guards.guard_ckpt import check_meta
+from techniques import fsdp
 from techniques import tensor_parallel
 from techniques import zero
-from guards.guard_ckpt import check_meta
 from techniques.loss_scale import LossScaler
-from model import ModelConfig, Transformer
 
 # ---- the scaler against torch.amp.GradScaler, in one process ---------------------------
 

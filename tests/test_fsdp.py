@@ -16,11 +16,11 @@ from conftest import (
     torchrun,
 )
 
-from techniques import fsdp
-from formats import hf
-from formats import hf_safetensors
 import parallel
 from model import ModelConfig, Transformer
+from formats import hf
+from formats import hf_safetensors
+from techniques import fsdp
 
 
 # offload=True: on a CPU device there is nothing to move, the same path

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from real_model import smollm2_dir
 
-from formats import chat_template
 import data
-from guards import guard_chat
-from formats import hf_tokenizer
 import prepare
+from formats import chat_template
+from formats import hf_tokenizer
+from guards import guard_chat
 from guards.guard_errors import UserError
 
 # a template that renders every field a tool-calling template may (Qwen's, Llama 3.1's)

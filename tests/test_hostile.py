@@ -21,31 +21,31 @@ import pytest
 import torch
 from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
 
-from guards import guard_files
 import checkpoint
-from guards import guard_ckpt
 import configurator
 import data
 import evals
-from guards import guard_data
-from guards import guard_dist
-from guards import guard_env
-from formats import hf
-from formats import hf_safetensors
-from formats import hf_tokenizer
-from techniques import lora
-from techniques import mixture
 import origin
 import parallel
 import plot
 import prepare
 import rundir
 import sample
+from formats import hf
+from formats import hf_safetensors
+from formats import hf_tokenizer
+from guards import guard_ckpt
+from guards import guard_data
+from guards import guard_dist
+from guards import guard_env
+from guards import guard_files
+from techniques import lora
+from techniques import mixture
 import tokenizer as tokenizer_py
-from guards.guard_errors import UserError
-from guards.guard_files import check_exports
 from model import ModelConfig, Transformer
 from optim import AdamW
+from guards.guard_errors import UserError
+from guards.guard_files import check_exports
 
 
 @pytest.fixture(scope="module")

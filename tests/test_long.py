@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, spawn, torchrun
 
-from techniques import context_parallel
 import parallel
-from techniques import tensor_parallel
 from model import ModelConfig, Transformer
+from techniques import context_parallel
+from techniques import tensor_parallel
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
 
@@ -117,7 +117,7 @@ def cp_checks(mesh):
             x, y, mask = batch()
             _, loss = model(x, y, mask, documents() if doc else None)
             loss.backward()
-            context_parallel.average_gradients(list(model.parameters()), mesh)  # the mean over cp
+            context_parallel.sum_gradients(list(model.parameters()), mesh)  # the sum over cp
             out[f"{ring}_{doc}"] = (loss.detach(),
                                     {n: p.grad for n, p in model.named_parameters()})
     return out

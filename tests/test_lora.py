@@ -19,12 +19,12 @@ from conftest import (
 )
 
 import faults
-from techniques import fsdp
-from formats import hf
-from techniques import lora
-from guards.guard_errors import UserError
-from techniques.lora import LoRALinear, apply_lora, merge_lora
 from model import ModelConfig, Transformer
+from formats import hf
+from guards.guard_errors import UserError
+from techniques import fsdp
+from techniques import lora
+from techniques.lora import LoRALinear, apply_lora, merge_lora
 from techniques.pipeline import make_stage
 
 ALL = "wq,wk,wv,wo,w1,w2,w3,output"

@@ -9,12 +9,13 @@ from conftest import spawn
 from test_fsdp import check_one_nth, one_step_memory
 from torch.distributed.device_mesh import init_device_mesh
 
-from techniques import fsdp
 import parallel
-from techniques import meta_build
-from formats import hf
-from techniques import tensor_parallel
+from bench.build import TensorMemory
 from model import ModelConfig, Transformer
+from formats import hf
+from techniques import fsdp
+from techniques import meta_build
+from techniques import tensor_parallel
 from techniques.pipeline import make_stage
 
 # layers dominate (16 of them, a 64-token vocabulary), so 1/4 of the model is well above the
@@ -25,7 +26,7 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=16, n_head=4, n_kv_head=2, n_em
 def build_model(cfg, meta=True, dp_mesh=None, stage=0, pp=1, tp=None, hf_dir=None):
     """train.py's model section at one layout: (model, peak bytes of tensors allocated).
     meta=False: the old way, the whole model built (and imported) first, then cut and sharded."""
-    with meta_build.TensorMemory() as mem:
+    with TensorMemory() as mem:
         torch.manual_seed(0)
         with torch.device("meta") if meta else nullcontext():
             model = Transformer(ModelConfig(**cfg))
@@ -90,9 +91,8 @@ def test_meta_build_is_layout_free_and_holds_a_quarter_per_rank(tmp_path):
     model_bytes = sum(t.numel() * t.element_size() for t in whole.values())
     largest = max(t.numel() * t.element_size() for t in whole.values())
     # an imported model: other weights than the fresh ones
-    torch.manual_seed(1)
     hf_dir = str(tmp_path / "hf")
-    hf.save_hf(hf_dir, Transformer(ModelConfig(**CFG)).state_dict(), ModelConfig(**CFG))
+    hf.save_hf(hf_dir, Transformer(ModelConfig(**CFG), seed=1).state_dict(), ModelConfig(**CFG))
     imported = hf.load_hf(hf_dir)[1]
     assert not torch.equal(imported["layers.0.attention.wq.weight"],
                            whole["layers.0.attention.wq.weight"])

@@ -11,10 +11,10 @@ from conftest import TINY, assert_same_curve, read_metrics, run_train, torchrun
 
 import configurator
 import data
-from guards import guard_data
-from techniques import mixture
 import prepare
+from guards import guard_data
 from guards.guard_errors import UserError
+from techniques import mixture
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from conftest import RUN, TINY, assert_same_curve, read_metrics, run_train, torchrun
 
+from model import ModelConfig, Transformer
 from formats import hf
 from techniques import moe
-from model import ModelConfig, Transformer
 
 # the tiny MoE model of the run tests: 4 experts, 2 a token, in both layers
 MOE = [*TINY, "n_experts=4", "moe_top_k=2", "moe_ffn_dim=48"]
@@ -268,10 +268,10 @@ def _ep_grads(mesh):
         wrap = (fsdp.fully_shard_model if layout == "fsdp"
                 else partial(data_parallel.wrap, impl="bucketed", bucket_mb=0.01))
         run = wrap(ours, mesh)
-        k = mesh.dp_rank  # (one micro-batch a rank, of weight dp / micro-batches = 1)
-        run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1].backward()
+        k = mesh.dp_rank  # (one micro-batch a rank, of weight 1 / micro-batches)
+        (run(x[2 * k:2 * k + 2], x[2 * k:2 * k + 2])[1] / 8).backward()
         run.wait() if layout == "dp" else None
-        expert_parallel.sync_grads(ours, mesh)
+        expert_parallel.sync_grads(ours)
         r, n = mesh.dp_rank % ep, 8 // ep
         want = {name: g[r * n:(r + 1) * n] if "experts." in name else g
                 for name, g in one[starve].items()}
@@ -285,7 +285,7 @@ def _ep_grads(mesh):
 def test_ep_gradients_equal_one_process_where_the_groups_differ():
     """8 experts on 8 ranks (dp=8): ep=2, ep=4, ep=2 x fsdp and ep=4 with an expert rank starved
     give every gradient of one process, the experts' own included (summed over the ranks holding
-    them, divided by dp; not ep or dp / ep times too large), and the starved rank does not hang."""
+    them; not ep or dp / ep times too large), and the starved rank does not hang."""
     from conftest import spawn
     ranks = spawn(_ep_grads, 8)
     for rank in ranks:

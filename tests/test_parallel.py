@@ -29,13 +29,13 @@ from conftest import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+import parallel
+from model import ModelConfig, Transformer
+from guards import guard_ckpt
 from techniques import data_parallel
 from techniques import fsdp
-from guards import guard_ckpt
-import parallel
 from techniques import tensor_parallel
 from techniques import zero
-from model import ModelConfig, Transformer
 
 
 def global_batch(n_micro):
@@ -54,8 +54,10 @@ def single_process_grads(n_micro):
 
 
 def wrap(model, mesh, impl, bucket_mb, **torch_kwargs):
-    if impl == "torch":
-        return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **torch_kwargs)
+    if impl == "torch":  # with the comm hook train.py gives it: gradients summed, not averaged
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **torch_kwargs)
+        ddp.register_comm_hook(mesh.dp_group, data_parallel.sum_hook)
+        return ddp
     return (data_parallel.NaiveDataParallel(model, mesh) if impl == "naive"
             else data_parallel.DataParallel(model, mesh, bucket_mb))
 
@@ -65,8 +67,7 @@ def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
     micro-batches, sync only on the last one (the way train.py does it: the flag, or
     no_sync() around the earlier micro-steps)."""
     # other ranks start wrong: the wrapper must broadcast
-    torch.manual_seed(0 if mesh.rank == 0 else 123)
-    model = Transformer(ModelConfig(**CFG))
+    model = Transformer(ModelConfig(**CFG), seed=0 if mesh.rank == 0 else 123)
     ddp = wrap(model, mesh, impl, bucket_mb)
     k_per = n_micro // mesh.dp
     mine = global_batch(n_micro)[mesh.dp_rank * k_per:(mesh.dp_rank + 1) * k_per]
@@ -79,7 +80,7 @@ def dp_step(mesh, impl, n_micro, bucket_mb, use_no_sync=False):
             ddp.require_backward_grad_sync = k == k_per - 1
         with ddp.no_sync() if use_no_sync and k < k_per - 1 else nullcontext():
             _, loss = ddp(mine[k, :, :-1], mine[k, :, 1:])
-            (loss / k_per).backward()
+            (loss / n_micro).backward()  # the loop's token weights: the sum is the mean
     if impl != "torch":
         ddp.wait()
     out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
@@ -126,9 +127,10 @@ def clip_batch():
 
 
 def clip_model_grads(model, rows=slice(None)):
-    """Backward of the mean loss over `rows` of clip_batch (all: the whole model's gradient)."""
+    """Backward of the mean loss over `rows` of clip_batch weighted by their share of its rows, as
+    the loop weighs a rank's micro-batches (all: the whole model's gradient)."""
     x, y = clip_batch()
-    model(x[rows], y[rows])[1].backward()
+    (model(x[rows], y[rows])[1] * (x[rows].shape[0] / x.shape[0])).backward()
     return model
 
 
@@ -356,7 +358,8 @@ def branchy_steps(mesh):
             uses = plan[mesh.dp_rank]
             for k, use in enumerate(uses):
                 with ddp.no_sync() if k < len(uses) - 1 else nullcontext():
-                    (ddp(branchy_input(step, mesh.dp_rank, k), use) / len(uses)).backward()
+                    (ddp(branchy_input(step, mesh.dp_rank, k), use)
+                     / (len(uses) * mesh.dp)).backward()
             in_backward = list(order)
             if impl != "torch":
                 ddp.wait()
@@ -587,3 +590,20 @@ def test_keep_freed_memory_cuts_the_page_faults_of_each_step():
                                env={**os.environ, "PYTHONPATH": ROOT}).stdout)
                             for _ in range(3))
     assert faults["plain"] > 10 * 2000 and faults["keep"] * 2 < faults["plain"], faults
+
+
+def test_mfu_peak_is_the_datasheet_on_a_known_gpu_else_a_measured_matmul(monkeypatch):
+    """On CUDA under bf16/fp16 the peak is the GPU's datasheet figure (the longer names matched
+    first: an H100 NVL is not an H100 SXM, an A100 not an A10), else the probe's matmul."""
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H100 PCIe": 756e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10G": 125e12,
+             "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "NVIDIA H200": 989e12,
+             "NVIDIA B200": 2250e12, "NVIDIA GeForce RTX 4090": 165e12}
+    for name, flops in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        for dtype in (torch.bfloat16, torch.float16):
+            peak, how = parallel.peak_flops("cuda", dtype)
+            assert peak == flops and "datasheet" in how, (name, peak, how)
+    # a CPU (and float32 anywhere) measures: a positive rate, said to be measured
+    peak, how = parallel.peak_flops("cpu", torch.bfloat16, n=64, seconds=0.01)
+    assert peak > 0 and how == "a measured matmul"

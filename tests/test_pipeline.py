@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from guards import guard_ckpt
 from conftest import REFERENCE, assert_same_curve, read_metrics, spawn, torchrun
 
-from techniques import pipeline
 from model import ModelConfig, Transformer
+from techniques import pipeline
 from techniques.pipeline import make_stage, pipeline_split, stage_costs, stage_layers
 
 CFG = {**conftest.CFG, "n_layer": 4}  # one layer per stage at pp=4

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import assert_same_curve, read_metrics, run_train, torchrun, write_corpus
 from real_model import smollm2_dir
 
-from formats import hf
 import sample
 from model import ModelConfig, Transformer
+from formats import hf
 
 PROMPT = "The capital of France is"
 # 2 iterations of 2 micro-batches of 40 tokens: the prompt and 32 greedy tokens fit in block_size,

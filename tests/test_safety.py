@@ -19,22 +19,22 @@ import pytest
 import torch
 from conftest import ROOT, TINY, read_metrics, run_train
 
-from guards import guard_files
 import checkpoint
-from techniques import ckpt_async
-from guards import guard_ckpt
-import rundir
 import data
+import rundir
+from guards import guard_ckpt
 from guards import guard_data
+from guards import guard_files
+from techniques import ckpt_async
 import faults
-from techniques import fsdp
-from formats import hf
-from formats import hf_safetensors
 import parallel
 import prepare
-from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
 from optim import AdamW
+from formats import hf
+from formats import hf_safetensors
+from guards.guard_errors import UserError
+from techniques import fsdp
 
 
 class Payload:
@@ -131,9 +131,9 @@ def test_dcp_metadata_reader_allows_what_dcp_writes_only(tmp_path):
 
 
 def tiny_model(n_embd=32, seed=0):
-    torch.manual_seed(seed)
     return Transformer(
-        ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd))
+        ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd),
+        seed)
 
 
 def test_safetensors_overlapping_or_gapped_offsets_are_refused(tmp_path):

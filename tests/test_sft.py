@@ -11,8 +11,8 @@ from conftest import ROOT, SFT, assert_same_curve, read_metrics, run_train, torc
 import data
 import prepare
 import tokenizer
-from guards.guard_errors import UserError
 from model import ModelConfig, Transformer
+from guards.guard_errors import UserError
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode, 日本語, emoji 🚀🎉\n",
          "    \t\n\n  trailing spaces   ", "a" * 300 + " zzzqqq 12345678",
@@ -371,9 +371,9 @@ def test_sft_loss_counts_only_assistant_tokens_and_neftune_only_trains(chat_data
     meta = json.load(open(os.path.join(chat_dataset, "meta.json")))
     assert meta["format"] == "chat" and meta["vocab_size"] == 512 + 4  # the chat tokens
     # the logged loss is the masked loss: recompute iteration 0's from the same weights and batch
-    torch.manual_seed(1337)
     model = Transformer(
-        ModelConfig(vocab_size=516, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=32))
+        ModelConfig(vocab_size=516, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=32),
+        seed=1337)
     x, y, mask = data.Loader(chat_dataset, "train", 32, 4, 4, 1337).batch(0)
     assert 0 < mask.mean() < 1
     with torch.no_grad():

@@ -13,8 +13,8 @@ import torch
 from conftest import ROOT, run_train
 
 import hf_families
-from formats import hf_tokenizer
 import prepare
+from formats import hf_tokenizer
 import tokenizer as tokenizer_py
 from guards.guard_errors import UserError
 

@@ -19,11 +19,11 @@ from conftest import (
     torchrun,
 )
 
-from guards import guard_ckpt
 import parallel
-from techniques import tensor_parallel
-from guards.guard_errors import UserError
 from model import Block, ModelConfig, Transformer, masked_mean
+from guards import guard_ckpt
+from guards.guard_errors import UserError
+from techniques import tensor_parallel
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=64)
 

@@ -13,10 +13,10 @@ from conftest import (INTERLEAVED, REFERENCE, assert_same_curve, read_metrics, r
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import checkpoint
-from techniques import data_parallel
 import parallel
-from techniques import zero
 from model import ModelConfig, Transformer
+from techniques import data_parallel
+from techniques import zero
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
@@ -160,7 +160,7 @@ def three_steps(mesh, kind):
         x = batch(mesh.dp_rank, step)
         for k in range(2):
             ddp.require_backward_grad_sync = k == 1
-            (ddp(x[k, :, :-1], x[k, :, 1:])[1] / 2).backward()
+            (ddp(x[k, :, :-1], x[k, :, 1:])[1] / (2 * mesh.dp)).backward()
         ddp.wait()
         params = opt.params if kind != "torch_zero" else list(model.parameters())
         norms.append(
