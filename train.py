@@ -55,6 +55,8 @@ ckpt_async = False              # write checkpoints in the background
 wandb_log = False
 wandb_project = "trainer"
 wandb_run_name = ""             # '': out_dir's base name
+tensorboard_log = False         # also write the records as TensorBoard events (tensorboard_dir)
+tensorboard_dir = ""            # '': out_dir/tb (`tensorboard --logdir out_dir` shows them)
 # data: a name under data/ or a directory, prepared from data_source if missing
 dataset = "stdlib"
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
@@ -414,18 +416,22 @@ if mesh.master:
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
-# Weights & Biases on rank 0: checkpoints keep its id, so a resumed run logs to the same one
-wandb_run = None
+# Weights & Biases and TensorBoard on rank 0, each a .log(record, step) and a .finish():
+# checkpoints keep wandb's id, so a resumed run logs to the same one
+loggers = []
 if mesh.master and wandb_log:
-    wandb_run = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
-    run_id = wandb_run.id
+    loggers.append(rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id))
+    run_id = loggers[-1].id
+if mesh.master and tensorboard_log:
+    loggers.append(rundir.TensorBoard(tensorboard_dir or os.path.join(out_dir, "tb"), start_iter,
+                                      metrics_path))
 
 
 def log(record):
     if mesh.master:
         rundir.append_metrics(metrics_path, record)
-        if wandb_run is not None:
-            wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+        for logger in loggers:
+            logger.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
 resumed_from = src.path if src.kind == "resume" else None  # never pruned
@@ -611,8 +617,8 @@ if ckpt_async:  # ckpt_async.py: the last checkpoint is complete, and `latest` n
 if stop:
     mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint "
                 f"saved; run the same command again to continue")
-if wandb_run is not None:
-    wandb_run.finish()
+for logger in loggers:
+    logger.finish()
 parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample
