@@ -28,6 +28,7 @@ from guards import guard_data
 from guards import guard_dist
 from guards import guard_files
 from guards import guard_env
+from formats import hf_cache  # init_from=ORG/NAME
 from techniques import loss_scale  # fp16: loss_scale.py
 from techniques import nan_guard
 import origin
@@ -43,6 +44,7 @@ from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 out_dir = "out"
 init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or where to start
                                 # from: a Hugging Face model directory, or a run's out_dir
+revision = ""                   # init_from=ORG/NAME[@REV] (the hub cache's): its branch or commit
 export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100
@@ -170,6 +172,8 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
+if "/" in init_from + lora_from:  # ORG/NAME: the model in the local hub cache (hf_cache.py)
+    init_from, lora_from = hf_cache.local(revision, init_from=init_from, lora_from=lora_from)
 world = guard_env.world_size()  # torchrun's variables, checked
 if world > 1:  # a layout may need more micro-batches than the default gives (a note says so)
     grad_accum_steps = configurator.batch_for_layout(globals(), overrides, world)
@@ -416,15 +420,13 @@ if mesh.master:
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
-# Weights & Biases and TensorBoard on rank 0, each a .log(record, step) and a .finish():
-# checkpoints keep wandb's id, so a resumed run logs to the same one
+# wandb, TensorBoard on rank 0; checkpoints keep wandb's id, so a resumed run logs to the same one
 loggers = []
 if mesh.master and wandb_log:
     loggers.append(rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id))
     run_id = loggers[-1].id
 if mesh.master and tensorboard_log:
-    loggers.append(rundir.TensorBoard(tensorboard_dir or os.path.join(out_dir, "tb"), start_iter,
-                                      metrics_path))
+    loggers.append(rundir.TensorBoard(out_dir, tensorboard_dir, start_iter))
 
 
 def log(record):
