@@ -140,11 +140,11 @@ def start_wandb(config, out_dir, project, name, run_id):
 class TensorBoard:
     """Rank 0's records as TensorBoard event files in `path` ('': out_dir/tb; then `tensorboard
     --logdir out_dir`), through torch.utils.tensorboard, with wandb's run's .log and .finish:
-    every number of a record, at its iteration. A run resumed at iteration `start` continues the same stream: the
-    events from its checkpoint on are dropped (purge_step: TensorBoard hides the steps >= start
-    of the earlier files), as metrics.jsonl drops them, and what metrics.jsonl keeps at `start`
-    (the evaluation the checkpoint was saved after) is written again. A step that goes back (the
-    NaN guard's rollback) reopens the stream there alike."""
+    every number of a record, at its iteration. A run resumed at iteration `start` continues
+    the same stream: the events from its checkpoint on are dropped (purge_step: TensorBoard
+    hides the steps >= start of the earlier files), as metrics.jsonl drops them, and what
+    metrics.jsonl keeps at `start` (the evaluation the checkpoint was saved after) is written
+    again. A step that goes back (the NaN guard's rollback) reopens the stream there alike."""
 
     def __init__(self, out_dir, path, start):
         self.path, self.writer = path or os.path.join(out_dir, "tb"), None
