@@ -168,3 +168,26 @@ def test_tensorboard_missing_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(UserError, match=r"tensorboard_log=True needs the tensorboard package, "
                                         r"which is not installed: pip install tensorboard"):
         checked({}, {})
+
+
+def test_tensorboard_reopens_its_stream_where_a_rollback_goes_back(tmp_path):
+    """The NaN guard's rollback in the same process: a step lower than the last one written
+    reopens the stream there (purge_step), keeping metrics.jsonl's evaluation at it."""
+    import json
+
+    import rundir
+    out = tmp_path / "run"
+    out.mkdir()
+    tb = rundir.TensorBoard(str(out), "", 0)
+    for it in range(6):
+        tb.log({"loss": 10.0 - it}, it)
+        if it == 3:
+            tb.log({"val_loss": 7.5}, 3)
+    # rolled back to the checkpoint at 3: metrics.jsonl cut there, its evaluation at 3 kept
+    (out / "metrics.jsonl").write_text(json.dumps({"iter": 3, "val_loss": 7.5}) + "\n")
+    for it in range(3, 5):
+        tb.log({"loss": 20.0 - it}, it)
+    tb.finish()
+    got = tensorboard_scalars(str(out / "tb"))
+    assert got["loss"] == [(0, 10.0), (1, 9.0), (2, 8.0), (3, 17.0), (4, 16.0)]
+    assert got["val_loss"] == [(3, 7.5)]
