@@ -8,14 +8,17 @@ tokens, another model's), so runs on different vocabularies compare. Document an
 (<|endoftext|>, a BOS, role tokens) decode to no text: they count 0 bytes, their loss still counts.
 
 A task is a JSONL file, one question a line: {"context": "...", "choices": ["...", ...],
-"answer": i}. Each choice is scored by the log-likelihood of its tokens after the context (the
-row: the start of a document, the context, the choice; cut from the left past block_size),
-tokenized as lm-evaluation-harness does (context + choice encoded whole, the choice's ids
-those after the context's, a space that ends the context moved to the choice). Then
-    acc      = share of questions whose highest log-likelihood is the answer's
-    acc_norm = the same with each log-likelihood divided by its choice's length in UTF-8 bytes
-(lm-evaluation-harness's definitions; its acc_norm divides by len(choice), characters, the
-same for ASCII). gold_ll is the mean log-likelihood of the answers, a smooth number to watch.
+"answer": i}. Each choice is scored by the log-likelihood of its tokens after the context,
+in the row lm-evaluation-harness (HFLM) builds: context + choice encoded whole, the choice's ids
+those after the context's (a space that ends the context moved to the choice), after the first
+token the tokenizer itself adds (its BOS where it adds one, as Llama's do; none for SmolLM2's
+or Qwen's); an empty context is its prefix token alone (the BOS its config names, else the
+EOS); the row cut from the left to block_size + 1. Then, as its multiple_choice tasks score,
+    acc       = share of questions whose highest log-likelihood is the answer's
+    acc_norm  = the same with each log-likelihood divided by its choice's length in characters
+    acc_bytes = the same divided by its choice's UTF-8 bytes
+(tests/test_evals.py: lm-evaluation-harness's own numbers, per choice and per task). gold_ll is
+the mean log-likelihood of the answers, a smooth number to watch.
 
 train.py scores every eval_interval on any layout: the task's rows go through train.py's own
 evaluation in global batches (each dp rank its micro-batches, the pipeline, tp, cp as for the val
@@ -90,31 +93,36 @@ def bits_per_byte(loss, tokens, n_bytes):
 
 
 class Task:
-    """One task file: every choice of every question as a row (ids: the start token, the
-    context, the choice, cut from the left to block_size + 1; n: how many end it are the
-    choice's), row_question (each row's question), bytes (each choice's), answers."""
+    """One task file: every choice of every question as a row (ids: the tokenizer's first token,
+    the context, the choice, cut from the left to block_size + 1; n: how many end it are the
+    choice's), row_question (each row's question), chars and bytes (each choice's), answers."""
 
     def __init__(self, path, enc, block_size):
         self.path, self.name = path, os.path.basename(path).removesuffix(".jsonl")
-        start = getattr(enc, "bos_token", None)
-        # what precedes a document in prepared data
-        start = enc.eot_token if start is None else start
+        bos = getattr(enc, "bos_token", None)  # what the tokenizer puts first, or None
+        first, prefix = [] if bos is None else [bos], prefix_token(enc)
         self.pad, self.block_size = enc.eot_token, block_size
-        self.ids, self.n, self.answers, self.row_question, self.bytes = [], [], [], [], []
+        self.ids, self.n, self.answers, self.row_question = [], [], [], []
+        self.chars, self.bytes = [], []
         keep = block_size + 1
         for q, (lineno, context, choices, answer) in enumerate(read_task(path)):
             self.answers.append(answer)
-            for k, (choice, (head, tail, n)) in enumerate(
-                    zip(choices, encode_choices(enc, context, choices))):
+            ctx, conts = encode_choices(enc, context, choices)
+            for k, (choice, cont) in enumerate(zip(choices, conts)):
+                start = first + ctx[-keep:]
+                if not start:  # lm-evaluation-harness: the prefix token, unless it starts one
+                    split = cont[:1] == [prefix]
+                    start, cont = (cont[:1], cont[1:]) if split else ([prefix], cont)
                 # (lm-evaluation-harness asserts a continuation: none would score 0, and win)
-                check(n > 0, f"{path}:{lineno}: choice {k} ({choice[:40]!r}) has no tokens of "
-                             f"its own: it merges into the context's last token; start the "
-                             f"choices with a space, as lm-evaluation-harness's tasks do")
+                check(len(cont) > 0, f"{path}:{lineno}: choice {k} ({choice[:40]!r}) has no "
+                             f"tokens of its own: it merges into the context's last token; "
+                             f"start the choices with a space (or end the context with one), "
+                             f"as lm-evaluation-harness's tasks do")
                 # cut from the left, as lm-evaluation-harness does past max_length
-                # (head + tail: the row's ids; head, shared by the choices, sliced first)
-                self.ids.append(([start] + head[-keep:] + tail)[-keep:])
-                self.n.append(n)
+                self.ids.append((start + cont)[-keep:])
+                self.n.append(len(cont))
                 self.row_question.append(q)
+                self.chars.append(len(choice))
                 self.bytes.append(len(choice.encode()))
         self.row_question = np.asarray(self.row_question)
 
@@ -188,6 +196,20 @@ def check_question(q, where, fix=None):
     return q["context"], choices, q["answer"]
 
 
+def prefix_token(enc):
+    """lm-evaluation-harness's prefix_token_id, the row's start for an empty context: the BOS
+    token the tokenizer's config names (added to text or not, as SmolLM2-Instruct's
+    <|im_start|>), else its EOS (our eot_token)."""
+    if getattr(enc, "bos_token", None) is not None:
+        return enc.bos_token
+    name = (getattr(enc, "config", None) or {}).get("bos_token")
+    name = name.get("content") if isinstance(name, dict) else name  # (an AddedToken's fields)
+    try:
+        return enc.encode_single_token(name) if isinstance(name, str) else enc.eot_token
+    except KeyError:
+        return enc.eot_token
+
+
 def encode(enc, text):
     """Text as prepare.py encodes a document (tokenizer.encode): an added token is its id."""
     allowed = set(getattr(enc, "extra_tokens", ()))
@@ -195,13 +217,14 @@ def encode(enc, text):
 
 
 def encode_pair(enc, context, choice):
-    """(context + choice ids, how many of them are the choice's), as lm-evaluation-harness's
-    _encode_pair: the whole text encoded once, so a token may join the two across the cut."""
+    """(context ids, choice ids) as lm-evaluation-harness's _encode_pair: context + choice
+    encoded whole, the choice's ids those past as many as the context alone has (a token may
+    join the two across the cut: the row is then the context's own ids and the whole's rest)."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, choice = context[:-spaces], context[-spaces:] + choice
     whole, ctx = encode(enc, context + choice), encode(enc, context)
-    return whole, len(whole) - len(ctx)
+    return ctx, whole[len(ctx):]
 
 
 # The last TAIL tokens of a long context are encoded again with each choice, the rest once
@@ -209,26 +232,25 @@ TAIL = 64
 
 
 def encode_choices(enc, context, choices):
-    """[(head, tail, n)] of each choice: head + tail and n are encode_pair's (ids, n), with the
-    context encoded once, not once per choice. A tokenizer that splits text into pieces first
-    (words, numbers, runs of spaces; tiktoken's regex, a tokenizer.json's pre-tokenizer) gives
-    the text before a piece boundary the same ids whatever follows it, so the context is cut at a
-    token boundary TAIL tokens from its end that is one for both halves: head = the ids before
-    the cut (shared), tail = each choice encoded after the context's last TAIL tokens. A choice
+    """(context ids, [each choice's ids]) of encode_pair, with the context encoded once, not
+    once per choice. A tokenizer that splits text into pieces first (words, numbers, runs of
+    spaces; tiktoken's regex, a tokenizer.json's pre-tokenizer) gives the text before a piece
+    boundary the same ids whatever follows it, so the context is cut at a token boundary TAIL
+    tokens from its end that is one for both halves: the whole text's ids are then the ids before
+    the cut and those of the context's last TAIL tokens' text encoded with the choice. A choice
     that changes the tail's first half anyway is encoded whole, as is a short context."""
     text = context.rstrip()
     spaces = context[len(text):]
     ctx = encode(enc, text)
     cut = _cut(enc, text, ctx)
-    head, out = ctx[:-TAIL], []
+    out = []
     for choice in choices:
         tail = None if cut is None else encode(enc, text[cut:] + spaces + choice)
         if tail is None or tail[:TAIL // 2] != ctx[-TAIL:][:TAIL // 2]:
-            whole, n = encode_pair(enc, context, choice)
-            out.append((whole, [], n))
-        else:
-            out.append((head, tail, len(tail) - TAIL))
-    return out
+            out.append(encode_pair(enc, context, choice)[1])
+        else:  # (the whole text: ctx[:-TAIL] + tail)
+            out.append(tail[TAIL:])
+    return ctx, out
 
 
 def _cut(enc, text, ctx):
@@ -247,18 +269,21 @@ def _cut(enc, text, ctx):
 
 
 def scores(task, logliks):
-    """{"acc", "acc_norm", "gold_ll"} of a task from each row's log-likelihood."""
-    ll, n_bytes = np.asarray(logliks, dtype=np.float64), np.asarray(task.bytes, dtype=np.float64)
-    acc = acc_norm = gold = 0.0
+    """{"acc", "acc_norm", "acc_bytes", "gold_ll"} of a task from each row's log-likelihood."""
+    ll = np.asarray(logliks, dtype=np.float64)
+    chars, n_bytes = (np.asarray(v, dtype=np.float64) for v in (task.chars, task.bytes))
+    acc = acc_norm = acc_bytes = gold = 0.0
     # a question's rows lie together, in order (Task): where each question's begin
     bounds = np.searchsorted(task.row_question, np.arange(len(task.answers) + 1))
     for q, answer in enumerate(task.answers):
         rows = np.arange(bounds[q], bounds[q + 1])
         acc += int(np.argmax(ll[rows])) == answer
-        acc_norm += int(np.argmax(ll[rows] / n_bytes[rows])) == answer
+        acc_norm += int(np.argmax(ll[rows] / chars[rows])) == answer
+        acc_bytes += int(np.argmax(ll[rows] / n_bytes[rows])) == answer
         gold += ll[rows[answer]]
     n = len(task.answers)
-    return {"acc": acc / n, "acc_norm": acc_norm / n, "gold_ll": gold / n}
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "acc_bytes": acc_bytes / n,
+            "gold_ll": gold / n}
 
 
 @torch.no_grad()
@@ -289,6 +314,7 @@ def score_tasks(model, eval_tasks, enc, block_size, c, what):
         doc_ids = (lambda x: data.doc_ids(x, task.pad)) if c["doc_mask"] else None
         s = scores(task, plain_logliks(model, task, c["batch_size"], device, doc_ids))
         results.append(f"{task.name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f} "
+                       f"acc_bytes {s['acc_bytes']:.4f} "
                        f"({len(task.answers):,} questions)")
     print(f"tasks of {what}: " + ", ".join(results) + f"; block_size={block_size}", flush=True)
 
@@ -307,7 +333,9 @@ def split_bytes(data_dir, block_size, enc, split="val"):
 
 # ---- task files from the public benchmarks ----------------------------------------------------
 # One record of each benchmark as its Hugging Face dataset holds it -> ours, with the prompt
-# lm-evaluation-harness writes for it (its choices follow a space, its target_delimiter).
+# lm-evaluation-harness's task config writes for it: its doc_to_text, then target_delimiter (a
+# space, which scoring moves to the choice, as lm-evaluation-harness joins them), the choices
+# its doc_to_choice, so acc_norm counts their characters as it does.
 
 
 def _hellaswag_text(text):
@@ -328,20 +356,20 @@ def _unbracketed(line):
 
 def from_hellaswag(r):  # Rowan/hellaswag (validation: the split lm-evaluation-harness scores)
     context = r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()
-    return {"context": _hellaswag_text(context), "answer": int(r["label"]),
-            "choices": [" " + _hellaswag_text(e) for e in r["endings"]]}
+    return {"context": _hellaswag_text(context) + " ", "answer": int(r["label"]),
+            "choices": [_hellaswag_text(e) for e in r["endings"]]}
 
 
 def from_arc(r):  # allenai/ai2_arc, ARC-Easy or ARC-Challenge (test)
     choices = r["choices"]  # {"text": [...], "label": ["A", "B", ...]}
-    question = f"Question: {r['question']}\nAnswer:"
-    return {"context": question, "choices": [" " + t for t in choices["text"]],
+    question = f"Question: {r['question']}\nAnswer: "
+    return {"context": question, "choices": list(choices["text"]),
             "answer": choices["label"].index(r["answerKey"])}
 
 
 def from_piqa(r):  # ybisk/piqa (validation)
-    return {"context": f"Question: {r['goal']}\nAnswer:", "answer": int(r["label"]),
-            "choices": [" " + r["sol1"], " " + r["sol2"]]}
+    return {"context": f"Question: {r['goal']}\nAnswer: ", "answer": int(r["label"]),
+            "choices": [r["sol1"], r["sol2"]]}
 
 
 CONVERTERS = {"hellaswag": from_hellaswag, "arc": from_arc, "piqa": from_piqa}
@@ -412,7 +440,7 @@ class _Window:
 
 class Evaluator:
     """What train.py logs beside each val loss: val_bpb (and val_bpb/<source> for a mixture),
-    and task/<name>/{acc, acc_norm, gold_ll} for each file of eval_tasks."""
+    and task/<name>/{acc, acc_norm, acc_bytes, gold_ll} for each file of eval_tasks."""
 
     def __init__(self, eval_tasks, val_loaders, lengths, enc_of, model, mesh, eval_iters):
         """lengths: the bytes of each id (the dataset's token_bytes), or None: from the tokenizer

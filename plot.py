@@ -6,7 +6,9 @@ Loss curves of one or more runs as a PNG, from their metrics.jsonl:
 
 Train loss (smoothed, a solid line) and val loss (dots) of each run, in one colour per run,
 labelled by its out_dir; a mixture's sources get a panel each. matplotlib draws them: it is
-optional (training never needs it), `pip install matplotlib` (docs/checkpoints.md).
+optional (training never needs it), `pip install matplotlib` (docs/checkpoints.md). For live
+curves, a run with tensorboard_log=True writes the same records as TensorBoard events:
+`tensorboard --logdir out`.
 """
 
 import argparse

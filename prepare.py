@@ -80,14 +80,16 @@ def stdlib_files():
 
 def resolve_source(source):
     """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or files of
-    records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, mixed as a glob finds them): each file
+    records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow, mixed as a glob finds them; a
+    directory datasets' save_to_disk wrote: its .arrow files): each file
     once, by its real path (a link to another file of the source is skipped: the text would be
     in the data twice, maybe in both val and train), skipped of them."""
     if source == "stdlib":
         root, files = stdlib_files()
         return "text", root, files, 0
-    if os.path.isdir(source):
-        files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
+    if os.path.isdir(source):  # .txt files, or the Arrow files of a `datasets` save_to_disk
+        files = corpora.saved_dataset(source) or sorted(
+            glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
         root = source
     elif os.path.isfile(source):
         files, root = [source], os.path.dirname(source)

@@ -1,9 +1,9 @@
 """
 The run directory, out_dir, and the run's logs: one run owns it (guard_files' lock), it holds the
-run's config.json, metrics.jsonl (and Weights & Biases beside it) and checkpoints (checkpoint.py
-writes them, train.py's loop decides when, origin.py reads them to decide where the weights come
-from). Also the signals that stop a run with a last checkpoint (SIGTERM, SIGUSR1, Ctrl-C), and
-the block that ends a run.
+run's config.json, metrics.jsonl (Weights & Biases or TensorBoard beside it) and checkpoints
+(checkpoint.py writes them, train.py's loop decides when, origin.py reads them to decide where
+the weights come from). Also the signals that stop a run with a last checkpoint (SIGTERM,
+SIGUSR1, Ctrl-C), and the block that ends a run.
 """
 
 import functools
@@ -88,6 +88,42 @@ def start_wandb(config, out_dir, project, name, run_id):
         raise UserError(f"wandb could not start ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0][:200]}): run `wandb login`, or set "
                         f"WANDB_MODE=offline, or use wandb_log=False") from None
+
+
+class TensorBoard:
+    """Rank 0's records as TensorBoard event files in `path` ('': out_dir/tb; then `tensorboard
+    --logdir out_dir`), through torch.utils.tensorboard, with wandb's run's .log and .finish:
+    every number of a record, at its iteration. A run resumed at iteration `start` continues
+    the same stream: the events from its checkpoint on are dropped (purge_step: TensorBoard
+    hides the steps >= start of the earlier files), as metrics.jsonl drops them, and what
+    metrics.jsonl keeps at `start` (the evaluation the checkpoint was saved after) is written
+    again. A step that goes back (the NaN guard's rollback) reopens the stream there alike."""
+
+    def __init__(self, out_dir, path, start):
+        self.path, self.writer = path or os.path.join(out_dir, "tb"), None
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        self._open(start)
+
+    def _open(self, start):
+        from torch.utils.tensorboard import SummaryWriter  # (guard_config: it is installed)
+        if self.writer is not None:
+            self.writer.close()
+        self.writer, self.last = SummaryWriter(self.path, purge_step=start or None), start
+        for r in read_metrics(self.metrics_path) if start else []:
+            if r["iter"] == start:
+                self.log(r, start)
+
+    def log(self, record, step):
+        if step < self.last:
+            self._open(step)
+        for k, v in record.items():
+            if k != "iter" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()  # (readable while the run goes on, and after a kill)
+        self.last = step
+
+    def finish(self):
+        self.writer.close()
 
 
 def summary(out_dir, c, started, world, exports, stopped):

@@ -153,6 +153,9 @@ def evaluate_checkpoint(c):
     guard_errors.check(c["dataset"] or c["eval_tasks"],
                        "eval=True needs dataset= (a prepared dataset, or several: "
                        "dataset=a,b) or eval_tasks= (JSONL multiple-choice tasks)")
+    if "/" in c["init_from"]:  # ORG/NAME: the model in the local hub cache (hf_cache.py)
+        from formats import hf_cache
+        c = {**c, "init_from": hf_cache.snapshot("init_from", c["init_from"], c["revision"])}
     what = c["init_from"] or c["ckpt"] or c["out_dir"]
     if c["init_from"]:
         model, spec, run = load_from(c["init_from"])
@@ -213,8 +216,10 @@ def main(argv):
     export_hf = ""              # write the checkpoint as a Hugging Face LLaMA directory and exit
     export_shard_mb = 5000.0    # export_hf: shards + model.safetensors.index.json past this many
                                 # MB (0: one file)
-    init_from = ""              # eval=True: a Hugging Face LLaMA directory (a base, an export) or
-                                # a run's out_dir
+    init_from = ""              # eval=True: a Hugging Face LLaMA directory (a base, an export;
+                                # or its hub name ORG/NAME[@REV] in the local cache) or a run's
+                                # out_dir
+    revision = ""               # init_from=ORG/NAME: the snapshot's branch, tag or commit
     eval = False                # print the val loss of the model on dataset= (the whole val split)
                                 # and exit
     dataset = ""                # eval=True: a prepared dataset (a name under data/, or a

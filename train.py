@@ -28,6 +28,7 @@ from guards import guard_data
 from guards import guard_dist
 from guards import guard_env
 from guards import guard_files
+from formats import hf_cache  # init_from=ORG/NAME
 from techniques import loss_scale  # fp16: loss_scale.py
 import origin
 import parallel
@@ -43,6 +44,7 @@ from optim import build_optimizer, get_lr, pretrained_rate_note, schedule_note
 out_dir = "out"                 # where this run writes (see above)
 init_from = "auto"              # 'auto', 'resume' (must), 'scratch' (must not); or where to start
                                 # from: a Hugging Face model directory, or a run's out_dir
+revision = ""                   # init_from=ORG/NAME[@REV] (the hub cache's): its branch or commit
 export_hf = ""                  # at the end, also write a Hugging Face LLaMA directory here
 export_shard_mb = 5000.0        # its shards' size, with an index (0: one file)
 eval_interval = 100             # iterations between evaluations (val loss, bits per byte)
@@ -55,6 +57,8 @@ ckpt_async = False              # write checkpoints in the background
 wandb_log = False               # also log to Weights & Biases (rank 0)
 wandb_project = "trainer"       # its project
 wandb_run_name = ""             # '': out_dir's base name
+tensorboard_log = False         # also write the records as TensorBoard events (tensorboard_dir)
+tensorboard_dir = ""            # '': out_dir/tb (`tensorboard --logdir out_dir` shows them)
 # data: a name under data/ or a directory, prepared from data_source if missing
 dataset = "stdlib"              # one prepared dataset: a name under data/ or a directory
 datasets = ""                   # a mixture instead: 'stdlib:0.7,notes:0.3'
@@ -168,6 +172,8 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))]
 overrides = configurator.configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(overrides)
+if "/" in init_from + lora_from:  # ORG/NAME: the model in the local hub cache (hf_cache.py)
+    init_from, lora_from = hf_cache.local(revision, init_from=init_from, lora_from=lora_from)
 world = guard_env.world_size()  # torchrun's variables, checked
 if world > 1:  # a layout may need more micro-batches than the default gives (a note says so)
     grad_accum_steps = configurator.batch_for_layout(globals(), overrides, world)
@@ -411,18 +417,20 @@ if mesh.master:
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
-# Weights & Biases on rank 0: checkpoints keep its id, so a resumed run logs to the same one
-wandb_run = None
+# wandb, TensorBoard on rank 0; checkpoints keep wandb's id, so a resumed run logs to the same one
+loggers = []
 if mesh.master and wandb_log:
-    wandb_run = rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id)
-    run_id = wandb_run.id
+    loggers.append(rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id))
+    run_id = loggers[-1].id
+if mesh.master and tensorboard_log:
+    loggers.append(rundir.TensorBoard(out_dir, tensorboard_dir, start_iter))
 
 
 def log(record):
     if mesh.master:
         rundir.append_metrics(metrics_path, record)
-        if wandb_run is not None:
-            wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+        for logger in loggers:
+            logger.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
 resumed_from = src.path if src.kind == "resume" else None  # never pruned
@@ -607,8 +615,8 @@ if ckpt_async:  # ckpt_async.py: the last checkpoint is complete, and `latest` n
 if stop:
     mesh.print0(f"stopped by {rundir.signal_name(signals)} after iteration {it}: checkpoint "
                 f"saved; run the same command again to continue")
-if wandb_run is not None:
-    wandb_run.finish()
+for logger in loggers:
+    logger.finish()
 parallel.teardown(mesh)
 if mesh.master and not stop and (export_hf or export_lora or sample_tokens > 0):
     import sample

@@ -1,25 +1,30 @@
 """
-A corpus's files as records: JSONL plain, gzip'd or zstd'd, and Parquet, which is how public
-corpora (FineWeb, The Stack, SlimPajama) and `datasets` exports ship. prepare.py turns records
-into documents; this file only opens the formats, and says in one line when a file is corrupt
-or truncated (prepare.py then leaves the previous dataset as it was).
+A corpus's files as records: JSONL plain, gzip'd or zstd'd, Parquet, and Arrow (a directory
+`datasets`' save_to_disk wrote, or one .arrow file), which is how public corpora (FineWeb, The
+Stack, SlimPajama) and `datasets` exports ship. prepare.py turns records into documents; this
+file only opens the formats, and says in one line when a file is corrupt or truncated
+(prepare.py then leaves the previous dataset as it was).
 
-Parquet is read a row group at a time and only the columns a record needs, so memory stays
-bounded by the largest row group, not the file. pyarrow and zstandard are optional.
+Parquet is read a row group at a time and Arrow a record batch at a time (memory-mapped), only
+the columns a record needs, so memory stays bounded by the largest group, not the file. An
+Arrow batch is validated whole before a value is read: its schema and offsets are the file's
+word, and a file from outside may lie. pyarrow and zstandard are optional.
 """
 
 import gzip
 import os
 import zlib
 
-from guards.guard_errors import UserError
-from guards.guard_files import loads_json
+from guards.guard_errors import UserError, check
+from guards.guard_files import loads_json, read_json
 
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
 # the columns a Parquet record may need: the text field, or a conversation's
 CHAT_COLUMNS = ("messages", "prompt", "response")
 # the longest JSONL line read (a book is a few MB): past it, one line instead of the memory
 MAX_LINE_BYTES = 256 << 20
+# an Arrow record batch's columns read at once (`datasets` writes 1,000 rows a batch)
+MAX_BATCH_BYTES = 1 << 30
 
 
 def is_records(path):
@@ -37,7 +42,7 @@ def stem(path):
 
 def check_readers(files):
     """Refuses a source whose formats need a library that is missing, before anything is read."""
-    needs = {".parquet": "pyarrow", ".jsonl.zst": "zstandard"}
+    needs = {".parquet": "pyarrow", ".arrow": "pyarrow", ".jsonl.zst": "zstandard"}
     for suffix, module in needs.items():
         if any(f.endswith(suffix) for f in files):
             try:
@@ -108,6 +113,16 @@ def _zst_blocks(raw):
         raise zstandard.ZstdError("the stream ends inside a frame")
 
 
+def _columns(path, names, text_field):
+    """The columns a record needs of those a file has (text_field None: every column)."""
+    columns = [c for c in (text_field, *CHAT_COLUMNS) if c in names]
+    if text_field is not None and not columns:
+        raise UserError(f"{path} has no column '{text_field}' or 'messages' (its columns: "
+                        f"{', '.join(names[:12])}): pass --text_field NAME for the text "
+                        f"column")
+    return None if text_field is None else columns
+
+
 def _parquet_rows(path, text_field):
     """Each row of a Parquet file as a dict of the columns a record needs."""
     import pyarrow
@@ -115,27 +130,87 @@ def _parquet_rows(path, text_field):
 
     try:
         pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
-        # (text_field None: every column)
-        columns = [c for c in (text_field, *CHAT_COLUMNS) if c in names]
-        if text_field is None:
-            columns = None
-        elif not columns:
-            raise UserError(f"{path} has no column '{text_field}' or 'messages' (its columns: "
-                            f"{', '.join(names[:12])}): pass --text_field NAME for the text "
-                            f"column")
+        columns = _columns(path, pf.schema_arrow.names, text_field)
         for i in range(pf.num_row_groups):
             yield from pf.read_row_group(i, columns=columns).to_pylist()
     except (pyarrow.ArrowException, OSError, EOFError) as e:
         raise _corrupt(path, e) from None
 
 
+def saved_dataset(root):
+    """The .arrow files of a directory `datasets`' save_to_disk wrote, in order (state.json's
+    _data_files; a DatasetDict's dataset_dict.json names its splits' directories), or None for
+    another directory. The names are the directory's own files: no path leaves it."""
+    fix = "save the dataset again with datasets' save_to_disk, or give its .arrow files"
+    if os.path.isfile(os.path.join(root, "dataset_dict.json")):
+        splits = read_json(os.path.join(root, "dataset_dict.json"), fix).get("splits")
+        check(isinstance(splits, list) and splits and all(
+            isinstance(s, str) and s == os.path.basename(s) and s not in ("", ".", "..")
+            for s in splits), f"{root}/dataset_dict.json names no splits of its own: {fix}")
+        return [f for split in splits for f in saved_dataset(os.path.join(root, split)) or []]
+    if not os.path.isfile(os.path.join(root, "state.json")):
+        return None
+    files = read_json(os.path.join(root, "state.json"), fix).get("_data_files")
+    names = [f.get("filename") if isinstance(f, dict) else None
+             for f in (files if isinstance(files, list) and files else [None])]
+    check(all(
+        isinstance(n, str) and n == os.path.basename(n) and n.endswith(".arrow") for n in names),
+        f"{root}/state.json lists no .arrow files of its own (_data_files): {fix}")
+    return [os.path.join(root, n) for n in names]
+
+
+def _arrow_batches(source):
+    """The schema and record batches of an Arrow IPC file: the file format, or the stream
+    format (what `datasets` writes)."""
+    import pyarrow
+    try:
+        reader = pyarrow.ipc.open_file(source)
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except pyarrow.ArrowInvalid:  # no file footer: a stream
+        source.seek(0)
+        reader = pyarrow.ipc.open_stream(source)
+        return reader.schema, iter(reader)
+
+
+def _arrow_rows(path, text_field):
+    """Each row of an Arrow file as a dict of the columns a record needs, a batch at a time:
+    each batch validated whole (offsets, lengths, UTF-8), then its sizes bounded, before a value
+    is read."""
+    import pyarrow
+    import pyarrow.compute as pc
+
+    try:
+        with pyarrow.memory_map(path) as source:
+            schema, batches = _arrow_batches(source)
+            columns = _columns(path, schema.names, text_field)
+            for batch in batches:
+                batch = batch if columns is None else batch.select(columns)
+                batch.validate(full=True)
+                check(batch.nbytes <= MAX_BATCH_BYTES,
+                      f"{path}: a record batch of {batch.nbytes >> 20:,} MB, past the "
+                      f"{MAX_BATCH_BYTES >> 20:,} MB one is read in: write it in smaller "
+                      f"batches (datasets: writer_batch_size)")
+                for name, column in zip(batch.schema.names, batch.columns):
+                    t = pyarrow.types
+                    if any(f(column.type) for f in (t.is_string, t.is_large_string, t.is_binary,
+                                                    t.is_large_binary)):
+                        longest = pc.max(pc.binary_length(column)).as_py() or 0
+                        check(longest <= MAX_LINE_BYTES,
+                              f"{path}: a value of {longest >> 20:,} MB in column '{name}' (no "
+                              f"document is past {MAX_LINE_BYTES >> 20} MB): leave the file out "
+                              f"of the source")
+                yield from batch.to_pylist()
+    except (pyarrow.ArrowException, OSError, EOFError) as e:
+        raise _corrupt(path, e) from None
+
+
 def records(path, text_field, decode):
     """(row number, record, n_replaced) for each record: a non-blank JSONL line (numbered as in
-    the file, 1 first) or a Parquet row (its columns that text_field or a chat needs; None:
-    all); `decode` turns a line's bytes into (text, n_replaced)."""
-    if path.endswith(".parquet"):
-        for row, record in enumerate(_parquet_rows(path, text_field), 1):
+    the file, 1 first) or a Parquet or Arrow row (its columns that text_field or a chat needs;
+    None: all); `decode` turns a line's bytes into (text, n_replaced)."""
+    if path.endswith((".parquet", ".arrow")):
+        rows = _parquet_rows if path.endswith(".parquet") else _arrow_rows
+        for row, record in enumerate(rows(path, text_field), 1):
             yield row, record, 0
         return
     for lineno, raw in enumerate(_lines(path), 1):

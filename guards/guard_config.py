@@ -107,6 +107,14 @@ def _check_profiler(c, overrides):
     guard_env.check_trace_dir(c["out_dir"])
 
 
+def _check_tensorboard(c, overrides):
+    try:  # torch's writer, which imports the tensorboard package
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise UserError("tensorboard_log=True needs the tensorboard package, which is not "
+                        "installed: pip install tensorboard (or tensorboard_log=False)") from None
+
+
 def _check_rope(c, overrides):  # long context: hf_rope.py
     from formats import hf_rope
     hf_rope.check_run_rope(c)
@@ -127,6 +135,7 @@ FEATURE_CHECKS = [
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),
     (lambda c, o: c["rope_theta"] or c["rope_scaling"], _check_rope),
+    (lambda c, o: c["tensorboard_log"], _check_tensorboard),
 ]
 
 

@@ -3,6 +3,7 @@ vocabulary, export (SFT on the layouts is in test_sft.py)."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -155,3 +156,82 @@ def test_expansion_export_round_trip_keeps_every_id(family, corpus, tmp_path):
                (tmp_path / "data" / "domain" / f"{split}.bin").read_bytes()
     losses = [r["loss"] for r in read_metrics(tmp_path / "again") if "loss" in r]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def hub_cache(hub, name, src, refs):
+    """A Hugging Face hub cache laid out as huggingface_hub lays one: models--ORG--NAME/blobs/
+    holding the files of directory src, snapshots/<commit>/ of links into them, refs/<ref>
+    naming a commit ({ref: commit}). Returns {commit: its snapshot directory}."""
+    repo = hub / ("models--" + name.replace("/", "--"))
+    os.makedirs(repo / "blobs", exist_ok=True)
+    os.makedirs(repo / "refs", exist_ok=True)
+    snaps = {}
+    for ref, commit in refs.items():
+        (repo / "refs" / ref).write_text(commit)  # (no newline, as huggingface_hub writes it)
+        snap = repo / "snapshots" / commit
+        os.makedirs(snap, exist_ok=True)
+        for f in os.listdir(src):
+            blob = repo / "blobs" / f"{commit[:8]}-{f}"
+            blob.write_bytes(open(os.path.join(src, f), "rb").read())
+            os.symlink(os.path.join("..", "..", "blobs", blob.name), snap / f)
+        snaps[commit] = str(snap)
+    return snaps
+
+
+def test_a_model_by_its_hub_name_comes_from_the_local_cache(corpus, tmp_path, monkeypatch,
+                                                             capsys):
+    """init_from=ORG/NAME (train.py, sample.py eval=True) resolves, offline, to its snapshot in
+    the local Hugging Face cache ($HF_HOME/hub, $HF_HUB_CACHE before it), through refs/main;
+    ORG/NAME@REV or revision= pick another branch or a commit; a name not in the cache is one
+    line naming it, where it looked and `hf download`; a ref that climbs out is none."""
+    import sample
+    from formats import hf, hf_cache
+    from guards.guard_errors import UserError
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    model = Transformer(cfg).eval()
+    hf.save_hf(str(tmp_path / "src"), model.state_dict(), cfg,
+               tokenizer.get_tokenizer("cl100k_base", 512))
+    main, v2 = "1" * 40, "2" * 40
+    snaps = hub_cache(tmp_path / "home" / "hub", "org/tiny", str(tmp_path / "src"),
+                      {"main": main, "v2": v2})
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    assert hf_cache.local(init_from="org/tiny", lora_from="") == (snaps[main], "")
+    assert hf_cache.snapshot("init_from", "org/tiny@v2") == snaps[v2]
+    assert hf_cache.snapshot("init_from", "org/tiny", "v2") == snaps[v2]
+    assert hf_cache.snapshot("init_from", f"org/tiny@{v2}") == snaps[v2]  # a commit itself
+    assert hf_cache.snapshot("init_from", str(tmp_path / "src")) == str(tmp_path / "src")
+    with pytest.raises(UserError, match=re.escape(
+            f"init_from=org/missing is not a directory, and org/missing (revision main) is not "
+            f"in the local Hugging Face cache ({tmp_path / 'home' / 'hub'};")) as e:
+        hf_cache.snapshot("init_from", "org/missing")
+    assert "download it with `hf download org/missing`, or give" in str(e.value)
+    with pytest.raises(UserError, match=re.escape("`hf download org/tiny --revision nope`")):
+        hf_cache.snapshot("init_from", "org/tiny@nope")
+    with pytest.raises(UserError, match="is not in the local Hugging Face cache"):
+        hf_cache.snapshot("init_from", "org/tiny@../../../models--org--tiny/refs/main")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    with pytest.raises(UserError, match=re.escape(f"cache ({tmp_path / 'elsewhere'};")):
+        hf_cache.snapshot("init_from", "org/tiny")
+    monkeypatch.delenv("HF_HUB_CACHE")
+
+    # train.py from the name: the snapshot's weights, its path kept in config.json
+    out = str(tmp_path / "run")
+    env = {"HF_HOME": str(tmp_path / "home")}
+    data_args = [f"dataset={tmp_path / 'data'}", f"data_source={corpus}"]  # (its tokenizer's)
+    p = run_train([*RUN, *data_args, f"out_dir={out}", "init_from=org/tiny@v2", "max_iters=1",
+                   "learning_rate=1e-4", "min_lr=1e-5", "warmup_iters=0"], cwd=tmp_path,
+                  fork=True, env=env)
+    assert snaps[v2] in p.stdout
+    assert json.load(open(os.path.join(out, "config.json")))["init_from"] == snaps[v2]
+    p = run_train([*RUN, *data_args, f"out_dir={tmp_path / 'no'}", "init_from=org/absent"],
+                  cwd=tmp_path, fork=True, env=env, check=False)
+    assert p.returncode != 0 and "`hf download org/absent`" in p.stderr
+    assert p.stderr.count("error:") == 1
+    # sample.py eval=True scores the snapshot
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps({"context": "import ", "choices": ["os", "sys"], "answer": 0}))
+    sample.main(["eval=True", "init_from=org/tiny", f"eval_tasks={task}", "block_size=32"])
+    assert f"tasks of {snaps[main]}: t acc " in capsys.readouterr().out

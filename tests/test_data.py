@@ -285,10 +285,96 @@ def test_compressed_lines_are_read_whole_and_bounded(tmp_path, monkeypatch):
              "a.jsonl.zst": zc.compress(raw[:1000]) + zc.compress(raw[1000:])}
     for name, data in files.items():
         assert list(corpora._lines(_write(tmp_path / name, data))) == lines, name
-    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1 << 20)
+    monkeypatch.setattr(corpora, "MAX_LINE_BYTES", 1 << 20)
     bomb = b"{}\n" + b"\0" * (64 << 20)  # (a record, then 64 MB of zeros: a 2 kB .zst)
     for name, data in {"b.jsonl.gz": gzip.compress(bomb, 1), "b.jsonl.zst": zc.compress(bomb),
                        "b.jsonl": bomb[:3 << 20]}.items():
         with pytest.raises(UserError, match=r":2: a line of over 1 MB \(no JSONL record") as e:
             list(corpora._lines(_write(tmp_path / name, data)))
         assert "\n" not in str(e.value) and name in str(e.value)
+
+
+def write_arrow(path, rows, stream=False, batch_rows=4):
+    """rows as one Arrow IPC file, the file format or the stream format, in batches."""
+    import pyarrow
+    table = pyarrow.Table.from_pylist(rows)
+    new = pyarrow.ipc.new_stream if stream else pyarrow.ipc.new_file
+    with new(str(path), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            w.write_batch(batch)
+    return str(path)
+
+
+def test_arrow_corpora_give_jsonls_tokens_and_hostile_ones_are_one_line(tmp_path, monkeypatch):
+    """data_source= a directory `datasets`' save_to_disk wrote (a Dataset, and a DatasetDict of
+    splits: Arrow stream files beside dataset_info.json / state.json), or one .arrow file in the
+    file or the stream format: the same texts (and conversations) give the same tokens as
+    .jsonl. A truncated file, a wrong column type, a schema whose offsets lie, a value past the
+    limit: one line each, the old dataset left as it was."""
+    import datasets
+    import pyarrow
+    texts = [f"doc {i}: " + TEXTS[i % len(TEXTS)] for i in range(14)]
+    rows = [{"text": t, "id": i} for i, t in enumerate(texts)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:9]),
+                          "test": datasets.Dataset.from_list(rows[9:])}).save_to_disk(
+        str(tmp_path / "saved_dict"))
+    write_arrow(tmp_path / "file.arrow", rows)
+    write_arrow(tmp_path / "stream.arrow", rows, stream=True)
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) > 1  # shards, read in order
+    want = None
+    for source in ("c.jsonl", "saved", "saved_dict", "file.arrow", "stream.arrow"):
+        out = tmp_path / f"out-{source}"
+        meta = prepare.prepare(str(tmp_path / source), str(out), "cl100k_base", 600,
+                               val_fraction=0.3, verbose=False)
+        assert meta["train_docs"] + meta["val_docs"] == len(texts), source
+        want = want or split_docs(out)
+        assert split_docs(out) == want, source
+    chats = [{"messages": [{"role": "user", "content": f"q{i} " + t},
+                           {"role": "assistant", "content": t}]} for i, t in enumerate(texts)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "chat_saved"))
+    for source in ("chat.jsonl", "chat_saved"):
+        meta = prepare.prepare(str(tmp_path / source), str(tmp_path / f"out-{source}"),
+                               "cl100k_base", 600, val_fraction=0.3, verbose=False)
+        assert meta["format"] == "chat"
+    assert split_docs(tmp_path / "out-chat_saved") == split_docs(tmp_path / "out-chat.jsonl")
+
+    out = tmp_path / "out-c.jsonl"
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    good = (tmp_path / "file.arrow").read_bytes()
+    # a string column whose offsets point past its data (pyarrow's light check passes them),
+    # and one of bytes that are no UTF-8 under a string type: the schema's word, not the bytes'
+    _, offsets, data_buf = pyarrow.array(texts[:4]).buffers()
+    lying = np.frombuffer(offsets, dtype=np.int32).copy()
+    lying[2] = 10_000
+    liar = pyarrow.StringArray.from_buffers(4, pyarrow.py_buffer(lying.tobytes()), data_buf)
+    table = pyarrow.table({"text": liar})
+    not_utf8 = pyarrow.StringArray.from_buffers(
+        1, pyarrow.py_buffer(np.array([0, 4], np.int32).tobytes()), pyarrow.py_buffer(b"\xff\xfe"
+                                                                                      b"ab"))
+    with pyarrow.ipc.new_stream(str(tmp_path / "bytes.arrow"), table.schema) as w:
+        w.write_table(pyarrow.table({"text": not_utf8}))
+    with pyarrow.ipc.new_file(str(tmp_path / "lies.arrow"), table.schema) as w:
+        w.write_table(table)
+    bad = {"cut.arrow": (good[:len(good) // 2], "is corrupt or truncated"),
+           "noise.arrow": (os.urandom(3000), "is corrupt or truncated"),
+           "lies.arrow": (None, "is corrupt or truncated"),
+           "bytes.arrow": (None, "is corrupt or truncated"),
+           "ints.arrow": (None, "no string field 'text'")}
+    write_arrow(tmp_path / "ints.arrow", [{"text": i} for i in range(3)])
+    for name, (raw, match) in bad.items():
+        path = _write(tmp_path / name, raw) if raw is not None else str(tmp_path / name)
+        with pytest.raises(UserError, match=match) as e:
+            prepare.prepare(path, str(out), "cl100k_base", 600, val_fraction=0.3, verbose=False)
+        assert "\n" not in str(e.value) and name in str(e.value), (name, str(e.value))
+        assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before, name
+    from formats import corpora
+    monkeypatch.setattr(corpora, "MAX_LINE_BYTES", 100)  # (a 2 GB value, in small)
+    with pytest.raises(UserError, match=r"file.arrow: a value of 0 MB in column 'text'"):
+        prepare.prepare(str(tmp_path / "file.arrow"), str(out), "cl100k_base", 600,
+                        verbose=False)
+    (tmp_path / "saved" / "state.json").write_text('{"_data_files": [{"filename": "../x.arrow"}]}')
+    with pytest.raises(UserError, match="state.json lists no .arrow files of its own"):
+        prepare.prepare(str(tmp_path / "saved"), str(out), "cl100k_base", 600, verbose=False)

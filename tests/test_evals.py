@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, read_metrics, run_train
+from conftest import HF, TINY, read_metrics, run_train
 
 import data
 import evals
@@ -38,8 +38,9 @@ QUESTIONS = [
 
 def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
     """Each choice's log-likelihood given its context, ours and transformers' on our Hugging
-    Face export of the same model, to 1e-4; the row is the start token, the context, the choice
-    (as lm-evaluation-harness splits the text), cut from the left past block_size."""
+    Face export of the same model, to 1e-4; the row is the context, the choice (as
+    lm-evaluation-harness splits the text; this tokenizer adds no BOS), cut from the left past
+    block_size; an empty context is <|endoftext|> (lm-evaluation-harness's prefix token)."""
     from transformers import LlamaForCausalLM
 
     from formats import hf
@@ -57,11 +58,11 @@ def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
     # "import " + "os": the space goes with the choice, whose ids follow the context's
     whole, context = enc.encode_ordinary("import os"), enc.encode_ordinary("import")
     row = 3
-    assert x[row, 0] == enc.eot_token
+    assert x[row, 0] == whole[0] and x[-1, 0] == x[-2, 0] == enc.eot_token
     assert y[row][mask[row] == 1].tolist() == whole[len(context):]
-    assert x[row, 1:len(whole)].tolist() == whole[:-1]
+    assert x[row, :len(whole) - 1].tolist() == whole[:-1]
     long_row = 6  # 6 lines of context: cut from the left to block_size + 1 tokens
-    assert mask[long_row, -1] == 1 and x[long_row, 0] != enc.eot_token
+    assert mask[long_row, -1] == 1 and len(task.ids[long_row]) == 33
     ours = evals.plain_logliks(model, task, 3, torch.device("cpu"))
 
     hf.save_hf(str(tmp_path / "hf"), model.state_dict(), cfg, enc)
@@ -79,41 +80,44 @@ def test_choice_logliks_equal_transformers_on_the_export(tmp_path):
 @pytest.mark.parametrize("tail", [2, None])
 def test_a_context_encoded_once_gives_each_choice_the_ids_of_the_whole_text(monkeypatch, tail):
     """encode_choices (the context encoded once, each choice after its last TAIL tokens) gives
-    encode_pair's ids and counts (context + choice encoded whole): choices that join the
-    context's last word or number, without a leading space, of several bytes a character, after
-    spaces moved from the context; and takes the shortcut on a long context."""
+    encode_pair's ids (context + choice encoded whole, the choice's those past the context's
+    count): choices that join the context's last word or number, without a leading space, of
+    several bytes a character, after spaces moved from the context; and takes the shortcut on a
+    long context."""
     if tail:  # (None: evals.TAIL)
         monkeypatch.setattr(evals, "TAIL", tail)
     enc = tokenizer_py.get_tokenizer("cl100k_base", 300)
     body = "def square(x):\n    return x * x  # héllo 日本 123\n\n" * 12
     ends = ["", "Hello wor", "12345", "it", "word  ", "a\n\n ", "日", "x = (", "🚀"]
     choices = ["ld", " world", "6", "'s", "s", "😀", "é", "\n\tx", "  two", "<|endoftext|>", "本"]
-    shortcuts = 0
+    whole, pair = [], evals.encode_pair  # the choices encoded whole: no shortcut
+    monkeypatch.setattr(evals, "encode_pair", lambda *a: whole.append(1) or pair(*a))
     for end in ends:
         context = body + end
-        got = evals.encode_choices(enc, context, choices)
-        assert [(head + t, n) for head, t, n in got] == [
-            evals.encode_pair(enc, context, c) for c in choices], repr(end)
-        shortcuts += sum(1 for _, t, _ in got if t)
-    assert shortcuts > len(ends) * len(choices) // 2
+        ctx, got = evals.encode_choices(enc, context, choices)
+        assert [(ctx, c) for c in got] == [pair(enc, context, c) for c in choices], repr(end)
+    assert len(whole) < len(ends) * len(choices) // 2
 
 
 def test_acc_and_acc_norm_are_the_definitions_worked_by_hand(tmp_path):
-    """acc: the highest log-likelihood is the answer's; acc_norm: the highest per UTF-8 byte of
-    the choice (lm-evaluation-harness). Log-likelihoods set by hand, the scores worked out here."""
+    """acc: the highest log-likelihood is the answer's; acc_norm: the highest per character of
+    the choice; acc_bytes: per UTF-8 byte (lm-evaluation-harness's three). Log-likelihoods set by
+    hand, the scores worked out here."""
     enc = tokenizer_py.get_tokenizer("cl100k_base", 512)
     task = evals.Task(write_task(tmp_path / "t.jsonl", [
         {"context": "q0", "choices": [" a", " bbbbbbbbbb"], "answer": 1},
         {"context": "q1", "choices": ["é", "e"], "answer": 0},
         {"context": "q2", "choices": ["x", "y", "z"], "answer": 2}]), enc, 16)
-    assert task.bytes == [2, 11, 2, 1, 1, 1, 1]
+    assert task.bytes == [2, 11, 2, 1, 1, 1, 1] and task.chars == [2, 11, 1, 1, 1, 1, 1]
     lls = [-2.0, -5.0, -3.0, -2.0, -1.0, -1.0, -0.5]
-    # q0: acc picks " a" (-2 > -5), wrong; acc_norm -2/2 = -1 < -5/11 = -0.45:
-    # " bbbbbbbbbb", right.
-    # q1: acc picks "e" (-2 > -3), wrong; acc_norm "é" is 2 bytes (1 character): -1.5 > -2, right.
-    # q2: both pick "z" (-0.5), right.
+    # q0: acc picks " a" (-2 > -5), wrong; by length -2/2 = -1 < -5/11 = -0.45:
+    # " bbbbbbbbbb", right (characters and bytes alike).
+    # q1: acc picks "e" (-2 > -3), wrong; acc_norm too ("é" is 1 character: -3 < -2), wrong;
+    # acc_bytes: "é" is 2 bytes, -1.5 > -2, right.
+    # q2: all pick "z" (-0.5), right.
     s = evals.scores(task, lls)
-    assert s == {"acc": 1 / 3, "acc_norm": 1.0, "gold_ll": (-5.0 - 3.0 - 0.5) / 3}
+    assert s == {"acc": 1 / 3, "acc_norm": 2 / 3, "acc_bytes": 1.0,
+                 "gold_ll": (-5.0 - 3.0 - 0.5) / 3}
     # ties go to the first choice, as numpy's argmax: q0 wrong, q1 right, q2 wrong
     assert evals.scores(task, [-1.0, -1.0, -2.0, -2.0, -1.0, -1.0, -1.0])["acc"] == 1 / 3
 
@@ -165,8 +169,8 @@ def test_the_run_logs_bits_per_byte_and_task_scores_and_sample_py_agrees(dataset
                   cwd=tmp_path, script="sample.py")
     val_line, task_line = p.stdout.splitlines()[-2:]
     last = evals_[-1]
-    want = (f"made acc {last['task/made/acc']:.4f} acc_norm {last['task/made/acc_norm']:.4f} (8 "
-            "questions)")
+    want = (f"made acc {last['task/made/acc']:.4f} acc_norm {last['task/made/acc_norm']:.4f} "
+            f"acc_bytes {last['task/made/acc_bytes']:.4f} (8 questions)")
     assert want in task_line, (want, task_line)
     assert " bits/byte)" in val_line
     found = re.search(r" (\S+) \(\S+ target tokens, (\S+) bits/byte\)", val_line)
@@ -196,10 +200,32 @@ def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
             and full[:256].tolist() == [1] * 256)
 
 
+def lm_eval_questions(config, source):
+    """The questions lm-evaluation-harness's own task config (its yaml in lm_eval/tasks, its
+    process_docs) asks of a benchmark file: doc_to_text, then target_delimiter, before each of
+    doc_to_choice, the answer doc_to_target; the file read as its split."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+    cfg = load_yaml(os.path.join(os.path.dirname(lm_eval.tasks.__file__), config))
+    split = cfg.get("test_split") or cfg["validation_split"]
+    cfg.update(dataset_path="parquet" if source.endswith(".parquet") else "json",
+               dataset_name=None, dataset_kwargs={"data_files": {split: source}},
+               **{k: None for k in ("training_split", "validation_split") if cfg.get(k) != split})
+    (task,) = TaskManager(include_defaults=False).load([cfg])["tasks"].values()
+    delimiter = task.config.target_delimiter
+    return [{"context": task.doc_to_text(d), "choices": [delimiter + c for c in
+                                                        task.doc_to_choice(d)],
+             "answer": task.doc_to_target(d)} for d in task.eval_docs]
+
+
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
     """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
-    holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
-    asks; a file of another benchmark is one line naming the row."""
+    holds it (JSONL, or Parquet with ARC's struct of choices) -> the question
+    lm-evaluation-harness's own task config asks of it (hellaswag.yaml, arc_easy.yaml, piqa.yaml:
+    the same prompt, choices and answer; the space between them at the context's end, so
+    acc_norm counts the choice's characters as it does); a file of another benchmark is one line
+    naming the row."""
     import pyarrow
     import pyarrow.parquet as pq
     hellaswag = {"activity_label": "Making a cake", "ctx_a": "She mixes the flour.",
@@ -211,17 +237,19 @@ def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts
     pq.write_table(pyarrow.Table.from_pylist([arc, arc]), tmp_path / "arc.parquet")
     (tmp_path / "p.jsonl").write_text(
         json.dumps({"goal": "Open a jar", "sol1": "twist", "sol2": "sing", "label": 0}) + "\n")
-    for kind, src in (("hellaswag", "h.jsonl"), ("arc", "arc.parquet"), ("piqa", "p.jsonl")):
+    for kind, src, config in (("hellaswag", "h.jsonl", "hellaswag/hellaswag.yaml"),
+                              ("arc", "arc.parquet", "arc/arc_easy.yaml"),
+                              ("piqa", "p.jsonl", "piqa/piqa.yaml")):
         evals.convert([kind, str(tmp_path / src), str(tmp_path / f"{kind}.jsonl")])
-    read = lambda kind: [json.loads(line)  # noqa
-                         for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]
-    assert read("hellaswag") == [{"context": "Making a cake: She mixes the flour. Then she",
-                                  "choices": [" bakes it. Enjoy.", " eats the bowl."],
-                                  "answer": 0}]
-    assert read("arc") == [{"context": "Question: Which is a gas?\nAnswer:",
-                            "choices": [" rock", " water", " steam"], "answer": 2}] * 2
-    assert read("piqa") == [
-        {"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"], "answer": 0}]
+        ours = [json.loads(line)
+                for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]
+        theirs = lm_eval_questions(config, str(tmp_path / src))
+        # ours: the space that ends the context, which scoring moves to each choice
+        assert [{**q, "context": q["context"][:-1], "choices": [" " + c for c in q["choices"]]}
+                for q in ours] == theirs, kind
+        assert all(q["context"].endswith(" ") for q in ours)
+    assert theirs == [{"context": "Question: Open a jar\nAnswer:", "choices": [" twist", " sing"],
+                       "answer": 0}]
     assert "arc.jsonl: 2 arc questions" in capsys.readouterr().out
     # a valid task
     evals.Task(str(tmp_path / "arc.jsonl"), tokenizer_py.get_tokenizer("cl100k_base", 512), 16)
@@ -268,3 +296,107 @@ def test_a_datasets_token_bytes_are_its_tokenizers_and_hostile_ones_are_one_line
         np.save(tmp_path / "token_bytes.npy", bad)
         with pytest.raises(UserError, match=match):
             guard_data.read_token_bytes(str(tmp_path), 512)
+
+
+# ---- the peer: lm-evaluation-harness -----------------------------------------------------------
+
+# the row's start in every case: an empty context (the prefix token), one cut from the left past
+# block_size, a space moved to the choice, choices that differ in characters and in bytes
+PEER_QUESTIONS = [
+    {"context": "The capital of France is", "choices": [" Paris", " Rome", " a city"],
+     "answer": 0},
+    {"context": "", "choices": [" the end", " a beginning"], "answer": 1},
+    {"context": "def square(x):\n    return ", "choices": ["x * x", "x + x", "None"], "answer": 0},
+    {"context": "Question: Which is warmer, the sun or the moon?\nAnswer:",
+     "choices": [" the sun", " the moon, café crème"], "answer": 0},
+    {"context": "for i in range(10):\n" * 8 + "    print(", "choices": ["i)", "'done')"],
+     "answer": 0},
+    {"context": "She opened the jar and", "choices": [" ate the pickles", " sang", " éé"],
+     "answer": 0},
+]
+
+
+def lm_eval_scores(tmp_path, model_dir, task_path, block_size, batch_size=4):
+    """(scores, each row's log-likelihood) of task_path scored by lm-evaluation-harness itself:
+    HFLM on the Hugging Face directory, the file as a local task of its own (the choices carry
+    their space: target_delimiter ""), truncated past block_size as its max_length."""
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    tasks = tmp_path / "lm_eval_tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / "peer.yaml").write_text(
+        "task: peer\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {task_path}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: choices\n"
+        "doc_to_target: answer\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n"
+        "  - metric: acc_norm\n  - metric: acc_bytes\n")
+    # (simple_evaluate less its environment report, and only this task indexed: seconds)
+    lm = HFLM(pretrained=model_dir, dtype="float32", max_length=block_size,
+              batch_size=batch_size, device="cpu")
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    out = evaluate(lm, manager.load(["peer"]), bootstrap_iters=0, verbosity="ERROR")
+    res = out["results"]["peer"]
+    lls = [resp[0] for s in sorted(out["samples"]["peer"], key=lambda s: s["doc_id"])
+           for resp in s["filtered_resps"]]
+    return {k: res[f"{k},none"] for k in ("acc", "acc_norm", "acc_bytes")}, lls
+
+
+def ours_on(model_dir, task_path, block_size, batch_size=4):
+    """(scores, each row's log-likelihood) of the task by evals.py on our import of model_dir,
+    with its own tokenizer."""
+    from formats import hf
+    kwargs, weights = hf.load_hf(model_dir)
+    model = Transformer(ModelConfig(**{**kwargs, "block_size": block_size}))
+    weights.setdefault("output.weight", weights["tok_embeddings.weight"])  # tied
+    model.load_state_dict(weights)
+    enc = tokenizer_py.get_tokenizer(os.path.join(model_dir, "tokenizer.json"))
+    task = evals.Task(task_path, enc, block_size)
+    lls = evals.plain_logliks(model.eval(), task, batch_size, torch.device("cpu"))
+    return evals.scores(task, lls), lls, task
+
+
+def assert_peer_agrees(tmp_path, model_dir, task_path, block_size, batch_size=4):
+    ours, ours_ll, task = ours_on(model_dir, task_path, block_size, batch_size)
+    theirs, their_ll = lm_eval_scores(tmp_path, model_dir, task_path, block_size, batch_size)
+    assert len(ours_ll) == len(their_ll) == len(task)
+    gap = max(abs(a - b) for a, b in zip(ours_ll, their_ll))
+    assert gap < 1e-4, (model_dir, gap, ours_ll, their_ll)
+    assert {k: ours[k] for k in theirs} == theirs, (ours, theirs)
+    return task
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama2", "qwen2"])
+def test_scores_equal_lm_evaluation_harness_on_each_kind_of_tokenizer(tmp_path, family):
+    """A tokenizer that adds a BOS (Llama 3's byte-level), a SentencePiece one that adds <s>
+    (Llama 2's), one that adds none (Qwen2's, SmolLM2's): each choice's log-likelihood equals
+    lm-evaluation-harness's (HFLM, float32) to 1e-4 on a tiny random model of that tokenizer,
+    acc, acc_norm and acc_bytes its numbers; the row starts with what the tokenizer adds, an
+    empty context with the prefix token, a long one cut from the left."""
+    import hf_families
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = tmp_path / family
+    n_vocab = hf_families.write_tokenizer(family, str(d))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**HF, "vocab_size": n_vocab})).save_pretrained(d)
+    task_path = write_task(tmp_path / "peer.jsonl", PEER_QUESTIONS)
+    task = assert_peer_agrees(tmp_path, str(d), task_path, 32)
+    enc = tokenizer_py.get_tokenizer(str(d / "tokenizer.json"))
+    adds = {"llama3": "<|begin_of_text|>", "llama2": "<s>", "qwen2": None}[family]
+    context = evals.encode(enc, PEER_QUESTIONS[0]["context"])
+    want = ([enc.encode_single_token(adds)] if adds else []) + context
+    assert all(row[:len(want)] == want for row in task.ids[:3]), (want, task.ids[:3])
+    empty = task.ids[3]  # no context: lm-evaluation-harness's prefix token (the EOS for Qwen2)
+    assert empty[0] == enc.encode_single_token(adds or "<|endoftext|>")
+    assert len(task.ids[-4]) == 33  # cut from the left to block_size + 1
+
+
+def test_scores_equal_lm_evaluation_harness_on_the_real_model(tmp_path):
+    """SmolLM2-135M-Instruct (its tokenizer adds no BOS; its config names <|im_start|> the BOS,
+    lm-evaluation-harness's prefix token): evals.py and lm-evaluation-harness score the same
+    task alike, per choice to 1e-4 and in acc / acc_norm / acc_bytes. (Four of the questions,
+    one batch: its 30 layers are costly on 2 cores.)"""
+    from real_model import smollm2_dir
+    task_path = write_task(tmp_path / "peer.jsonl", [PEER_QUESTIONS[i] for i in (0, 1, 3, 4)])
+    task = assert_peer_agrees(tmp_path, smollm2_dir(), task_path, 40, batch_size=9)
+    assert len(task) == 9 and len(task.ids[-1]) == 41

@@ -122,9 +122,10 @@ def layout_args(cell):
 def worst_relative_difference(a, b):
     """The largest |b - a| / |a| over every logged number of run a (loss, grad norm, val loss,
     per-source losses, bits per byte, tasks' gold_ll) at every iteration; b must log each of
-    them, and the tasks' acc and acc_norm equal."""
+    them, and the tasks' acc, acc_norm and acc_bytes equal."""
     worst = 0.0
-    counts = ("/acc", "/acc_norm")  # shares of questions: equal, or a choice's order changed
+    # shares of questions: equal, or a choice's order changed
+    counts = ("/acc", "/acc_norm", "/acc_bytes")
     for key in sorted({k for r in a for k in r if k.endswith(counts)}):
         # (at a's evaluations: a resumed chain also evaluates where each leg ends)
         at = {r["iter"]: r.get(key) for r in b if "val_loss" in r}

@@ -99,3 +99,95 @@ def test_a_stopped_run_exits_as_a_shell_reports_its_signal():
     import rundir as saves
     received = ([signal.SIGTERM], [signal.SIGINT], [signal.SIGUSR1], [])
     assert [saves.exit_code(r) for r in received] == [143, 130, 138, 143]
+
+
+def tensorboard_scalars(path):
+    """{tag: [(step, value)]} of the event files in path, read by TensorBoard's own reader
+    (which hides what a purge_step drops, as the TensorBoard page does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(path, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_metrics_jsonl_numbers_on_a_resumed_run_too(dataset, tmp_path):
+    """tensorboard_log=True: rank 0's records as event files in out_dir/tb, read back by
+    TensorBoard's event reader, are metrics.jsonl's numbers, each at its iteration (train lines,
+    evaluations with bits per byte and a task's scores). A run that went on past its last
+    checkpoint (iterations 4-5 logged, then lost) and is resumed from it: its steps from the
+    checkpoint on are replaced, not doubled (purge_step), and the evaluation the checkpoint was
+    saved after is kept, as metrics.jsonl keeps it."""
+    import json
+    import shutil
+
+    from conftest import read_metrics
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps({"context": "import ", "choices": ["os", "sys"], "answer": 0}))
+    out = str(tmp_path / "run")
+    args = [*TINY, f"dataset={dataset}", f"out_dir={out}", "max_iters=6", "ckpt_interval=3",
+            "eval_interval=3", f"eval_tasks={task}", "keep_ckpts=0", "tensorboard_log=True"]
+    run_train(args, cwd=tmp_path, fork=True)
+    first = read_metrics(out)
+    # the run died after iteration 5 with its last checkpoint at 3: events 3-5 are stale
+    shutil.rmtree(os.path.join(out, "ckpt", "iter_0000006"))
+    with open(os.path.join(out, "ckpt", "latest"), "w") as f:
+        f.write("iter_0000003\n")
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in first if r["iter"] < 6)
+    run_train([*args, "init_from=resume"], cwd=tmp_path, fork=True)
+    rows = read_metrics(out)
+    want = {}
+    for r in rows:
+        for k, v in r.items():
+            if k != "iter" and isinstance(v, (int, float)):
+                want.setdefault(k, []).append((r["iter"], v))
+    got = tensorboard_scalars(os.path.join(out, "tb"))
+    assert set(got) == set(want) and {"loss", "lr", "grad_norm", "tok_per_s", "mfu", "val_loss",
+                                      "val_bpb", "task/t/acc", "task/t/acc_norm"} <= set(got)
+    for k in want:  # (float32 in the event file)
+        assert [s for s, _ in got[k]] == [s for s, _ in want[k]], k
+        assert all(abs(a - b) <= 1e-6 * abs(b) + 1e-30 for (_, a), (_, b) in zip(got[k], want[k]))
+    assert [s for s, _ in got["val_loss"]] == [0, 3, 6] and len(got["loss"]) == 6
+
+
+def test_tensorboard_missing_is_one_line_naming_the_install(monkeypatch):
+    """tensorboard_log=True without the tensorboard package: the config check (before anything
+    touches the disk) says which package to install."""
+    import sys
+
+    import pytest
+
+    from guards import guard_config
+    from guards.guard_errors import UserError
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # (import tensorboard: ImportError)
+    wanted, checked = next(f for f in guard_config.FEATURE_CHECKS
+                           if f[1] is guard_config._check_tensorboard)
+    assert wanted({"tensorboard_log": True}, {})
+    with pytest.raises(UserError, match=r"tensorboard_log=True needs the tensorboard package, "
+                                        r"which is not installed: pip install tensorboard"):
+        checked({}, {})
+
+
+def test_tensorboard_reopens_its_stream_where_a_rollback_goes_back(tmp_path):
+    """The NaN guard's rollback in the same process: a step lower than the last one written
+    reopens the stream there (purge_step), keeping metrics.jsonl's evaluation at it."""
+    import json
+
+    import rundir
+    out = tmp_path / "run"
+    out.mkdir()
+    tb = rundir.TensorBoard(str(out), "", 0)
+    for it in range(6):
+        tb.log({"loss": 10.0 - it}, it)
+        if it == 3:
+            tb.log({"val_loss": 7.5}, 3)
+    # rolled back to the checkpoint at 3: metrics.jsonl cut there, its evaluation at 3 kept
+    (out / "metrics.jsonl").write_text(json.dumps({"iter": 3, "val_loss": 7.5}) + "\n")
+    for it in range(3, 5):
+        tb.log({"loss": 20.0 - it}, it)
+    tb.finish()
+    got = tensorboard_scalars(str(out / "tb"))
+    assert got["loss"] == [(0, 10.0), (1, 9.0), (2, 8.0), (3, 17.0), (4, 16.0)]
+    assert got["val_loss"] == [(3, 7.5)]
