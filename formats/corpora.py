@@ -17,7 +17,7 @@ from guards.guard_files import loads_json
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 # the columns a Parquet record may need: the text field, or a conversation's
-CHAT_COLUMNS = ("messages", "prompt", "response")
+CHAT_COLUMNS = ("messages", "prompt", "response", "chosen", "rejected")
 # the longest JSONL line read (a book is a few MB): past it, one line instead of the memory
 MAX_LINE_BYTES = 256 << 20
 
