@@ -110,6 +110,11 @@ lora_dropout = 0.0
 lora_targets = "wq,wk,wv,wo"    # any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT directory)
 export_lora = ""                # at the end, also write the adapters here (PEFT's format)
+# preference alignment (preference.py), when the dataset holds pairs: DPO's loss, IPO's or SimPO's
+loss_type = "sigmoid"           # 'sigmoid' (DPO), 'ipo', or 'simpo' (reference-free)
+beta = 0.1                      # how far from the reference (TRL's default; SimPO's paper: 2.0)
+label_smoothing = 0.0           # sigmoid, simpo: the chance a pair's label is wrong (cDPO)
+simpo_gamma = 0.5               # simpo: the target reward margin
 # optimizer: Muon for the layers' matrices, AdamW for the rest (or AdamW alone), one learning rate
 optim = "muon"
 learning_rate = 4e-3
@@ -191,8 +196,7 @@ if mesh.device.type == "cpu":
     # keep freed memory: each step's large tensors would page-fault in again (~7% of a CPU step)
     workarounds.keep_freed_memory()
 # where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
-# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its
-# checkpoints.
+# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its ckpts.
 if mesh.master and os.path.isdir(out_dir):
     guard_files.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
@@ -212,7 +216,7 @@ if src.kind == "resume":
         workarounds.exit_now()
 
 # ---- data: one dataset, or a mixture ---------------------------------------------------------
-mixing = bool(datasets or phases)
+mixing, pref = bool(datasets or phases), None  # pref: preference alignment (preference.py)
 
 
 def prepared(source, prep):
@@ -229,6 +233,8 @@ def prepared(source, prep):
 
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
+    if pref:  # preference alignment: preference.py (whole pairs per micro-batch)
+        return preference.PairLoader(data_dir, split, config, mesh.dp_rank, mesh.dp)
     ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,
                      mesh.dp, packing)
     if ld.packed:  # whole documents per row: packing.py
@@ -240,6 +246,9 @@ if not mixing:
     data_dir = prepared(dataset, data_source)
     # the tokenizer and vocabulary the data was prepared with
     meta = guard_data.read_meta(data_dir)
+    if meta.get("format") == "preference":  # preference alignment: preference.py
+        from techniques import preference
+        pref = preference.PairLoss(config, mesh)
     train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     from techniques import mixture
@@ -455,6 +464,9 @@ signals = rundir.catch_signals(mesh)
 per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
               else None)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
+if pref:  # preference alignment: the reference's log-probs, once (preference.py)
+    preference.reference(raw_model, {"train": train_loader, "val": val_loaders[dataset]}, src,
+                         config, data_dir, out_dir, mesh, autocast)
 passes = train_loader.passes(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{passes:.2f} epochs by max_iters)")
@@ -486,8 +498,7 @@ while True:
         by_text = mixture.compact(by_source) if by_source else ""
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
         log({"iter": it, "val_loss": val_loss, **by_source, **scores,
-             "tokens": it * tokens_per_iter,
-             "elapsed_s": time.time() - started})
+             "tokens": it * tokens_per_iter, "elapsed_s": time.time() - started})
     if ((it % ckpt_interval == 0 or it == max_iters or stop)
         and it not in (start_iter, restored_at)):
         save(it)
@@ -509,9 +520,9 @@ while True:
         x, y, mask, *src_ids = train_loader.batch(it)
         micro = micro_batches(x, y, mask,
                               train_loader.eot_of(*src_ids) if mixing else train_loader.eot_token)
-        # the loss is the mean cross-entropy over every target token of the global batch: each
-        # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
-        weights = token_weights(y, mask, scaler.scale if scaler else 1.0)
+        # the loss is the mean cross-entropy over every target token of the global batch (pairs:
+        # over its pairs, preference.py): each micro-batch's mean by its share (fp16: x the scale)
+        weights = token_weights(y, None if pref else mask, scaler.scale if scaler else 1.0)
         if pp == 1:
             loss_sum = torch.zeros((), device=mesh.device)
             for k, (xk, yk, mk, dk) in enumerate(micro):
@@ -520,7 +531,9 @@ while True:
                 if mesh.dp > 1:
                     parallel.set_grad_sync(model, k == len(micro) - 1)
                 with autocast:
-                    _, loss = model(xk, yk, mk, dk)
+                    losses, loss = model(xk, yk, mk, dk)
+                if pref:  # preference alignment: preference.py
+                    loss = pref(losses, mk, src_ids[0][k])
                 (loss * weights[k]).backward()
                 loss_sum += loss.detach() * weights[k]
         # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
@@ -543,6 +556,8 @@ while True:
         agree = {"loss": loss_sum, "stop": len(signals) > 0}
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
+        if pref:  # preference alignment: preference.py (TRL's metrics)
+            agree["pref"] = pref.take()
         totals = parallel.all_reduce_named(agree, mesh)
         loss_mean, stop = (totals["loss"].item() / (mesh.dp * mesh.tp * mesh.cp),
                            totals["stop"].item() > 0)
@@ -584,7 +599,10 @@ while True:
             tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
             # mixture.py
             by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}
-            extra = ((mixture.compact(by_source) if by_source else "")
+            if pref:  # preference alignment: preference.py
+                by_source = pref.metrics(totals["pref"], train_loader.global_batch)
+            extra = ((mixture.compact(by_source) if per_source else "")
+                     + (preference.compact(by_source) if pref else "")
                      + (moe.compact(moe_stats) if moe_stats else ""))
             mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f},"
                         f" {dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
@@ -592,8 +610,7 @@ while True:
             log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
                  "tokens": (it + 1) * tokens_per_iter,
                  "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu,
-                 "elapsed_s": time.time() - started,
-                 **by_source, **moe_stats,
+                 "elapsed_s": time.time() - started, **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
     else:
         # the NaN guard (nan_guard.py): report the skip; after nan_max_consecutive in a row, stop,
