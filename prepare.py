@@ -293,15 +293,17 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         print(f"prepare: {skipped} files of {source} are links to others of it: each text is "
               f"prepared once", flush=True)
     fmt = detect_format(kind, files, text_field, format)
-    # preference pairs are rendered as chats are (a plain-text pair too gets the chat tokens)
     chat, pairs = fmt in ("chat", "preference"), fmt == "preference"
+    # pairs of messages are rendered as chats are; plain-text pairs as TRL does: no template
+    templated = chat and not (pairs and preference.text_pairs(files, text_field, _decode))
     base = get_tokenizer(tokenizer, vocab_size)
     # the model's own chat format, unless an earlier stage taught it ours (its tokens are the
     # model's)
-    own = (chat and getattr(base, "chat_template", None) is not None
+    own = (templated and getattr(base, "chat_template", None) is not None
            and not set(CHAT_TOKENS) & set(model_tokens))
     first = (list(model_tokens)
-             + [t for t in (CHAT_TOKENS if chat and not own else []) if t not in model_tokens])
+             + [t for t in (CHAT_TOKENS if templated and not own else [])
+                if t not in model_tokens])
     asked = [t for t in extra_tokens
              if t not in first and t not in getattr(base, "extra_tokens", ())]
     new, known = split_known(base, asked)
@@ -366,14 +368,16 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
 
     # preference pairs: formats/preference.py (each pair two sequences in one split, indexed)
     index, dropped = {"train": [], "val": []}, {"same": 0, "empty": 0, "prompt": 0, "cut": 0}
-    text_bos = [enc.bos_token] if own and bos == [] and getattr(enc, "bos_token", None) else []
 
     def write_pair(doc_id, pair):
         kind, prompt, *completions = pair
+        if (kind == "text") == templated:
+            raise UserError(f"{doc_id}: the source mixes plain-text and conversational pairs: "
+                            f"prepare them separately")
         seqs = []
         for completion in completions:
             if kind == "text":  # as TRL: prompt + completion + EOS, the prompt the shared prefix
-                ids, mask = text_bos + encode_batch(enc, [prompt + completion])[0], None
+                ids, mask = encode_batch(enc, [prompt + completion])[0], None
                 ids += [enc.eot_token]
             else:
                 messages = chat_messages({"messages": prompt + completion}, doc_id, roles)
@@ -383,7 +387,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                 mask = preference.completion_mask(mask, replies)
             seqs.append([ids, mask])
         if kind == "text":
-            p_ids = text_bos + encode_batch(enc, [prompt])[0]
+            p_ids = encode_batch(enc, [prompt])[0]
             n = min(len(os.path.commonprefix([p_ids, ids])) for ids, _ in seqs)
             for s in seqs:
                 s[1] = [0] * n + [1] * (len(s[0]) - n)
@@ -393,7 +397,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         if why:
             dropped[why] += 1
             return
-        dropped["cut"] += bool(block_size) and max(len(bos) + len(i) for i, _ in seqs) > block_size + 1
+        longest = max(len(bos) + len(ids) for ids, _ in seqs)
+        dropped["cut"] += bool(block_size) and longest > block_size + 1
         split, row = "val" if is_val(doc_id, val_fraction) else "train", []
         for ids, mask in seqs:
             row += [tokens[split], len(bos) + len(ids)]
@@ -520,15 +525,16 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
         print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val "
-              f"{'conversations' if chat else 'docs'}, {tokens['train']:,}/{tokens['val']:,} "
+              f"{'sequences' if pairs else 'conversations' if chat else 'docs'}, "
+              f"{tokens['train']:,}/{tokens['val']:,} "
               f"tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in {dt:.1f}s "
               f"({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
         if pairs:
-            print(f"prepare: {len(index['train'])}/{len(index['val'])} train/val preference pairs; "
-                  f"left out: {dropped['same']} with chosen = rejected, {dropped['empty']} with "
-                  f"an empty completion, {dropped['prompt']} whose prompt fills a row of "
-                  f"block_size + 1 = {block_size + 1} (as TRL drops them); {dropped['cut']} cut "
-                  f"to the row (TRL's keep_start)", flush=True)
+            print(f"prepare: {len(index['train'])}/{len(index['val'])} train/val preference "
+                  f"pairs; left out: {dropped['same']} with chosen = rejected, "
+                  f"{dropped['empty']} with an empty completion, {dropped['prompt']} whose "
+                  f"prompt fills a row of block_size + 1 = {block_size + 1} (as TRL drops "
+                  f"them); {dropped['cut']} cut to the row (TRL's keep_start)", flush=True)
         elif chat:
             print(f"prepare: chat in {'the model' if own else 'the project'}'s chat template: "
                   f"{learned['train']:,}/{learned['val']:,} train/val tokens are assistant "

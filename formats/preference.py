@@ -12,6 +12,7 @@ row, and a pair whose prompt alone fills the row is dropped, as TRL drops it.
 
 import numpy as np
 
+from formats import corpora
 from guards.guard_errors import UserError
 
 EXAMPLE = ('{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
@@ -20,6 +21,14 @@ EXAMPLE = ('{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role":
 
 def is_pair(record):
     return isinstance(record, dict) and "chosen" in record and "rejected" in record
+
+
+def text_pairs(files, text_field, decode):
+    """Whether the source's first pair is plain text (its completions strings)."""
+    for path in files:
+        for _, record, _ in corpora.records(path, text_field, decode):
+            return isinstance(record.get("chosen"), str)
+    return False
 
 
 def split_pair(record, where):

@@ -59,6 +59,13 @@ def read_meta(data_dir):
     return meta
 
 
+def check_not_pairs(meta, data_dir):
+    """A dataset of preference pairs, which only preference.py's loader reads whole."""
+    if meta.get("format") == "preference":
+        raise UserError(f"{data_dir} holds preference pairs: train on it alone (dataset=, not in "
+                        f"datasets=), where techniques/preference.py reads them as pairs")
+
+
 def map_tokens(path, dtype, vocab_size):
     """The token file `path` memory-mapped, once it is checked whole and every id is below
     vocab_size."""

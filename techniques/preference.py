@@ -217,7 +217,9 @@ def sequence_logps(model, loader, mesh, autocast, doc_mask):
             doc = data.doc_ids(x, loader.eot_token).to(mesh.device) if doc_mask else None
             with autocast:
                 losses, _ = model(x.to(mesh.device), y.to(mesh.device), None, doc)
-            logps = -(losses.double().cpu() * mask.double()).sum(-1).view(2, P).T
+            # summed as the loss sums the policy's (in float32): at step 0 the two are equal
+            logps = -(losses * mask.to(losses.device, losses.dtype)).sum(-1)
+            logps = logps.double().cpu().view(2, P).T
             mine = pairs < n
             table[pairs[mine]] = logps[torch.from_numpy(mine)]
     model.train(was_training)
