@@ -110,8 +110,7 @@ lora_dropout = 0.0
 lora_targets = "wq,wk,wv,wo"    # any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT directory)
 export_lora = ""                # at the end, also write the adapters here (PEFT's format)
-# preference alignment (preference.py), when the dataset holds pairs: DPO's loss, IPO's or SimPO's
-loss_type = "sigmoid"           # 'sigmoid' (DPO), 'ipo', or 'simpo' (reference-free)
+loss_type = "sigmoid"           # pairs (preference.py): 'sigmoid' (DPO), 'ipo' or 'simpo'
 beta = 0.1                      # how far from the reference (TRL's default; SimPO's paper: 2.0)
 label_smoothing = 0.0           # sigmoid, simpo: the chance a pair's label is wrong (cDPO)
 simpo_gamma = 0.5               # simpo: the target reward margin
@@ -233,8 +232,6 @@ def prepared(source, prep):
 
 def loader(data_dir, split):
     """This dp rank's micro-batches of every global batch."""
-    if pref:  # preference alignment: preference.py (whole pairs per micro-batch)
-        return preference.PairLoader(data_dir, split, config, mesh.dp_rank, mesh.dp)
     ld = data.Loader(data_dir, split, block_size, batch_size, grad_accum_steps, seed, mesh.dp_rank,
                      mesh.dp, packing)
     if ld.packed:  # whole documents per row: packing.py
@@ -246,10 +243,11 @@ if not mixing:
     data_dir = prepared(dataset, data_source)
     # the tokenizer and vocabulary the data was prepared with
     meta = guard_data.read_meta(data_dir)
-    if meta.get("format") == "preference":  # preference alignment: preference.py
+    if meta.get("format") != "preference":
+        train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
+    else:  # preference alignment: preference.py (whole pairs per micro-batch)
         from techniques import preference
-        pref = preference.PairLoss(config, mesh)
-    train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
+        pref, train_loader, val_loaders = preference.setup(config, mesh, data_dir, dataset)
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     from techniques import mixture
     sources = configurator.mixture_sources(config)
@@ -465,8 +463,7 @@ per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and 
               else None)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 if pref:  # preference alignment: the reference's log-probs, once (preference.py)
-    preference.reference(raw_model, {"train": train_loader, "val": val_loaders[dataset]}, src,
-                         config, data_dir, out_dir, mesh, autocast)
+    pref.reference(raw_model, src, data_dir, out_dir, autocast)
 passes = train_loader.passes(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{passes:.2f} epochs by max_iters)")
@@ -532,8 +529,7 @@ while True:
                     parallel.set_grad_sync(model, k == len(micro) - 1)
                 with autocast:
                     losses, loss = model(xk, yk, mk, dk)
-                if pref:  # preference alignment: preference.py
-                    loss = pref(losses, mk, src_ids[0][k])
+                loss = pref(losses, mk, src_ids[0][k]) if pref else loss  # preference.py
                 (loss * weights[k]).backward()
                 loss_sum += loss.detach() * weights[k]
         # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)

@@ -59,11 +59,9 @@ def read_meta(data_dir):
     return meta
 
 
-def check_not_pairs(meta, data_dir):
-    """A dataset of preference pairs, which only preference.py's loader reads whole."""
+def check_not_pairs(meta, data_dir):  # (only preference.py reads pairs, a dataset alone)
     if meta.get("format") == "preference":
-        raise UserError(f"{data_dir} holds preference pairs: train on it alone (dataset=, not in "
-                        f"datasets=), where techniques/preference.py reads them as pairs")
+        raise UserError(f"{data_dir} holds preference pairs: train on it alone (dataset=)")
 
 
 def map_tokens(path, dtype, vocab_size):

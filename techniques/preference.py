@@ -46,8 +46,12 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")
 
 
-def is_preference(meta):
-    return meta.get("format") == "preference"
+def setup(c, mesh, data_dir, name):
+    """(the loss, the train loader, {name: the val loader}) of a run on a dataset of pairs."""
+    loss = PairLoss(c, mesh)
+    loss.loaders = {split: PairLoader(data_dir, split, c, mesh.dp_rank, mesh.dp)
+                    for split in ("train", "val")}
+    return loss, loss.loaders["train"], {name: loss.loaders["val"]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,7 +140,7 @@ class PairLoss:
                                                   "dataset=, not datasets= or phases=")
         self.type, self.beta = c["loss_type"], c["beta"]
         self.smoothing, self.gamma = c["label_smoothing"], c["simpo_gamma"]
-        self.mesh, self.sums = mesh, None
+        self.c, self.mesh, self.sums, self.loaders = c, mesh, None, {}
 
     def __call__(self, losses, mask, ref, keep=True):
         """losses, mask: (2P, T) each target's cross-entropy and the completions' mask; ref (2P,)
@@ -174,6 +178,10 @@ class PairLoss:
         group's ranks hold the same ones) and the global batch's pairs."""
         total = total.double().cpu() / (self.mesh.tp * n_pairs)
         return dict(zip(METRICS, total.tolist()))
+
+    def reference(self, model, src, data_dir, out_dir, autocast):
+        """The loaders' reference tables (reference below), before step 1."""
+        reference(model, self.loaders, src, self.c, data_dir, out_dir, self.mesh, autocast)
 
 
 def compact(metrics):
