@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -142,18 +142,24 @@ class PairLoss:
         self.smoothing, self.gamma = c["label_smoothing"], c["simpo_gamma"]
         self.c, self.mesh, self.sums, self.loaders = c, mesh, None, {}
 
-    def __call__(self, losses, mask, ref, keep=True):
+    def __call__(self, losses, mask, ref):
         """losses, mask: (2P, T) each target's cross-entropy and the completions' mask; ref (2P,)
-        the reference's log-probs (unused by simpo). keep: add up the metrics."""
+        the reference's log-probs (unused by simpo)."""
         mask = mask.to(losses.dtype)
-        n_c, n_r = mask.sum(-1).clamp(min=1).chunk(2)
-        pi_c, pi_r = (-(losses * mask).sum(-1)).chunk(2)  # (P,) each: log pi(completion | prompt)
+        # (2P,): log pi(completion | prompt), and the completion's tokens
+        return self.of_logps(-(losses * mask).sum(-1), mask.sum(-1), ref)
+
+    def of_logps(self, logps, n, ref):
+        """The mean loss of the pairs whose rows have log-probs `logps` (2P,) over n (2P,) tokens
+        (chosen rows first); their metrics added up for take()."""
+        n_c, n_r = n.to(logps.dtype).clamp(min=1).chunk(2)
+        pi_c, pi_r = logps.chunk(2)
         beta = self.beta
         if self.type == "simpo":  # reference-free, per token, with a target margin gamma / beta
             reward_c, reward_r = beta * pi_c / n_c, beta * pi_r / n_r
             d = pi_c / n_c - pi_r / n_r - self.gamma / beta
         else:
-            ref_c, ref_r = ref.to(losses.device, losses.dtype).chunk(2)
+            ref_c, ref_r = ref.to(logps.device, logps.dtype).chunk(2)
             reward_c, reward_r = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
             d = (pi_c - ref_c) - (pi_r - ref_r)
         if self.type == "ipo":  # TRL's: each side's log-ratio per completion token
@@ -161,11 +167,9 @@ class PairLoss:
         else:
             per_pair = (-F.logsigmoid(beta * d) * (1 - self.smoothing)
                         - F.logsigmoid(-beta * d) * self.smoothing)
-        if keep:
-            stats = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c > reward_r).sum(),
-                                 (reward_c - reward_r).sum(), pi_c.sum(), pi_r.sum()])
-            stats = stats.detach().double()
-            self.sums = stats if self.sums is None else self.sums + stats
+        stats = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c > reward_r).sum(),
+                             (reward_c - reward_r).sum(), pi_c.sum(), pi_r.sum()]).detach()
+        self.sums = stats.double() if self.sums is None else self.sums + stats.double()
         return per_pair.mean()
 
     def take(self):
@@ -176,7 +180,7 @@ class PairLoss:
     def metrics(self, total, n_pairs):
         """{TRL's name: mean over the pairs} from take()'s sums all-reduced over the ranks (a tp
         group's ranks hold the same ones) and the global batch's pairs."""
-        total = total.double().cpu() / (self.mesh.tp * n_pairs)
+        total = total.double().cpu() / ((self.mesh.tp if self.mesh else 1) * n_pairs)
         return dict(zip(METRICS, total.tolist()))
 
     def reference(self, model, src, data_dir, out_dir, autocast):
@@ -214,24 +218,26 @@ def sequence_logps(model, loader, mesh, autocast, doc_mask):
     the base), on the run's layout: the dp ranks share the pairs (the same number of forwards
     each, as FSDP needs), then sum their tables."""
     n, P = loader.n_chunks, loader.pairs
+    dp, rank, device = (mesh.dp, mesh.dp_rank, mesh.device) if mesh else (
+        1, 0, next(model.parameters()).device)  # (mesh None: one process, sample.py)
     table = torch.zeros(n, 2, dtype=torch.float64)
     was_training = model.training
     model.eval()
     with adapters_off(model):
-        for step in range(math.ceil(n / (P * mesh.dp))):
-            first = (step * mesh.dp + mesh.dp_rank) * P
+        for step in range(math.ceil(n / (P * dp))):
+            first = (step * dp + rank) * P
             pairs = np.arange(first, first + P)
             x, y, mask = loader.pair_rows(np.minimum(pairs, n - 1))
-            doc = data.doc_ids(x, loader.eot_token).to(mesh.device) if doc_mask else None
+            doc = data.doc_ids(x, loader.eot_token).to(device) if doc_mask else None
             with autocast:
-                losses, _ = model(x.to(mesh.device), y.to(mesh.device), None, doc)
+                losses, _ = model(x.to(device), y.to(device), None, doc)
             # summed as the loss sums the policy's (in float32): at step 0 the two are equal
             logps = -(losses * mask.to(losses.device, losses.dtype)).sum(-1)
             logps = logps.double().cpu().view(2, P).T
             mine = pairs < n
             table[pairs[mine]] = logps[torch.from_numpy(mine)]
     model.train(was_training)
-    return parallel.all_reduce_sum(table, mesh, group=mesh.dp_group).cpu()
+    return parallel.all_reduce_sum(table, mesh, group=mesh.dp_group).cpu() if mesh else table
 
 
 def model_key(src, config):
@@ -311,3 +317,27 @@ def read_table(file, n_pairs):
         raise UserError(f"{file} is not a table of {n_pairs} pairs' finite log-probs: it is "
                         f"damaged; start the run again in a new out_dir")
     return table
+
+
+# ---------------------------------------------------------------------------------------
+# sample.py eval=True on a dataset of pairs
+
+
+def val_metrics(model, data_dir, c, ref_model=None):
+    """{the loss, TRL's metrics} of `model` on the whole val split of a dataset of pairs, against
+    `ref_model`'s log-probs (None: reference-free, as SimPO: each side's log-prob per token), with
+    c's loss_type, beta, label_smoothing and simpo_gamma (the run's, or TRL's defaults)."""
+    keys = {"loss_type": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.0,
+            **c.get("preference", {})}
+    if ref_model is None and keys["loss_type"] != "simpo":
+        keys.update(loss_type="simpo", simpo_gamma=0.0)
+    c = {**keys, "block_size": c["block_size"], "batch_size": 2 * max(1, c["batch_size"] // 2),
+         "grad_accum_steps": 1, "seed": 0, "pp": 1, "cp": 1, "datasets": "", "phases": []}
+    loader = PairLoader(data_dir, "val", c)
+    logps = sequence_logps(model, loader, None, nullcontext(), False)
+    ref = (sequence_logps(ref_model, loader, None, nullcontext(), False)
+           if ref_model is not None else torch.zeros_like(logps))
+    n = loader.pair_rows(np.arange(loader.n_chunks))[2].sum(-1)  # (chosen rows, then rejected)
+    loss = PairLoss(c, None)
+    mean = loss.of_logps(logps.T.reshape(-1), n.double(), ref.T.reshape(-1)).item()
+    return {"loss": mean, **loss.metrics(loss.take(), loader.n_chunks)}

@@ -150,6 +150,14 @@ def test_step_0_is_ln2_and_every_layout_gives_the_single_process_curve(tmp_path,
     torchrun(2, [*PREF, f"dataset={pairs_dataset}", f"out_dir={two}", *lora], tmp_path)
     assert train_lines(read_metrics(one))[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert_same_curve(read_metrics(one), read_metrics(two))
+    # sample.py eval=True on pairs: TRL's metrics on the whole val split, against the run's start
+    p = run_train([f"out_dir={one}", "eval=True", f"dataset={pairs_dataset}"], tmp_path,
+                  script="sample.py")
+    line = p.stdout.strip().splitlines()[-1]
+    assert f"against {single}: loss " in line and "rewards/accuracies" in line, line
+    p = run_train([f"init_from={single}", f"ref_from={single}", "eval=True",
+                   f"dataset={pairs_dataset}"], tmp_path, script="sample.py")
+    assert "loss 0.6931, rewards/chosen 0.0000, rewards/rejected 0.0000" in p.stdout  # itself
     # a pipeline cannot form a pair's sums yet: one line that says why
     p = torchrun(2, [*PREF, f"dataset={pairs_dataset}", f"out_dir={tmp_path / 'pp'}", "pp=2"],
                  tmp_path, check=False)
