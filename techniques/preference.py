@@ -40,7 +40,6 @@ from guards import guard_data
 from guards import guard_files
 from guards.guard_errors import UserError, check
 
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 # TRL's names for what a step logs, in its order
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
@@ -125,11 +124,7 @@ class PairLoss:
     the pairs' metrics (TRL's, METRICS) until take() hands them over, once per step."""
 
     def __init__(self, c, mesh):
-        check(c["loss_type"] in LOSS_TYPES, f"loss_type={c['loss_type']!r} is unknown: use "
-                                            f"{', '.join(LOSS_TYPES)}")
-        check(c["beta"] > 0, f"beta={c['beta']} must be positive (TRL's default: 0.1)")
-        check(0 <= c["label_smoothing"] < 0.5, f"label_smoothing={c['label_smoothing']} must be "
-                                               f"in [0, 0.5) (cDPO: the chance a label is wrong)")
+        # (loss_type, beta and label_smoothing are checked with every key: guard_config.py)
         # a pair's log-prob is a sum along its sequence, on its row: a pipeline would have to
         # form it on the last stage, cp from every rank's part of the row; neither is written yet
         for key, why in (("pp", "a pipeline's last stage would form the pairs' sums"),
