@@ -2,8 +2,8 @@
 # "chosen", "rejected"}), from the SFT model, whose log-probs over the pairs are the reference
 # (computed once before step 1, kept in out_dir: techniques/preference.py).
 #   python train.py config/dpo.py init_from=runs/sft dataset=pairs data_source=pairs.jsonl
-# AdamW at a rate well below SFT's (DPO's gradient grows with the margin it has not yet won; TRL's
-# default is 1e-6); beta 0.1, TRL's. Measured on SmolLM2-135M-Instruct: docs/finetuning.md.
+# AdamW at a rate 10x below config/sft.py's (TRL's default is 1e-6); beta 0.1, TRL's. Not yet
+# measured on a real model: the rate is a starting point, not a result (docs/finetuning.md).
 optim = "adamw"
 learning_rate = 1e-5
 min_lr = 1e-6

@@ -390,6 +390,14 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
                 == len(tok) == base + 6)
         assert all(tok(line, split_special_tokens=True).input_ids
                    == [enc.bos_token, *tokenizer_py.encode(enc, line)] for line in lines)
+    # the DPO run's export: transformers gives the checkpoint's logits
+    import sample
+    ours, _ = sample.load_model(str(tmp_path / "runs" / "dpo" / "ckpt" / "iter_0000002"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "dpo_hf").eval()
+    probe = torch.tensor([[enc.bos_token, *tokenizer_py.encode(enc, lines[-1])]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(probe).logits, ours.eval()(probe)[0], rtol=1e-4,
+                                   atol=1e-4)
     # transformers generates from the merged export,
     # and peft's adapter on the SFT export is the same model
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}],
