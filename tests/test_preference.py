@@ -229,3 +229,43 @@ def test_two_steps_equal_trls_dpo_trainer(tmp_path):
         for k in ("loss", "grad_norm", *METRICS):
             assert ours[it][k] == pytest.approx(theirs[it][k], rel=1e-5, abs=1e-6), (it, k)
     assert theirs[1]["rewards/margins"] > 0.1  # the second step compares trained weights
+
+
+def test_ipo_simpo_and_cdpo_are_trls():
+    """The losses and rewards of one micro-batch: SimPO and cDPO-style smoothing against TRL's own
+    CPOTrainer.cpo_loss (called on a stand-in trainer), IPO and the smoothed sigmoid as TRL's
+    DPOTrainer writes them (its loss is one long method, transcribed here term by term)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    from techniques import preference
+    torch.manual_seed(0)
+    losses, mask = torch.rand(6, 7) * 3, (torch.rand(6, 7) > 0.3).float()
+    mask[:, 0] = 1
+    ref = -torch.rand(6) * 10
+    pi_c, pi_r = (-(losses * mask).sum(-1)).chunk(2)
+    n_c, n_r = mask.sum(-1).chunk(2)
+    ref_c, ref_r = ref.chunk(2)
+    base = {"pp": 1, "cp": 1, "datasets": "", "phases": [], "beta": 0.3, "label_smoothing": 0.1,
+            "simpo_gamma": 0.5}
+    simpo = preference.PairLoss({**base, "loss_type": "simpo"}, None)
+    trainer = types.SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.5, beta=0.3,
+                                    label_smoothing=0.1,
+                                    accelerator=types.SimpleNamespace(device="cpu"))
+    want, reward_c, reward_r = CPOTrainer.cpo_loss(trainer, pi_c / n_c, pi_r / n_r)
+    assert simpo(losses, mask, ref).item() == pytest.approx(want.mean().item(), rel=1e-6)
+    got = simpo.metrics(simpo.take(), 3)
+    assert got["rewards/chosen"] == pytest.approx(reward_c.mean().item(), rel=1e-6)
+    assert got["rewards/margins"] == pytest.approx((reward_c - reward_r).mean().item(), rel=1e-6)
+    d = (pi_c - ref_c) - (pi_r - ref_r)
+    for loss_type, want in (
+            ("sigmoid", -F.logsigmoid(0.3 * d) * 0.9 - F.logsigmoid(-0.3 * d) * 0.1),
+            ("ipo", ((pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r - 1 / (2 * 0.3)) ** 2)):
+        loss = preference.PairLoss({**base, "loss_type": loss_type}, None)
+        assert loss(losses, mask, ref).item() == pytest.approx(want.mean().item(), rel=1e-6)
+        got = loss.metrics(loss.take(), 3)
+        assert got["rewards/chosen"] == pytest.approx(0.3 * (pi_c - ref_c).mean().item(), rel=1e-6)
+        assert got["logps/rejected"] == pytest.approx(pi_r.mean().item(), rel=1e-6)
