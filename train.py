@@ -195,7 +195,7 @@ if mesh.device.type == "cpu":
     # keep freed memory: each step's large tensors would page-fault in again (~7% of a CPU step)
     workarounds.keep_freed_memory()
 # where the weights come from: (1) this run's checkpoint (resume), (2) another run's, (3) a Hugging
-# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading its ckpts.
+# Face directory, or (4) fresh. A run may be writing out_dir: lock it before reading checkpoints.
 if mesh.master and os.path.isdir(out_dir):
     guard_files.lock_out_dir(out_dir)
 src = origin.weights_source(out_dir, init_from, mesh)
