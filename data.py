@@ -49,6 +49,7 @@ class Loader:
     def __init__(self, data_dir, split, block_size, batch_size, grad_accum_steps, seed, dp_rank=0,
                  dp=1, packing="auto"):
         meta = guard_data.read_meta(data_dir)
+        guard_data.check_not_pairs(meta, data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         self.tokens = guard_data.map_tokens(path, np.dtype(meta["dtype"]), meta["vocab_size"])
         self.mask = (guard_data.chat_mask(path, len(self.tokens)) if meta.get("format") == "chat"

@@ -38,6 +38,7 @@ import numpy as np
 import evals
 from formats import chat_template
 from formats import corpora
+from formats import preference
 from guards import guard_chat
 from guards import guard_files
 from guards.guard_errors import UserError
@@ -124,8 +125,8 @@ def _is_chat(record):
 
 def detect_format(kind, files, text_field="text", format="auto"):
     """'chat' or 'text': `format`, or with 'auto' what the first non-blank JSONL record is."""
-    if format not in ("auto", "text", "chat"):
-        raise UserError(f"format='{format}' is unknown: use auto, text or chat")
+    if format not in ("auto", "text", "chat", "preference"):
+        raise UserError(f"format='{format}' is unknown: use auto, text, chat or preference")
     if kind == "text":
         if format == "chat":
             raise UserError("format=chat needs .jsonl or .parquet files of {\"messages\": [...]} "
@@ -136,6 +137,8 @@ def detect_format(kind, files, text_field="text", format="auto"):
         return format
     for path in files:
         for _, record, _ in corpora.records(path, text_field, _decode):
+            if preference.is_pair(record):  # TRL's preference formats: formats/preference.py
+                return "preference"
             return "chat" if _is_chat(record) and text_field not in record else "text"
     return "text"
 
@@ -197,6 +200,9 @@ def iter_documents(kind, root, files, text_field="text", format="text", roles=RO
             yield rel, text, bad
             continue
         for lineno, record, bad in corpora.records(path, text_field, _decode):
+            if format == "preference":
+                yield f"{rel}:{lineno}", preference.split_pair(record, f"{path}:{lineno}"), bad
+                continue
             if format == "chat":
                 yield f"{rel}:{lineno}", chat_messages(record, f"{path}:{lineno}", roles), bad
                 continue
@@ -289,14 +295,17 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         print(f"prepare: {skipped} files of {source} are links to others of it: each text is "
               f"prepared once", flush=True)
     fmt = detect_format(kind, files, text_field, format)
-    chat = fmt == "chat"
+    chat, pairs = fmt in ("chat", "preference"), fmt == "preference"
+    # pairs of messages are rendered as chats are; plain-text pairs as TRL does: no template
+    templated = chat and not (pairs and preference.text_pairs(files, text_field, _decode))
     base = get_tokenizer(tokenizer, vocab_size)
     # the model's own chat format, unless an earlier stage taught it ours (its tokens are the
     # model's)
-    own = (chat and getattr(base, "chat_template", None) is not None
+    own = (templated and getattr(base, "chat_template", None) is not None
            and not set(CHAT_TOKENS) & set(model_tokens))
     first = (list(model_tokens)
-             + [t for t in (CHAT_TOKENS if chat and not own else []) if t not in model_tokens])
+             + [t for t in (CHAT_TOKENS if templated and not own else [])
+                if t not in model_tokens])
     asked = [t for t in extra_tokens
              if t not in first and t not in getattr(base, "extra_tokens", ())]
     new, known = split_known(base, asked)
@@ -359,8 +368,50 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         tokens[split] += len(bos) + len(ids) + 1
         docs[split] += 1
 
+    # preference pairs: formats/preference.py (each pair two sequences in one split, indexed)
+    index, dropped = {"train": [], "val": []}, {"same": 0, "empty": 0, "prompt": 0, "cut": 0}
+
+    def write_pair(doc_id, pair):
+        kind, prompt, *completions = pair
+        if (kind == "text") == templated:
+            raise UserError(f"{doc_id}: the source mixes plain-text and conversational pairs: "
+                            f"prepare them separately")
+        seqs = []
+        for completion in completions:
+            if kind == "text":  # as TRL: prompt + completion + EOS, the prompt the shared prefix
+                ids, mask = encode_batch(enc, [prompt + completion])[0], None
+                ids += [enc.eot_token]
+            else:
+                messages = chat_messages({"messages": prompt + completion}, doc_id, roles)
+                ids, mask = (chat_template.encode(enc, messages, doc_id) if own else render_chat(
+                    enc, messages, encode_chat_contents(enc, [messages], num_threads=1)[0]))
+                replies = sum(m["role"] == "assistant" for m in prompt)
+                mask = preference.completion_mask(mask, replies)
+            seqs.append([ids, mask])
+        if kind == "text":
+            p_ids = encode_batch(enc, [prompt])[0]
+            n = min(len(os.path.commonprefix([p_ids, ids])) for ids, _ in seqs)
+            for s in seqs:
+                s[1] = [0] * n + [1] * (len(s[0]) - n)
+        n_prompt = min(m.index(1) if 1 in m else len(m) for _, m in seqs) + len(bos)
+        why = ("same" if seqs[0] == seqs[1] else "empty" if not all(1 in m for _, m in seqs)
+               else "prompt" if block_size and n_prompt >= block_size + 1 else None)
+        if why:
+            dropped[why] += 1
+            return
+        longest = max(len(bos) + len(ids) for ids, _ in seqs)
+        dropped["cut"] += bool(block_size) and longest > block_size + 1
+        split, row = "val" if is_val(doc_id, val_fraction) else "train", []
+        for ids, mask in seqs:
+            row += [tokens[split], len(bos) + len(ids)]
+            write(doc_id, ids, mask)
+        index[split].append(row)
+
     def flush(batch):
-        if own:
+        if pairs:
+            for doc_id, pair in batch:
+                write_pair(doc_id, pair)
+        elif own:
             for doc_id, messages in batch:
                 write(doc_id, *chat_template.encode(enc, messages, doc_id))
         elif chat:
@@ -386,7 +437,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         for doc_id, doc, bad in iter_documents(kind, root, files, text_field, fmt, roles):
             if not doc:
                 continue  # an empty document would be a lone <|endoftext|>
-            size = sum(len(m["content"]) for m in doc) if chat else len(doc)
+            size = (sum(len(str(part)) for part in doc[1:]) if pairs
+                    else sum(len(m["content"]) for m in doc) if chat else len(doc))
             n_replaced += bad
             files_with_replaced += bad > 0
             batch.append((doc_id, doc))
@@ -415,7 +467,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                         f"documents{' for train' if docs['val'] else ''}: "
                         f"add non-empty files or lower val_fraction")
     # a small corpus: val gets one document all the same
-    if tokens["val"] == 0 and docs["train"] >= 2:
+    if tokens["val"] == 0 and docs["train"] >= 2 and not pairs:
         move_to_val(work, chat, dtype, nearest)
         for split, sign in (("train", -1), ("val", 1)):
             tokens[split] += sign * nearest["n"]
@@ -429,7 +481,9 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if tokens["val"] == 0:
         discard()
         raise UserError(f"data source '{source}' has one document, and val needs one of its own "
-                        f"beside train's: add a document (or split the file in two)")
+                        f"beside train's: add a document (or split the file in two)" if not pairs
+                        else f"data source '{source}' puts no pair in val: raise val_fraction "
+                        f"(now {val_fraction}) or add pairs")
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "base_vocab_size": base.n_vocab,
             "extra_tokens": list(extra_tokens), "eot_token": eot, "format": fmt,
             "chat_tokens": [t for t in extra_tokens if t in CHAT_TOKENS],
@@ -445,6 +499,11 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         meta.update(tokenizer_sha256=hf_tokenizer.sha256(tokenizer))
     if chat:
         meta.update(train_loss_tokens=learned["train"], val_loss_tokens=learned["val"])
+    if pairs:  # each split's (start, length) of chosen and rejected: formats/preference.py
+        for split in index:
+            np.save(os.path.join(work, f"{split}.pairs.npy"), np.asarray(index[split], np.int64))
+        meta.update(train_pairs=len(index["train"]), val_pairs=len(index["val"]),
+                    pairs_dropped=dropped)
     # the bytes each id decodes to: bits per byte beside a val loss (evals.py) without a tokenizer
     np.save(os.path.join(work, "token_bytes.npy"), evals.byte_lengths(enc).astype(np.int32))
     with open(os.path.join(work, "meta.json"), "w") as f:
@@ -455,7 +514,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         if os.path.isdir(final):
             for name in os.listdir(final):
                 if (name not in names
-                    + ["meta.json", "train.mask.bin", "val.mask.bin", "token_bytes.npy"]):
+                    + ["meta.json", "train.mask.bin", "val.mask.bin", "token_bytes.npy",
+                       "train.pairs.npy", "val.pairs.npy"]):
                     os.replace(os.path.join(final, name), os.path.join(work, name))
             old = f"{final}.old{os.getpid()}"
             os.replace(final, old)
@@ -467,10 +527,17 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         dt = time.time() - t0
         n = tokens["train"] + tokens["val"]
         print(f"prepare: {final}: {docs['train']}/{docs['val']} train/val "
-              f"{'conversations' if chat else 'docs'}, {tokens['train']:,}/{tokens['val']:,} "
+              f"{'sequences' if pairs else 'conversations' if chat else 'docs'}, "
+              f"{tokens['train']:,}/{tokens['val']:,} "
               f"tokens ({meta['dtype']}), {n_chars / 1e6:.1f}M chars in {dt:.1f}s "
               f"({n / dt / 1e3:.0f}k tokens/s, {workers} threads)", flush=True)
-        if chat:
+        if pairs:
+            print(f"prepare: {len(index['train'])}/{len(index['val'])} train/val preference "
+                  f"pairs; left out: {dropped['same']} with chosen = rejected, "
+                  f"{dropped['empty']} with an empty completion, {dropped['prompt']} whose "
+                  f"prompt fills a row of block_size + 1 = {block_size + 1} (as TRL drops "
+                  f"them); {dropped['cut']} cut to the row (TRL's keep_start)", flush=True)
+        elif chat:
             print(f"prepare: chat in {'the model' if own else 'the project'}'s chat template: "
                   f"{learned['train']:,}/{learned['val']:,} train/val tokens are assistant "
                   "replies (the loss counts only those)", flush=True)
@@ -550,9 +617,9 @@ def main():
     ap.add_argument("--block_size", type=int, default=512,
                     help="chat data: say how its conversations pack into rows of this length "
                          "(config/sft.py's; 0: do not)")
-    ap.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
-                    help="JSONL records: text, chat conversations, or auto (from the first "
-                         "record)")
+    ap.add_argument("--format", default="auto", choices=("auto", "text", "chat", "preference"),
+                    help="JSONL records: text, chat conversations, preference pairs (TRL's "
+                         "formats), or auto (from the first record)")
     args = ap.parse_args()
     if args.out:
         guard_files.check_place("--out", args.out, "a dataset")

@@ -147,6 +147,27 @@ def val_loss(model, data_dir, block_size, batch_size, doc_mask, autocast=None):
     return loss_sum.item() / max(count, 1), count
 
 
+def pair_metrics(model, data_dir, block, c, run, what):
+    """eval=True on preference pairs: the loss and TRL's metrics on the whole val split, against
+    ref_from= (or the run's starting model; neither: reference-free, each log-prob per token)."""
+    from techniques import preference
+    start = run.get("init_from", "auto")
+    where = c["ref_from"] or ("" if start in ("auto", "resume", "scratch") else start)
+    ref = None
+    if where:
+        ref = load_from(where)[0]
+        ref.cfg = replace(ref.cfg, block_size=block)
+        ref.init_rope()
+        if ref.cfg.vocab_size < model.cfg.vocab_size:  # as the model's own first evaluation
+            grow_vocab(ref, model.cfg.vocab_size)
+        ref.to(next(model.parameters()).device).eval()
+    keys = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
+    m = preference.val_metrics(model, data_dir, {"block_size": block, "batch_size": c[
+        "batch_size"], "preference": {k: run[k] for k in keys if k in run}}, ref)
+    return (f"preference pairs of {data_dir} (val) for {what}, against "
+            f"{where or 'no reference'}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()))
+
+
 def evaluate_checkpoint(c):
     """eval=True: one line with the val loss (and bits per byte) of the model on each dataset of
     c["dataset"], one with its scores on each task of c["eval_tasks"]."""
@@ -182,6 +203,9 @@ def evaluate_checkpoint(c):
                   f"start as the mean row, as a run's first evaluation does")
             grow_vocab(model, meta["vocab_size"])
         model.to(parallel.pick_device(c["device"])).eval()
+        if meta.get("format") == "preference":  # pairs: preference.py (TRL's metrics)
+            print(pair_metrics(model, data_dir, block, c, run, what), flush=True)
+            continue
         print(f"evaluating {what} ({model.num_params() / 1e6:.1f}M parameters) on the whole val "
               f"split of "
               f"{data_dir}: {meta.get('val_tokens', 0):,} tokens in sequences of {block} ...",
@@ -231,6 +255,8 @@ def main(argv):
                                 # doc_mask=True
     eval_tasks = ""             # eval=True: multiple-choice tasks (JSONL) to score,
                                 # 'a.jsonl,b.jsonl'
+    ref_from = ""               # eval=True on preference pairs: the reference model (as init_from;
+                                # '': the run's starting model, if any)
     defaults = dict(locals())
     cfg = {**defaults, **configurator.configure(defaults, argv, "sample.py")}
 

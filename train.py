@@ -114,6 +114,10 @@ lora_dropout = 0.0              # dropout on the adapters' input
 lora_targets = "wq,wk,wv,wo"    # any of wq,wk,wv,wo,w1,w2,w3,output
 lora_from = ""                  # start from these adapters (a PEFT directory)
 export_lora = ""                # at the end, also write the adapters here (PEFT's format)
+loss_type = "sigmoid"           # pairs (preference.py): 'sigmoid' (DPO), 'ipo' or 'simpo'
+beta = 0.1                      # how far from the reference (TRL's default; SimPO's paper: 2.0)
+label_smoothing = 0.0           # sigmoid, simpo: the chance a pair's label is wrong (cDPO)
+simpo_gamma = 0.5               # simpo: the target reward margin
 # optimizer: Muon for the layers' matrices, AdamW for the rest (or AdamW alone), one learning rate
 optim = "muon"                  # 'muon' (Muon + AdamW) or 'adamw'
 learning_rate = 4e-3            # the peak rate
@@ -218,7 +222,7 @@ if src.kind == "resume":
         workarounds.exit_now()
 
 # ---- data: one dataset, or a mixture ---------------------------------------------------------
-mixing = bool(datasets or phases)
+mixing, pref = bool(datasets or phases), None  # pref: preference alignment (preference.py)
 
 
 def prepared(source, prep):
@@ -246,7 +250,11 @@ if not mixing:
     data_dir = prepared(dataset, data_source)
     # the tokenizer and vocabulary the data was prepared with
     meta = guard_data.read_meta(data_dir)
-    train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
+    if meta.get("format") != "preference":
+        train_loader, val_loaders = loader(data_dir, "train"), {dataset: loader(data_dir, "val")}
+    else:  # preference alignment: preference.py (whole pairs per micro-batch)
+        from techniques import preference
+        pref, train_loader, val_loaders = preference.setup(config, mesh, data_dir, dataset)
 else:  # mixture: mixture.py (each sequence drawn from one source; per-source losses logged)
     from techniques import mixture
     sources = configurator.mixture_sources(config)
@@ -460,6 +468,8 @@ signals = rundir.catch_signals(mesh)
 per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
               else None)
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
+if pref:  # preference alignment: the reference's log-probs, once (preference.py)
+    pref.reference(raw_model, src, data_dir, out_dir, autocast)
 passes = train_loader.passes(max_iters)
 mesh.print0(f"{tokens_per_iter:,} tokens/iter ({train_loader.n_chunks:,} train chunks, "
             f"{passes:.2f} epochs by max_iters)")
@@ -491,8 +501,7 @@ while True:
         by_text = mixture.compact(by_source) if by_source else ""
         mesh.print0(f"iter {it}: val loss {val_loss:.4f}{by_text}{line}")
         log({"iter": it, "val_loss": val_loss, **by_source, **eval_scores,
-             "tokens": it * tokens_per_iter,
-             "elapsed_s": time.time() - started})
+             "tokens": it * tokens_per_iter, "elapsed_s": time.time() - started})
     if ((it % ckpt_interval == 0 or it == max_iters or stop)
         and it not in (start_iter, restored_at)):
         save(it)
@@ -514,9 +523,9 @@ while True:
         x, y, mask, *src_ids = train_loader.batch(it)
         micro = micro_batches(x, y, mask,
                               train_loader.eot_of(*src_ids) if mixing else train_loader.eot_token)
-        # the loss is the mean cross-entropy over every target token of the global batch: each
-        # micro-batch's mean weighted by its share of the tokens (fp16: times the loss scale)
-        weights = token_weights(y, mask, scaler.scale if scaler else 1.0)
+        # the loss is the mean cross-entropy over every target token of the global batch (pairs:
+        # over its pairs, preference.py): each micro-batch's mean by its share (fp16: x the scale)
+        weights = token_weights(y, None if pref else mask, scaler.scale if scaler else 1.0)
         if pp == 1:
             loss_sum = torch.zeros((), device=mesh.device)
             for k, (xk, yk, mk, dk) in enumerate(micro):
@@ -525,7 +534,8 @@ while True:
                 if mesh.dp > 1:
                     parallel.set_grad_sync(model, k == len(micro) - 1)
                 with autocast:
-                    _, loss = model(xk, yk, mk, dk)
+                    losses, loss = model(xk, yk, mk, dk)
+                loss = pref(losses, mk, src_ids[0][k]) if pref else loss  # preference.py
                 (loss * weights[k]).backward()
                 loss_sum += loss.detach() * weights[k]
         # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
@@ -548,6 +558,8 @@ while True:
         agree = {"loss": loss_sum, "stop": len(signals) > 0}
         if per_source:  # mixture: mixture.py
             agree["sources"] = per_source.sums(src_ids[0])
+        if pref:  # preference alignment: preference.py (TRL's metrics)
+            agree["pref"] = pref.take()
         totals = parallel.all_reduce_named(agree, mesh)
         loss_mean, stop = parallel.global_mean(totals["loss"], mesh), totals["stop"].item() > 0
         # clip by the norm of the whole model's gradient, over every stage, shard and slice
@@ -588,7 +600,10 @@ while True:
             tok_per_s, mfu = tokens_per_iter / dt, flops_per_iter / dt / (peak * mesh.world)
             # mixture.py
             by_source = mixture.train_losses(totals["sources"], sources) if per_source else {}
-            extra = ((mixture.compact(by_source) if by_source else "")
+            if pref:  # preference alignment: preference.py
+                by_source = pref.metrics(totals["pref"], train_loader.global_batch)
+            extra = ((mixture.compact(by_source) if per_source else "")
+                     + (preference.compact(by_source) if pref else "")
                      + (moe.compact(moe_stats) if moe_stats else ""))
             mesh.print0(f"iter {it}: loss {loss_mean:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f},"
                         f" {dt * 1000:.0f} ms, {tok_per_s:,.0f} tok/s, mfu {mfu:.1%}, "
@@ -596,8 +611,7 @@ while True:
             log({"iter": it, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
                  "tokens": (it + 1) * tokens_per_iter,
                  "dt_ms": dt * 1000, "tok_per_s": tok_per_s, "mfu": mfu,
-                 "elapsed_s": time.time() - started,
-                 **by_source, **moe_stats,
+                 "elapsed_s": time.time() - started, **by_source, **moe_stats,
                  **({"loss_scale": scaler.scale} if scaler else {})})
     else:
         # the NaN guard (nan_guard.py): report the skip; after nan_max_consecutive in a row, stop,

@@ -20,7 +20,7 @@ from guards.guard_files import loads_json, read_json
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
 # the columns a Parquet record may need: the text field, or a conversation's
-CHAT_COLUMNS = ("messages", "prompt", "response")
+CHAT_COLUMNS = ("messages", "prompt", "response", "chosen", "rejected")
 # the longest JSONL line read (a book is a few MB): past it, one line instead of the memory
 MAX_LINE_BYTES = 256 << 20
 # an Arrow record batch's columns read at once (`datasets` writes 1,000 rows a batch)

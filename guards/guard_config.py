@@ -25,7 +25,8 @@ CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive",
            "dtype": ("auto", "float32", "bfloat16", "float16"),
            "optim": ("adamw", "muon"), "lr_schedule": ("cosine", "wsd"),
            "backend": ("auto", "gloo", "nccl"),
-           "moe_score": ("softmax", "sigmoid"), "doc_attention": ("varlen", "dense")}
+           "moe_score": ("softmax", "sigmoid"), "doc_attention": ("varlen", "dense"),
+           "loss_type": ("sigmoid", "ipo", "simpo")}
 
 AT_LEAST_1 = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "batch_size",
               "grad_accum_steps",
@@ -49,9 +50,11 @@ IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2":
             "loss_scale_init": (1, 2.0 ** 64),
             "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6),
             "lora_alpha": (0, 10 ** 6),
-            "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1)}
+            "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1),
+            # preference alignment: cDPO's chance that a label is wrong stays under a coin's
+            "beta": (0, 10 ** 6), "label_smoothing": (0, 0.5)}
 
-POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature")
+POSITIVE = ("dist_timeout_s", "ddp_bucket_mb", "lora_alpha", "mix_temperature", "beta")
 
 # the linears an adapter may wrap
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")

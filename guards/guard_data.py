@@ -53,9 +53,16 @@ def read_meta(data_dir):
     if not all(isinstance(t, str)
                for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
         raise UserError(f"{path}: extra_tokens is not a list of strings: {fix}")
-    if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat"):
-        raise UserError(f"{path}: format={meta['format'][:40]!r} is not text or chat: {fix}")
+    if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat",
+                                                                        "preference"):
+        raise UserError(f"{path}: format={meta['format'][:40]!r} is not text, chat or "
+                        f"preference: {fix}")
     return meta
+
+
+def check_not_pairs(meta, data_dir):  # (only preference.py reads pairs, a dataset alone)
+    if meta.get("format") == "preference":
+        raise UserError(f"{data_dir} holds preference pairs: train on it alone (dataset=)")
 
 
 def map_tokens(path, dtype, vocab_size):

@@ -352,14 +352,20 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     steps = doc_commands("docs/finetuning.md", "## The workflow, end to end")
-    assert len(steps) == 3 and steps == doc_commands("README.md", "## Fine-tuning in brief")
+    assert len(steps) == 4 and steps == doc_commands("README.md", "## Fine-tuning in brief")
     shutil.copytree(hf_bpe[0], tmp_path / "runs" / "base")
+    shutil.copytree(os.path.join(ROOT, "config"), tmp_path / "config")  # (step 4's recipe)
     write_corpus(str(tmp_path / "papers"))
     (tmp_path / "domain_words.txt").write_text("return None\nself.assert\n")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(
         {"messages": [{"role": "user", "content": f"What is {i} times 2? return None"},
                       {"role": "assistant", "content": f"It is {2 * i}."}]})
                                                  + "\n" for i in range(60)))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(  # TRL's explicit-prompt format
+        {"prompt": [{"role": "user", "content": f"What is {i} times 2?"}],
+         "chosen": [{"role": "assistant", "content": f"It is {2 * i}."}],
+         "rejected": [{"role": "assistant", "content": f"It is {2 * i + 1}."}]})
+                                                  + "\n" for i in range(40)))
     shrink = [a for a in RUN if not a.startswith("vocab_size=")] + [
         "max_iters=2", "val_fraction=0.2", "sample_tokens=8"]
     for args in steps:
@@ -370,19 +376,28 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     base = len(hf_bpe[1])
     words, chat = ["return None", "self.assert"], tokenizer_py.CHAT_TOKENS
     specs = [json.load(open(tmp_path / "runs" / run / "ckpt" / "iter_0000002"
-                            / "meta.json"))["tokenizer_spec"] for run in ("cpt", "sft", "lora")]
-    assert [s["extra_tokens"] for s in specs] == [words, words + chat, words + chat]
+                            / "meta.json"))["tokenizer_spec"]
+             for run in ("cpt", "sft", "lora", "dpo")]
+    assert [s["extra_tokens"] for s in specs] == [words, words + chat, words + chat, words + chat]
     assert all(s["tokenizer"] == str(tmp_path / "runs" / "base" / "tokenizer.json")
                and s["base_vocab_size"] == base for s in specs)
     enc = tokenizer_py.tokenizer_from_meta(specs[-1])
     assert [enc.encode_single_token(t) for t in words + chat] == list(range(base, base + 6))
     lines = varied_lines() + ["x = f() ; return None", "<|user|>hi<|end|><|assistant|>"]
-    for export in ("sft_hf", "lora_merged"):
+    for export in ("sft_hf", "lora_merged", "dpo_hf"):
         tok = AutoTokenizer.from_pretrained(tmp_path / "runs" / export)
         assert (json.load(open(tmp_path / "runs" / export / "config.json"))["vocab_size"]
                 == len(tok) == base + 6)
         assert all(tok(line, split_special_tokens=True).input_ids
                    == [enc.bos_token, *tokenizer_py.encode(enc, line)] for line in lines)
+    # the DPO run's export: transformers gives the checkpoint's logits
+    import sample
+    ours, _ = sample.load_model(str(tmp_path / "runs" / "dpo" / "ckpt" / "iter_0000002"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "dpo_hf").eval()
+    probe = torch.tensor([[enc.bos_token, *tokenizer_py.encode(enc, lines[-1])]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(probe).logits, ours.eval()(probe)[0], rtol=1e-4,
+                                   atol=1e-4)
     # transformers generates from the merged export,
     # and peft's adapter on the SFT export is the same model
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 2?"}],
