@@ -269,3 +269,26 @@ def test_ipo_simpo_and_cdpo_are_trls():
         got = loss.metrics(loss.take(), 3)
         assert got["rewards/chosen"] == pytest.approx(0.3 * (pi_c - ref_c).mean().item(), rel=1e-6)
         assert got["logps/rejected"] == pytest.approx(pi_r.mean().item(), rel=1e-6)
+
+
+def test_pairs_from_arrow_are_the_pairs_from_jsonl(tmp_path):
+    """The same pairs as an .arrow file (Arrow IPC, as datasets writes it) give the same
+    sequences as the .jsonl (issue 68: TRL's formats from JSONL, Parquet or Arrow)."""
+    import pyarrow as pa
+    records = chat_pairs(12)[1::2]
+    prepared = []
+    for name in ("jsonl", "arrow"):
+        path = tmp_path / name
+        path.mkdir()
+        if name == "jsonl":
+            source = write_jsonl(path / "p.jsonl", records)
+        else:
+            source = str(path / "p.arrow")
+            with pa.OSFile(source, "wb") as f, pa.ipc.new_stream(
+                    f, pa.Table.from_pylist(records).schema) as w:
+                w.write_table(pa.Table.from_pylist(records))
+        prepare.prepare(source, str(path / "data"), "cl100k_base", 512, val_fraction=0.3,
+                        verbose=False)
+        prepared.append(sorted(sequences(str(path / "data"), "train")[0]
+                               + sequences(str(path / "data"), "val")[0]))
+    assert prepared[0] == prepared[1] and len(prepared[0]) == 4  # (2 with chosen = rejected)
