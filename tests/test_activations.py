@@ -1,0 +1,114 @@
+"""Activation memory by choice (techniques/activations.py, techniques/memory_plan.py): every `ac`
+policy and activation offload give the plain model's loss and gradients bit for bit in float32
+(dense, mixture of experts, LoRA) and the single-process curve on the layouts; the saved-bytes
+counter orders them none > layers:2 > op > full, offload leaves nothing of theirs on the device;
+the memory plan is within 10% of the counter; plan=True prints it; a run that cannot fit stops
+before its first step, naming what would."""
+
+import pytest
+import torch
+from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, torchrun
+
+from model import ModelConfig, Transformer
+from techniques import activations, memory_plan
+from techniques.lora import apply_lora
+
+POLICIES = ("none", "layers:2", "op", "full")
+SHAPE = dict(vocab_size=512, n_layer=4, n_head=4, n_kv_head=2, n_embd=64)
+# the memory plan's keys of a single process
+RUN = dict(ffn_dim=0, head_dim=0, tie_embeddings=False, batch_size=4, block_size=32, tp=1, cp=1,
+           pp=1, sp=False, dtype="float32", grad_ckpt=False, loss_chunk=0, loss_recompute=True,
+           grad_accum_steps=1, pp_virtual=1, pp_schedule="1f1b", fsdp=False, zero=0, lora_rank=0)
+
+
+def step(ac, offload, lora=False, **kw):
+    """One training forward and backward of SHAPE's model under (ac, offload): (loss, grads,
+    the counter)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**SHAPE, "block_size": 32, **kw})).train()
+    if lora:
+        apply_lora(model, 4, 8.0, 0.0, ["wq", "wv", "wo", "w2"], seed=0)
+        for name, p in model.named_parameters():  # B starts at 0: move it, so A's grads are not 0
+            if "lora_B" in name:
+                p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    activations.apply(model, ac, offload)
+    x = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(2))
+    with activations.SavedBytes(model) as saved:
+        _, loss = model(x, x.roll(-1, 1))
+    loss.backward()
+    return loss, [p.grad for p in model.parameters() if p.grad is not None], saved
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "lora"])
+def test_every_policy_and_offload_gives_the_same_loss_and_gradients(kind):
+    kw = dict(n_experts=4, moe_top_k=2) if kind == "moe" else {}
+    ref_loss, ref_grads, _ = step("none", False, kind == "lora", **kw)
+    kept = {}
+    # (the mixture of experts and LoRA: the selective policy with offload, and a whole block)
+    runs = ([(ac, o) for ac in POLICIES for o in (False, True)] if kind == "dense"
+            else [("op", True), ("full", False)])
+    for ac, offload in runs:
+        loss, grads, saved = step(ac, offload, kind == "lora", **kw)
+        assert loss.item() == ref_loss.item() and len(grads) == len(ref_grads), (ac, offload)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), (ac, offload)
+        kept[ac, offload] = saved
+    if kind != "dense":
+        return
+    device = [kept[ac, False].device for ac in POLICIES]
+    assert device == sorted(device, reverse=True) and len(set(device)) == len(device), device
+    # offload: nothing left on the device but what `op` keeps outside autograd's saved tensors
+    # (its matmuls' outputs, in the selective checkpoint's own cache)
+    for ac in POLICIES:
+        left = kept[ac, True]
+        assert left.device == 0 if ac != "op" else 0 < left.device < kept["op", False].device
+        assert left.device + left.offloaded == kept[ac, False].device, ac
+
+
+@pytest.mark.parametrize("kw", [{}, {"loss_chunk": 32}, {"n_kv_head": 4, "block_size": 16},
+                                {"n_experts": 4, "moe_top_k": 2}],
+                         ids=["plain", "loss_chunk", "mha", "moe"])
+def test_the_plan_is_within_10_percent_of_the_counter(kw):
+    for ac in POLICIES:
+        for offload in (False, True):
+            c = {**RUN, **SHAPE, **kw, "ac": ac, "offload_activations": offload}
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(**{**SHAPE, **kw, "block_size": c["block_size"]},
+                                            )).train()
+            activations.apply(model, ac, offload)
+            x = torch.randint(0, 512, (c["batch_size"], c["block_size"]))
+            with activations.SavedBytes(model) as saved:
+                model(x, x)
+            planned = memory_plan.activation_bytes(c, 1)
+            assert abs(planned - saved.device) <= 0.1 * saved.device, (ac, offload, planned,
+                                                                       saved.device)
+
+
+# (one launch per layout: tp x sp with op and offload over dp=2, the interleaved pipeline with
+# layers:2 and offload, cp x fsdp with full: the recomputed forwards repeat their collectives)
+@pytest.mark.parametrize("nproc, layout", [
+    (4, ["tp=2", "sp=True", "ac=op", "offload_activations=True"]),
+    (2, ["pp=2", "pp_schedule=interleaved", "pp_virtual=2", "pp_layers=1,1,1,1", "ac=layers:2",
+         "offload_activations=True"]),
+    (4, ["cp=2", "fsdp=True", "grad_ckpt=True"])], ids=["tp2-sp-op-offload",
+                                                        "pp2-interleaved-layers2-offload",
+                                                        "cp2-fsdp-full"])
+def test_policies_on_layouts_give_the_single_process_curve(nproc, layout, dataset, reference_run,
+                                                           tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(nproc, [*REFERENCE, f"dataset={dataset}", f"out_dir={out}", *layout,
+                     "ddp_bucket_mb=0.01"], cwd=tmp_path)
+    assert_same_curve(reference_run, read_metrics(out))
+
+
+def test_plan_prints_and_a_run_that_cannot_fit_names_what_would(tmp_path):
+    p = run_train(["plan=True", "ac=op", "batch_size=2"], cwd=tmp_path, fork=True)
+    assert p.stdout.startswith("memory plan per rank (ac=op, offload_activations=False, 2 x 64 "
+                               "tokens a micro-batch): weights ")
+    assert not (tmp_path / "out").exists()
+    # a 1B-parameter shape at 128k tokens a row: the activations alone are terabytes
+    big = ["n_layer=16", "n_embd=2048", "n_head=32", "n_kv_head=8", "ffn_dim=8192",
+           "vocab_size=8192", "block_size=131072", "batch_size=2", "loss_chunk=1024",
+           "eval_iters=1"]
+    p = run_train(big, cwd=tmp_path, check=False, fork=True)
+    assert p.returncode != 0 and "error: memory plan per rank" in p.stderr + p.stdout
+    assert "what would fit: " in p.stderr + p.stdout and not (tmp_path / "out").exists()
