@@ -338,7 +338,7 @@ if model_cfg.n_experts:  # mixture of experts: moe.py
     moe.attach(raw_model, model_cfg)
 if ac != "none" or grad_ckpt or offload_activations:  # activation memory: activations.py
     from techniques import activations
-    activations.apply(raw_model, "full" if grad_ckpt else ac, offload_activations)
+    mesh.print0(activations.apply(raw_model, "full" if grad_ckpt else ac, offload_activations))
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
 if use_zero:  # ZeRO: zero.py

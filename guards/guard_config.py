@@ -407,8 +407,8 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
     shape = memory_plan.shape_of({**c, "n_layer": n_layer, "n_embd": n_embd, "ffn_dim": ffn_dim,
                                   "vocab_size": vocab_size, "tie_embeddings": tie})
     fits = memory_plan.what_fits(c, world, one, shape)
-    check(not fits, f"{memory_plan.lines(c, world, shape)}: over the {one / 2 ** 30:,.1f} GiB a rank has "
-                    f"here{where}; what would fit: {fits}")
+    check(not fits, f"{memory_plan.lines(c, world, shape)}: over the {one / 2 ** 30:,.1f} GiB "
+                    f"a rank has here{where}; what would fit: {fits}")
 
 
 def check_files(c):

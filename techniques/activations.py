@@ -44,8 +44,8 @@ def policy(spec):
 
 def apply(model, ac, offload=False):
     """Gives each block of `model` (whole, or a pipeline stage's) the policy `ac`, and with
-    `offload` runs the model's forward under the offloading hooks. Returns the blocks
-    recomputed."""
+    `offload` runs the model's forward under the offloading hooks. Returns what it did, a line
+    for the log."""
     kind, k = policy(ac)
     done = []
     for name, block in model.layers.items():
@@ -58,7 +58,8 @@ def apply(model, ac, offload=False):
         done.append(name)
     if offload:
         model.forward = functools.partial(offloaded, model.forward, Offload(model))
-    return done
+    return (f"activations: ac={ac}, layers {','.join(done) or 'none'} recomputed in backward"
+            + ("; what backward reads waits in CPU memory" if offload else ""))
 
 
 def recomputed(forward, context_fn, *args, **kwargs):
@@ -109,7 +110,7 @@ class Keep(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, model):
         # (through lambdas: SavedBytes counts what an Offload packs by wrapping its pack)
         super().__init__(lambda t: self.pack(t), lambda packed: self.unpack(packed))
-        self.weights = {t.untyped_storage().data_ptr()
+        self.weights = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr()  # (FSDP's)
                         for t in [*model.parameters(), *model.buffers()]}
 
     def is_weight(self, t):

@@ -29,8 +29,9 @@ def shape_of(c):
     k = c.get("moe_top_k", 2) if c.get("n_experts") else 0
     if k:
         ffn = (c.get("moe_ffn_dim") or ffn) * k
-    return dict(k=k, E=c.get("n_experts", 0), L=c["n_layer"], C=C, H=H, KV=c["n_kv_head"], hd=c["head_dim"] or C // H, F=ffn,
-                V=c["vocab_size"] or 200_000, tie=c["tie_embeddings"])
+    return dict(k=k, E=c.get("n_experts", 0), L=c["n_layer"], C=C, H=H, KV=c["n_kv_head"],
+                hd=c["head_dim"] or C // H, F=ffn, V=c["vocab_size"] or 200_000,
+                tie=c["tie_embeddings"])
 
 
 def block_bytes(s, rows, kind, e, tp=1, sp=False):
@@ -83,8 +84,9 @@ def activation_bytes(c, world, s=None):
     blocks = flight * sum(per) / s["L"] * layers
     # the embedding's ids, the last norm, the head's loss (log-softmax, or the chunks' sums)
     chunked = c["loss_chunk"] and c["loss_chunk"] < rows
-    head = rows * (8 + 8 * s["C"] + 4 + s["C"] * e + (
-        (14 + (0 if c["loss_recompute"] else 4 * s["V"] / tp)) if chunked else 4 * s["V"] / tp + 8))
+    loss = (14 + (0 if c["loss_recompute"] else 4 * s["V"] / tp) if chunked
+            else 4 * s["V"] / tp + 8)
+    head = rows * (8 + 8 * s["C"] + 4 + s["C"] * e + loss)
     return blocks + (0 if c["offload_activations"] else head)
 
 
