@@ -83,7 +83,7 @@ def activation_bytes(c, world, s=None):
     flight, layers = in_flight(c, dp)
     blocks = flight * sum(per) / s["L"] * layers
     # the embedding's ids, the last norm, the head's loss (log-softmax, or the chunks' sums)
-    chunked = c["loss_chunk"] and c["loss_chunk"] < rows
+    chunked = c["loss_chunk"] > 0
     loss = (14 + (0 if c["loss_recompute"] else 4 * s["V"] / tp) if chunked
             else 4 * s["V"] / tp + 8)
     head = rows * (8 + 8 * s["C"] + 4 + s["C"] * e + loss)

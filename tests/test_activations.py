@@ -5,9 +5,13 @@ counter orders them none > layers:2 > op > full, offload leaves nothing of their
 the memory plan is within 10% of the counter; plan=True prints it; a run that cannot fit stops
 before its first step, naming what would."""
 
+import os
+import re
+
 import pytest
 import torch
-from conftest import REFERENCE, assert_same_curve, read_metrics, run_train, torchrun
+from conftest import (REFERENCE, ROOT, assert_same_curve, read_metrics, run_train, torchrun,
+                      validate_as_train)
 
 from model import ModelConfig, Transformer
 from techniques import activations, memory_plan
@@ -131,3 +135,15 @@ def test_what_fits_names_the_batch_the_policy_or_the_split():
     assert memory_plan.what_fits({**smol, "batch_size": 4}, 1, 64 * gib) == (
         "batch_size=2, or ac=op, or cp=2 (on 2 ranks)")
     assert memory_plan.what_fits({**smol, "batch_size": 4}, 1, 8 * gib) == "a smaller model"
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"ac": "layers:0"}, "ac='layers:0' is not 'none', 'full', 'op' or 'layers:K'"),
+    ({"ac": "selective"}, "ac='selective' is not 'none', 'full', 'op' or 'layers:K'"),
+    ({"ac": "op", "grad_ckpt": True}, "grad_ckpt=True is ac='full', but ac='op' is given too")])
+def test_a_policy_misspelt_is_one_line(given, says, tmp_path):
+    import configurator
+    from guards.guard_errors import UserError
+    defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
+    with pytest.raises(UserError, match=re.escape(says)):
+        validate_as_train({**defaults, **given, "out_dir": str(tmp_path / "out")}, given, 1)
