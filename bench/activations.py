@@ -1,5 +1,5 @@
 """Activation memory by policy (techniques/activations.py): each `ac` with and without
-offload_activations on the default model's shape (16 x 128 tokens a micro-batch, float32): the
+offload_activations on the default model's shape (4 x 128 tokens a micro-batch, float32): the
 bytes a step keeps for backward on the device (activations.SavedBytes) beside the memory plan's
 count (techniques/memory_plan.py), ms per forward + backward (the recompute's cost against
 none), and the peak memory above the weights (CUDA: max allocated; CPU: max RSS), each row in a
@@ -42,7 +42,7 @@ def activations_row(model, batch, T, ac, offload, timed=True, loss_chunk=0):
     return row
 
 
-def table_activations(batch=16, T=128, long=(1024, 2048)):
+def table_activations(batch=4, T=128, long=(1024, 2048)):
     model = {k: MODEL[k] for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
     print(f"\n## activation memory: the default model ({model['n_layer']} layers, width "
           f"{model['n_embd']}), {batch} x {T} tokens a micro-batch, float32; kept for backward "
@@ -63,11 +63,11 @@ def table_activations(batch=16, T=128, long=(1024, 2048)):
     smol = model if SMOKE else SMOL
     print(f"\n## activation memory at long rows: SmolLM2-135M's shape, 1 row, float32, "
           f"loss_chunk=1024; the counter after one forward against the plan (GiB)")
-    print(f"{'tokens':>7} | " + " | ".join(f"{ac:>14}" for ac in ("none", "op", "full")))
-    print("-" * 60)
+    print(f"{'tokens':>7} | " + " | ".join(f"{ac:>13}" for ac in POLICIES))
+    print("-" * 72)
     for t in long:
         rows = [in_subprocess("activations", model=smol, batch=1, T=t, ac=ac, offload=False,
-                              timed=False, loss_chunk=1024) for ac in ("none", "op", "full")]
+                              timed=False, loss_chunk=1024) for ac in POLICIES]
         print(f"{t:7,} | " + " | ".join(
             f"{r['saved_mb'] / 1024:5.2f} / {r['planned_mb'] / 1024:5.2f}" for r in rows),
               flush=True)

@@ -79,7 +79,8 @@ class OpPolicy:
     def __init__(self, block):
         self.residual = False
         for layer in (block.attention.wo, getattr(block.feed_forward, "w2", None)):
-            if isinstance(layer, torch.nn.Module):  # (a MoE's experts are read: their weights)
+            # (a MoE's w2 is its experts' weight, no module: their outputs are weighted, and read)
+            if isinstance(layer, torch.nn.Module):
                 layer.register_forward_pre_hook(lambda *_: setattr(self, "residual", True))
                 layer.register_forward_hook(lambda *_: setattr(self, "residual", False))
 
