@@ -61,8 +61,6 @@ class ModelConfig:
     max_position: int = 0
     hf_model_type: str = "llama"  # what an export declares: one of MODEL_TYPES (hf.py)
     norm_eps: float = 1e-5
-    # recompute each block in backward instead of keeping its activations
-    grad_ckpt: bool = False
     # > 0: NEFTune noise on the token embeddings while training (see neftune)
     neftune_alpha: float = 0.0
     # > 0: the head and the loss in chunks of this many rows (ChunkedCrossEntropy), whose
@@ -248,7 +246,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.dropout = cfg.dropout
-        self.recompute = not cfg.grad_ckpt  # (grad_ckpt recomputes the whole block already)
+        # (off where the whole block is recomputed already: activations.py)
+        self.recompute = True
 
     def heads(self, x):
         """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) of x (B, T, n_embd),
@@ -409,11 +408,7 @@ class Transformer(nn.Module):
         else:
             x = idx  # (B, T, n_embd): the previous stage's hidden states
         for name in names:
-            block = self.layers[name]
-            if self.cfg.grad_ckpt and self.training:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask, cache[name] if cache else None)
+            x = self.layers[name](x, cos, sin, mask, cache[name] if cache else None)
         if self.output is None or (chunk is not None and chunk < len(self.chunks) - 1):
             return x, None
         h = self.norm(x)

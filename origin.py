@@ -105,7 +105,7 @@ def saved_shape(src, overrides, base_vocab, c, world):
     """The ModelConfig of a model that comes from a checkpoint or a model directory: its shape
     from there, the run's own keys (block_size, dropout, ...) from the config `c`."""
     run_keys = {k: c[k]
-                for k in ("block_size", "dropout", "grad_ckpt", "neftune_alpha", "loss_chunk",
+                for k in ("block_size", "dropout", "neftune_alpha", "loss_chunk",
                           "loss_recompute", "doc_attention", "moe_aux_weight", "moe_z_weight",
                           "moe_bias_rate")
                 # (the aux weight: a base's own, unless the run gives one)

@@ -86,7 +86,10 @@ head_dim = 0                    # each head's width (0: n_embd / n_head)
 qk_norm = False                 # RMSNorm each head's q and k before RoPE (Qwen3)
 dropout = 0.0                   # 0 for layout equivalence (and for fine-tuning)
 tie_embeddings = False          # the head shares the token embedding's weights
-grad_ckpt = False               # recompute each block in backward
+grad_ckpt = False               # recompute each block in backward (ac='full')
+ac = "none"                     # what blocks recompute in backward: 'full', 'op' (all but the
+                                # matmuls' and attention's outputs), 'layers:K' (every K-th whole)
+offload_activations = False     # what backward reads waits in CPU memory
 loss_chunk = 0                  # the head and loss in chunks of this many rows (0: all at once)
 loss_recompute = True           # loss_chunk: backward recomputes each chunk's logits (False: keeps
                                 # their softmax, rows x vocab floats, one head matmul less)
@@ -145,6 +148,7 @@ loss_scale_growth = 2.0         # times this after loss_scale_interval clean ste
 loss_scale_backoff = 0.5        # times this after an overflow
 loss_scale_interval = 2000      # clean steps before it grows
 compile = False                 # torch.compile the model
+plan = False                    # print the memory plan per rank (activations too) and exit
 seed = 1337                     # weights, data order and dropout all derive from it
 peak_flops = 0.0                # what MFU divides by (0: a GPU's datasheet, or a measured matmul)
 dist_timeout_s = 300            # a collective waiting longer (a dead peer) ends the run
@@ -184,6 +188,9 @@ if world > 1:  # a layout may need more micro-batches than the default gives (a 
 config = {k: globals()[k] for k in config_keys}
 # every check, before anything is written or a peer is met
 guard_config.validate(config, overrides, world)
+if plan:  # the memory plan from the config alone, no device needed: memory_plan.py
+    from techniques import memory_plan
+    sys.exit(print(memory_plan.lines(config, world)))
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------
@@ -344,6 +351,9 @@ if not built_whole:  # the meta-device build: meta_build.py
 if model_cfg.n_experts:  # mixture of experts: moe.py
     from techniques import moe
     moe.attach(raw_model, model_cfg)
+if ac != "none" or grad_ckpt or offload_activations:  # activation memory: activations.py
+    from techniques import activations
+    mesh.print0(activations.apply(raw_model, "full" if grad_ckpt else ac, offload_activations))
 model = torch.compile(raw_model) if compile else raw_model
 use_zero = zero and mesh.dp > 1 and not use_fsdp
 if use_zero:  # ZeRO: zero.py

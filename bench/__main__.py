@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 
-ROW_NAMES = ("single", "lora", "head", "real", "docmask")
+ROW_NAMES = ("single", "lora", "head", "real", "docmask", "activations")
 
 
 def check_options(argv):
@@ -42,8 +42,9 @@ import torch  # after the options are checked
 
 import prepare
 
-from bench import (build, checkpoint, docmask, dp, gpu, head, long, lora, memory, memory2d, mfu,
-                   moe, pp, profile, race, reading, real, sample, single, tokenize, tp)
+from bench import (activations, build, checkpoint, docmask, dp, gpu, head, long, lora, memory,
+                   memory2d, mfu, moe, pp, profile, race, reading, real, sample, single, tokenize,
+                   tp)
 from bench.base import ROOT, RUN_KEYS, SMOKE, SMOKE_KEYS, TRAIN
 
 TABLES = {"single": single.table_single, "dp": dp.table_dp,
@@ -54,9 +55,9 @@ TABLES = {"single": single.table_single, "dp": dp.table_dp,
           "reading": reading.table_reading, "head": head.table_head,
           "gpu": gpu.table_gpu, "mfu": mfu.table_mfu, "profile": profile.table_profile,
           "tokenize": tokenize.table_tokenize, "moe": moe.table_moe, "real": real.table_real,
-          "docmask": docmask.table_docmask}
+          "docmask": docmask.table_docmask, "activations": activations.table_activations}
 ROWS = dict(zip(ROW_NAMES, (single.single_row, lora.lora_row, head.head_row, real.real_row,
-                            docmask.docmask_row)))
+                            docmask.docmask_row, activations.activations_row)))
 
 # --smoke: a row or two of each kind
 SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)),
@@ -73,7 +74,8 @@ SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)),
               "profile": dict(steps=1), "long": dict(lengths=(64,)),
               "tokenize": dict(max_mb=0.2, repeats=1),
               "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3),
-              "real": dict(rounds=1, compile_at=((1, 16, True),)), "docmask": dict(lengths=(64,))}
+              "real": dict(rounds=1, compile_at=((1, 16, True),)), "docmask": dict(lengths=(64,)),
+              "activations": dict(batch=2, T=16, long=(32,))}
 
 
 def describe():

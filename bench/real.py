@@ -112,9 +112,11 @@ def ours(path, T, grad_ckpt, device, dtype, compiled):
     defaults = configurator.script_defaults(os.path.join(ROOT, "train.py"))
     c = {**defaults, **configurator.configure(defaults, [os.path.join(ROOT, "config", "cpt.py")])}
     kwargs, weights = hf.load_hf(path)
-    model = Transformer(ModelConfig(**{**kwargs, "block_size": T, "grad_ckpt": grad_ckpt,
-                                       "loss_chunk": c["loss_chunk"],
+    model = Transformer(ModelConfig(**{**kwargs, "block_size": T, "loss_chunk": c["loss_chunk"],
                                        "loss_recompute": c["loss_recompute"]}))
+    if grad_ckpt:  # (train.py's grad_ckpt=True)
+        from techniques import activations
+        activations.apply(model, "full")
     # tied: one tensor, two names
     weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     model.load_state_dict(weights)

@@ -7,6 +7,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from parallel import peak_flops
+from techniques import activations
 
 from bench.base import ACCUM, BATCH, ITERS, MODEL, in_subprocess, median_step_time, peak_memory_mb
 
@@ -15,7 +16,9 @@ def single_row(grad_ckpt):
     """One training configuration, timed in this process: a dict of measurements."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**MODEL, grad_ckpt=grad_ckpt)).to(device)
+    model = Transformer(ModelConfig(**MODEL)).to(device)
+    if grad_ckpt:  # (train.py's grad_ckpt=True)
+        activations.apply(model, "full")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, MODEL["vocab_size"], (ACCUM, BATCH, MODEL["block_size"] + 1),
                       device=device)

@@ -81,6 +81,11 @@ RULES = [
     (lambda c: c["packing"] not in ("auto", "concat", "bfd"),
      "packing={packing!r} is unknown: use 'concat' (documents end to end, cut into rows), 'bfd' "
      "(whole documents per row, best fit, padded) or 'auto' (bfd for chat data, concat for text)"),
+    (lambda c: not re.fullmatch(r"none|full|op|layers:[1-9][0-9]*", c["ac"]),
+     "ac={ac!r} is not 'none', 'full', 'op' or 'layers:K' (K at least 1, e.g. 'layers:2': every "
+     "other block recomputed)"),
+    (lambda c: c["grad_ckpt"] and c["ac"] not in ("none", "full"),
+     "grad_ckpt=True is ac='full', but ac={ac!r} is given too: drop grad_ckpt"),
     (lambda c: c["device"].split(":")[0] == "mps" and not torch.backends.mps.is_available(),
      "device={device} but Apple's MPS is not available on this machine: use device=cpu or "
      "device=auto"),
@@ -240,8 +245,9 @@ def validate(c, overrides, world):
     ffn_dim = ModelConfig(**{k: c[k] for k in shape}).ffn_dim
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         _check_given_layout(c, world, ffn_dim)
-    check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000,
-                 c["tie_embeddings"])
+    if not c["plan"]:  # (plan=True prints what a run needs, on any machine)
+        check_memory(c, world, c["n_layer"], c["n_embd"], ffn_dim, c["vocab_size"] or 200_000,
+                     c["tie_embeddings"])
     check_files(c)
 
 
@@ -401,6 +407,20 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
           + ", ".join(f"{k} {v / 2 ** 30:,.1f}" for k, v in need.items())
           + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, "
             "vocab_size, batch_size, block_size or eval_iters (or set loss_chunk= for the logits)")
+    # the memory plan, activations counted, against one rank's share (memory_plan.py), where a
+    # generous bound on the activations (64 bytes a row of each width) does not fit already
+    gpus = [torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())]
+    one = min(gpus) if gpus and c["device"] != "cpu" else have / world
+    flight = c["grad_accum_steps"] if c["pp"] > 1 else 1
+    if 16 * params + 64 * rows * (flight * n_layer * (2 * n_embd + ffn_dim) + vocab_size) < one:
+        return
+    from techniques import memory_plan
+    shape = memory_plan.shape_of({**c, "n_layer": n_layer, "n_embd": n_embd, "ffn_dim": ffn_dim,
+                                  "vocab_size": vocab_size, "tie_embeddings": tie})
+    fits = memory_plan.what_fits(c, world, one, shape)
+    check(not fits, f"{memory_plan.lines(c, world, shape)}: over the {one / 2 ** 30:,.1f} GiB "
+                    f"a rank has here{where}; what would fit: {fits}")
 
 
 def check_files(c):

@@ -15,7 +15,7 @@ HEADINGS = {"single": "## single process", "dp": "## data parallel", "pp": "## p
             "reading": "to the first optimizer step", "head": "## head + loss", "gpu": "## gpu",
             "mfu": "## mfu", "profile": "## profile", "long": "## long sequences",
             "tokenize": "## encoding", "moe": "## mixture of experts", "real": "ours at",
-            "docmask": "## doc_mask"}
+            "docmask": "## doc_mask", "activations": "## activation memory at long rows"}
 
 
 def test_every_table_runs_at_a_tiny_size(tmp_path):

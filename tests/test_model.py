@@ -15,6 +15,7 @@ from model import (
     rope_tables,
 )
 from optim import MuonWithAdamW, get_lr, newton_schulz, newton_schulz_each
+from techniques import activations
 from techniques.pipeline import make_stage
 
 tiny = tiny_model
@@ -256,18 +257,6 @@ def test_sliding_window_sees_the_last_window_tokens_of_its_document():
         assert (model(x)[0] - torch.cat(pieces, dim=1)).abs().max() > 1e-3
 
 
-def test_grad_ckpt_gives_the_same_gradients():
-    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
-    grads = []
-    for ckpt in (False, True):
-        model = tiny(grad_ckpt=ckpt).train()
-        _, loss = model(idx, idx)
-        loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
-
-
 def test_names_init_and_tying():
     model = tiny(n_layer=3)
     names = set(model.state_dict())
@@ -320,7 +309,9 @@ def test_doc_ids_in_pipeline_stages_and_with_grad_ckpt():
     assert (last(h)[0] - full).abs().max() > 1e-4  # the stage without the embedding uses them too
     grads = []
     for ckpt in (False, True):
-        model = tiny(grad_ckpt=ckpt).train()
+        model = tiny().train()
+        if ckpt:  # (every policy on every layout: test_activations.py)
+            activations.apply(model, "full")
         _, loss = model(idx, idx, doc_ids=doc_ids)
         loss.backward()
         grads.append([p.grad for p in model.parameters()])
@@ -513,12 +504,14 @@ def test_float32_attention_keeps_only_bf16_for_backward(doc_mask, dropout):
     at SmolLM2's shape more than transformers keeps): backward runs it again from the bf16 q, k, v
     (model.attend), with the gradients of keeping them, bit for bit, under dropout too (the
     recompute draws the forward's mask again). recompute=False keeps them: the check on what is
-    kept can fail. It is the default unless grad_ckpt recomputes the whole block."""
+    kept can fail. It is the default unless the block is recomputed (activations.py)."""
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16]) if doc_mask else None
-    for grad_ckpt in (False, True):
-        assert all(b.attention.recompute != grad_ckpt
-                   for b in tiny(grad_ckpt=grad_ckpt).layers.values())
+    for ac in ("none", "full", "op", "layers:2"):
+        model = tiny()
+        activations.apply(model, ac)
+        assert [b.attention.recompute for b in model.layers.values()] == [
+            ac == "none", ac in ("none", "layers:2")]
 
     def run(recompute):
         model = tiny(dropout=dropout).train()
