@@ -176,6 +176,10 @@ def read_small(path):
         meta = read_json(os.path.join(path, "meta.json"), "not a checkpoint this trainer wrote")
     except UserError as e:
         return None, None, f"meta.json: {str(e)[:200]}"
+    # checkpoints written before the ac key kept grad_ckpt among the model's fields: how a run
+    # trained, not the model's shape (the run's config still has it), so it is not the model's
+    if isinstance(meta, dict) and isinstance(meta.get("model"), dict):
+        meta["model"].pop("grad_ckpt", None)
     problem = check_meta(meta, path)
     if problem:
         return None, None, problem

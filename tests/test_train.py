@@ -1,5 +1,6 @@
 """End to end: train.py and sample.py run as separate processes, the way a user runs them."""
 
+import hashlib
 import json
 import os
 import runpy
@@ -125,6 +126,16 @@ def test_resume_is_bit_exact(dataset, tmp_path):
     # a crashed run may have logged past its checkpoint: those lines must be replaced, not kept
     with open(os.path.join(half, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iter": 10, "loss": -1.0}) + "\n")
+    # a checkpoint written before the ac key (issue 69) kept grad_ckpt among the model's fields:
+    # it still resumes (its manifest made true again, as that run wrote it)
+    ckpt = os.path.join(half, "ckpt", "iter_0000010")
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    meta["model"]["grad_ckpt"] = False
+    blob = json.dumps(meta).encode()
+    open(os.path.join(ckpt, "meta.json"), "wb").write(blob)
+    manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+    manifest["files"]["meta.json"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    json.dump(manifest, open(os.path.join(ckpt, "manifest.json"), "w"))
     p = run_train([*common, f"out_dir={half}", "max_iters=20", "init_from=resume"], cwd=tmp_path,
                   fork=True)
     assert "resumed from" in p.stdout
