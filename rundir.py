@@ -75,6 +75,26 @@ def truncate_metrics(path, upto):
     write_file(path, "".join(json.dumps(r) + "\n" for r in old))
 
 
+def start_loggers(config, out_dir, start_iter, run_id, master):
+    """(the loggers beside metrics.jsonl that the config asks for, wandb's run id): wandb
+    (start_wandb) and TensorBoard, on rank 0 only."""
+    loggers = []
+    if master and config["wandb_log"]:
+        loggers.append(start_wandb(config, out_dir, config["wandb_project"],
+                                   config["wandb_run_name"], run_id))
+        run_id = loggers[-1].id
+    if master and config["tensorboard_log"]:
+        loggers.append(TensorBoard(out_dir, config["tensorboard_dir"], start_iter))
+    return loggers, run_id
+
+
+def log(metrics_path, loggers, record):
+    """One record: a line of metrics.jsonl, and each logger's numbers at its iteration."""
+    append_metrics(metrics_path, record)
+    for logger in loggers:
+        logger.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+
 def start_wandb(config, out_dir, project, name, run_id):
     """The Weights & Biases run `run_id` (None: a new id), started or continued (resume="allow");
     its .id is what checkpoints keep, .log() and .finish() what the loop calls."""

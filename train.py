@@ -200,8 +200,7 @@ if dtype == "auto":  # bf16 where native, else fp16 (CUDA) or float32
     dtype = parallel.auto_dtype(mesh.device.type)
 autocast = (nullcontext() if dtype == "float32"
             else torch.autocast(mesh.device.type, dtype=getattr(torch, dtype)))
-# fp16: loss_scale.py
-scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None
+scaler = loss_scale.LossScaler.from_config(config) if dtype == "float16" else None  # fp16
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
     mesh.device.type == "cuda")
 if mesh.device.type == "cpu":
@@ -322,9 +321,8 @@ mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1
             + f"; {dtype}" + (" (dtype=auto)" if config["dtype"] == "auto" else ""))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
-# In this order: cut the stage, move a whole model to the device, split the experts and the
-# matmuls (before anything holds what tp swaps), then the sequence, shard, give a meta model its
-# weights, attach MoE's balancing, compile, and wrap for data parallel last (its hooks).
+# In this order: cut the stage, split experts and matmuls (before anything holds what tp swaps),
+# the sequence, shard, fill a meta model, MoE, what to recompute, compile, wrap dp last (hooks).
 if pp > 1:  # pipeline: pipeline.py
     from techniques import pipeline
     raw_model = pipeline.cut_stage(raw_model, mesh, configurator.layer_counts(pp_layers),
@@ -370,9 +368,8 @@ act_shape = (batch_size, block_size, model_cfg.n_embd)  # what travels between p
 
 
 def micro_batches(x, y, mask, eot):
-    """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device]: what the plain loop and the
-    pipeline schedules consume. loss_mask (SFT) and doc_ids (doc_mask) may be None. eot: the id
-    that ends a document (a mixture's: one per row, its source's)."""
+    """[(x, y, loss_mask, doc_ids) of micro-batch k, on the device] for the loop and the pipeline
+    (loss_mask, doc_ids may be None). eot: the id ending a document (a mixture's: a row's own)."""
     doc = data.doc_ids(x, eot) if doc_mask else None
     return [tuple(None if t is None else t[k].to(mesh.device) for t in (x, y, mask, doc))
             for k in range(x.size(0))]
@@ -435,20 +432,14 @@ if mesh.master:
     if os.path.exists(metrics_path):
         rundir.truncate_metrics(metrics_path, start_iter)
     rundir.write_file(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
-# wandb, TensorBoard on rank 0; checkpoints keep wandb's id, so a resumed run logs to the same one
-loggers = []
-if mesh.master and wandb_log:
-    loggers.append(rundir.start_wandb(config, out_dir, wandb_project, wandb_run_name, run_id))
-    run_id = loggers[-1].id
-if mesh.master and tensorboard_log:
-    loggers.append(rundir.TensorBoard(out_dir, tensorboard_dir, start_iter))
+# rank 0 logs to metrics.jsonl, and wandb and TensorBoard where asked; checkpoints keep wandb's
+# id, so a resumed run logs to the same one
+loggers, run_id = rundir.start_loggers(config, out_dir, start_iter, run_id, mesh.master)
 
 
 def log(record):
     if mesh.master:
-        rundir.append_metrics(metrics_path, record)
-        for logger in loggers:
-            logger.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+        rundir.log(metrics_path, loggers, record)
 
 
 resumed_from = src.path if src.kind == "resume" else None  # never pruned
@@ -474,9 +465,8 @@ def save(it):  # weights, optimizer state, RNG states, and the run's metadata th
 
 # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
 signals = rundir.catch_signals(mesh)
-# mixture.py
 per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
-              else None)
+              else None)  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops
 if pref:  # preference alignment: the reference's log-probs, once (preference.py)
     pref.reference(raw_model, src, data_dir, out_dir, autocast)
@@ -656,6 +646,5 @@ if stop:
     # not finished: 128 + the signal (143: SIGTERM, 130: Ctrl-C), as a shell reports a killed one
     workarounds.exit_now(rundir.exit_code(signals))
 if mesh.backend:
-    # all is written and the process group is gone: leave without the interpreter's shutdown,
-    # where gloo's threads can abort a finished run (SIGABRT)
+    # all written, the group gone: skip the interpreter's shutdown (gloo's threads may SIGABRT)
     workarounds.exit_now()
