@@ -453,16 +453,20 @@ def check_same_run(src, c, overrides, out_dir):
     data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",
-                    "rope_scaling") if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim")
+        if c[k] != had.get(k, c[k])]
     if (c["init_from"] not in ("auto", "resume", "scratch")
         and c["init_from"] != had.get("init_from")):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS
                if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
+    # a resume keeps the rotary embedding its checkpoints were trained with, as it keeps the shape
+    rope = rope_changes(src.saved, c)
+    differ += list(rope)
     if differ:
         what = "datasets" if c["datasets"] else "dataset"
-        also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
+        also = ", ".join(f"{k}={c[k]} (the run has {rope.get(k, had.get(k, src.saved.get(k)))})"
+                         for k in differ
                          if k not in ("dataset", "datasets"))
         # (its advice would be this command)
         itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)
@@ -473,3 +477,18 @@ def check_same_run(src, c, overrides, out_dir):
                             "there, or write the new run to another out_dir" if itself else
                             f"pick a new out_dir, or init_from={out_dir} to start from its "
                             f"weights"))
+
+
+def rope_changes(saved, c):
+    """{key: the model's value} for rope_theta and rope_scaling where the config would change the
+    positions of the model `saved` (0 and '' keep its own; 'yarn:2' is 'yarn:2.0')."""
+    from formats import hf_rope
+    kind, factor = hf_rope.parse_scaling(c["rope_scaling"])
+    theta, had = saved.get("rope_theta", 10000.0), saved.get("rope_type", "default")
+    had_factor = saved.get("rope_factor", 1.0) if had != "default" else 1.0
+    out = {}
+    if c["rope_theta"] and float(c["rope_theta"]) != theta:
+        out["rope_theta"] = theta
+    if kind is not None and (kind, factor) != (had, had_factor):
+        out["rope_scaling"] = "none" if had == "default" else f"{had}:{had_factor:g}"
+    return out

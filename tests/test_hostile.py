@@ -24,6 +24,7 @@ from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
 from guards import guard_files
 import checkpoint
 from guards import guard_ckpt
+from guards import guard_config
 import configurator
 import data
 import evals
@@ -1132,6 +1133,25 @@ def tool_calls_in_our_template(b, tmp):
                                    val_fraction=0.5, verbose=False)
 
 
+
+# ---- round nine (2026-12-02, issue 71) ----
+
+
+def resumed(model=None, had=None, **changes):
+    """check_same_run of a command that resumes the base run (its newest checkpoint, its
+    meta.json's model fields changed by `model`, its config by `had`) with config keys `changes`
+    given; True when it continues."""
+    def make(b, tmp):
+        ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
+        meta = guard_ckpt.read_meta(ckpt)[0]
+        meta = {**meta, "config": {**meta["config"], **(had or {})}}
+        src = origin.Source("resume", ckpt, meta, saved={**meta["model"], **(model or {})},
+                            where=f"the checkpoint in {b['run']}")
+        c = {**b["defaults"], **meta["config"], **changes}
+        return lambda: guard_config.check_same_run(src, c, changes, b["run"]) is None
+    return make
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1509,6 +1529,17 @@ CASES = [
      sample_damaged(run_tokenizer_spec(lambda s: {}))),
     (64, "an assistant's tool_calls with our chat template", "raises",
      tool_calls_in_our_template),
+    # ---- round nine (2026-12-02, issue 71): rotary changes on resume, ... ----
+    (71, "resume with rope_scaling yarn:2 -> linear:4", "raises",
+     resumed(dict(rope_type="yarn", rope_factor=2.0), init_from="resume",
+             rope_scaling="linear:4")),
+    (71, "resume with rope_scaling none -> yarn:4", "raises",
+     resumed(init_from="resume", rope_scaling="yarn:4")),
+    (71, "resume with rope_theta 0 -> 500000", "raises",
+     resumed(init_from="resume", rope_theta=500000.0)),
+    (71, "resume of yarn:2.0 given yarn:2 continues", "holds",
+     resumed(dict(rope_type="yarn", rope_factor=2.0), dict(rope_scaling="yarn:2.0"),
+             rope_scaling="yarn:2")),
 ]
 
 
