@@ -315,6 +315,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if type(workers) is not int or workers < 0:
         raise UserError(f"workers={workers} must be a whole number >= 0 (0: one thread per core)")
     workers = workers or os.cpu_count() or 1
+    # (the note packs real rows of it: 2**24 tokens is past any model's context)
+    if type(block_size) is not int or not 0 <= block_size <= 1 << 24:
+        raise UserError(f"block_size={block_size} must be a whole number from 0 (no packing note) "
+                        f"to 16777216 (e.g. 2048, the length the run will train at)")
     # built in a directory beside the target and swapped in when complete: a failure half-way
     # leaves an existing dataset as it was
     final = os.path.normpath(out_dir)

@@ -1152,6 +1152,19 @@ def resumed(model=None, had=None, **changes):
     return make
 
 
+def prepare_block(block_size):
+    """prepare.py --block_size N of a chat corpus (its packing note packs rows of N)."""
+    def make(b, tmp):
+        src = os.path.join(tmp, "chat.jsonl")
+        chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        with open(src, "w") as f:
+            f.write("".join(json.dumps({"messages": chat}) + "\n" for _ in range(4)))
+        return bounded(lambda: with_argv(
+            prepare.main, "prepare.py", src, "--out", os.path.join(tmp, "out", "d"),
+            "--val_fraction", "0.5", "--vocab_size", "512", "--block_size", str(block_size)), 20)
+    return make
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1540,6 +1553,8 @@ CASES = [
     (71, "resume of yarn:2.0 given yarn:2 continues", "holds",
      resumed(dict(rope_type="yarn", rope_factor=2.0), dict(rope_scaling="yarn:2.0"),
              rope_scaling="yarn:2")),
+    (71, "prepare.py --block_size -5 (a hang)", "raises", prepare_block(-5)),
+    (71, "prepare.py --block_size 10**9 (7.45 GiB)", "raises", prepare_block(10 ** 9)),
 ]
 
 
