@@ -1165,6 +1165,35 @@ def prepare_block(block_size):
     return make
 
 
+def lora_bounds_agree(b, tmp):
+    """LoRA's alpha and dropout: what validation takes, a checkpoint's meta.json keeps and a
+    PEFT adapter carries (5e-13, 0.9999995 were taken, then the run's own checkpoint refused),
+    and what one refuses the others refuse (alpha 0 or 1e6, dropout 1)."""
+    ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
+    meta = guard_ckpt.read_meta(ckpt)[0]
+
+    def takes(alpha, dropout):
+        given = {"lora_alpha": alpha, "lora_dropout": dropout}
+        ok = [True, True, True]
+        try:
+            validate_as_train({**b["defaults"], **given}, given, 1)
+        except UserError:
+            ok[0] = False
+        lora_meta = {"rank": 4, "alpha": alpha, "dropout": dropout, "targets": ["wq"],
+                     "base": {"kind": "hf", "path": b["hf"], "sha256": "0"}}
+        ok[1] = guard_ckpt.check_meta({**meta, "lora": lora_meta}, ckpt) is None
+        d = copy(b["adapter"], os.path.join(tmp, "out", f"adapter{alpha}-{dropout}"))
+        edit_json(os.path.join(d, "adapter_config.json"),
+                  lambda c: {**c, "lora_alpha": alpha, "lora_dropout": dropout})
+        try:
+            lora.load_peft_lora(d)
+        except UserError:
+            ok[2] = False
+        return ok
+    return lambda: (all(takes(a, d) == [True] * 3 for a, d in ((5e-13, 0.9999995), (1e5, 0)))
+                    and all(takes(a, d) == [False] * 3 for a, d in ((0, 0), (1e6, 0), (8, 1))))
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1555,6 +1584,8 @@ CASES = [
              rope_scaling="yarn:2")),
     (71, "prepare.py --block_size -5 (a hang)", "raises", prepare_block(-5)),
     (71, "prepare.py --block_size 10**9 (7.45 GiB)", "raises", prepare_block(10 ** 9)),
+    (71, "lora_alpha 5e-13, lora_dropout 0.9999995: one rule for config, checkpoint, PEFT",
+     "holds", lora_bounds_agree),
 ]
 
 
