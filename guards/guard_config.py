@@ -45,7 +45,8 @@ NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts"
 # step; sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1),
             "muon_momentum": (0, 1),
-            "cooldown_frac": (0, 1.000001), "lora_dropout": LORA_DROPOUT, "loss_scale_backoff": (0, 1),
+            "cooldown_frac": (0, 1.000001), "lora_dropout": LORA_DROPOUT,
+            "loss_scale_backoff": (0, 1),
             # fp16: the scale's floor is 1; loss x scale fits a float32
             "loss_scale_init": (1, 2.0 ** 64),
             "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6),
