@@ -123,8 +123,22 @@ def _check_moe(c, overrides):
                                           f"would be a mixture of experts; lower moe_every")
 
 
+def task_files(eval_tasks):
+    """eval_tasks='a.jsonl,b.jsonl' as its paths ('': none), each named in the logs by its base
+    name (task/a/acc): an empty name, or two of one base name, would log under nothing or one."""
+    paths = eval_tasks.split(",") if eval_tasks else []
+    names = [os.path.basename(p).removesuffix(".jsonl") for p in paths]
+    check(all(names), f"eval_tasks={eval_tasks!r} names an empty file: give comma-separated "
+                      f"task files, e.g. eval_tasks=arc.jsonl,piqa.jsonl")
+    twins = sorted({n for n in names if names.count(n) > 1})
+    check(not twins, f"eval_tasks={eval_tasks!r}: two files log as "
+                     f"task/{twins[0] if twins else ''} (one base name): rename one")
+    return paths
+
+
 # (entered when: the config turns the feature on, or names one of its keys; then its checks)
 FEATURE_CHECKS = [
+    (lambda c, o: c["eval_tasks"], lambda c, o: task_files(c["eval_tasks"])),
     (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),

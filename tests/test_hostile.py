@@ -1194,6 +1194,18 @@ def lora_bounds_agree(b, tmp):
                     and all(takes(a, d) == [False] * 3 for a, d in ((0, 0), (1e6, 0), (8, 1))))
 
 
+HELLASWAG = {"activity_label": "a", "ctx_a": "x", "ctx_b": "y", "endings": ["a", "b", "c", "d"],
+             "label": "1"}
+
+
+def converted_over_its_input(b, tmp):
+    """evals.py piqa IN IN: the benchmark file itself as OUT (it was replaced)."""
+    src = os.path.join(tmp, "p.jsonl")
+    with open(src, "w") as f:
+        f.write(json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 0}) + "\n")
+    return lambda: evals.convert(["piqa", src, src])
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1586,6 +1598,27 @@ CASES = [
     (71, "prepare.py --block_size 10**9 (7.45 GiB)", "raises", prepare_block(10 ** 9)),
     (71, "lora_alpha 5e-13, lora_dropout 0.9999995: one rule for config, checkpoint, PEFT",
      "holds", lora_bounds_agree),
+    (71, "evals.py hellaswag: label 1.0", "raises",
+     converted("hellaswag", {**HELLASWAG, "label": 1.0})),
+    (71, "evals.py hellaswag: label true", "raises",
+     converted("hellaswag", {**HELLASWAG, "label": True})),
+    (71, "evals.py hellaswag: endings a string", "raises",
+     converted("hellaswag", {**HELLASWAG, "endings": "abcd"})),
+    (71, "evals.py hellaswag: endings a dict", "raises",
+     converted("hellaswag", {**HELLASWAG, "endings": {"a": 1, "b": 2}})),
+    (71, "evals.py piqa: label 0.0", "raises",
+     converted("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0.0})),
+    (71, "evals.py arc: 4 texts and 3 labels", "raises",
+     converted("arc", {"question": "q", "answerKey": "A",
+                       "choices": {"text": ["a", "b", "c", "d"], "label": ["A", "B", "C"]}})),
+    (71, "evals.py OUT a prepared dataset's meta.json", "raises",
+     placed_in("OUT", "data", "meta.json")),
+    (71, "evals.py OUT a model's config.json", "raises", placed_in("OUT", "hf", "config.json")),
+    (71, "evals.py OUT its own IN", "raises", converted_over_its_input),
+    (71, "eval_tasks=','", "raises", validated(eval_tasks=",")),
+    (71, "eval_tasks=',,'", "raises", validated(eval_tasks=",,")),
+    (71, "eval_tasks= two files of one base name", "raises",
+     validated(eval_tasks="a/mc.jsonl,b/mc.jsonl")),
 ]
 
 
