@@ -366,6 +366,9 @@ def from_piqa(r):  # ybisk/piqa (validation)
 
 
 CONVERTERS = {"hellaswag": from_hellaswag, "arc": from_arc, "piqa": from_piqa}
+# what each reads of a Parquet file (another column, bad or not, is never read)
+COLUMNS = {"hellaswag": ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+           "arc": ("question", "choices", "answerKey"), "piqa": ("goal", "sol1", "sol2", "label")}
 
 
 def convert(argv):
@@ -386,7 +389,7 @@ def convert(argv):
     check_place("OUT", os.path.dirname(os.path.abspath(out)), "a folder of task files")
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
-    for row, record, _ in corpora.records(source, None, decode):
+    for row, record, _ in corpora.records(source, COLUMNS[kind], decode):
         try:
             q = CONVERTERS[kind](record)
         except (KeyError, ValueError, TypeError, AttributeError) as e:

@@ -17,6 +17,7 @@ was. Nothing here reads train.py's config: everything is an argument.
 """
 
 import argparse
+import fnmatch
 import glob
 import json
 import os
@@ -80,39 +81,85 @@ def stdlib_files():
 
 def resolve_source(source):
     """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or files of
-    records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, mixed as a glob finds them): each file
-    once, by its real path (a link to another file of the source is skipped: the text would be
+    records (.jsonl and its compressions, .json, .parquet, mixed as a glob finds them): each file
+    once (a link to another file of the source, or a hard link, is skipped: the text would be
     in the data twice, maybe in both val and train), skipped of them."""
     if source == "stdlib":
         root, files = stdlib_files()
         return "text", root, files, 0
     if os.path.isdir(source):
-        files = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
+        # a corpus's files by their suffix: the .txt and the records (mixed: refused below)
+        files = [f for f in _walk(source)
+                 if f.lower().endswith((".txt", *corpora.RECORD_SUFFIXES))]
         root = source
     elif os.path.isfile(source):
         files, root = [source], os.path.dirname(source)
     else:
-        files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+        found = _glob(source) if "**" in source else glob.glob(source)
+        files = sorted(f for f in found if not os.path.isdir(f))
         root = os.path.dirname(source.split("*")[0]) or "."
         if not files:
             raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of "
                             f".txt files, "
                             f"a glob such as 'notes/*.txt', or a .jsonl or .parquet file")
     if not files:
-        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or "
-                        f"a .jsonl file")
+        raise UserError(f"no .txt, .jsonl or .parquet files under '{source}': put .txt files "
+                        f"there or pass a glob or a .jsonl file")
+    for f in files:  # ('a.JSONL' read as text, or skipped by a directory)
+        name = os.path.basename(f)
+        guard_errors.check(
+            not name.lower().endswith((".txt", *corpora.RECORD_SUFFIXES)) or
+            name.endswith((".txt", *corpora.RECORD_SUFFIXES)),
+            f"{f}: its suffix is read in lower case only (.txt, .jsonl, .jsonl.gz, .jsonl.zst, "
+            f".jsonl.xz, .jsonl.bz2, .json of JSON Lines, .parquet): rename it")
     guard_files.check_regular(files, "leave it out of the source")
     jsonl = [corpora.is_records(f) for f in files]
     if any(jsonl) and not all(jsonl):
         raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
                         f"files: prepare them separately")
     corpora.check_readers(files)
-    real = {}  # real path -> the name kept: the file's own rather than a link's
+    real = {}  # the file (device, inode) -> the name kept: the file's own rather than a link's
     for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
-        real.setdefault(os.path.realpath(f), f)
+        st = os.stat(f)
+        real.setdefault((st.st_dev, st.st_ino), f)
     kept = set(real.values())
     kind = "records" if all(jsonl) else "text"
     return kind, root, [f for f in files if f in kept], len(files) - len(kept)
+
+
+def _walk(top):
+    """The paths of the files under `top`, sorted, each linked directory walked once: two
+    links back up would make a walk that follows links without end."""
+    seen, out = set(), []
+    for d, dirs, names in os.walk(top, followlinks=True):
+        st = os.stat(d)
+        dirs.sort()
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        out += [os.path.join(d, n) for n in names]
+    return sorted(out)
+
+
+def _glob(pattern):
+    """glob.glob(pattern, recursive=True) over _walk: '**' any run of directories, each other
+    part as fnmatch has it (a name that starts with '.' only for a part that does too)."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    root = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+
+    def match(names, pats):
+        if not pats:
+            return not names
+        if pats[0] == "**":
+            return any(match(names[i:], pats[1:]) for i in range(len(names) + 1)
+                       if not any(n.startswith(".") for n in names[:i]))
+        return (bool(names) and (pats[0].startswith(".") or not names[0].startswith("."))
+                and fnmatch.fnmatchcase(names[0], pats[0]) and match(names[1:], pats[1:]))
+    found = [f for f in _walk(root)
+             if match(os.path.relpath(f, root).split(os.sep), parts[fixed:])]
+    return [os.path.normpath(f) for f in found] if root == "." else found
 
 
 def _is_chat(record):

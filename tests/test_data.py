@@ -101,7 +101,7 @@ def test_prepare_errors(tmp_path):
         prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512,
                         verbose=False)
     (tmp_path / "nodocs").mkdir()
-    with pytest.raises(UserError, match="no .txt files"):
+    with pytest.raises(UserError, match="no .txt, .jsonl or .parquet files"):
         prepare.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": broken\n')
@@ -285,7 +285,7 @@ def test_compressed_lines_are_read_whole_and_bounded(tmp_path, monkeypatch):
              "a.jsonl.zst": zc.compress(raw[:1000]) + zc.compress(raw[1000:])}
     for name, data in files.items():
         assert list(corpora._lines(_write(tmp_path / name, data))) == lines, name
-    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1 << 20)
+    monkeypatch.setattr(corpora, "MAX_LINE_BYTES", 1 << 20)
     bomb = b"{}\n" + b"\0" * (64 << 20)  # (a record, then 64 MB of zeros: a 2 kB .zst)
     for name, data in {"b.jsonl.gz": gzip.compress(bomb, 1), "b.jsonl.zst": zc.compress(bomb),
                        "b.jsonl": bomb[:3 << 20]}.items():

@@ -1194,6 +1194,143 @@ def lora_bounds_agree(b, tmp):
                     and all(takes(a, d) == [False] * 3 for a, d in ((0, 0), (1e6, 0), (8, 1))))
 
 
+def prep(src, tmp, name="d"):
+    """prepare.prepare of `src` into tmp/out/name, 512 ids, a tenth to val, quiet."""
+    return prepare.prepare(src, os.path.join(tmp, "out", name), "cl100k_base", 512,
+                           val_fraction=0.1, verbose=False)
+
+
+def docs_of(tmp, name):
+    """The documents of a prepared dataset (both splits) as sorted lists of ids."""
+    d = os.path.join(tmp, "out", name)
+    meta = guard_data.read_meta(d)
+    ids = np.concatenate([np.fromfile(os.path.join(d, f"{s}.bin"), meta["dtype"])
+                          for s in ("train", "val")]).tolist()
+    docs, doc = [], []
+    for i in ids:
+        doc.append(i)
+        if i == meta["eot_token"]:
+            docs, doc = docs + [doc], []
+    return sorted(docs)
+
+
+def parquet_with(column, text=None):
+    """A Parquet corpus of 4 documents (text: their texts, str or bytes) beside a column that
+    breaks a reader (column: a pyarrow array or None); True when it prepares as the same texts
+    written as JSON Lines do (invalid UTF-8: U+FFFD on both) and, for PIQA, converts."""
+    def make(b, tmp):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        os.makedirs(os.path.join(tmp, "out"))
+        texts = text or [f"document {i} " * 20 for i in range(4)]
+        raw = [t if isinstance(t, bytes) else t.encode() for t in texts]
+        # (from its buffers: a string array whose bytes pyarrow does not check)
+        offsets = np.cumsum([0] + [len(t) for t in raw]).astype(np.int32)
+        cols = {"text": pa.Array.from_buffers(pa.string(), len(raw), [
+            None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(raw))])}
+        when = column
+        if column == "timestamp":  # 10**12 s: the year 33658
+            when = cols["when"] = pa.array([10 ** 12] * 4, pa.timestamp("s"))
+        src = os.path.join(tmp, "out", "c.parquet")
+        pq.write_table(pa.table(cols), src)
+        jsonl = os.path.join(tmp, "out", "c.jsonl")
+        with open(jsonl, "wb") as f:
+            for t in raw:
+                f.write(b'{"text": "' + t + b'"}\n')
+        piqa = os.path.join(tmp, "out", "p.parquet")
+        pq.write_table(pa.table({"goal": ["g"], "sol1": ["a"], "sol2": ["b"], "label": [0],
+                                 **({"when": when[:1]} if when is not None else {})}), piqa)
+
+        def call():
+            a, _ = prep(src, tmp, "a"), prep(jsonl, tmp, "b")
+            same = docs_of(tmp, "a") == docs_of(tmp, "b")
+            evals.convert(["piqa", piqa, os.path.join(tmp, "out", "tasks.jsonl")])
+            return same and a["train_docs"] + a["val_docs"] == 4
+        return call
+    return make
+
+
+def parquet_bomb(b, tmp):
+    """A Parquet value longer than JSONL's longest line (MAX_LINE_BYTES, lowered here to 1 MB
+    for the test: 300 MB from 27 kB of zstd was a MemoryError at 5.6 GB), in its second row
+    group: refused naming its row, counted from 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    src = os.path.join(tmp, "big.parquet")
+    pq.write_table(pa.table({"text": ["a", "b", "c", "x" * (2 << 20)]}), src, row_group_size=2,
+                   compression="zstd")
+
+    def call():
+        saved, prepare.corpora.MAX_LINE_BYTES = prepare.corpora.MAX_LINE_BYTES, 1 << 20
+        try:
+            with pytest.raises(UserError, match=r"big.parquet: row 4: a text of over 1 MB"):
+                prep(src, tmp)
+            return prep(src, tmp)
+        finally:
+            prepare.corpora.MAX_LINE_BYTES = saved
+    return lambda: os.makedirs(os.path.join(tmp, "out")) or call()
+
+
+def corpus_dir(*names, link=None):
+    """A directory of small documents, one per name: its suffix says how (.txt text; .jsonl,
+    .json, .jsonl.xz, .jsonl.bz2, .JSONL JSON Lines; .parquet a Parquet file), link: 'loop' two
+    links back up to it, 'hard' a hard link to the first file; prepare.py of it."""
+    def make(b, tmp):
+        import bz2
+        import lzma
+        src = os.path.join(tmp, "src")
+        os.makedirs(os.path.join(src, "sub"))
+        for i, name in enumerate(names):
+            text = f"document {i} " * 30
+            path = os.path.join(src, name)
+            if name.endswith(".parquet"):
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+                pq.write_table(pa.table({"text": [text]}), path)
+                continue
+            raw = (text if name.endswith(".txt") else json.dumps({"text": text}) + "\n").encode()
+            opener = lzma.open if name.endswith(".xz") else bz2.open if name.endswith(".bz2") \
+                else open
+            with opener(path, "wb") as f:
+                f.write(raw)
+        if link == "loop":
+            os.symlink("..", os.path.join(src, "sub", "up"))
+            os.symlink(".", os.path.join(src, "here"))
+        if link == "hard":
+            os.link(os.path.join(src, names[0]), os.path.join(src, "again" + names[0]))
+        os.makedirs(os.path.join(tmp, "out"))
+        return bounded(lambda: prep(src, tmp), 30)
+    return make
+
+
+def prepared_docs(n, make_src):
+    """make_src's preparation holds n documents, each once."""
+    def make(b, tmp):
+        call = make_src(b, tmp)
+        return lambda: (lambda m: m["train_docs"] + m["val_docs"] == n)(call())
+    return make
+
+
+def globbed(kind):
+    """prepare.py of a glob 'src/*.txt' (or 'src/**/*.txt' through a loop of links) beside good
+    files: a FIFO or a /dev/zero link, or two links back up."""
+    def make(b, tmp):
+        src = text_files(os.path.join(tmp, "src"), 4, 30)
+        bad = os.path.join(src, "b.txt")
+        if kind == "fifo":
+            os.mkfifo(bad)
+        elif kind == "zero":
+            os.symlink("/dev/zero", bad)
+        else:
+            os.makedirs(os.path.join(src, "sub"))
+            os.symlink("..", os.path.join(src, "sub", "up"))
+            os.symlink(".", os.path.join(src, "here"))
+        os.makedirs(os.path.join(tmp, "out"))
+        pattern = os.path.join(src, "**" if kind == "loop" else "", "*.txt")
+        return bounded(lambda: prep(pattern, tmp), 30)
+    return make
+
+
 HELLASWAG = {"activity_label": "a", "ctx_a": "x", "ctx_b": "y", "endings": ["a", "b", "c", "d"],
              "label": "1"}
 
@@ -1619,6 +1756,26 @@ CASES = [
     (71, "eval_tasks=',,'", "raises", validated(eval_tasks=",,")),
     (71, "eval_tasks= two files of one base name", "raises",
      validated(eval_tasks="a/mc.jsonl,b/mc.jsonl")),
+    (71, "Parquet: a timestamp column past year 9999 beside the text (and in PIQA)", "holds",
+     parquet_with("timestamp")),
+    (71, "Parquet: a text column of invalid UTF-8 reads as JSONL does (U+FFFD)", "holds",
+     parquet_with(None, [b"caf\xe9 au lait " * 9, b"ok " * 20, b"\xff\xfe bad " * 9,
+                         b"more " * 20])),
+    (71, "Parquet: a value past 256 MB (here 1 MB) in row 4", "raises", parquet_bomb),
+    (71, "a directory of .txt beside .parquet shards (the shards were left out)", "raises",
+     corpus_dir("a.txt", "b.txt", "c.parquet")),
+    (71, "a directory of .txt and a .JSONL (skipped)", "raises",
+     corpus_dir("a.txt", "b.txt", "c.JSONL")),
+    (71, "a directory of .json JSON Lines, .jsonl.xz and .jsonl.bz2 read as records", "holds",
+     prepared_docs(4, corpus_dir("a.json", "b.jsonl.xz", "c.jsonl.bz2", "d.jsonl"))),
+    (71, "a directory with two links back up to itself (a hang)", "holds",
+     prepared_docs(3, corpus_dir("a.txt", "b.txt", "c.txt", link="loop"))),
+    (71, "a directory with a file hard-linked under two names (in train and val)", "holds",
+     prepared_docs(4, corpus_dir("a.txt", "b.txt", "c.txt", "d.txt", link="hard"))),
+    (71, "a glob matching a FIFO .txt (skipped)", "raises", globbed("fifo")),
+    (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
+    (71, "a '**' glob through two links back up (a hang)", "holds",
+     prepared_docs(4, globbed("loop"))),
 ]
 
 
