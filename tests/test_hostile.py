@@ -1331,6 +1331,24 @@ def globbed(kind):
     return make
 
 
+def blaming(part, make):
+    """make's case, whose one line must name `part` (the field at fault)."""
+    def wrapped(b, tmp):
+        call = make(b, tmp)
+
+        def named():
+            with pytest.raises(UserError) as e:
+                call()
+            assert part in str(e.value), str(e.value)
+            raise e.value
+        return named
+    return wrapped
+
+
+QWEN3_MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=16, head_dim=8)
+
+
 HELLASWAG = {"activity_label": "a", "ctx_a": "x", "ctx_b": "y", "endings": ["a", "b", "c", "d"],
              "label": "1"}
 
@@ -1776,6 +1794,20 @@ CASES = [
     (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
     (71, "a '**' glob through two links back up (a hang)", "holds",
      prepared_docs(4, globbed("loop"))),
+    (71, "config.json: Qwen3 rope_parameters nested by layer type (its yarn dropped)", "raises",
+     blaming("a RoPE per layer type", hf_config(model_type="qwen3", head_dim=8, rope_parameters={
+         "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}))),
+    (71, "config.json: layer_types of 1 for 2 layers", "raises",
+     blaming("1 layer types", hf_config(model_type="qwen3", head_dim=8,
+                                        layer_types=["full_attention"]))),
+    (71, "config.json: Qwen3-MoE decoder_sparse_step 0", "raises",
+     blaming("decoder_sparse_step=0", hf_config(**QWEN3_MOE, decoder_sparse_step=0))),
+    (71, "config.json: Qwen3-MoE decoder_sparse_step 3 of 2 layers (no MoE layer)", "raises",
+     blaming("no layer of the 2", hf_config(**QWEN3_MOE, decoder_sparse_step=3))),
+    (71, "config.json: Qwen3-MoE mlp_only_layers every layer (no MoE layer)", "raises",
+     blaming("no layer of the 2", hf_config(**QWEN3_MOE, mlp_only_layers=[0, 1]))),
+    (71, "config.json: Qwen3-MoE moe_intermediate_size 0 names itself", "raises",
+     blaming("moe_intermediate_size=0", hf_config(**{**QWEN3_MOE, "moe_intermediate_size": 0}))),
 ]
 
 
