@@ -20,12 +20,20 @@ def check_made_as_asked(data_dir, asked, given):
     made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again",
                      limit=MAX_LIST_JSON_BYTES)
     for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
-        # (older data: no record)
-        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:
+        # (older data: no record; data_source='': prepare nothing. val_fraction=0 is a split)
+        had = made.get(field, asked[key])
+        if key in given and (asked[key] or key == "val_fraction") and had != asked[key] and not (
+                key == "data_source" and isinstance(had, str) and _same_place(had, asked[key])):
             raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command "
                             f"asks for {key}="
                             f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or "
                             f"drop {key}= to use it as it is (or pick another dataset= name)")
+
+
+def _same_place(a, b):
+    """Two spellings of one source: 'corpus/' is 'corpus', './x/*.txt' is 'x/*.txt'."""
+    return os.path.realpath(a.rstrip("/") or "/") == os.path.realpath(b.rstrip("/") or "/")
+
 
 
 # what prepare writes: dtype -> ids it can hold

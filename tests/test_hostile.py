@@ -1794,6 +1794,10 @@ CASES = [
     (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
     (71, "a '**' glob through two links back up (a hang)", "holds",
      prepared_docs(4, globbed("loop"))),
+    (71, "val_fraction=0 for a dataset prepared with 0.2", "raises", data_asked(val_fraction=0)),
+    (71, "data_source= the prepared data's spelled with a trailing slash", "holds",
+     lambda b, tmp: lambda: data_asked(data_source=guard_data.read_meta(b["data"])["source"]
+                                       + "/")(b, tmp)() is None),
     (71, "config.json: Qwen3 rope_parameters nested by layer type (its yarn dropped)", "raises",
      blaming("a RoPE per layer type", hf_config(model_type="qwen3", head_dim=8, rope_parameters={
          "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}))),
