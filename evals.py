@@ -459,7 +459,7 @@ class Evaluator:
                 t, b = target_bytes(y, mask, lengths)
                 tokens, n_bytes = tokens + t, n_bytes + b
             self.counts[name] = (tokens, n_bytes)
-        paths = task_files(eval_tasks)
+        paths = task_files(eval_tasks) if eval_tasks else []
         enc = enc_of() if paths else None
         self.tasks = [Task(p, enc, self.like.block_size) for p in paths]
         self.rows = None  # while a task is scored: each forward's per-row cross-entropy sums

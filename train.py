@@ -326,6 +326,8 @@ if not built_whole:  # the meta-device build: meta_build.py
     from techniques import meta_build
     meta_build.fill(raw_model, src, seed, mesh,
                torch.device("cpu") if use_fsdp and offload else mesh.device)
+if src.kind == "hf":
+    origin.check_finite_base(raw_model, src, mesh)
 if model_cfg.n_experts:  # mixture of experts: moe.py
     from techniques import moe
     moe.attach(raw_model, model_cfg)

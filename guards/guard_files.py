@@ -86,7 +86,10 @@ def _depth(obj):
 
 def loads_json(text, where, fix):
     """The JSON value of `text` (str or bytes) from `where`, within the limits above; a
-    UserError '{where}: {what is wrong}: {fix}' otherwise."""
+    UserError '{where}: {what is wrong}: {fix}' otherwise. A UTF-8 BOM (Windows editors write
+    one) is taken wherever JSON is read: json takes it in bytes, not in str."""
+    if isinstance(text, str) and text.startswith("\ufeff"):
+        text = text[1:]
     try:
         obj = json.loads(text, parse_int=_json_int, parse_float=_json_float,
                          parse_constant=_json_constant)

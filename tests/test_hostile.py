@@ -19,7 +19,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
+from conftest import validate_as_train, CFG, ROOT, RUN, TINY, free_port, run_train
 
 from guards import guard_files
 import checkpoint
@@ -313,6 +313,45 @@ def eval_nan_weights(b, tmp):
     c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32,
          "batch_size": 8, "doc_mask": False, "device": "cpu"}
     return lambda: sample.evaluate_checkpoint(c)
+
+
+def bom_everywhere(b, tmp):
+    """A file that starts with a UTF-8 BOM: one rule for a JSONL source, a task file and a
+    config.json (the source was refused, the others taken)."""
+    os.makedirs(os.path.join(tmp, "out"))
+    src, task = os.path.join(tmp, "out", "c.jsonl"), os.path.join(tmp, "out", "t.jsonl")
+    with open(src, "w", encoding="utf-8-sig") as f:
+        f.write("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(4)))
+    with open(task, "w", encoding="utf-8-sig") as f:
+        f.write('{"context": "Q", "choices": [" a", " b"], "answer": 0}\n')
+    d = copy(b["hf"], os.path.join(tmp, "out", "hf"))
+    with open(os.path.join(d, "config.json"), "rb") as f:
+        raw = f.read()
+    with open(os.path.join(d, "config.json"), "wb") as f:
+        f.write(b"\xef\xbb\xbf" + raw)
+
+    def call():
+        meta = prep(src, tmp)
+        evals.Task(task, tokenizer_py.get_tokenizer("cl100k_base", 512), 32)
+        hf.hf_index(d)
+        return meta["train_docs"] + meta["val_docs"] == 4
+    return call
+
+
+def train_on_nan_base(b, tmp):
+    """train.py from a Hugging Face model of NaN weights: refused as it loads, naming the model
+    (it was refused after iteration 0, the line blaming training)."""
+    call = eval_nan_weights(b, tmp)  # (the NaN model and its dataset, in tmp/out)
+    del call
+    path, d = os.path.join(tmp, "out", "nan_hf"), os.path.join(tmp, "out", "d")
+
+    def run():
+        p = run_train([*RUN, f"init_from={path}", f"dataset={d}", "max_iters=1",
+                       f"out_dir={os.path.join(tmp, 'out', 'run')}"], tmp, check=False, fork=True)
+        errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+        return (p.returncode != 0 and "Traceback" not in p.stderr and len(errors) == 1
+                and f"{path} holds non-finite weights" in errors[0]), p.stderr[-2000:]
+    return lambda: run()[0]
 
 
 def plot_args(*args, tokens=None):
@@ -1794,6 +1833,12 @@ CASES = [
     (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
     (71, "a '**' glob through two links back up (a hang)", "holds",
      prepared_docs(4, globbed("loop"))),
+    (71, "train.py from a NaN base: refused as it loads, not after iteration 0", "holds",
+     train_on_nan_base),
+    (71, "rope_scaling=yarn:1e6 is told the bound", "raises",
+     blaming("below 1000000", validated(rope_scaling="yarn:1e6"))),
+    (71, "a UTF-8 BOM: taken in a JSONL source as in task files and config.json", "holds",
+     bom_everywhere),
     (71, "val_fraction=0 for a dataset prepared with 0.2", "raises", data_asked(val_fraction=0)),
     (71, "data_source= the prepared data's spelled with a trailing slash", "holds",
      lambda b, tmp: lambda: data_asked(data_source=guard_data.read_meta(b["data"])["source"]
