@@ -338,6 +338,19 @@ def bom_everywhere(b, tmp):
     return call
 
 
+def cp_by_dp(b, tmp):
+    """cp=2 on 4 ranks with grad_accum_steps=2 (dp=2: a dp counted without cp, 4, refused it):
+    validation takes it, check_layout returns dp=2, and the default grad_accum_steps (2) is kept
+    for that layout, not raised to 4."""
+    def call():
+        given = {"cp": 2, "grad_accum_steps": 2, "out_dir": os.path.join(tmp, "out")}
+        c = validate_as_train({**b["defaults"], **given}, given, 4)
+        dp, _ = guard_config.check_layout(c, 4, 4, 4, 2, 512)
+        kept = configurator.batch_for_layout({**b["defaults"], "cp": 2}, {"cp": 2}, 4)
+        return c["grad_accum_steps"] == 2 and dp == 2 and kept == 2
+    return call
+
+
 def train_on_nan_base(b, tmp):
     """train.py from a Hugging Face model of NaN weights: refused as it loads, naming the model
     (it was refused after iteration 0, the line blaming training)."""
@@ -1833,6 +1846,7 @@ CASES = [
     (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
     (71, "a '**' glob through two links back up (a hang)", "holds",
      prepared_docs(4, globbed("loop"))),
+    (71, "cp=2 x dp=2 on 4 ranks with grad_accum_steps=2 is valid", "holds", cp_by_dp),
     (71, "train.py from a NaN base: refused as it loads, not after iteration 0", "holds",
      train_on_nan_base),
     (71, "rope_scaling=yarn:1e6 is told the bound", "raises",
