@@ -196,6 +196,26 @@ def test_bytes_are_the_decoded_text_of_the_targets_markers_none(dataset):
             and full[:256].tolist() == [1] * 256)
 
 
+@pytest.mark.parametrize("packing", ["concat", "bfd"])
+def test_bits_per_byte_counts_only_the_targets_that_train_on_chat_data(chat_dataset, packing):
+    """On chat data (end to end, or packed whole with padding), the bytes and tokens of bits per
+    byte are those of the targets the loss counts, the replies: the prompt's tokens and the
+    padding are masked out of both, as of the loss (worked from the decoded text here)."""
+    meta = guard_data.read_meta(chat_dataset)
+    enc = tokenizer_py.tokenizer_from_meta(meta)
+    lengths = evals.byte_lengths(enc)
+    loader = data.Loader(chat_dataset, "val", 32, 4, 2, 0, packing=packing)
+    _, y, mask = loader.rows(np.arange(8))
+    kept = y[mask == 1].tolist()
+    assert 0 < len(kept) < y.numel()
+    markers = {i for i in set(y.flatten().tolist()) if lengths[i] == 0}
+    text = enc.decode_bytes([t for t in kept if t not in markers])
+    assert evals.target_bytes(y, mask, lengths) == (len(kept), len(text))
+    # what the run divides by: the Evaluator's counts over eval_iters=1 global batch (8 rows)
+    scorer = evals.Evaluator("", {"chat": loader}, lengths, None, None, None, 1)
+    assert scorer.counts["chat"] == (len(kept), len(text))
+
+
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
     """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
     holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
