@@ -216,6 +216,19 @@ def test_bits_per_byte_counts_only_the_targets_that_train_on_chat_data(chat_data
     assert scorer.counts["chat"] == (len(kept), len(text))
 
 
+def test_a_mixtures_bits_per_byte_weighs_its_sources_as_its_val_loss_does(dataset):
+    """val_bpb of a mixture: the sources' bits per byte weighed by the mixture's weights (as
+    mixture.val_losses weighs val_loss), each source's own beside it."""
+    enc = tokenizer_py.tokenizer_from_meta(guard_data.read_meta(dataset))
+    loaders = {"a": data.Loader(dataset, "val", 32, 4, 2, 0),
+               "b": data.Loader(dataset, "val", 16, 2, 2, 0)}
+    scorer = evals.Evaluator("", loaders, evals.byte_lengths(enc), None, None, None, 2)
+    record, _ = scorer.run({"a": 2.0, "b": 1.0}, None, {"a": 0.75, "b": 0.25})
+    bpb = {k: evals.bits_per_byte(v, *scorer.counts[k]) for k, v in (("a", 2.0), ("b", 1.0))}
+    assert record == {"val_bpb": 0.75 * bpb["a"] + 0.25 * bpb["b"], "val_bpb/a": bpb["a"],
+                      "val_bpb/b": bpb["b"]}
+
+
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
     """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
     holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
