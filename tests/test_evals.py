@@ -229,6 +229,21 @@ def test_a_mixtures_bits_per_byte_weighs_its_sources_as_its_val_loss_does(datase
                       "val_bpb/b": bpb["b"]}
 
 
+def test_sample_py_scores_tasks_with_the_document_mask_exactly_when_the_run_had_one(
+        tmp_path, monkeypatch, capsys):
+    """sample.py eval=True (score_tasks): a model trained with doc_mask is scored with the
+    documents' mask, one trained without with none (the scores alone rarely tell)."""
+    seen = []
+    monkeypatch.setattr(evals, "plain_logliks", lambda model, task, bs, device, doc_ids=None:
+                        seen.append(doc_ids) or [-1.0] * len(task))
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 512)
+    path = write_task(tmp_path / "t.jsonl", QUESTIONS)
+    for doc_mask in (False, True):
+        evals.score_tasks(torch.nn.Linear(1, 1), str(path), enc, 32,
+                          {"device": "cpu", "batch_size": 2, "doc_mask": doc_mask}, "m")
+    assert seen[0] is None and callable(seen[1])
+
+
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):
     """`python evals.py hellaswag|arc|piqa IN OUT`: a record of each as its Hugging Face dataset
     holds it (JSONL, or Parquet with ARC's struct of choices) -> the question lm-evaluation-harness
