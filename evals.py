@@ -38,8 +38,9 @@ import data
 from common import write_atomic
 from parallel import all_reduce_sum, pick_device
 from formats import corpora
+from guards.guard_config import task_files
 from guards.guard_errors import UserError, check, excepthook
-from guards.guard_files import check_exports, loads_json
+from guards.guard_files import check_exports, check_place, loads_json
 
 TASK_EXAMPLE = '{"context": "The sky is", "choices": [" blue", " green"], "answer": 0}'
 
@@ -304,7 +305,7 @@ def plain_logliks(model, task, batch_size, device, doc_ids=None, autocast=None):
 
 def score_tasks(model, eval_tasks, enc, block_size, c, what):
     """sample.py eval=True: one line with the scores of each task of eval_tasks ('a,b.jsonl')."""
-    tasks = [Task(p, enc, block_size) for p in eval_tasks.split(",") if p]
+    tasks = [Task(p, enc, block_size) for p in task_files(eval_tasks)]
     if not tasks:
         return
     device = pick_device(c["device"])
@@ -354,25 +355,47 @@ def _unbracketed(line):
     return "".join(out) + line[i:]
 
 
+def _label(v):
+    """A record's label: an int, or its digits (HellaSwag's "0"); 1.0 or true is none."""
+    if type(v) is str and v.isascii() and v.lstrip("-").isdigit():
+        return int(v)
+    if type(v) is not int:
+        raise TypeError(f"label {str(v)[:40]!r} is not an integer")
+    return v
+
+
+def _texts(v):
+    """A record's list of strings (a string or a dict of them would be read a character or a
+    key at a time)."""
+    if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
+        raise TypeError(f"{str(v)[:40]!r} is not a list of strings")
+    return v
+
+
 def from_hellaswag(r):  # Rowan/hellaswag (validation: the split lm-evaluation-harness scores)
     context = r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()
-    return {"context": _hellaswag_text(context) + " ", "answer": int(r["label"]),
-            "choices": [_hellaswag_text(e) for e in r["endings"]]}
+    return {"context": _hellaswag_text(context) + " ", "answer": _label(r["label"]),
+            "choices": [_hellaswag_text(e) for e in _texts(r["endings"])]}
 
 
 def from_arc(r):  # allenai/ai2_arc, ARC-Easy or ARC-Challenge (test)
     choices = r["choices"]  # {"text": [...], "label": ["A", "B", ...]}
-    question = f"Question: {r['question']}\nAnswer: "
-    return {"context": question, "choices": list(choices["text"]),
-            "answer": choices["label"].index(r["answerKey"])}
+    texts, labels = _texts(choices["text"]), _texts(choices["label"])
+    if len(texts) != len(labels):
+        raise ValueError(f"{len(texts)} choices but {len(labels)} labels")
+    return {"context": f"Question: {_texts([r['question']])[0]}\nAnswer: ", "choices": texts,
+            "answer": labels.index(r["answerKey"])}
 
 
 def from_piqa(r):  # ybisk/piqa (validation)
-    return {"context": f"Question: {r['goal']}\nAnswer: ", "answer": int(r["label"]),
-            "choices": [r["sol1"], r["sol2"]]}
+    return {"context": f"Question: {_texts([r['goal']])[0]}\nAnswer: ",
+            "answer": _label(r["label"]), "choices": _texts([r["sol1"], r["sol2"]])}
 
 
 CONVERTERS = {"hellaswag": from_hellaswag, "arc": from_arc, "piqa": from_piqa}
+# what each reads of a Parquet file (another column, bad or not, is never read)
+COLUMNS = {"hellaswag": ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+           "arc": ("question", "choices", "answerKey"), "piqa": ("goal", "sol1", "sol2", "label")}
 
 
 def convert(argv):
@@ -387,9 +410,13 @@ def convert(argv):
                         f".parquet)")
     corpora.check_readers([source])
     check_exports({"OUT": out}, files=("OUT",))
+    # (a task file is written whole over what is there: never the benchmark, a dataset or a model)
+    check(not os.path.exists(out) or not os.path.samefile(source, out),
+          f"OUT={out} is IN: name a new file for the task, e.g. {kind}.jsonl")
+    check_place("OUT", os.path.dirname(os.path.abspath(out)), "a folder of task files")
     lines = []
     decode = lambda raw: (raw.decode("utf-8", "replace"), 0)  # noqa: E731
-    for row, record, _ in corpora.records(source, None, decode):
+    for row, record, _ in corpora.records(source, COLUMNS[kind], decode):
         try:
             q = CONVERTERS[kind](record)
         except (KeyError, ValueError, TypeError, AttributeError) as e:
@@ -459,7 +486,7 @@ class Evaluator:
                 t, b = target_bytes(y, mask, lengths)
                 tokens, n_bytes = tokens + t, n_bytes + b
             self.counts[name] = (tokens, n_bytes)
-        paths = [p for p in eval_tasks.split(",") if p]
+        paths = task_files(eval_tasks) if eval_tasks else []
         enc = enc_of() if paths else None
         self.tasks = [Task(p, enc, self.like.block_size) for p in paths]
         self.rows = None  # while a task is scored: each forward's per-row cross-entropy sums

@@ -127,6 +127,13 @@ def load_whole_into(model, src):
         checkpoint.load(src.path, model, no_dist=True)
 
 
+def check_finite_base(model, src, mesh):
+    """A Hugging Face model of NaN or inf weights, refused as it is loaded: found after the
+    first step, the line would blame training."""
+    check(guard_ckpt.all_finite(model, bool(mesh.backend)),
+          f"{src.where} holds non-finite weights (NaN or inf): download or export it again")
+
+
 def config_line(c, src, spec):
     """The config: line of a run whose weights come from a model or a checkpoint (src.saved):
     its shape keys and its tokenizer (spec: its file or encoding, and its size) are the

@@ -17,13 +17,10 @@ was. Nothing here reads train.py's config: everything is an argument.
 """
 
 import argparse
-import glob
 import json
 import os
 import re
 import shutil
-import sys
-import sysconfig
 import time
 import zlib
 
@@ -65,57 +62,6 @@ def _decode(raw):
     except UnicodeDecodeError:
         text = raw.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
-
-
-def stdlib_files():
-    """The .py files of the running interpreter's standard library (site-packages excluded),
-    sorted: the default corpus, present on every machine that can run this trainer."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in ("site-packages", "dist-packages", "__pycache__"))
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    return root, files
-
-
-def resolve_source(source):
-    """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or files of
-    records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow, mixed as a glob finds them; a
-    directory datasets' save_to_disk wrote: its .arrow files): each file
-    once, by its real path (a link to another file of the source is skipped: the text would be
-    in the data twice, maybe in both val and train), skipped of them."""
-    if source == "stdlib":
-        root, files = stdlib_files()
-        return "text", root, files, 0
-    if os.path.isdir(source):  # .txt files, or the Arrow files of a `datasets` save_to_disk
-        files = corpora.saved_dataset(source) or sorted(
-            glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
-        root = source
-    elif os.path.isfile(source):
-        files, root = [source], os.path.dirname(source)
-    else:
-        files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-        root = os.path.dirname(source.split("*")[0]) or "."
-        if not files:
-            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of "
-                            f".txt files, "
-                            f"a glob such as 'notes/*.txt', or a .jsonl or .parquet file")
-    if not files:
-        raise UserError(f"no .txt files under '{source}': put .txt files there or pass a glob or "
-                        f"a .jsonl file")
-    guard_files.check_regular(files, "leave it out of the source")
-    jsonl = [corpora.is_records(f) for f in files]
-    if any(jsonl) and not all(jsonl):
-        raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
-                        f"files: prepare them separately")
-    corpora.check_readers(files)
-    real = {}  # real path -> the name kept: the file's own rather than a link's
-    for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
-        real.setdefault(os.path.realpath(f), f)
-    kept = set(real.values())
-    kind = "records" if all(jsonl) else "text"
-    return kind, root, [f for f in files if f in kept], len(files) - len(kept)
 
 
 def _is_chat(record):
@@ -290,7 +236,7 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     pickling text to worker processes."""
     if isinstance(extra_tokens, str):
         extra_tokens = load_extra_tokens(extra_tokens)
-    kind, root, files, skipped = resolve_source(source)
+    kind, root, files, skipped = corpora.resolve_source(source)
     if skipped and verbose:
         print(f"prepare: {skipped} files of {source} are links to others of it: each text is "
               f"prepared once", flush=True)
@@ -326,6 +272,10 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
     if type(workers) is not int or workers < 0:
         raise UserError(f"workers={workers} must be a whole number >= 0 (0: one thread per core)")
     workers = workers or os.cpu_count() or 1
+    # (the note packs real rows of it: 2**24 tokens is past any model's context)
+    if type(block_size) is not int or not 0 <= block_size <= 1 << 24:
+        raise UserError(f"block_size={block_size} must be a whole number from 0 (no packing note) "
+                        f"to 16777216 (e.g. 2048, the length the run will train at)")
     # built in a directory beside the target and swapped in when complete: a failure half-way
     # leaves an existing dataset as it was
     final = os.path.normpath(out_dir)

@@ -16,8 +16,6 @@ import signal
 import sys
 import time
 
-import torch
-
 from common import write_atomic
 from guards.guard_errors import UserError
 from guards.guard_files import loads_json

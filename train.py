@@ -346,6 +346,8 @@ if not built_whole:  # the meta-device build: meta_build.py
     from techniques import meta_build
     meta_build.fill(raw_model, src, seed, mesh,
                     torch.device("cpu") if use_fsdp and offload else mesh.device)
+if src.kind == "hf":
+    origin.check_finite_base(raw_model, src, mesh)
 if model_cfg.n_experts:  # mixture of experts: moe.py
     from techniques import moe
     moe.attach(raw_model, model_cfg)
@@ -425,8 +427,7 @@ torch.manual_seed(seed + mesh.rank // mesh.tp)
 start_iter, run_id, skip_iters = 0, None, set()
 if src.kind == "resume":
     start_iter, run_id, skip_iters = checkpoint.resume_state(src, mesh, scaler)
-# the NaN guard: what it counts of skipped steps, and the known bad batches it steps over
-# (nan_guard.py)
+# the NaN guard (nan_guard.py): skipped steps counted, known bad batches stepped over
 nan = nan_guard.NanGuard(nan_max_consecutive, nan_action, skip_iters)
 if mesh.master:
     if os.path.exists(metrics_path):
@@ -463,8 +464,7 @@ def save(it):  # weights, optimizer state, RNG states, and the run's metadata th
         mesh.print0(f"saved checkpoint {path}")
 
 
-# SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save a checkpoint, exit 128 + the signal
-signals = rundir.catch_signals(mesh)
+signals = rundir.catch_signals(mesh)  # SIGTERM, SIGUSR1, Ctrl-C: finish the step, save, exit
 per_source = (mixture.SourceLosses(raw_model, len(sources), mesh) if mixing and len(sources) > 1
               else None)  # mixture.py
 flops_per_iter, peak = flops_per_token * tokens_per_iter, peak_flops

@@ -16,7 +16,7 @@ import tokenizer as tokenizer_py
 
 def table_tokenize(max_mb=30, repeats=3):
     from formats import hf
-    import prepare
+    from formats import corpora
     from formats import hf_tokenizer
     enc = tokenizer_py.get_tokenizer("cl100k_base", 8192)
     tmp = tempfile.mkdtemp()
@@ -26,7 +26,7 @@ def table_tokenize(max_mb=30, repeats=3):
             json.dump(obj, f, ensure_ascii=False)
     ours = hf_tokenizer.load(os.path.join(tmp, "tokenizer.json"))
     texts, size = [], 0
-    for path in prepare.stdlib_files()[1]:
+    for path in corpora.stdlib_files()[1]:
         with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
         size += len(texts[-1].encode())

@@ -11,14 +11,21 @@ Arrow batch is validated whole before a value is read: its schema and offsets ar
 word, and a file from outside may lie. pyarrow and zstandard are optional.
 """
 
+import bz2
+import fnmatch
+import glob
 import gzip
+import lzma
 import os
+import sysconfig
 import zlib
 
 from guards.guard_errors import UserError, check
-from guards.guard_files import loads_json, read_json
+from guards.guard_files import check_regular, loads_json, read_json
 
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
+# (.json: JSON Lines too, as `datasets` writes train.json; .xz and .bz2 through the stdlib)
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".jsonl.bz2", ".json",
+                   ".parquet", ".arrow")
 # the columns a Parquet record may need: the text field, or a conversation's
 CHAT_COLUMNS = ("messages", "prompt", "response", "chosen", "rejected")
 # the longest JSONL line read (a book is a few MB): past it, one line instead of the memory
@@ -61,7 +68,7 @@ def _corrupt(path, e):
 def _lines(path):
     """The raw lines of a JSONL file, decompressed on the fly by its suffix, each at most
     MAX_LINE_BYTES: a few kB of .gz or .zst can expand to gigabytes of one endless line."""
-    broken = (OSError, EOFError, zlib.error)  # gzip's BadGzipFile is an OSError
+    broken = (OSError, EOFError, zlib.error, lzma.LZMAError)  # BadGzipFile is an OSError
     if path.endswith(".zst"):
         import zstandard
         broken += (zstandard.ZstdError,)
@@ -92,6 +99,9 @@ def _blocks(path, raw):
         yield from iter(lambda: f.read(1 << 20), b"")
     elif path.endswith(".zst"):
         yield from _zst_blocks(raw)
+    elif path.endswith((".xz", ".bz2")):
+        f = lzma.LZMAFile(raw) if path.endswith(".xz") else bz2.BZ2File(raw)
+        yield from iter(lambda: f.read(1 << 20), b"")
     else:
         yield from iter(lambda: raw.read(1 << 20), b"")
 
@@ -114,25 +124,36 @@ def _zst_blocks(raw):
 
 
 def _columns(path, names, text_field):
-    """The columns a record needs of those a file has (text_field None: every column)."""
-    columns = [c for c in (text_field, *CHAT_COLUMNS) if c in names]
-    if text_field is not None and not columns:
+    """The columns a record needs of those a file has: text_field's or a chat's (text_field a
+    tuple: exactly those, a converter's; None: every column)."""
+    if text_field is None:
+        return None
+    wanted = (text_field, *CHAT_COLUMNS) if isinstance(text_field, str) else text_field
+    columns = [c for c in wanted if c in names]
+    if isinstance(text_field, str) and not columns:
         raise UserError(f"{path} has no column '{text_field}' or 'messages' (its columns: "
                         f"{', '.join(names[:12])}): pass --text_field NAME for the text "
                         f"column")
-    return None if text_field is None else columns
+    if len(columns) < len(wanted) and not isinstance(text_field, str):
+        raise UserError(f"{path} lacks the columns {', '.join(set(wanted) - set(columns))} "
+                        f"(its columns: {', '.join(names[:12])}): give the benchmark's own "
+                        f"file")
+    return columns
 
 
 def _parquet_rows(path, text_field):
-    """Each row of a Parquet file as a dict of the columns a record needs."""
+    """Each row of a Parquet file as a dict of the columns a record needs (text_field: the text
+    column, or a tuple of the columns to read; no other is read)."""
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
-        columns = _columns(path, pf.schema_arrow.names, text_field)
+        columns, first = _columns(path, pf.schema_arrow.names, text_field), 1
         for i in range(pf.num_row_groups):
-            yield from pf.read_row_group(i, columns=columns).to_pylist()
+            table = pf.read_row_group(i, columns=columns)
+            yield from _pylist(table, path, first)
+            first += table.num_rows
     except (pyarrow.ArrowException, OSError, EOFError) as e:
         raise _corrupt(path, e) from None
 
@@ -204,19 +225,154 @@ def _arrow_rows(path, text_field):
         raise _corrupt(path, e) from None
 
 
+def _pylist(table, path, first):
+    """A row group's rows (the first numbered `first`) as (dict, how many of its values had bytes
+    replaced), as JSONL's lines read: a value past MAX_LINE_BYTES refused, invalid UTF-8 as
+    U+FFFD, and a value Python cannot hold (a timestamp past year 9999) one line."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    values, bad = {}, [0] * table.num_rows  # bad: values with bytes replaced, each row's
+    for name, col in zip(table.column_names, table.columns):
+        text = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+        if text or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+            long = pc.greater(pc.binary_length(col), MAX_LINE_BYTES)
+            if pc.any(long).as_py():
+                raise UserError(f"{path}: row {first + pc.index(long, True).as_py()}: a {name} "
+                                f"of over {MAX_LINE_BYTES >> 20} MB (no document is that long: "
+                                f"a decompression bomb?): leave the file out of the source")
+        try:
+            if text:  # (as bytes: pyarrow's own decoding raises on invalid UTF-8)
+                raw = col.cast(pa.large_binary()).to_pylist()
+                values[name] = [v if v is None else v.decode("utf-8", "replace") for v in raw]
+                bad = [n + (v is not None and v.count(b"\xef\xbf\xbd") != t.count("\ufffd"))
+                       for n, v, t in zip(bad, raw, values[name])]
+            else:
+                values[name] = col.to_pylist()
+        except (ValueError, OverflowError) as e:  # (UnicodeDecodeError is a ValueError)
+            raise UserError(f"{path}: rows {first} to {first + table.num_rows - 1}: column "
+                            f"{name} cannot be read ({type(e).__name__}: {str(e)[:80]}): fix or "
+                            f"leave out the file") from None
+    return zip((dict(zip(values, row)) for row in zip(*values.values())), bad)
+
+
 def records(path, text_field, decode):
     """(row number, record, n_replaced) for each record: a non-blank JSONL line (numbered as in
-    the file, 1 first) or a Parquet or Arrow row (its columns that text_field or a chat needs;
-    None: all); `decode` turns a line's bytes into (text, n_replaced)."""
-    if path.endswith((".parquet", ".arrow")):
-        rows = _parquet_rows if path.endswith(".parquet") else _arrow_rows
-        for row, record in enumerate(rows(path, text_field), 1):
+    the file, 1 first) or a Parquet or Arrow row (its columns that text_field or a chat needs,
+    or those text_field names when it is a tuple; None: all); `decode` turns a line's bytes into
+    (text, n_replaced)."""
+    if path.endswith(".parquet"):
+        for row, (record, bad) in enumerate(_parquet_rows(path, text_field), 1):
+            yield row, record, bad
+        return
+    if path.endswith(".arrow"):
+        for row, record in enumerate(_arrow_rows(path, text_field), 1):
             yield row, record, 0
         return
     for lineno, raw in enumerate(_lines(path), 1):
         line, bad = decode(raw)
         if not line.strip():
             continue
+        field = text_field if isinstance(text_field, str) else text_field[0]
         record = loads_json(line, f"{path}:{lineno}", f"each line must be one JSON object such as "
-                                                       f"{{\"{text_field}\": \"...\"}}")
+                                                       f"{{\"{field}\": \"...\"}}")
         yield lineno, record, bad
+
+
+# ---- a source's files: 'stdlib', a directory (or a datasets save_to_disk), a file, a glob ----
+
+
+def stdlib_files():
+    """The .py files of the running interpreter's standard library (site-packages excluded),
+    sorted: the default corpus, present on every machine that can run this trainer."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return root, files
+
+
+def resolve_source(source):
+    """(kind, root, files, skipped) for 'stdlib', a directory of .txt files, a glob, or files of
+    records (.jsonl and its compressions, .json, .parquet, .arrow, mixed as a glob finds them; a
+    directory datasets' save_to_disk wrote: its .arrow files): each file once (a link to another
+    file of the source, or a hard link, is skipped: the text would be
+    in the data twice, maybe in both val and train), skipped of them."""
+    if source == "stdlib":
+        root, files = stdlib_files()
+        return "text", root, files, 0
+    if os.path.isdir(source):
+        # the Arrow files of a `datasets` save_to_disk, or a corpus's files by their suffix: the
+        # .txt and the records (mixed: refused below)
+        files = saved_dataset(source) or [
+            f for f in _walk(source) if f.lower().endswith((".txt", *RECORD_SUFFIXES))]
+        root = source
+    elif os.path.isfile(source):
+        files, root = [source], os.path.dirname(source)
+    else:
+        found = _glob(source) if "**" in source else glob.glob(source)
+        files = sorted(f for f in found if not os.path.isdir(f))
+        root = os.path.dirname(source.split("*")[0]) or "."
+        if not files:
+            raise UserError(f"data source '{source}' not found: give 'stdlib', a directory of "
+                            f".txt files, "
+                            f"a glob such as 'notes/*.txt', or a .jsonl or .parquet file")
+    if not files:
+        raise UserError(f"no .txt, .jsonl or .parquet files under '{source}': put .txt files "
+                        f"there or pass a glob or a .jsonl file")
+    for f in files:  # ('a.JSONL' read as text, or skipped by a directory)
+        name = os.path.basename(f)
+        check(
+            not name.lower().endswith((".txt", *RECORD_SUFFIXES)) or
+            name.endswith((".txt", *RECORD_SUFFIXES)),
+            f"{f}: its suffix is read in lower case only (.txt, .jsonl, .jsonl.gz, .jsonl.zst, "
+            f".jsonl.xz, .jsonl.bz2, .json of JSON Lines, .parquet): rename it")
+    check_regular(files, "leave it out of the source")
+    jsonl = [is_records(f) for f in files]
+    if any(jsonl) and not all(jsonl):
+        raise UserError(f"data source '{source}' mixes records (.jsonl, .parquet) and other "
+                        f"files: prepare them separately")
+    check_readers(files)
+    real = {}  # the file (device, inode) -> the name kept: the file's own rather than a link's
+    for f in sorted(files, key=lambda f: (os.path.islink(f), f)):
+        st = os.stat(f)
+        real.setdefault((st.st_dev, st.st_ino), f)
+    kept = set(real.values())
+    kind = "records" if all(jsonl) else "text"
+    return kind, root, [f for f in files if f in kept], len(files) - len(kept)
+
+
+def _walk(top):
+    """The paths of the files under `top`, sorted, each linked directory walked once: two
+    links back up would make a walk that follows links without end."""
+    seen, out = set(), []
+    for d, dirs, names in os.walk(top, followlinks=True):
+        st = os.stat(d)
+        dirs.sort()
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        out += [os.path.join(d, n) for n in names]
+    return sorted(out)
+
+
+def _glob(pattern):
+    """glob.glob(pattern, recursive=True) over _walk: '**' any run of directories, each other
+    part as fnmatch has it (a name that starts with '.' only for a part that does too)."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    root = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+
+    def match(names, pats):
+        if not pats:
+            return not names
+        if pats[0] == "**":
+            return any(match(names[i:], pats[1:]) for i in range(len(names) + 1)
+                       if not any(n.startswith(".") for n in names[:i]))
+        return (bool(names) and (pats[0].startswith(".") or not names[0].startswith("."))
+                and fnmatch.fnmatchcase(names[0], pats[0]) and match(names[1:], pats[1:]))
+    found = [f for f in _walk(root)
+             if match(os.path.relpath(f, root).split(os.sep), parts[fixed:])]
+    return [os.path.normpath(f) for f in found] if root == "." else found

@@ -131,6 +131,13 @@ def hf_config_to_ours(hf):
     # Read as transformers reads them: a dict's own rope_theta before the top-level one. Of two
     # dicts transformers takes rope_scaling, other readers rope_parameters: they must agree
     rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    # (transformers' Qwen3 fails on a dict nested by layer type: its RoPE reads the top level)
+    if any(isinstance(v, dict) for v in (hf.get(rope_field) or {}).values()):
+        raise refuse(rope_field, "a RoPE per layer type (nested dicts) is not implemented: write "
+                                 "one dict of rope_type, rope_theta, factor, ...")
+    if hf.get("layer_types") is not None and len(hf["layer_types"]) != hf["num_hidden_layers"]:
+        raise refuse("layer_types", f"{len(hf['layer_types'])} layer types for "
+                                    f"num_hidden_layers={hf['num_hidden_layers']}: one a layer")
     both = [{**{k: v for k, v in r.items() if k != "type"},
              "rope_type": r.get("rope_type", r.get("type", "default")),
              "rope_theta": r.get("rope_theta", hf.get("rope_theta", 10000.0))}

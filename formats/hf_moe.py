@@ -62,6 +62,15 @@ def config_fields(hf, refuse):
     n_layer = hf["num_hidden_layers"]
     if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < n_layer for i in dense):
         raise refuse("mlp_only_layers", "not a list of layer indices")
+    step = hf.get("decoder_sparse_step", 1)
+    if hf["model_type"] != "mixtral" and step == 0:  # (transformers divides by it)
+        raise refuse("decoder_sparse_step", "must be at least 1 (every step-th layer is MoE)")
+    if hf["model_type"] != "mixtral" and not any(
+            (i + 1) % step == 0 and i not in dense for i in range(n_layer)):
+        dense_twin = hf["model_type"].removesuffix("_moe")
+        raise refuse("decoder_sparse_step", f"with mlp_only_layers={dense} no layer of the "
+                                            f"{n_layer} is a mixture of experts: a dense model, "
+                                            f"load it as model_type {dense_twin}")
     if hf["model_type"] == "mixtral":
         E, ffn = hf["num_local_experts"], hf["intermediate_size"]
         fields = dict(moe_ffn_dim=ffn, moe_norm_topk=True, moe_every=1)
@@ -77,7 +86,10 @@ def config_fields(hf, refuse):
                       moe_shared_ffn_dim=0 if qwen3 else
                       hf.get("shared_expert_intermediate_size", 5632))
     top_k = hf.get("num_experts_per_tok", 8 if hf["model_type"] == "qwen3_moe" else 2)
-    if not 1 <= top_k <= E or not ffn:
+    if not ffn:
+        raise refuse("moe_intermediate_size" if "moe_intermediate_size" in hf
+                     else "intermediate_size", "an expert's width must be positive")
+    if not 1 <= top_k <= E:
         raise refuse("num_experts_per_tok", f"needs 1 <= num_experts_per_tok <= the {E} experts, "
                                             f"each of a positive width")
     return dict(n_experts=E, moe_top_k=top_k, moe_score="softmax",

@@ -74,7 +74,7 @@ def rope_scaling_out(cfg):
 
 def parse_scaling(spec):
     """rope_scaling= as (rope_type, factor): '' (None: the base's), 'none', or 'TYPE:FACTOR' with
-    TYPE linear, llama3 or yarn and FACTOR >= 1 (e.g. 'yarn:4')."""
+    TYPE linear, llama3 or yarn and 1 <= FACTOR < 1e6 (e.g. 'yarn:4')."""
     if spec in ("", "none"):
         return (None if spec == "" else "default"), 1.0
     kind, _, factor = spec.partition(":")
@@ -84,7 +84,8 @@ def parse_scaling(spec):
         value = 0.0
     check(kind in RUN_SCALINGS[1:] and 1 <= value < 1e6,
           f"rope_scaling={spec!r}: write TYPE:FACTOR, TYPE one of linear, llama3, yarn and "
-          f"FACTOR at least 1 (e.g. rope_scaling=yarn:4), or 'none' to drop the base's scaling")
+          f"FACTOR at least 1 and below 1000000 (e.g. rope_scaling=yarn:4), or 'none' to drop "
+          f"the base's scaling")
     return kind, value
 
 

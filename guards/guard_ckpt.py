@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from model import MODEL_TYPES, ROPE_TYPES, ModelConfig
 from parallel import all_gather_object, broadcast_object
 from guards.guard_errors import UserError, describe_error
-from guards.guard_files import MAX_SIZES, json_field, read_json, sha256_file
+from guards.guard_files import MAX_SIZES, json_field, lora_in_range, read_json, sha256_file
 
 
 CKPT_NAME = re.compile(r"iter_(\d{7,})")  # 7 digits, more from iteration 10,000,000 on
@@ -139,8 +139,9 @@ def check_meta(meta, path):
         lora = json_field(meta, "lora", dict, "meta.json", fix, required=False)
         if lora:
             json_field(lora, "rank", int, "meta.json lora", fix, 1, MAX_SIZES["n_embd"])
-            json_field(lora, "alpha", float, "meta.json lora", fix, 1e-12)
-            json_field(lora, "dropout", float, "meta.json lora", fix, 0, 0.999999)
+            if not lora_in_range(json_field(lora, "alpha", float, "meta.json lora", fix),
+                                 json_field(lora, "dropout", float, "meta.json lora", fix)):
+                return "meta.json: lora alpha is not in (0, 1e6) or dropout not in [0, 1)"
             base = json_field(lora, "base", dict, "meta.json lora", fix)
             json_field(base, "path", str, "meta.json lora base", fix)
             json_field(base, "sha256", str, "meta.json lora base", fix)

@@ -18,7 +18,8 @@ import configurator
 from model import ModelConfig
 from guards import guard_env
 from guards.guard_errors import UserError, check
-from guards.guard_files import check_exports, check_place, check_writable
+from guards.guard_files import (LORA_ALPHA, LORA_DROPOUT, check_exports, check_place,
+                                check_writable)
 
 CHOICES = {"nan_action": ("rollback", "stop"), "ddp_impl": ("bucketed", "naive", "torch"),
            "pp_schedule": ("1f1b", "gpipe", "interleaved"),
@@ -45,11 +46,12 @@ NOT_NEGATIVE = ("max_iters", "vocab_size", "ffn_dim", "loss_chunk", "keep_ckpts"
 # step; sample_tokens where the end-of-run sample would run for hours: sample.py is for long ones)
 IN_RANGE = {"dropout": (0, 1), "val_fraction": (0, 1), "beta1": (0, 1), "beta2": (0, 1),
             "muon_momentum": (0, 1),
-            "cooldown_frac": (0, 1.000001), "lora_dropout": (0, 1), "loss_scale_backoff": (0, 1),
+            "cooldown_frac": (0, 1.000001), "lora_dropout": LORA_DROPOUT,
+            "loss_scale_backoff": (0, 1),
             # fp16: the scale's floor is 1; loss x scale fits a float32
             "loss_scale_init": (1, 2.0 ** 64),
             "learning_rate": (0, 10 ** 6), "embed_lr_scale": (0, 10 ** 6),
-            "lora_alpha": (0, 10 ** 6),
+            "lora_alpha": LORA_ALPHA,
             "neftune_alpha": (0, 10 ** 6), "sample_tokens": (0, 10 ** 6 + 1),
             # preference alignment: cDPO's chance that a label is wrong stays under a coin's
             "beta": (0, 10 ** 6), "label_smoothing": (0, 0.5)}
@@ -137,8 +139,22 @@ def _check_moe(c, overrides):
                                           f"would be a mixture of experts; lower moe_every")
 
 
+def task_files(eval_tasks):
+    """eval_tasks='a.jsonl,b.jsonl' as its paths ('': none), each named in the logs by its base
+    name (task/a/acc): an empty name, or two of one base name, would log under nothing or one."""
+    paths = eval_tasks.split(",") if eval_tasks else []
+    names = [os.path.basename(p).removesuffix(".jsonl") for p in paths]
+    check(all(names), f"eval_tasks={eval_tasks!r} names an empty file: give comma-separated "
+                      f"task files, e.g. eval_tasks=arc.jsonl,piqa.jsonl")
+    twins = sorted({n for n in names if names.count(n) > 1})
+    check(not twins, f"eval_tasks={eval_tasks!r}: two files log as "
+                     f"task/{twins[0] if twins else ''} (one base name): rename one")
+    return paths
+
+
 # (entered when: the config turns the feature on, or names one of its keys; then its checks)
 FEATURE_CHECKS = [
+    (lambda c, o: c["eval_tasks"], lambda c, o: task_files(c["eval_tasks"])),
     (lambda c, o: c["lora_rank"] or "lora_targets" in o, _check_lora),
     (lambda c, o: c["profile_iters"], _check_profiler),
     (lambda c, o: c["n_experts"], _check_moe),
@@ -485,16 +501,20 @@ def check_same_run(src, c, overrides, out_dir):
     data."""
     had, it = src.meta.get("config") or {}, src.meta["iter"]
     differ = [] if c["init_from"] == "resume" else [
-        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim", "rope_theta",
-                    "rope_scaling") if c[k] != had.get(k, c[k])]
+        k for k in ("dataset", "datasets", "tokenizer", "vocab_size", "optim")
+        if c[k] != had.get(k, c[k])]
     if (c["init_from"] not in ("auto", "resume", "scratch")
         and c["init_from"] != had.get("init_from")):
         differ.append("init_from")  # (auto continues a run that started from a model too)
     differ += [k for k in SHAPE_KEYS
                if k in overrides and k != "vocab_size" and overrides[k] != src.saved.get(k)]
+    # a resume keeps the rotary embedding its checkpoints were trained with, as it keeps the shape
+    rope = rope_changes(src.saved, c)
+    differ += list(rope)
     if differ:
         what = "datasets" if c["datasets"] else "dataset"
-        also = ", ".join(f"{k}={c[k]} (the run has {had.get(k, src.saved.get(k))})" for k in differ
+        also = ", ".join(f"{k}={c[k]} (the run has {rope.get(k, had.get(k, src.saved.get(k)))})"
+                         for k in differ
                          if k not in ("dataset", "datasets"))
         # (its advice would be this command)
         itself = os.path.realpath(c["init_from"]) == os.path.realpath(out_dir)
@@ -505,3 +525,18 @@ def check_same_run(src, c, overrides, out_dir):
                             "there, or write the new run to another out_dir" if itself else
                             f"pick a new out_dir, or init_from={out_dir} to start from its "
                             f"weights"))
+
+
+def rope_changes(saved, c):
+    """{key: the model's value} for rope_theta and rope_scaling where the config would change the
+    positions of the model `saved` (0 and '' keep its own; 'yarn:2' is 'yarn:2.0')."""
+    from formats import hf_rope
+    kind, factor = hf_rope.parse_scaling(c["rope_scaling"])
+    theta, had = saved.get("rope_theta", 10000.0), saved.get("rope_type", "default")
+    had_factor = saved.get("rope_factor", 1.0) if had != "default" else 1.0
+    out = {}
+    if c["rope_theta"] and float(c["rope_theta"]) != theta:
+        out["rope_theta"] = theta
+    if kind is not None and (kind, factor) != (had, had_factor):
+        out["rope_scaling"] = "none" if had == "default" else f"{had}:{had_factor:g}"
+    return out

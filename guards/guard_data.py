@@ -21,12 +21,19 @@ def check_made_as_asked(data_dir, asked, given):
     made = read_json(os.path.join(data_dir, "meta.json"), f"prepare {data_dir} again",
                      limit=MAX_LIST_JSON_BYTES)
     for key, field in (("val_fraction", "val_fraction"), ("data_source", "source")):
-        # (older data: no record)
-        if key in given and asked[key] and made.get(field, asked[key]) != asked[key]:
+        # (older data: no record; data_source='': prepare nothing. val_fraction=0 is a split)
+        had = made.get(field, asked[key])
+        if key in given and (asked[key] or key == "val_fraction") and had != asked[key] and not (
+                key == "data_source" and isinstance(had, str) and _same_place(had, asked[key])):
             raise UserError(f"{data_dir} was prepared with {key}={made[field]!r}, this command "
                             f"asks for {key}="
                             f"{asked[key]!r}: delete {data_dir} to prepare it again with it, or "
                             f"drop {key}= to use it as it is (or pick another dataset= name)")
+
+
+def _same_place(a, b):
+    """Two spellings of one source: 'corpus/' is 'corpus', './x/*.txt' is 'x/*.txt'."""
+    return os.path.realpath(a.rstrip("/") or "/") == os.path.realpath(b.rstrip("/") or "/")
 
 
 # what prepare writes: dtype -> ids it can hold
@@ -53,8 +60,8 @@ def read_meta(data_dir):
     if not all(isinstance(t, str)
                for t in json_field(meta, "extra_tokens", list, path, fix, required=False) or []):
         raise UserError(f"{path}: extra_tokens is not a list of strings: {fix}")
-    if json_field(meta, "format", str, path, fix, required=False) not in (None, "text", "chat",
-                                                                        "preference"):
+    if json_field(meta, "format", str, path, fix, required=False) not in (
+            None, "text", "chat", "preference"):
         raise UserError(f"{path}: format={meta['format'][:40]!r} is not text, chat or "
                         f"preference: {fix}")
     return meta

@@ -29,6 +29,16 @@ MAX_SIZES = {"vocab_size": 2 ** 31 - 1, "n_layer": 4096, "n_head": 4096, "n_kv_h
              "n_experts": 2 ** 14,
              "moe_top_k": 2 ** 14, "moe_every": 4096, "moe_ffn_dim": 2 ** 20,
              "moe_shared_ffn_dim": 2 ** 20}
+# LoRA's alpha in (0, 1e6) and dropout in [0, 1): one rule for the config (guard_config), a
+# checkpoint's meta.json (guard_ckpt) and a PEFT adapter (lora.py), so that what one takes the
+# others read back
+LORA_ALPHA, LORA_DROPOUT = (0, 10 ** 6), (0, 1)
+
+
+def lora_in_range(alpha, dropout):
+    return LORA_ALPHA[0] < alpha < LORA_ALPHA[1] and LORA_DROPOUT[0] <= dropout < LORA_DROPOUT[1]
+
+
 # ---- files from outside: JSON read with limits -----------------------------------------
 # Every JSON file the trainer reads (a dataset's meta.json, a checkpoint's manifest.json and
 # meta.json, Hugging Face config.json and index, adapter_config.json, safetensors headers,
@@ -78,7 +88,10 @@ def _depth(obj):
 
 def loads_json(text, where, fix):
     """The JSON value of `text` (str or bytes) from `where`, within the limits above; a
-    UserError '{where}: {what is wrong}: {fix}' otherwise."""
+    UserError '{where}: {what is wrong}: {fix}' otherwise. A UTF-8 BOM (Windows editors write
+    one) is taken wherever JSON is read: json takes it in bytes, not in str."""
+    if isinstance(text, str) and text.startswith("\ufeff"):
+        text = text[1:]
     try:
         obj = json.loads(text, parse_int=_json_int, parse_float=_json_float,
                          parse_constant=_json_constant)

@@ -23,7 +23,7 @@ from guards import guard_chat
 from guards import guard_ckpt
 from guards.guard_config import LORA_TARGETS, lora_targets
 from guards.guard_errors import UserError
-from guards.guard_files import read_json, sha256_file
+from guards.guard_files import lora_in_range, read_json, sha256_file
 
 # LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen weight W plus a trainable low-rank update,
 #   y = x W^T + (alpha / r) * dropout(x) A^T B^T,   A: (r, in), B: (out, r)
@@ -274,11 +274,10 @@ def load_peft_lora(path):
             raise bad(f"{key}={cfg[key]!r} is a LoRA variant that is not implemented here")
     r, alpha, drop = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("lora_dropout", 0.0)
     if (type(r) is not int or not 1 <= r <= 65536 or type(alpha) not in (int, float)
-        or not 0 < alpha < 1e30
-            or type(drop) not in (int, float) or not 0 <= drop < 1):
+            or type(drop) not in (int, float) or not lora_in_range(alpha, drop)):
         raise bad(f"r={r!r}, lora_alpha={alpha!r}, lora_dropout={drop!r}: r must be an int in [1, "
-                  f"65536], lora_alpha "
-                  f"a positive finite number, lora_dropout in [0, 1)", "fix adapter_config.json")
+                  f"65536], lora_alpha in (0, 1e6), lora_dropout in [0, 1)",
+                  "fix adapter_config.json")
     modules = cfg.get("target_modules")
     from_hf = {v: k for k, v in PEFT_TARGETS.items()}
     if not isinstance(modules, list) or not modules or not all(

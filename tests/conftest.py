@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import prepare
+from formats import corpora
 import workarounds
 
 # folders beside the project's files that are not wings of it: the tests, the benchmarks (they
@@ -88,7 +89,7 @@ def tiny_model(**kw):
 
 def write_corpus(root, n_docs=40, chars=3000):
     """A small .txt corpus cut from the standard library's sources (real text, deterministic)."""
-    _, files = prepare.stdlib_files()
+    _, files = corpora.stdlib_files()
     os.makedirs(root, exist_ok=True)
     for i, path in enumerate(files[:n_docs]):
         with open(path, encoding="utf-8", errors="replace") as f:

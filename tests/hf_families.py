@@ -38,8 +38,8 @@ assert len(LLAMA3_SPECIALS) == 256
 
 def training_texts():
     """A few hundred kB of code, prose and unicode: what the tiny vocabularies are learned from."""
-    import prepare
-    _, files = prepare.stdlib_files()
+    from formats import corpora
+    _, files = corpora.stdlib_files()
     texts = [open(f, encoding="utf-8", errors="replace").read()[:3000] for f in files[:60]]
     prose = ("The quick brown fox jumps over the lazy dog. It's what they'd said: we'll see, I've "
              "heard, you're right. héllo wörld café naïve 日本語のテキスト 中文文本 "

@@ -16,7 +16,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-import prepare
+from formats import corpora
 import tokenizer as tokenizer_py
 from model import ModelConfig, Transformer
 from formats.hf import hf_config_to_ours, hf_tokenizer, load_hf, save_hf
@@ -159,7 +159,7 @@ def stdlib_lines(n=1000, per_file=20):
     """n non-empty lines of the default corpus, the same ones on every run: the first per_file
     lines of files spread over the sorted standard library (every 2n / per_file-th file, as
     some are short), indentation kept."""
-    _, files = prepare.stdlib_files()
+    _, files = corpora.stdlib_files()
     lines = []
     for path in files[::max(1, len(files) // (2 * n // per_file))]:
         with open(path, encoding="utf-8", errors="replace") as f:

@@ -101,7 +101,7 @@ def test_prepare_errors(tmp_path):
         prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "o"), "cl100k_base", 512,
                         verbose=False)
     (tmp_path / "nodocs").mkdir()
-    with pytest.raises(UserError, match="no .txt files"):
+    with pytest.raises(UserError, match="no .txt, .jsonl or .parquet files"):
         prepare.prepare(str(tmp_path / "nodocs"), str(tmp_path / "o"), "cl100k_base", 512)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": broken\n')

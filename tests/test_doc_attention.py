@@ -66,10 +66,19 @@ def test_each_documents_attention_equals_the_dense_mask(kv_heads):
     assert (whole.detach() - outs[0]).abs().max() > 1e-2
 
 
-def test_the_model_with_each_documents_attention_equals_the_dense_reference():
+def test_the_model_with_each_documents_attention_equals_the_dense_reference(monkeypatch):
     """A whole model, forward and backward, under bf16 autocast too (where the CPU attention runs
     in float32 and recomputes): doc_attention='varlen' and 'dense' give the same losses and
-    gradients."""
+    gradients; and each ran its own path (the numbers alone would not tell: varlen builds no
+    T x T mask, dense builds it once)."""
+    import model as model_py
+    made = []
+
+    class Seen(Documents):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(model_py, "Documents", Seen)
     x = packed_rows(2, 48, 0, seed=3, pad_from=40)
     ids = data.doc_ids(x, 0)
     results = {}
@@ -78,8 +87,10 @@ def test_the_model_with_each_documents_attention_equals_the_dense_reference():
             torch.manual_seed(0)
             model = Transformer(ModelConfig(vocab_size=64, block_size=48, n_layer=2, n_head=4,
                                             n_kv_head=2, n_embd=32, doc_attention=kind))
+            made.clear()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 losses, loss = model(x, x.roll(-1, 1), doc_ids=ids)
+            assert made and all((d.mask is not None) == (kind == "dense") for d in made), kind
             loss.backward()
             results[kind, autocast] = (losses.detach().float(),
                                        [p.grad.float() for p in model.parameters()])

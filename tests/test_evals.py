@@ -217,6 +217,52 @@ def lm_eval_questions(config, source):
     return [{"context": task.doc_to_text(d), "choices": [delimiter + c for c in
                                                         task.doc_to_choice(d)],
              "answer": task.doc_to_target(d)} for d in task.eval_docs]
+@pytest.mark.parametrize("packing", ["concat", "bfd"])
+def test_bits_per_byte_counts_only_the_targets_that_train_on_chat_data(chat_dataset, packing):
+    """On chat data (end to end, or packed whole with padding), the bytes and tokens of bits per
+    byte are those of the targets the loss counts, the replies: the prompt's tokens and the
+    padding are masked out of both, as of the loss (worked from the decoded text here)."""
+    meta = guard_data.read_meta(chat_dataset)
+    enc = tokenizer_py.tokenizer_from_meta(meta)
+    lengths = evals.byte_lengths(enc)
+    loader = data.Loader(chat_dataset, "val", 32, 4, 2, 0, packing=packing)
+    _, y, mask = loader.rows(np.arange(8))
+    kept = y[mask == 1].tolist()
+    assert 0 < len(kept) < y.numel()
+    markers = {i for i in set(y.flatten().tolist()) if lengths[i] == 0}
+    text = enc.decode_bytes([t for t in kept if t not in markers])
+    assert evals.target_bytes(y, mask, lengths) == (len(kept), len(text))
+    # what the run divides by: the Evaluator's counts over eval_iters=1 global batch (8 rows)
+    scorer = evals.Evaluator("", {"chat": loader}, lengths, None, None, None, 1)
+    assert scorer.counts["chat"] == (len(kept), len(text))
+
+
+def test_a_mixtures_bits_per_byte_weighs_its_sources_as_its_val_loss_does(dataset):
+    """val_bpb of a mixture: the sources' bits per byte weighed by the mixture's weights (as
+    mixture.val_losses weighs val_loss), each source's own beside it."""
+    enc = tokenizer_py.tokenizer_from_meta(guard_data.read_meta(dataset))
+    loaders = {"a": data.Loader(dataset, "val", 32, 4, 2, 0),
+               "b": data.Loader(dataset, "val", 16, 2, 2, 0)}
+    scorer = evals.Evaluator("", loaders, evals.byte_lengths(enc), None, None, None, 2)
+    record, _ = scorer.run({"a": 2.0, "b": 1.0}, None, {"a": 0.75, "b": 0.25})
+    bpb = {k: evals.bits_per_byte(v, *scorer.counts[k]) for k, v in (("a", 2.0), ("b", 1.0))}
+    assert record == {"val_bpb": 0.75 * bpb["a"] + 0.25 * bpb["b"], "val_bpb/a": bpb["a"],
+                      "val_bpb/b": bpb["b"]}
+
+
+def test_sample_py_scores_tasks_with_the_document_mask_exactly_when_the_run_had_one(
+        tmp_path, monkeypatch, capsys):
+    """sample.py eval=True (score_tasks): a model trained with doc_mask is scored with the
+    documents' mask, one trained without with none (the scores alone rarely tell)."""
+    seen = []
+    monkeypatch.setattr(evals, "plain_logliks", lambda model, task, bs, device, doc_ids=None:
+                        seen.append(doc_ids) or [-1.0] * len(task))
+    enc = tokenizer_py.get_tokenizer("cl100k_base", 512)
+    path = write_task(tmp_path / "t.jsonl", QUESTIONS)
+    for doc_mask in (False, True):
+        evals.score_tasks(torch.nn.Linear(1, 1), str(path), enc, 32,
+                          {"device": "cpu", "batch_size": 2, "doc_mask": doc_mask}, "m")
+    assert seen[0] is None and callable(seen[1])
 
 
 def test_the_benchmarks_convert_to_task_files_with_lm_evaluation_harness_prompts(tmp_path, capsys):

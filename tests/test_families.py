@@ -365,6 +365,28 @@ def test_rope_scalings_as_transformers(tmp_path):
             hf_rope.parse_scaling(bad)
 
 
+def test_an_export_declares_the_length_it_trained_at_yarn_without_a_factor_and_qk_norms(tmp_path):
+    """What an export declares: max_position at least the block_size trained at, after a scaling
+    too small for it or after a new rope_theta alone; YaRN's factor from a DeepSeek-style file
+    that gives none (max_position_embeddings / original: 40, not 1/40); a from-scratch model
+    with q/k norms as Qwen3, whose class loads them (a LLaMA's would drop them)."""
+    from formats import hf_rope
+    base = dict(
+        ModelConfig(vocab_size=64, n_embd=64, n_head=4, max_position=32, block_size=32).__dict__)
+    for theta, scaling in ((0, "linear:2"), (5e5, "")):
+        assert hf_rope.with_run_rope(base, theta, scaling, 256)["max_position"] == 256, scaling
+    read = hf.hf_config_to_ours({**HF, "hidden_size": 64, "model_type": "llama",
+                                 "max_position_embeddings": 40 * 32, "rope_scaling": {
+                                     "rope_type": "yarn", "original_max_position_embeddings": 32}})
+    assert (read["rope_factor"], read["rope_original_len"]) == (40.0, 32)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, n_embd=64, n_head=4, n_kv_head=2, n_layer=1, block_size=32,
+                      qk_norm=True)
+    hf.save_hf(str(tmp_path / "e"), Transformer(cfg).state_dict(), cfg)
+    with open(tmp_path / "e" / "config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3"
+
+
 def test_long_context_from_a_base(corpus, tmp_path):
     """Long-context continued pretraining: from a base trained on 32 positions, a run at 128 (4x)
     with a raised rope_theta and YaRN x4, interrupted and resumed (the checkpoint's RoPE kept), is

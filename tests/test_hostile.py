@@ -19,7 +19,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from conftest import validate_as_train, CFG, ROOT, TINY, free_port, run_train
+from conftest import validate_as_train, CFG, ROOT, RUN, TINY, free_port, run_train
 
 import checkpoint
 import configurator
@@ -35,6 +35,7 @@ from formats import hf
 from formats import hf_safetensors
 from formats import hf_tokenizer
 from guards import guard_ckpt
+from guards import guard_config
 from guards import guard_data
 from guards import guard_dist
 from guards import guard_env
@@ -312,6 +313,58 @@ def eval_nan_weights(b, tmp):
     c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32,
          "batch_size": 8, "doc_mask": False, "device": "cpu"}
     return lambda: sample.evaluate_checkpoint(c)
+
+
+def bom_everywhere(b, tmp):
+    """A file that starts with a UTF-8 BOM: one rule for a JSONL source, a task file and a
+    config.json (the source was refused, the others taken)."""
+    os.makedirs(os.path.join(tmp, "out"))
+    src, task = os.path.join(tmp, "out", "c.jsonl"), os.path.join(tmp, "out", "t.jsonl")
+    with open(src, "w", encoding="utf-8-sig") as f:
+        f.write("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(4)))
+    with open(task, "w", encoding="utf-8-sig") as f:
+        f.write('{"context": "Q", "choices": [" a", " b"], "answer": 0}\n')
+    d = copy(b["hf"], os.path.join(tmp, "out", "hf"))
+    with open(os.path.join(d, "config.json"), "rb") as f:
+        raw = f.read()
+    with open(os.path.join(d, "config.json"), "wb") as f:
+        f.write(b"\xef\xbb\xbf" + raw)
+
+    def call():
+        meta = prep(src, tmp)
+        evals.Task(task, tokenizer_py.get_tokenizer("cl100k_base", 512), 32)
+        hf.hf_index(d)
+        return meta["train_docs"] + meta["val_docs"] == 4
+    return call
+
+
+def cp_by_dp(b, tmp):
+    """cp=2 on 4 ranks with grad_accum_steps=2 (dp=2: a dp counted without cp, 4, refused it):
+    validation takes it, check_layout returns dp=2, and the default grad_accum_steps (2) is kept
+    for that layout, not raised to 4."""
+    def call():
+        given = {"cp": 2, "grad_accum_steps": 2, "out_dir": os.path.join(tmp, "out")}
+        c = validate_as_train({**b["defaults"], **given}, given, 4)
+        dp, _ = guard_config.check_layout(c, 4, 4, 4, 2, 512)
+        kept = configurator.batch_for_layout({**b["defaults"], "cp": 2}, {"cp": 2}, 4)
+        return c["grad_accum_steps"] == 2 and dp == 2 and kept == 2
+    return call
+
+
+def train_on_nan_base(b, tmp):
+    """train.py from a Hugging Face model of NaN weights: refused as it loads, naming the model
+    (it was refused after iteration 0, the line blaming training)."""
+    call = eval_nan_weights(b, tmp)  # (the NaN model and its dataset, in tmp/out)
+    del call
+    path, d = os.path.join(tmp, "out", "nan_hf"), os.path.join(tmp, "out", "d")
+
+    def run():
+        p = run_train([*RUN, f"init_from={path}", f"dataset={d}", "max_iters=1",
+                       f"out_dir={os.path.join(tmp, 'out', 'run')}"], tmp, check=False, fork=True)
+        errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+        return (p.returncode != 0 and "Traceback" not in p.stderr and len(errors) == 1
+                and f"{path} holds non-finite weights" in errors[0]), p.stderr[-2000:]
+    return lambda: run()[0]
 
 
 def plot_args(*args, tokens=None):
@@ -1132,6 +1185,234 @@ def tool_calls_in_our_template(b, tmp):
                                    val_fraction=0.5, verbose=False)
 
 
+
+# ---- round nine (2026-12-02, issue 71) ----
+
+
+def resumed(model=None, had=None, **changes):
+    """check_same_run of a command that resumes the base run (its newest checkpoint, its
+    meta.json's model fields changed by `model`, its config by `had`) with config keys `changes`
+    given; True when it continues."""
+    def make(b, tmp):
+        ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
+        meta = guard_ckpt.read_meta(ckpt)[0]
+        meta = {**meta, "config": {**meta["config"], **(had or {})}}
+        src = origin.Source("resume", ckpt, meta, saved={**meta["model"], **(model or {})},
+                            where=f"the checkpoint in {b['run']}")
+        c = {**b["defaults"], **meta["config"], **changes}
+        return lambda: guard_config.check_same_run(src, c, changes, b["run"]) is None
+    return make
+
+
+def prepare_block(block_size):
+    """prepare.py --block_size N of a chat corpus (its packing note packs rows of N)."""
+    def make(b, tmp):
+        src = os.path.join(tmp, "chat.jsonl")
+        chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        with open(src, "w") as f:
+            f.write("".join(json.dumps({"messages": chat}) + "\n" for _ in range(4)))
+        return bounded(lambda: with_argv(
+            prepare.main, "prepare.py", src, "--out", os.path.join(tmp, "out", "d"),
+            "--val_fraction", "0.5", "--vocab_size", "512", "--block_size", str(block_size)), 20)
+    return make
+
+
+def lora_bounds_agree(b, tmp):
+    """LoRA's alpha and dropout: what validation takes, a checkpoint's meta.json keeps and a
+    PEFT adapter carries (5e-13, 0.9999995 were taken, then the run's own checkpoint refused),
+    and what one refuses the others refuse (alpha 0 or 1e6, dropout 1)."""
+    ckpt = os.path.join(b["run"], "ckpt", "iter_0000004")
+    meta = guard_ckpt.read_meta(ckpt)[0]
+
+    def takes(alpha, dropout):
+        given = {"lora_alpha": alpha, "lora_dropout": dropout}
+        ok = [True, True, True]
+        try:
+            validate_as_train({**b["defaults"], **given}, given, 1)
+        except UserError:
+            ok[0] = False
+        lora_meta = {"rank": 4, "alpha": alpha, "dropout": dropout, "targets": ["wq"],
+                     "base": {"kind": "hf", "path": b["hf"], "sha256": "0"}}
+        ok[1] = guard_ckpt.check_meta({**meta, "lora": lora_meta}, ckpt) is None
+        d = copy(b["adapter"], os.path.join(tmp, "out", f"adapter{alpha}-{dropout}"))
+        edit_json(os.path.join(d, "adapter_config.json"),
+                  lambda c: {**c, "lora_alpha": alpha, "lora_dropout": dropout})
+        try:
+            lora.load_peft_lora(d)
+        except UserError:
+            ok[2] = False
+        return ok
+    return lambda: (all(takes(a, d) == [True] * 3 for a, d in ((5e-13, 0.9999995), (1e5, 0)))
+                    and all(takes(a, d) == [False] * 3 for a, d in ((0, 0), (1e6, 0), (8, 1))))
+
+
+def prep(src, tmp, name="d"):
+    """prepare.prepare of `src` into tmp/out/name, 512 ids, a tenth to val, quiet."""
+    return prepare.prepare(src, os.path.join(tmp, "out", name), "cl100k_base", 512,
+                           val_fraction=0.1, verbose=False)
+
+
+def docs_of(tmp, name):
+    """The documents of a prepared dataset (both splits) as sorted lists of ids."""
+    d = os.path.join(tmp, "out", name)
+    meta = guard_data.read_meta(d)
+    ids = np.concatenate([np.fromfile(os.path.join(d, f"{s}.bin"), meta["dtype"])
+                          for s in ("train", "val")]).tolist()
+    docs, doc = [], []
+    for i in ids:
+        doc.append(i)
+        if i == meta["eot_token"]:
+            docs, doc = docs + [doc], []
+    return sorted(docs)
+
+
+def parquet_with(column, text=None):
+    """A Parquet corpus of 4 documents (text: their texts, str or bytes) beside a column that
+    breaks a reader (column: a pyarrow array or None); True when it prepares as the same texts
+    written as JSON Lines do (invalid UTF-8: U+FFFD on both) and, for PIQA, converts."""
+    def make(b, tmp):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        os.makedirs(os.path.join(tmp, "out"))
+        texts = text or [f"document {i} " * 20 for i in range(4)]
+        raw = [t if isinstance(t, bytes) else t.encode() for t in texts]
+        # (from its buffers: a string array whose bytes pyarrow does not check)
+        offsets = np.cumsum([0] + [len(t) for t in raw]).astype(np.int32)
+        cols = {"text": pa.Array.from_buffers(pa.string(), len(raw), [
+            None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(raw))])}
+        when = column
+        if column == "timestamp":  # 10**12 s: the year 33658
+            when = cols["when"] = pa.array([10 ** 12] * 4, pa.timestamp("s"))
+        src = os.path.join(tmp, "out", "c.parquet")
+        pq.write_table(pa.table(cols), src)
+        jsonl = os.path.join(tmp, "out", "c.jsonl")
+        with open(jsonl, "wb") as f:
+            for t in raw:
+                f.write(b'{"text": "' + t + b'"}\n')
+        piqa = os.path.join(tmp, "out", "p.parquet")
+        pq.write_table(pa.table({"goal": ["g"], "sol1": ["a"], "sol2": ["b"], "label": [0],
+                                 **({"when": when[:1]} if when is not None else {})}), piqa)
+
+        def call():
+            a, _ = prep(src, tmp, "a"), prep(jsonl, tmp, "b")
+            same = docs_of(tmp, "a") == docs_of(tmp, "b")
+            evals.convert(["piqa", piqa, os.path.join(tmp, "out", "tasks.jsonl")])
+            return same and a["train_docs"] + a["val_docs"] == 4
+        return call
+    return make
+
+
+def parquet_bomb(b, tmp):
+    """A Parquet value longer than JSONL's longest line (MAX_LINE_BYTES, lowered here to 1 MB
+    for the test: 300 MB from 27 kB of zstd was a MemoryError at 5.6 GB), in its second row
+    group: refused naming its row, counted from 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    src = os.path.join(tmp, "big.parquet")
+    pq.write_table(pa.table({"text": ["a", "b", "c", "x" * (2 << 20)]}), src, row_group_size=2,
+                   compression="zstd")
+
+    def call():
+        saved, prepare.corpora.MAX_LINE_BYTES = prepare.corpora.MAX_LINE_BYTES, 1 << 20
+        try:
+            with pytest.raises(UserError, match=r"big.parquet: row 4: a text of over 1 MB"):
+                prep(src, tmp)
+            return prep(src, tmp)
+        finally:
+            prepare.corpora.MAX_LINE_BYTES = saved
+    return lambda: os.makedirs(os.path.join(tmp, "out")) or call()
+
+
+def corpus_dir(*names, link=None):
+    """A directory of small documents, one per name: its suffix says how (.txt text; .jsonl,
+    .json, .jsonl.xz, .jsonl.bz2, .JSONL JSON Lines; .parquet a Parquet file), link: 'loop' two
+    links back up to it, 'hard' a hard link to the first file; prepare.py of it."""
+    def make(b, tmp):
+        import bz2
+        import lzma
+        src = os.path.join(tmp, "src")
+        os.makedirs(os.path.join(src, "sub"))
+        for i, name in enumerate(names):
+            text = f"document {i} " * 30
+            path = os.path.join(src, name)
+            if name.endswith(".parquet"):
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+                pq.write_table(pa.table({"text": [text]}), path)
+                continue
+            raw = (text if name.endswith(".txt") else json.dumps({"text": text}) + "\n").encode()
+            opener = lzma.open if name.endswith(".xz") else bz2.open if name.endswith(".bz2") \
+                else open
+            with opener(path, "wb") as f:
+                f.write(raw)
+        if link == "loop":
+            os.symlink("..", os.path.join(src, "sub", "up"))
+            os.symlink(".", os.path.join(src, "here"))
+        if link == "hard":
+            os.link(os.path.join(src, names[0]), os.path.join(src, "again" + names[0]))
+        os.makedirs(os.path.join(tmp, "out"))
+        return bounded(lambda: prep(src, tmp), 30)
+    return make
+
+
+def prepared_docs(n, make_src):
+    """make_src's preparation holds n documents, each once."""
+    def make(b, tmp):
+        call = make_src(b, tmp)
+        return lambda: (lambda m: m["train_docs"] + m["val_docs"] == n)(call())
+    return make
+
+
+def globbed(kind):
+    """prepare.py of a glob 'src/*.txt' (or 'src/**/*.txt' through a loop of links) beside good
+    files: a FIFO or a /dev/zero link, or two links back up."""
+    def make(b, tmp):
+        src = text_files(os.path.join(tmp, "src"), 4, 30)
+        bad = os.path.join(src, "b.txt")
+        if kind == "fifo":
+            os.mkfifo(bad)
+        elif kind == "zero":
+            os.symlink("/dev/zero", bad)
+        else:
+            os.makedirs(os.path.join(src, "sub"))
+            os.symlink("..", os.path.join(src, "sub", "up"))
+            os.symlink(".", os.path.join(src, "here"))
+        os.makedirs(os.path.join(tmp, "out"))
+        pattern = os.path.join(src, "**" if kind == "loop" else "", "*.txt")
+        return bounded(lambda: prep(pattern, tmp), 30)
+    return make
+
+
+def blaming(part, make):
+    """make's case, whose one line must name `part` (the field at fault)."""
+    def wrapped(b, tmp):
+        call = make(b, tmp)
+
+        def named():
+            with pytest.raises(UserError) as e:
+                call()
+            assert part in str(e.value), str(e.value)
+            raise e.value
+        return named
+    return wrapped
+
+
+QWEN3_MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=16, head_dim=8)
+
+
+HELLASWAG = {"activity_label": "a", "ctx_a": "x", "ctx_b": "y", "endings": ["a", "b", "c", "d"],
+             "label": "1"}
+
+
+def converted_over_its_input(b, tmp):
+    """evals.py piqa IN IN: the benchmark file itself as OUT (it was replaced)."""
+    src = os.path.join(tmp, "p.jsonl")
+    with open(src, "w") as f:
+        f.write(json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 0}) + "\n")
+    return lambda: evals.convert(["piqa", src, src])
+
+
 CASES = [
     (1, "dtype object", "raises", bad_dataset("dtype", "object")),
     (2, ".lock symlink", "raises", lock_with("symlink")),
@@ -1509,6 +1790,87 @@ CASES = [
      sample_damaged(run_tokenizer_spec(lambda s: {}))),
     (64, "an assistant's tool_calls with our chat template", "raises",
      tool_calls_in_our_template),
+    # ---- round nine (2026-12-02, issue 71): rotary changes on resume, ... ----
+    (71, "resume with rope_scaling yarn:2 -> linear:4", "raises",
+     resumed(dict(rope_type="yarn", rope_factor=2.0), init_from="resume",
+             rope_scaling="linear:4")),
+    (71, "resume with rope_scaling none -> yarn:4", "raises",
+     resumed(init_from="resume", rope_scaling="yarn:4")),
+    (71, "resume with rope_theta 0 -> 500000", "raises",
+     resumed(init_from="resume", rope_theta=500000.0)),
+    (71, "resume of yarn:2.0 given yarn:2 continues", "holds",
+     resumed(dict(rope_type="yarn", rope_factor=2.0), dict(rope_scaling="yarn:2.0"),
+             rope_scaling="yarn:2")),
+    (71, "prepare.py --block_size -5 (a hang)", "raises", prepare_block(-5)),
+    (71, "prepare.py --block_size 10**9 (7.45 GiB)", "raises", prepare_block(10 ** 9)),
+    (71, "lora_alpha 5e-13, lora_dropout 0.9999995: one rule for config, checkpoint, PEFT",
+     "holds", lora_bounds_agree),
+    (71, "evals.py hellaswag: label 1.0", "raises",
+     converted("hellaswag", {**HELLASWAG, "label": 1.0})),
+    (71, "evals.py hellaswag: label true", "raises",
+     converted("hellaswag", {**HELLASWAG, "label": True})),
+    (71, "evals.py hellaswag: endings a string", "raises",
+     converted("hellaswag", {**HELLASWAG, "endings": "abcd"})),
+    (71, "evals.py hellaswag: endings a dict", "raises",
+     converted("hellaswag", {**HELLASWAG, "endings": {"a": 1, "b": 2}})),
+    (71, "evals.py piqa: label 0.0", "raises",
+     converted("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0.0})),
+    (71, "evals.py arc: 4 texts and 3 labels", "raises",
+     converted("arc", {"question": "q", "answerKey": "A",
+                       "choices": {"text": ["a", "b", "c", "d"], "label": ["A", "B", "C"]}})),
+    (71, "evals.py OUT a prepared dataset's meta.json", "raises",
+     placed_in("OUT", "data", "meta.json")),
+    (71, "evals.py OUT a model's config.json", "raises", placed_in("OUT", "hf", "config.json")),
+    (71, "evals.py OUT its own IN", "raises", converted_over_its_input),
+    (71, "eval_tasks=','", "raises", validated(eval_tasks=",")),
+    (71, "eval_tasks=',,'", "raises", validated(eval_tasks=",,")),
+    (71, "eval_tasks= two files of one base name", "raises",
+     validated(eval_tasks="a/mc.jsonl,b/mc.jsonl")),
+    (71, "Parquet: a timestamp column past year 9999 beside the text (and in PIQA)", "holds",
+     parquet_with("timestamp")),
+    (71, "Parquet: a text column of invalid UTF-8 reads as JSONL does (U+FFFD)", "holds",
+     parquet_with(None, [b"caf\xe9 au lait " * 9, b"ok " * 20, b"\xff\xfe bad " * 9,
+                         b"more " * 20])),
+    (71, "Parquet: a value past 256 MB (here 1 MB) in row 4", "raises", parquet_bomb),
+    (71, "a directory of .txt beside .parquet shards (the shards were left out)", "raises",
+     corpus_dir("a.txt", "b.txt", "c.parquet")),
+    (71, "a directory of .txt and a .JSONL (skipped)", "raises",
+     corpus_dir("a.txt", "b.txt", "c.JSONL")),
+    (71, "a directory of .json JSON Lines, .jsonl.xz and .jsonl.bz2 read as records", "holds",
+     prepared_docs(4, corpus_dir("a.json", "b.jsonl.xz", "c.jsonl.bz2", "d.jsonl"))),
+    (71, "a directory with two links back up to itself (a hang)", "holds",
+     prepared_docs(3, corpus_dir("a.txt", "b.txt", "c.txt", link="loop"))),
+    (71, "a directory with a file hard-linked under two names (in train and val)", "holds",
+     prepared_docs(4, corpus_dir("a.txt", "b.txt", "c.txt", "d.txt", link="hard"))),
+    (71, "a glob matching a FIFO .txt (skipped)", "raises", globbed("fifo")),
+    (71, "a glob matching a .txt link to /dev/zero (skipped)", "raises", globbed("zero")),
+    (71, "a '**' glob through two links back up (a hang)", "holds",
+     prepared_docs(4, globbed("loop"))),
+    (71, "cp=2 x dp=2 on 4 ranks with grad_accum_steps=2 is valid", "holds", cp_by_dp),
+    (71, "train.py from a NaN base: refused as it loads, not after iteration 0", "holds",
+     train_on_nan_base),
+    (71, "rope_scaling=yarn:1e6 is told the bound", "raises",
+     blaming("below 1000000", validated(rope_scaling="yarn:1e6"))),
+    (71, "a UTF-8 BOM: taken in a JSONL source as in task files and config.json", "holds",
+     bom_everywhere),
+    (71, "val_fraction=0 for a dataset prepared with 0.2", "raises", data_asked(val_fraction=0)),
+    (71, "data_source= the prepared data's spelled with a trailing slash", "holds",
+     lambda b, tmp: lambda: data_asked(data_source=guard_data.read_meta(b["data"])["source"]
+                                       + "/")(b, tmp)() is None),
+    (71, "config.json: Qwen3 rope_parameters nested by layer type (its yarn dropped)", "raises",
+     blaming("a RoPE per layer type", hf_config(model_type="qwen3", head_dim=8, rope_parameters={
+         "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}))),
+    (71, "config.json: layer_types of 1 for 2 layers", "raises",
+     blaming("1 layer types", hf_config(model_type="qwen3", head_dim=8,
+                                        layer_types=["full_attention"]))),
+    (71, "config.json: Qwen3-MoE decoder_sparse_step 0", "raises",
+     blaming("decoder_sparse_step=0", hf_config(**QWEN3_MOE, decoder_sparse_step=0))),
+    (71, "config.json: Qwen3-MoE decoder_sparse_step 3 of 2 layers (no MoE layer)", "raises",
+     blaming("no layer of the 2", hf_config(**QWEN3_MOE, decoder_sparse_step=3))),
+    (71, "config.json: Qwen3-MoE mlp_only_layers every layer (no MoE layer)", "raises",
+     blaming("no layer of the 2", hf_config(**QWEN3_MOE, mlp_only_layers=[0, 1]))),
+    (71, "config.json: Qwen3-MoE moe_intermediate_size 0 names itself", "raises",
+     blaming("moe_intermediate_size=0", hf_config(**{**QWEN3_MOE, "moe_intermediate_size": 0}))),
 ]
 
 

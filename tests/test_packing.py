@@ -44,6 +44,61 @@ def test_best_fit_decreasing_worked_by_hand():
     where, n_rows = packing.best_fit_decreasing(np.array([3, 2, 5, 1, 4, 3, 2]), 8)
     assert n_rows == 3 and where.tolist() == [0, 2, 0, 1, 1, 1, 2]
 
+    # two rows of equal room (4 each) beside the tightest (3): the 3 goes to the tightest
+    where, n_rows = packing.best_fit_decreasing(np.array([7, 6, 6, 3]), 10)
+    assert n_rows == 3 and where.tolist() == [0, 1, 2, 0]
+
+
+def textbook_bfd(lengths, row):
+    """Best fit decreasing as the textbook writes it (no shared code): the longest first, each
+    into the open bin with the least room that holds it, else a new bin. The bins' rooms."""
+    rooms = []
+    for n in sorted(lengths, reverse=True):
+        fits = [k for k, r in enumerate(rooms) if r >= n]
+        if fits:
+            k = min(fits, key=lambda k: rooms[k])
+            rooms[k] -= n
+        else:
+            rooms.append(row - n)
+    return sorted(rooms)
+
+
+def test_packing_matches_a_textbook_best_fit_decreasing_and_pieces_are_whole_documents():
+    """On random documents built with known boundaries (not found by packing.documents): the same
+    number of rows and the same room left in them as a textbook best fit decreasing, and every
+    piece one whole document, starting where it starts and ending in its end id."""
+    rng = np.random.default_rng(0)
+    eot, row = 0, 32
+    for trial in range(20):
+        lengths = rng.integers(1, row + 1, size=int(rng.integers(5, 60)))
+        docs = [np.append(rng.integers(1, 100, size=n - 1), eot) for n in lengths]
+        tokens = np.concatenate(docs)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        p = packing.Packed(tokens, None, eot, row)
+        used = np.bincount(np.repeat(np.arange(p.n_rows), np.diff(p.ptr)), weights=p.lengths,
+                           minlength=p.n_rows)
+        assert sorted((row - used).tolist()) == textbook_bfd(lengths.tolist(), row), trial
+        assert sorted(zip(p.starts.tolist(), p.lengths.tolist())) == sorted(
+            zip(starts.tolist(), lengths.tolist()))
+        assert all(tokens[s + n - 1] == eot for s, n in zip(p.starts, p.lengths))
+        assert abs(p.padding - (1 - lengths.sum() / (p.n_rows * row))) < 1e-12
+
+
+def test_a_long_conversation_splits_at_the_last_turn_boundary_that_fits_and_a_cut_is_counted():
+    def conversation(n, bounds):  # reply tokens just before each boundary
+        m = np.zeros(n, dtype=np.uint8)
+        m[[b - 1 for b in bounds]] = 1
+        return m
+    # 18 tokens, replies end at 4, 8 and 12, rows of 10: pieces end at 8 (not 4), then the rest
+    s, n, split, cut = packing.split_long(np.array([0]), np.array([18]), 10,
+                                          conversation(18, [4, 8, 12]))
+    assert (s.tolist(), n.tolist(), split, cut) == ([0, 8], [8, 10], 1, 0)
+    # 25 tokens, one reply ending at 15: cut at 10 (no boundary fits), then split at 15: a
+    # conversation cut once is counted cut, not split
+    s, n, split, cut = packing.split_long(np.array([0]), np.array([25]), 10,
+                                          conversation(25, [15]))
+    assert (s.tolist(), n.tolist(), split, cut) == ([0, 10, 15], [10, 5, 10], 0, 1)
+
 
 def test_no_conversation_crosses_a_row_and_the_masks_cover_exactly_the_replies(chats):
     meta = guard_data.read_meta(chats)

@@ -453,3 +453,26 @@ def test_hashing_is_shared_by_the_ranks(tmp_path):
     assert sorted(r1["saving"]) == ["__1_0.distcp"] * 2 and "__1_0.distcp" not in r0["saving"]
     assert (set(r1["finding"]) == set(r0["listed"][1::2])
             and not set(r0["finding"]) & set(r1["finding"]))
+
+
+def _begin_with_a_nan_on_rank_1(mesh, out_dir):
+    """checkpoint.begin on a model whose rank 1 holds a NaN (as an FSDP shard or a replica that
+    went wrong alone would): what each rank did."""
+    model = tiny_model()
+    if mesh.rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0] = float("nan")
+    try:
+        checkpoint.begin(out_dir, 3, model, mesh)
+    except UserError:
+        return "refused"
+    return "began"
+
+
+def test_a_nan_on_one_rank_refuses_the_save_on_every_rank(tmp_path):
+    """The finite check before a save is agreed by all ranks: a NaN on rank 1 alone refuses the
+    save on rank 0 too (which, checking alone, began it while rank 1 refused: a real run hung),
+    and nothing of it is left."""
+    from conftest import spawn
+    assert spawn(_begin_with_a_nan_on_rank_1, 2, str(tmp_path), timeout=120) == ["refused"] * 2
+    assert os.listdir(os.path.join(str(tmp_path), "ckpt")) == []

@@ -14,6 +14,7 @@ from conftest import ROOT, run_train
 
 import hf_families
 import prepare
+from formats import corpora
 from formats import hf_tokenizer
 import tokenizer as tokenizer_py
 from guards.guard_errors import UserError
@@ -24,7 +25,7 @@ SPECIALS = ["<|endoftext|>", "<|begin|>"]
 def varied_lines():
     """Hundreds of lines: code from the standard library, unicode, whitespace runs, and the
     tokenizer's special and added tokens written in text."""
-    _, files = prepare.stdlib_files()
+    _, files = corpora.stdlib_files()
     code = []
     for path in files[200:260]:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -55,7 +56,7 @@ def hf_bpe(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    _, files = prepare.stdlib_files()
+    _, files = corpora.stdlib_files()
     texts = [open(f, encoding="utf-8", errors="replace").read()[:4000] for f in files[:80]]
     tok.train_from_iterator(
         texts + ["héllo wörld café naïve 日本語 Привет it's don't we'll they're I've"] * 20, trainer)
@@ -179,9 +180,10 @@ def test_the_default_tokenizer_walks_no_hugging_face_machinery():
     tokenizer file takes that path."""
     import subprocess
     import sys
-    code = ("import sys, tokenizer, hf; e = tokenizer.get_tokenizer('cl100k_base', 8192, "
-            "['<|x|>']); tokenizer.encode(e, 'a <|x|>'); hf.hf_tokenizer(e, 8); "
-            "print(sorted({'tokenizers', 'hf_tokenizer', 'transformers'} & set(sys.modules)))")
+    code = ("import sys, tokenizer; from formats import hf; "
+            "e = tokenizer.get_tokenizer('cl100k_base', 8192, ['<|x|>']); "
+            "tokenizer.encode(e, 'a <|x|>'); hf.hf_tokenizer(e, 8); print(sorted({'tokenizers', "
+            "'formats.hf_tokenizer', 'transformers'} & set(sys.modules)))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]

@@ -134,7 +134,8 @@ def test_resume_is_bit_exact(dataset, tmp_path):
     blob = json.dumps(meta).encode()
     open(os.path.join(ckpt, "meta.json"), "wb").write(blob)
     manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
-    manifest["files"]["meta.json"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    manifest["files"]["meta.json"] = {"bytes": len(blob),
+                                      "sha256": hashlib.sha256(blob).hexdigest()}
     json.dump(manifest, open(os.path.join(ckpt, "manifest.json"), "w"))
     p = run_train([*common, f"out_dir={half}", "max_iters=20", "init_from=resume"], cwd=tmp_path,
                   fork=True)
