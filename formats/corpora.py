@@ -24,6 +24,9 @@ from guards.guard_errors import UserError, check
 from guards.guard_files import check_regular, loads_json, read_json
 
 # (.json: JSON Lines too, as `datasets` writes train.json; .xz and .bz2 through the stdlib)
+# a directory's .json files that describe data rather than hold it: a dataset prepare.py wrote
+# there (meta.json), or datasets' own (state.json, dataset_info.json, dataset_dict.json)
+METADATA_JSON = ("meta.json", "state.json", "dataset_info.json", "dataset_dict.json")
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".jsonl.bz2", ".json",
                    ".parquet", ".arrow")
 # the columns a Parquet record may need: the text field, or a conversation's
@@ -306,7 +309,8 @@ def resolve_source(source):
         # the Arrow files of a `datasets` save_to_disk, or a corpus's files by their suffix: the
         # .txt and the records (mixed: refused below)
         files = saved_dataset(source) or [
-            f for f in _walk(source) if f.lower().endswith((".txt", *RECORD_SUFFIXES))]
+            f for f in _walk(source) if f.lower().endswith((".txt", *RECORD_SUFFIXES))
+            and os.path.basename(f) not in METADATA_JSON]
         root = source
     elif os.path.isfile(source):
         files, root = [source], os.path.dirname(source)

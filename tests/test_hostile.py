@@ -311,7 +311,7 @@ def eval_nan_weights(b, tmp):
     prepare.prepare(os.path.join(src, "*.txt"), d, os.path.join(path, "tokenizer.json"),
                     val_fraction=0.5, verbose=False)
     c = {"dataset": d, "init_from": path, "ckpt": "", "out_dir": "", "block_size": 32,
-         "batch_size": 8, "doc_mask": False, "device": "cpu"}
+         "batch_size": 8, "doc_mask": False, "device": "cpu", "revision": ""}
     return lambda: sample.evaluate_checkpoint(c)
 
 
@@ -997,7 +997,7 @@ def hellaswag_marks_in_one_pass(b, tmp):
                 r"\[.*?\]", "", t.strip().replace(" [title]", ". ")).replace("  ", " "), repr(t)
         evals.convert(["hellaswag", src, out])
         with open(out) as f:
-            return json.loads(f.read())["context"] == "a: " + "[" * 200000 + " X"
+            return json.loads(f.read())["context"] == "a: " + "[" * 200000 + " X "
     return call
 
 
