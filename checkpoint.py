@@ -273,8 +273,7 @@ def complete(tmp, hashes, error, rng_states, meta, mesh, keep, resumed_from=None
     hashes = gather_to_master(hashes, mesh)
     if error is None and mesh.master:
         try:
-            write_atomic(os.path.join(tmp, "state.pt"),
-                         lambda f: torch.save(rng_states, f))
+            write_atomic(os.path.join(tmp, "state.pt"), lambda f: torch.save(rng_states, f))
             write_atomic(os.path.join(tmp, "meta.json"),
                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})

@@ -55,8 +55,7 @@ def _parse_value(raw, default):
         # a bare word: a string (init_from=resume), or the type check names the mismatch (a value
         # nested past the parser's depth, '-' * 5000 + '1', is no literal either)
         return raw
-    # a string key takes the text as it is, quoted or not: out_dir=runs/a, init_from='resume',
-    # tag=1e3
+    # a string key takes the text as typed: out_dir=runs/a, init_from='resume', tag=1e3
     return raw if isinstance(default, str) and not isinstance(value, str) else value
 
 

@@ -65,8 +65,7 @@ class Loader:
             self.packed = packing_py.Packed(self.tokens, self.mask, self.eot_token, block_size + 1)
             self.n_chunks = self.packed.n_rows
         guard_data.check_rows(path, len(self.tokens), self.n_chunks, block_size)
-        assert grad_accum_steps % dp == 0, (
-            f"grad_accum_steps={grad_accum_steps} not divisible by dp={dp}")
+        assert grad_accum_steps % dp == 0, f"grad_accum_steps={grad_accum_steps}, dp={dp}"
         self.global_batch = batch_size * grad_accum_steps
         self.micro_steps = grad_accum_steps // dp
         self.first_micro = dp_rank * self.micro_steps

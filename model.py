@@ -384,11 +384,10 @@ class Transformer(nn.Module):
             p.copy_(init_tensor(name, p.shape, self.cfg.n_layer, seed))
 
     def forward(self, idx, targets=None, loss_mask=None, doc_ids=None, cache=None, chunk=None):
-        """idx, targets, loss_mask, doc_ids: (B, T). Returns (logits (B, T, vocab), None) without
-        targets; with them (each target's cross-entropy (B, T), their mean where loss_mask is 1).
-        doc_ids: each position's document in a packed row (attention stays inside it).
-        cache: generate's {layer name: KVCache}. A pipeline stage may lack the embedding or the
-        head, and chunk=c runs an interleaved stage's c-th chunk of layers (pipeline.py)."""
+        """idx, targets, loss_mask, doc_ids (a packed row's documents): (B, T). Returns (logits
+        (B, T, vocab), None) without targets; with them (each target's cross-entropy (B, T),
+        their mean where loss_mask is 1). cache: generate's {layer name: KVCache}. A pipeline
+        stage may lack the embedding or head; chunk=c runs an interleaved stage's c-th chunk."""
         T = idx.shape[1]
         start = len(next(iter(cache.values()))) if cache else 0  # the position of idx[:, 0]
         if start + T > self.cfg.block_size:

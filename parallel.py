@@ -296,8 +296,7 @@ def memory_bytes(model, optimizer):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if hasattr(optimizer, "shards"):  # zero.ZeroOptimizer
         grads += [b.grad_chunk for b in optimizer.model.buckets if b.grad_chunk is not None]
-    return {"params": size(model.parameters()),
-            "grads": size(grads),
+    return {"params": size(model.parameters()), "grads": size(grads),
             "optimizer": size(v for st in optimizer.state.values() for v in st.values()
                               if torch.is_tensor(v))}
 
@@ -348,8 +347,7 @@ def peak_flops(device, dtype, n=1024, seconds=0.5):
     for key, flops in GPU_PEAKS if dtype in (torch.bfloat16, torch.float16) else []:
         if key in name:
             return flops, f"the {key}'s datasheet, dense {str(dtype)[6:]}"
-    # its own generator: the run's RNG stream is untouched
-    g = torch.Generator(device).manual_seed(0)
+    g = torch.Generator(device).manual_seed(0)  # its own: the run's RNG stream is untouched
     a, b = (torch.rand(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
     sync = torch.cuda.synchronize if name else (lambda: None)
     a @ b  # warm up
@@ -362,8 +360,7 @@ def peak_flops(device, dtype, n=1024, seconds=0.5):
         sync()
         dt = time.perf_counter() - t0
         best = min(best, dt / group)
-        # mostly launch latency (a GPU): time more of them at once (a CPU's takes ~10 ms)
-        if dt < 0.005:
+        if dt < 0.005:  # mostly launch latency (a GPU): time more at once (a CPU's take ~10 ms)
             group *= 2
     return 2 * n ** 3 / best, "a measured matmul"
 
