@@ -165,8 +165,6 @@ def test_step_0_is_ln2_and_every_layout_gives_the_single_process_curve(tmp_path,
     assert f"against {single}: loss " in line and "rewards/accuracies" in line, line
 
 
-
-
 def test_a_resume_is_exact_and_reads_the_kept_reference(tmp_path, pairs_dataset, single):
     out = str(tmp_path / "run")
     run_train([*PREF, f"dataset={pairs_dataset}", f"out_dir={out}", "max_iters=3"], tmp_path,
