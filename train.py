@@ -317,7 +317,6 @@ flops_per_token, n_params = raw_model.flops_per_token(), raw_model.num_params()
 mesh.print0(f"model: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token; "
             f"{mesh.world} ranks: dp={mesh.dp} x pp={mesh.pp}"
             + "".join(f" x {k}={n}" for k, n in (("cp", cp), ("tp", tp)) if n > 1)
-            # what dtype=auto picked on this machine
             + f"; {dtype}" + (" (dtype=auto)" if config["dtype"] == "auto" else ""))
 
 # ---- parallelism, applied from outside, and the optimizer ------------------------------------
@@ -541,7 +540,8 @@ while True:
         # pipeline: pipeline.py (this stage's part of every micro-batch, in the schedule's order)
         else:
             loss_sum, _ = pipeline.pipeline_step(pp_schedule, model, mesh, micro, act_shape,
-                                                 autocast, trace, weights, pp_virtual)
+                                                 autocast, trace, weights, pp_virtual,
+                                                 pref and pref.of_micro(src_ids[0]))
         if mesh.dp > 1:
             # data parallel: the last buckets' all-reduces may still be in flight
             parallel.wait_grad_sync(model)

@@ -2,8 +2,9 @@
 # "chosen", "rejected"}), from the SFT model, whose log-probs over the pairs are the reference
 # (computed once before step 1, kept in out_dir: techniques/preference.py).
 #   python train.py config/dpo.py init_from=runs/sft dataset=pairs data_source=pairs.jsonl
-# AdamW at a rate 10x below config/sft.py's (TRL's default is 1e-6); beta 0.1, TRL's. Not yet
-# measured on a real model: the rate is a starting point, not a result (docs/finetuning.md).
+# AdamW at a rate 10x below config/sft.py's (TRL's default is 1e-6); beta 0.1, TRL's. Measured
+# on SmolLM2-135M-Instruct after CPT and SFT (python -m bench.dpo, docs/finetuning.md), 12 steps
+# of 4 pairs at 1e-5: held-out rewards/accuracies 0.79, Python's loss unchanged (-0.04%).
 optim = "adamw"
 learning_rate = 1e-5
 min_lr = 1e-6

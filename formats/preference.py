@@ -68,13 +68,6 @@ def completion_mask(mask, prompt_replies):
     return [0] * len(mask)
 
 
-def cut(ids, mask, n_prompt, max_len):
-    """TRL's keep_start: the first max_len tokens. None when the prompt alone fills them."""
-    if n_prompt >= max_len:
-        return None
-    return ids[:max_len], mask[:max_len]
-
-
 def pair_rows(pairs_index, n_tokens, path):
     """A preference split's index (n_pairs, 4): start and length of chosen, then rejected, each
     inside the token file: read as hostile (np.load without pickle)."""

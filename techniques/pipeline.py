@@ -207,6 +207,9 @@ class PipelineState:
     trace: list
     loss_sum: torch.Tensor  # sum_k weights[k] * loss_k so far (on the last stage; 0 elsewhere)
     virtual: int = 1       # chunks per rank (interleaved); 1: one stage per rank
+    # None, or loss_of(k, each target's loss (B, T), loss_mask): micro-batch k's loss in place of
+    # the token mean (a loss that needs its whole rows: preference.py's pairs, formed here)
+    loss_of: object = None
     # (chunk, k) -> (input, output) of a forward whose backward is to come
     alive: dict = field(default_factory=dict)
     peak: int = 0          # the most micro-batch chunks alive at once
@@ -230,6 +233,8 @@ def forward_step(st, k, micro, inp, chunk=0):
     send = out
     # the last (virtual) stage
     if st.mesh.last_stage and (st.virtual == 1 or chunk == st.virtual - 1):
+        if st.loss_of is not None:  # (out: each target's loss)
+            loss = st.loss_of(k, out, micro[2].to(out.device))
         out = send = loss * st.weights[k]  # the backward starts here
         st.loss_sum += loss.detach() * st.weights[k]
     # a stage's own loss terms (a mixture of experts' balancing losses: moe.attach)
@@ -381,8 +386,7 @@ def interleaved(st, micro_batches):
 
 
 def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=nullcontext(),
-                  trace=None, weights=None,
-                  virtual=1):
+                  trace=None, weights=None, virtual=1, loss_of=None):
     """This stage's share of one iteration: the forward and backward of every micro-batch
     (a list of (x, y, loss_mask, doc_ids) tuples, tensors or None: x is used by the first
     stage, y and loss_mask by the last, doc_ids by all) in the order of `schedule` ('1f1b' or
@@ -390,9 +394,10 @@ def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=null
     stage's last backward syncs gradients. weights (m floats, default 1/m each): micro-batch
     k's backward starts from weights[k] * loss_k. `trace`, a list, receives
     (kind, micro-batch, start, end, chunk) per forward / backward. 'interleaved' takes
-    `virtual` chunks per stage (make_stage(virtual=V)) and m a multiple of pp. Returns
-    (sum_k weights[k] * loss_k on the last stage, 0 elsewhere; the most micro-batch chunks
-    alive at once)."""
+    `virtual` chunks per stage (make_stage(virtual=V)) and m a multiple of pp. loss_of (None:
+    the token mean): loss_of(k, each target's loss, loss_mask) is micro-batch k's loss, formed
+    on the last stage. Returns (sum_k weights[k] * loss_k on the last stage, 0 elsewhere; the
+    most micro-batch chunks alive at once)."""
     m = len(micro_batches)
     weights = [1 / m] * m if weights is None else list(weights)
     assert len(weights) == m, f"{len(weights)} loss weights for {m} micro-batches"
@@ -404,7 +409,7 @@ def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=null
     assert schedule != "interleaved" or m % mesh.pp == 0, (
         f"interleaved: m={m} micro-batches, not a multiple of pp")
     st = PipelineState(stage, mesh, act_shape, autocast, weights, trace,
-                       torch.zeros((), device=mesh.device), virtual)
+                       torch.zeros((), device=mesh.device), virtual, loss_of)
     schedules[schedule](st, micro_batches)
     assert not st.alive, f"{len(st.alive)} micro-batches were never run backward"
     return st.loss_sum, st.peak
@@ -412,11 +417,12 @@ def pipeline_step(schedule, stage, mesh, micro_batches, act_shape, autocast=null
 
 @torch.no_grad()
 def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext(), weights=None,
-                     virtual=1):
+                     virtual=1, loss_of=None):
     """Forward only, for evaluation: sum_k weights[k] * loss_k on the last stage (default
     weights 1: the plain sum of the micro-batch losses), 0 elsewhere. With `virtual` chunks
     per stage each micro-batch goes round the ring V times (all ranks in the same order of
-    (micro-batch, chunk), so every send meets its receive)."""
+    (micro-batch, chunk), so every send meets its receive). loss_of as pipeline_step's; one
+    that gives a tensor of each row's (preference.py's log-probs) sums those."""
     loss_sum = torch.zeros((), device=mesh.device)
     for k, micro in enumerate(micro_batches):
         for c in range(virtual):
@@ -427,8 +433,10 @@ def pipeline_forward(stage, mesh, micro_batches, act_shape, autocast=nullcontext
                                       c if virtual > 1 else None, virtual)
             if loss is None:
                 p2p(mesh, send_next=out, ring=True)
-            else:
-                loss_sum += loss * (1.0 if weights is None else weights[k])
+                continue
+            if loss_of is not None:  # (out: each target's loss)
+                loss = loss_of(k, out, micro[2].to(out.device))
+            loss_sum = loss_sum + loss * (1.0 if weights is None else weights[k])
     return loss_sum
 
 

@@ -125,12 +125,6 @@ class PairLoss:
 
     def __init__(self, c, mesh):
         # (loss_type, beta and label_smoothing are checked with every key: guard_config.py)
-        # a pair's log-prob is a sum along its sequence, on its row: a pipeline would have to
-        # form it on the last stage, cp from every rank's part of the row; neither is written yet
-        for key, why in (("pp", "a pipeline's last stage would form the pairs' sums"),
-                         ("cp", "each rank holds part of every sequence")):
-            check(c[key] == 1, f"{key}={c[key]} with a preference dataset: {why}, which is not "
-                               f"written yet; use dp, zero, fsdp or tp")
         check(not (c["datasets"] or c["phases"]), "a preference dataset trains alone: set "
                                                   "dataset=, not datasets= or phases=")
         self.type, self.beta = c["loss_type"], c["beta"]
@@ -167,16 +161,23 @@ class PairLoss:
         self.sums = stats.double() if self.sums is None else self.sums + stats.double()
         return per_pair.mean()
 
+    def of_micro(self, ref):
+        """The pipeline's loss_of for one step: micro-batch k's loss on the last stage, from its
+        rows' losses and mask and ref (micro_steps, 2P), the batch's reference log-probs."""
+        return lambda k, losses, mask: self(losses, mask, ref[k])
+
     def take(self):
-        """The metrics' sums since the last take (this rank's micro-batches)."""
+        """The metrics' sums since the last take (this rank's micro-batches; zeros on a pipeline
+        stage without the head)."""
         sums, self.sums = self.sums, None
-        return sums
+        return torch.zeros(len(METRICS), dtype=torch.float64) if sums is None else sums
 
     def metrics(self, total, n_pairs):
         """{TRL's name: mean over the pairs} from take()'s sums all-reduced over the ranks (a tp
-        group's ranks hold the same ones) and the global batch's pairs."""
-        total = total.double().cpu() / ((self.mesh.tp if self.mesh else 1) * n_pairs)
-        return dict(zip(METRICS, total.tolist()))
+        group's ranks hold the same ones, and a cp group's: each has its rows' whole losses,
+        gathered) and the global batch's pairs."""
+        same = self.mesh.tp * self.mesh.cp if self.mesh else 1
+        return dict(zip(METRICS, (total.double().cpu() / (same * n_pairs)).tolist()))
 
     def reference(self, model, src, data_dir, out_dir, autocast):
         """The loaders' reference tables (reference below), before step 1."""
@@ -207,12 +208,20 @@ def adapters_off(model):
             m.merged = False
 
 
+def row_logps(k, losses, mask):
+    """Each row's log-prob of its completion (2P,) from its targets' losses (2P, T), summed as
+    the loss sums the policy's (in float32): at step 0 the two are equal."""
+    return -(losses * mask.to(losses.dtype)).sum(-1)
+
+
 @torch.no_grad()
-def sequence_logps(model, loader, mesh, autocast, doc_mask):
+def sequence_logps(model, loader, mesh, autocast, doc_mask, pp_virtual=1):
     """(n_pairs, 2) float64: every pair's (chosen, rejected) log-prob under `model` as it is (LoRA:
     the base), on the run's layout: the dp ranks share the pairs (the same number of forwards
-    each, as FSDP needs), then sum their tables."""
+    each, as FSDP needs), then sum their tables; a pipeline's last stage forms the rows' sums
+    and the other stages add zeros (cp: every rank holds its rows' whole losses, gathered)."""
     n, P = loader.n_chunks, loader.pairs
+    pp = mesh.pp if mesh else 1
     dp, rank, device = (mesh.dp, mesh.dp_rank, mesh.device) if mesh else (
         1, 0, next(model.parameters()).device)  # (mesh None: one process, sample.py)
     table = torch.zeros(n, 2, dtype=torch.float64)
@@ -224,14 +233,23 @@ def sequence_logps(model, loader, mesh, autocast, doc_mask):
             pairs = np.arange(first, first + P)
             x, y, mask = loader.pair_rows(np.minimum(pairs, n - 1))
             doc = data.doc_ids(x, loader.eot_token).to(device) if doc_mask else None
-            with autocast:
-                losses, _ = model(x.to(device), y.to(device), None, doc)
-            # summed as the loss sums the policy's (in float32): at step 0 the two are equal
-            logps = -(losses * mask.to(losses.device, losses.dtype)).sum(-1)
+            x, y, mask = x.to(device), y.to(device), mask.to(device)
+            if pp > 1:  # pipeline: pipeline.py (the rows' sums on the last stage, 0 elsewhere)
+                from techniques import pipeline
+                shape = (x.shape[0], x.shape[1], model.cfg.n_embd)
+                logps = pipeline.pipeline_forward(model, mesh, [(x, y, mask, doc)], shape,
+                                                  autocast, None, pp_virtual, row_logps)
+                logps = logps.expand(x.shape[0])
+            else:
+                with autocast:
+                    losses, _ = model(x, y, None, doc)
+                logps = row_logps(0, losses, mask)
             logps = logps.double().cpu().view(2, P).T
             mine = pairs < n
             table[pairs[mine]] = logps[torch.from_numpy(mine)]
     model.train(was_training)
+    if mesh and pp > 1:
+        table = parallel.all_reduce_sum(table, mesh, group=mesh.pp_group)
     return parallel.all_reduce_sum(table, mesh, group=mesh.dp_group).cpu() if mesh else table
 
 
@@ -293,7 +311,8 @@ def reference(model, loaders, src, config, data_dir, out_dir, mesh, autocast):
                                     f"weights); start the run again in a new out_dir")
         mesh.print0(f"reference: the starting model's log-probs of {loader.n_chunks:,} {split} "
                     f"pairs (once, kept in {file})")
-        table = sequence_logps(model, loader, mesh, autocast, config["doc_mask"]).numpy()
+        table = sequence_logps(model, loader, mesh, autocast, config["doc_mask"],
+                               config["pp_virtual"]).numpy()
         loader.ref = table
         if mesh.master:
             common.write_atomic(file, lambda f: np.save(f, table))
@@ -327,7 +346,7 @@ def val_metrics(model, data_dir, c, ref_model=None):
     if ref_model is None and keys["loss_type"] != "simpo":
         keys.update(loss_type="simpo", simpo_gamma=0.0)
     c = {**keys, "block_size": c["block_size"], "batch_size": 2 * max(1, c["batch_size"] // 2),
-         "grad_accum_steps": 1, "seed": 0, "pp": 1, "cp": 1, "datasets": "", "phases": []}
+         "grad_accum_steps": 1, "seed": 0, "datasets": "", "phases": []}
     loader = PairLoader(data_dir, "val", c)
     logps = sequence_logps(model, loader, None, nullcontext(), False)
     ref = (sequence_logps(ref_model, loader, None, nullcontext(), False)

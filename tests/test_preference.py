@@ -1,6 +1,6 @@
 """Preference alignment (techniques/preference.py): TRL's three formats prepared, the loss at
 step 0 and against TRL's DPOTrainer, every layout against the single process, LoRA, resume, the
-refusals."""
+refusals, TRL's cut of a pair too long for a row."""
 
 import json
 import math
@@ -134,15 +134,22 @@ def test_step_0_is_ln2_and_every_layout_gives_the_single_process_curve(tmp_path,
     assert first["rewards/margins"] == pytest.approx(0, abs=1e-6)
     last = train_lines(ref)[5]
     assert last["loss"] < 0.6 and last["rewards/accuracies"] > 0.5 and last["rewards/margins"] > 0
-    # tp=2 with sp: the same curve and the same metrics (the vocabulary-parallel loss's rows)
-    out = str(tmp_path / "tp2")
-    torchrun(2, [*PREF, f"dataset={pairs_dataset}", f"out_dir={out}", "tp=2", "sp=True"],
-             tmp_path)
-    got = read_metrics(out)
-    assert_same_curve(ref, got)
-    for it, r in train_lines(ref).items():
-        for k in METRICS:
-            assert train_lines(got)[it][k] == pytest.approx(r[k], rel=1e-4, abs=1e-5), (it, k)
+    # the same curve and the same metrics: tp=2 with sp (the vocabulary-parallel loss's rows),
+    # pp=2 (the last stage forms the pairs' sums, and the reference's), cp=2 (each rank holds
+    # part of every row: the rows' losses gathered)
+    for name, layout in (("tp2", ["tp=2", "sp=True"]), ("pp2", ["pp=2"]), ("cp2", ["cp=2"])):
+        out = str(tmp_path / name)
+        torchrun(2, [*PREF, f"dataset={pairs_dataset}", f"out_dir={out}", *layout], tmp_path)
+        got = read_metrics(out)
+        assert_same_curve(ref, got)
+        for it, r in train_lines(ref).items():
+            for k in METRICS:
+                assert train_lines(got)[it][k] == pytest.approx(r[k], rel=1e-4, abs=1e-5), (
+                    name, it, k)
+        # the reference's tables as out_dir keeps them (rank 0 writes them: pp's first stage)
+        for f in sorted(f for f in os.listdir(single) if f.endswith(".npy")):
+            np.testing.assert_allclose(np.load(os.path.join(out, f)),
+                                       np.load(os.path.join(single, f)), rtol=1e-5)
     # LoRA on that run: the reference is the base with the adapters off; dp=2 with ZeRO-1 (each
     # rank 2 micro-batches) gives its curve
     lora = ["lora_rank=4", "learning_rate=3e-3", f"init_from={single}", "max_iters=4"]
@@ -156,18 +163,6 @@ def test_step_0_is_ln2_and_every_layout_gives_the_single_process_curve(tmp_path,
                   script="sample.py")
     line = p.stdout.strip().splitlines()[-1]
     assert f"against {single}: loss " in line and "rewards/accuracies" in line, line
-
-
-
-@pytest.mark.parametrize("key, why", [("pp", "a pipeline's last stage would form the pairs' sums"),
-                                      ("cp", "each rank holds part of every sequence")])
-def test_a_layout_that_cannot_is_refused_in_one_line_that_says_why(key, why):
-    from techniques import preference
-    c = {"pp": 1, "cp": 1, "datasets": "", "phases": [], "loss_type": "sigmoid", "beta": 0.1,
-         "label_smoothing": 0.0, "simpo_gamma": 0.5, key: 2}
-    with pytest.raises(UserError, match=f"^{key}=2 with a preference dataset: {why}, which is "
-                                        f"not written yet; use dp, zero, fsdp or tp$"):
-        preference.PairLoss(c, None)
 
 
 def test_a_resume_is_exact_and_reads_the_kept_reference(tmp_path, pairs_dataset, single):
@@ -249,7 +244,7 @@ def test_ipo_simpo_and_cdpo_are_trls():
     pi_c, pi_r = (-(losses * mask).sum(-1)).chunk(2)
     n_c, n_r = mask.sum(-1).chunk(2)
     ref_c, ref_r = ref.chunk(2)
-    base = {"pp": 1, "cp": 1, "datasets": "", "phases": [], "beta": 0.3, "label_smoothing": 0.1,
+    base = {"datasets": "", "phases": [], "beta": 0.3, "label_smoothing": 0.1,
             "simpo_gamma": 0.5}
     simpo = preference.PairLoss({**base, "loss_type": "simpo"}, None)
     trainer = types.SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.5, beta=0.3,
@@ -292,3 +287,47 @@ def test_pairs_from_arrow_are_the_pairs_from_jsonl(tmp_path):
         prepared.append(sorted(sequences(str(path / "data"), "train")[0]
                                + sequences(str(path / "data"), "val")[0]))
     assert prepared[0] == prepared[1] and len(prepared[0]) == 4  # (2 with chosen = rejected)
+
+
+def test_a_pair_too_long_for_its_row_is_cut_as_trls_collator_cuts_it(tmp_path):
+    """TRL 1.16's DPO cuts each sequence (prompt + completion) to its first max_length tokens
+    (DataCollatorForPreference, truncation_mode='keep_start', its only mode not deprecated; no
+    max_prompt_length any more) and drops a pair whose prompt alone fills max_length. A row of
+    ours holds block_size + 1 tokens: the same rows and masks as that collator at max_length =
+    block_size + 1, from the same ids; a prompt of block_size + 1 tokens is dropped."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from techniques import preference
+    text = [{"prompt": f"Q{i}: " + "why " * (3 * i), "chosen": " yes" * (2 + 3 * i),
+             "rejected": " no" * (12 - i)} for i in range(10)]  # (line 10 goes to val)
+    meta = prepare.prepare(write_jsonl(tmp_path / "t.jsonl", text), str(tmp_path / "t"),
+                           "cl100k_base", 512, val_fraction=0.3, verbose=False)  # uncut
+    c = {"block_size": 16, "batch_size": 2, "grad_accum_steps": 1, "seed": 0}
+    loader = preference.PairLoader(str(tmp_path / "t"), "train", c)
+    x, y, mask = loader.pair_rows(np.arange(loader.n_chunks))
+    ours = torch_cat_ids(x, y)
+    examples = []
+    for (c_ids, c_mask), (r_ids, r_mask) in sequences(str(tmp_path / "t"))[0]:
+        n = c_mask.index(1)
+        examples.append({"prompt_ids": c_ids[:n], "chosen_ids": c_ids[n:],
+                         "rejected_ids": r_ids[n:]})
+    assert max(len(e["prompt_ids"]) + len(e["chosen_ids"]) for e in examples) > 17  # some cut
+    batch = DataCollatorForPreference(pad_token_id=meta["eot_token"], max_length=17)(examples)
+    # (both lay the rows out alike: every chosen, then every rejected)
+    theirs, their_mask = batch["input_ids"], batch["completion_mask"]
+    assert theirs.shape[1] == 17 and ours.tolist() == theirs.tolist()
+    assert mask.tolist() == their_mask[:, 1:].float().tolist()
+    # the drop: TRL keeps a pair while len(prompt_ids) < max_length
+    long = [{"prompt": "a" + " b" * k, "chosen": " yes", "rejected": " no"} for k in (15, 16)]
+    short = [{"prompt": f"Q{i}:", "chosen": " yes", "rejected": " no"} for i in range(10)]
+    meta = prepare.prepare(write_jsonl(tmp_path / "l.jsonl", long + short), str(tmp_path / "l"),
+                           "cl100k_base", 512, val_fraction=0.3, verbose=False, block_size=16)
+    enc = tokenizer.tokenizer_from_meta(meta)
+    assert [len(enc.encode(p["prompt"])) for p in long] == [16, 17]
+    assert meta["pairs_dropped"]["prompt"] == 1
+
+
+def torch_cat_ids(x, y):
+    """The whole rows back from inputs and targets (B, T) each: (B, T + 1)."""
+    import torch
+    return torch.cat([x, y[:, -1:]], dim=1)
