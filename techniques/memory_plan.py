@@ -65,7 +65,9 @@ def in_flight(c, dp):
 
 def activation_bytes(c, world, s=None):
     """What the rank that keeps most keeps for backward after its forwards: the bytes on the
-    device (offload_activations: only what `op` keeps stays)."""
+    device (offload_activations: none of them)."""
+    if c["offload_activations"]:
+        return 0
     s = s or shape_of(c)
     tp, cp, pp = c["tp"], c["cp"], c["pp"]
     dp = max(1, world // (tp * cp * pp))
@@ -77,9 +79,6 @@ def activation_bytes(c, world, s=None):
                for i in range(s["L"])]
     else:
         per = [block_bytes(s, rows, kind, e, tp, c["sp"])] * s["L"]
-    if c["offload_activations"]:
-        per = [p - block_bytes(s, rows, "full", e, tp, c["sp"]) if kind == "op" else 0
-               for p in per]
     flight, layers = in_flight(c, dp)
     blocks = flight * sum(per) / s["L"] * layers
     # the embedding's ids, the last norm, the head's loss (log-softmax, or the chunks' sums)
@@ -87,7 +86,7 @@ def activation_bytes(c, world, s=None):
     loss = (14 + (0 if c["loss_recompute"] else 4 * s["V"] / tp) if chunked
             else 4 * s["V"] / tp + 8)
     head = rows * (8 + 8 * s["C"] + 4 + s["C"] * e + loss)
-    return blocks + (0 if c["offload_activations"] else head)
+    return blocks + head
 
 
 def plan(c, world, s=None):
