@@ -88,7 +88,9 @@ class OpPolicy:
                 layer.register_forward_hook(lambda *_: setattr(self, "residual", False))
 
     def __call__(self, ctx, op, *args, **kwargs):
-        if op not in SAVED_OPS or self.residual:
+        # (with grad off: inside an autograd.Function's forward, cp's ring attention, whose
+        # matmuls are its score blocks, T^2 / cp^2 each: recomputed, as the ring is)
+        if op not in SAVED_OPS or self.residual or not torch.is_grad_enabled():
             return CheckpointPolicy.PREFER_RECOMPUTE
         # (what SAC keeps is no saved tensor: counted here, or by the Offload that moves it)
         if SavedBytes.active is not None and self.offload is None:
@@ -208,17 +210,18 @@ class Offload(Keep):
 class SavedBytes(Keep):
     """Counts the bytes one step keeps for backward, on the device and offloaded: each kept
     tensor's storage once (views of one storage are one), the weights aside, and the outputs
-    `op` keeps (keep_op). Use it around forward and backward:
+    `op` keeps; and the most kept at once (peak), each storage's bytes counted out when it is
+    freed. Use it around each forward (one object over a pipeline's micro-batches):
 
         with SavedBytes(model) as saved:
             loss = model(x, y)[1]
-        saved.device, saved.offloaded  # bytes
+        saved.device, saved.offloaded, saved.peak  # bytes
     """
     active = None
 
     def __init__(self, model):
         super().__init__(model)
-        self.seen, self.device, self.offloaded = set(), 0, 0
+        self.seen, self.device, self.offloaded, self.live, self.peak = set(), 0, 0, 0, 0
         self.offload = next((f.args[1] for f in [getattr(model, "forward", None)]
                              if isinstance(f, functools.partial) and f.func is offloaded), None)
 
@@ -253,6 +256,14 @@ class SavedBytes(Keep):
                 self.offloaded += storage.nbytes()
             else:
                 self.device += storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            # (freed once its backward has run: then its address may hold another)
+            weakref.finalize(storage, self.freed, storage.data_ptr(), storage.nbytes())
+
+    def freed(self, ptr, nbytes):
+        self.seen.discard(ptr)
+        self.live -= nbytes
 
     def add_output(self, out):
         for t in out if isinstance(out, (tuple, list)) else [out]:
