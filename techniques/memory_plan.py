@@ -1,8 +1,9 @@
 """
-The memory plan (`plan=True`): the bytes one rank holds in a step, counted from the config before
-anything is built: weights, gradients, optimizer state, the activations a step keeps for backward
-(as activations.SavedBytes measures them) and the peak. Megatron prints the same for a layout;
-here it also says what would fit instead when the run does not.
+The memory plan (`plan=True`): the bytes one rank holds in a step, counted from the config (and
+the shape of the model it trains) before anything is built: weights, gradients, optimizer
+state, the activations a step keeps for backward (as activations.SavedBytes measures them) and
+the peak. Megatron prints the same for a layout; here it also says what would fit instead when
+the run does not.
 
 What a dense block keeps per row of a micro-batch, in elements (e: the activations' bytes, 4 in
 float32, 2 under bf16 autocast; the norms' and the log-sum-exp stay float32), read off the
@@ -14,14 +15,19 @@ counter on this model:
         log-sum-exp (H), gate and up (2F): the matmuls' outputs but wo's and w2's
   full  the block's input (C)
 tp divides H, KV and F (and with sp the rows of C); cp divides the rows, and its ring attention
-keeps under `none` its output's copy for wo (H hd), the positions and the RoPE tables of its
-rows, under `op` only q, k and v (the ring runs again in backward); a pipeline stage keeps its
-layers' activations for each micro-batch in flight (1F1B: min(pp - stage, m); interleaved: the
-longer warmup's chunks; GPipe: all m). Dense blocks only: a mixture of experts' layer is
-counted as its top_k experts' SwiGLUs.
+keeps under `none` its float32 output and the copy wo reads (H hd), the positions and RoPE
+tables of its rows, under `op` only q, k and v (the ring runs again in backward); a pipeline
+stage keeps its layers' activations for each micro-batch in flight (1F1B: min(pp - stage, m);
+GPipe: all m; interleaved: its chunks in flight, its order played). Dense blocks only: a
+mixture of experts' layer is counted as its top_k experts' SwiGLUs.
 """
 
 import math
+import os
+import sys
+
+from guards import guard_config
+from guards.guard_errors import check
 
 
 def shape_of(c):
@@ -46,8 +52,8 @@ def block_bytes(s, rows, kind, e, tp=1, sp=False, ring=0):
     attn = rows * (2 * (H + KV) * hd * e + 4 * H)
     if ring and kind == "op":  # (the ring is no matmul of its own: recomputed, out and lse too)
         attn = rows * (H + 2 * KV) * hd * e
-    elif ring:  # its output copied to (B, T, C) for wo, and its positions and RoPE tables
-        attn += rows * H * hd * e + ring * (8 + 8 * hd)
+    elif ring:  # its output kept in float32 and copied for wo, its positions and RoPE tables
+        attn += rows * H * hd * 4 + ring * (8 + 8 * hd)
     # a mixture of experts: its tokens gathered in expert order (k C), their outputs back in
     # token order and weighted (2 k C), the router's logits and scores (2 E, float32)
     moe = rows * s["k"] * C * e * (1 if kind == "op" else 3) + rows * 8 * s["E"] * (kind != "op")
@@ -165,3 +171,19 @@ def what_fits(c, world, have, s=None):
     tries += [f"{k}={n} (on {world * n} ranks)" for k in ("cp", "tp") for n in (2, 4, 8)
               if plan({**c, k: c[k] * n}, world * n, s)["peak"] <= have][:1]
     return ", or ".join(tries) or "a smaller model"
+
+
+def check_fits(c, world, print_only=False):
+    """train.py's memory-plan line, for the model this run trains (guard_config.model_shape: a
+    checkpoint's or a model directory's shape, read without its weights): with plan=True
+    prints the plan once (rank 0) and exits; else stops a run whose plan does not fit in a
+    rank's memory here, naming what would."""
+    c = guard_config.model_shape(c)
+    if print_only:
+        if os.environ.get("RANK", "0") == "0":
+            print(lines(c, world))
+        sys.exit(0)
+    have = guard_config.rank_memory(c, world)
+    fits = what_fits(c, world, have)
+    check(not fits, f"{lines(c, world)}: over the {have / 2 ** 30:,.1f} GiB a rank has here; "
+                    f"what would fit: {fits}")

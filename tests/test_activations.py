@@ -2,8 +2,9 @@
 policy and activation offload give the plain model's loss and gradients bit for bit in float32
 (dense, mixture of experts, LoRA) and the single-process curve on the layouts; the saved-bytes
 counter orders them none > layers:2 > op > full, offload leaves nothing of theirs on the device;
-the memory plan is within 10% of the counter; plan=True prints it; a run that cannot fit stops
-before its first step, naming what would."""
+the memory plan is within 10% of the counter, on each rank of tp, cp and pipeline runs; plan=True
+prints it once, for the model the run trains; a run that cannot fit stops before its first
+step, naming what would."""
 
 import os
 import re
@@ -13,7 +14,10 @@ import torch
 from conftest import (REFERENCE, ROOT, assert_same_curve, read_metrics, run_train, torchrun,
                       validate_as_train)
 
+import configurator
+from guards import guard_config
 from model import ModelConfig, Transformer
+from real_model import smollm2_dir
 from techniques import activations, memory_plan
 from techniques.lora import apply_lora
 
@@ -143,10 +147,19 @@ def test_policies_on_layouts_give_the_single_process_curve(nproc, layout, says, 
 
 
 def test_plan_prints_and_a_run_that_cannot_fit_names_what_would(tmp_path):
-    p = run_train(["plan=True", "ac=op", "batch_size=2"], cwd=tmp_path, fork=True)
+    p = torchrun(2, ["plan=True", "ac=op", "batch_size=2"], cwd=tmp_path)
+    # once, from rank 0 (every rank runs train.py)
     assert p.stdout.startswith("memory plan per rank (ac=op, offload_activations=False, 2 x 64 "
                                "tokens a micro-batch): weights ")
-    assert not (tmp_path / "out").exists()
+    assert p.stdout.count("memory plan per rank") == 1 and not (tmp_path / "out").exists()
+    # a Hugging Face directory's shape (SmolLM2-135M: 0.50 GiB of float32 weights), read
+    # without its weights, not the config's (0.01 GiB)
+    smol = smollm2_dir()
+    p = run_train(["plan=True", f"init_from={smol}", "batch_size=1"], cwd=tmp_path, fork=True)
+    c = validate_as_train({**configurator.script_defaults(os.path.join(ROOT, "train.py")),
+                           "init_from": smol, "batch_size": 1, "plan": True}, {}, 1)
+    expected = memory_plan.lines(guard_config.model_shape(c), 1)
+    assert p.stdout.strip() == expected and "weights 0.50 GiB" in expected, p.stdout
     # a 1B-parameter shape at 128k tokens a row: the activations alone are terabytes
     big = ["n_layer=16", "n_embd=2048", "n_head=32", "n_kv_head=8", "ffn_dim=8192",
            "vocab_size=8192", "block_size=131072", "batch_size=2", "loss_chunk=1024",
