@@ -144,7 +144,8 @@ def test_policies_on_layouts_give_the_single_process_curve(nproc, layout, says, 
     assert f"layers {says} recomputed in backward" in p.stdout
     assert ("waits in CPU memory" in p.stdout) == ("offload_activations=True" in layout)
     assert_same_curve(reference_run, read_metrics(out))
-    if "cp=2" in layout:  # plan=True on this run's out_dir: its checkpoint's shape, not the config's
+    # plan=True on this run's out_dir: its checkpoint's shape, not the config's
+    if "cp=2" in layout:
         p = run_train(["plan=True", f"out_dir={out}"], cwd=tmp_path, fork=True)
         c = {**configurator.script_defaults(os.path.join(ROOT, "train.py")), "out_dir": out,
              "plan": True}
