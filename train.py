@@ -188,9 +188,9 @@ if world > 1:  # a layout may need more micro-batches than the default gives (a 
 config = {k: globals()[k] for k in config_keys}
 # every check, before anything is written or a peer is met
 guard_config.validate(config, overrides, world)
-if plan:  # the memory plan from the config alone, no device needed: memory_plan.py
+if plan or guard_config.may_not_fit(config, world):  # the memory plan: memory_plan.py
     from techniques import memory_plan
-    sys.exit(print(memory_plan.lines(config, world)))
+    memory_plan.check_fits(config, world, print_only=plan)
 started = time.time()
 
 # ---- setup -----------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 offload_activations on the default model's shape (4 x 128 tokens a micro-batch, float32): the
 bytes a step keeps for backward on the device (activations.SavedBytes) beside the memory plan's
 count (techniques/memory_plan.py), ms per forward + backward (the recompute's cost against
-none), and the peak memory above the weights (CUDA: max allocated; CPU: max RSS), each row in a
-fresh process. Then SmolLM2-135M's shape (random weights) at long rows: the counter after one
-forward against the plan, where the CPU can run it."""
+none), and the peak memory above the weights (CUDA: max allocated; CPU: max RSS) beside the
+plan's (on CUDA the plan's check against the allocator), each row in a fresh process. Then
+SmolLM2-135M's shape (random weights) at long rows: the counter after one forward against the
+plan, where the CPU can run it."""
 
 import torch
 
@@ -19,7 +20,8 @@ SMOL = dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, ffn
 # the memory plan's keys of one process, float32
 PLAN = dict(ffn_dim=0, head_dim=0, tie_embeddings=False, tp=1, cp=1, pp=1, sp=False,
             dtype="float32", grad_ckpt=False, loss_chunk=0, loss_recompute=True,
-            grad_accum_steps=1, pp_virtual=1, pp_schedule="1f1b", fsdp=False, zero=0, lora_rank=0)
+            grad_accum_steps=1, pp_virtual=1, pp_schedule="1f1b", pp_layers="", fsdp=False, zero=0,
+            lora_rank=0)
 
 
 def activations_row(model, batch, T, ac, offload, timed=True, loss_chunk=0):
@@ -35,8 +37,12 @@ def activations_row(model, batch, T, ac, offload, timed=True, loss_chunk=0):
     del loss
     c = {**PLAN, **model, "batch_size": batch, "block_size": T, "ac": ac,
          "offload_activations": offload, "loss_chunk": loss_chunk}
+    # the plan's peak above the weights, no optimizer here: on CUDA the check against the
+    # allocator's max (peak_mb); a CPU's max RSS is only a rough one
+    p = memory_plan.plan(c, 1)
     row = {"saved_mb": saved.device / 2 ** 20, "offloaded_mb": saved.offloaded / 2 ** 20,
-           "planned_mb": memory_plan.activation_bytes(c, 1) / 2 ** 20}
+           "planned_mb": memory_plan.activation_bytes(c, 1) / 2 ** 20,
+           "plan_peak_mb": (p["peak"] - p["weights"] - p["optimizer"]) / 2 ** 20}
     if timed:
         row.update(peak_and_median(lambda: net(x, x)[1].backward(), device))
     return row
@@ -49,8 +55,8 @@ def table_activations(batch=4, T=128, long=(1024, 2048)):
           "(the counter) and the plan; ms per forward + backward and peak, each row a fresh "
           "process")
     print(f"{'ac':>9} | {'offload':>7} | {'kept MB':>8} | {'plan MB':>8} | {'to CPU MB':>9} | "
-          f"{'ms':>7} | {'x none':>6} | {'peak MB':>8}")
-    print("-" * 80)
+          f"{'ms':>7} | {'x none':>6} | {'peak MB':>8} | {'plan peak':>9}")
+    print("-" * 92)
     base = None
     for ac in POLICIES:
         for offload in (False, True):
@@ -59,7 +65,7 @@ def table_activations(batch=4, T=128, long=(1024, 2048)):
             base = base or r["ms"]
             print(f"{ac:>9} | {str(offload):>7} | {r['saved_mb']:8.1f} | {r['planned_mb']:8.1f} "
                   f"| {r['offloaded_mb']:9.1f} | {r['ms']:7.1f} | {r['ms'] / base:6.2f} | "
-                  f"{r['peak_mb']:8.0f}", flush=True)
+                  f"{r['peak_mb']:8.0f} | {r['plan_peak_mb']:9.0f}", flush=True)
     smol = model if SMOKE else SMOL
     print(f"\n## activation memory at long rows: SmolLM2-135M's shape, 1 row, float32, "
           f"loss_chunk=1024; the counter after one forward against the plan (GiB)")

@@ -16,7 +16,7 @@ import torch
 
 import configurator
 from model import ModelConfig
-from guards import guard_env
+from guards import guard_ckpt, guard_env
 from guards.guard_errors import UserError, check
 from guards.guard_files import (LORA_ALPHA, LORA_DROPOUT, check_exports, check_place,
                                 check_writable)
@@ -423,20 +423,49 @@ def check_memory(c, world, n_layer, n_embd, ffn_dim, vocab_size, tie, where=""):
           + ", ".join(f"{k} {v / 2 ** 30:,.1f}" for k, v in need.items())
           + f") but this machine has {have / 2 ** 30:,.1f} GiB{where}: lower n_layer, n_embd, "
             "vocab_size, batch_size, block_size or eval_iters (or set loss_chunk= for the logits)")
-    # the memory plan, activations counted, against one rank's share (memory_plan.py), where a
-    # generous bound on the activations (64 bytes a row of each width) does not fit already
+
+
+def rank_memory(c, world):
+    """The bytes one rank has here: the smallest GPU's, or its share of the machine's."""
     gpus = [torch.cuda.get_device_properties(i).total_memory
             for i in range(torch.cuda.device_count())]
-    one = min(gpus) if gpus and c["device"] != "cpu" else have / world
+    return min(gpus) if gpus and c["device"] != "cpu" else memory_bytes_available() / world
+
+
+def may_not_fit(c, world):
+    """False where a generous bound (16 bytes a parameter, 64 a row of each width of each
+    layer in flight, and of the vocabulary) fits in a rank's memory here; else True, and
+    the memory plan decides (train.py's line: memory_plan.check)."""
+    s = model_shape(c)
+    ffn_dim = ModelConfig(**{k: s[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim",
+                                               "head_dim")}).ffn_dim
+    C, vocab = s["n_embd"], s["vocab_size"] or 200_000
+    params = vocab * C * (1 if s["tie_embeddings"] else 2) + s["n_layer"] * (
+        4 * C * C + 3 * C * ffn_dim)
     flight = c["grad_accum_steps"] if c["pp"] > 1 else 1
-    if 16 * params + 64 * rows * (flight * n_layer * (2 * n_embd + ffn_dim) + vocab_size) < one:
-        return
-    from techniques import memory_plan
-    shape = memory_plan.shape_of({**c, "n_layer": n_layer, "n_embd": n_embd, "ffn_dim": ffn_dim,
-                                  "vocab_size": vocab_size, "tie_embeddings": tie})
-    fits = memory_plan.what_fits(c, world, one, shape)
-    check(not fits, f"{memory_plan.lines(c, world, shape)}: over the {one / 2 ** 30:,.1f} GiB "
-                    f"a rank has here{where}; what would fit: {fits}")
+    rows = c["batch_size"] * c["block_size"]
+    return 16 * params + 64 * rows * (flight * s["n_layer"] * (2 * C + ffn_dim) + vocab) >= (
+        rank_memory(c, world))
+
+
+def model_shape(c):
+    """The config `c` with the shape (SHAPE_KEYS) of the model this run trains, read before any
+    process group, where origin.weights_source will find it: the checkpoint ckpt/latest names
+    (this run's, to resume; or init_from= another run's: its meta.json), a Hugging Face
+    directory's config.json (hf.hf_index: the weights' headers, no weights), else the config's
+    own. A checkpoint that does not read leaves the config's: origin refuses it, by name."""
+    init_from = c["init_from"]
+    for run in ([c["out_dir"]] if init_from != "scratch" else []) + [init_from]:
+        root = os.path.join(run, "ckpt")
+        name = guard_ckpt.read_latest(root) if os.path.isdir(root) else None
+        meta = guard_ckpt.read_small(os.path.join(root, name))[0] if name and "/" not in name \
+            else None
+        if meta:
+            return {**c, **{k: v for k, v in meta["model"].items() if k in SHAPE_KEYS}}
+    if os.path.isdir(init_from):
+        from formats import hf
+        return {**c, **{k: v for k, v in hf.hf_index(init_from)[0].items() if k in SHAPE_KEYS}}
+    return c
 
 
 def check_files(c):

@@ -19,10 +19,12 @@ recompute repeats, collectives included) and whatever the layout; nothing here c
 number: the same losses and gradients as the plain run, in float32 exactly.
 """
 
+import contextlib
 import functools
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -47,17 +49,17 @@ def apply(model, ac, offload=False):
     `offload` runs the model's forward under the offloading hooks. Returns what it did, a line
     for the log."""
     kind, k = policy(ac)
-    done = []
+    done, hooks = [], Offload(model) if offload else None
     for name, block in model.layers.items():
         if kind == "none" or kind == "layers" and int(name) % k:
             continue
-        context = OpPolicy(block).contexts if kind == "op" else None
+        context = OpPolicy(block, hooks).contexts if kind == "op" else None
         block.forward = functools.partial(recomputed, block.forward, context)
         # the attention's own recompute (model.attend, CPU bf16) is this block's now
         block.attention.recompute = False
         done.append(name)
     if offload:
-        model.forward = functools.partial(offloaded, model.forward, Offload(model))
+        model.forward = functools.partial(offloaded, model.forward, hooks)
     return (f"activations: ac={ac}, layers {','.join(done) or 'none'} recomputed in backward"
             + ("; what backward reads waits in CPU memory" if offload else ""))
 
@@ -74,10 +76,11 @@ def recomputed(forward, context_fn, *args, **kwargs):
 class OpPolicy:
     """`op`'s policy for one block: keep the matmuls' and attention's outputs, recompute the rest;
     but not the outputs of wo and w2, which only join the residual stream, where backward reads
-    nothing of them (hooks on the two say when they run)."""
+    nothing of them (hooks on the two say when they run). With `offload` (an Offload), the kept
+    outputs wait in CPU memory like the saved tensors."""
 
-    def __init__(self, block):
-        self.residual = False
+    def __init__(self, block, offload=None):
+        self.residual, self.offload = False, offload
         for layer in (block.attention.wo, getattr(block.feed_forward, "w2", None)):
             # (a MoE's w2 is its experts' weight, no module: their outputs are weighted, and read)
             if isinstance(layer, torch.nn.Module):
@@ -85,14 +88,41 @@ class OpPolicy:
                 layer.register_forward_hook(lambda *_: setattr(self, "residual", False))
 
     def __call__(self, ctx, op, *args, **kwargs):
-        if op not in SAVED_OPS or self.residual:
+        # (with grad off: inside an autograd.Function's forward, cp's ring attention, whose
+        # matmuls are its score blocks, T^2 / cp^2 each: recomputed, as the ring is)
+        if op not in SAVED_OPS or self.residual or not torch.is_grad_enabled():
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if SavedBytes.active is not None:  # (what SAC keeps is no saved tensor: counted here)
+        # (what SAC keeps is no saved tensor: counted here, or by the Offload that moves it)
+        if SavedBytes.active is not None and self.offload is None:
             SavedBytes.active.add_output(ctx.op_output)
         return CheckpointPolicy.MUST_SAVE
 
     def contexts(self):  # (a fresh pair for each forward: they hold its kept outputs)
-        return create_selective_checkpoint_contexts(self)
+        forward, recompute = create_selective_checkpoint_contexts(self)
+        if self.offload is None:
+            return forward, recompute
+        return cache_moved(forward, self.offload, out=True), cache_moved(recompute, self.offload)
+
+
+@contextlib.contextmanager
+def cache_moved(mode, offload, out=False):
+    """SAC's dispatch `mode`, its cache of kept outputs moved to CPU memory when the forward ends
+    (`out`) or back before the recompute starts. The cache is SAC's own (mode.storage: op ->
+    call -> the outputs, each in a wrapper holding it as .val and its version): no saved-tensor
+    hook sees it, so it is moved here, through the same Offload."""
+    if not out:
+        move(mode.storage, offload.unpack)
+    with mode:
+        yield
+    if out:
+        move(mode.storage, offload.pack)
+
+
+def move(storage, how):
+    for kept in tree_leaves([list(calls.values()) for calls in storage.values()]):
+        if getattr(kept, "version", None) is not None:  # (a tensor's: other outputs stay)
+            kept.val = how(kept.val)
+            kept.version = kept.val._version if torch.is_tensor(kept.val) else kept.version
 
 
 def offloaded(forward, hooks, *args, **kwargs):
@@ -180,17 +210,18 @@ class Offload(Keep):
 class SavedBytes(Keep):
     """Counts the bytes one step keeps for backward, on the device and offloaded: each kept
     tensor's storage once (views of one storage are one), the weights aside, and the outputs
-    `op` keeps (keep_op). Use it around forward and backward:
+    `op` keeps; and the most kept at once (peak), each storage's bytes counted out when it is
+    freed. Use it around each forward (one object over a pipeline's micro-batches):
 
         with SavedBytes(model) as saved:
             loss = model(x, y)[1]
-        saved.device, saved.offloaded  # bytes
+        saved.device, saved.offloaded, saved.peak  # bytes
     """
     active = None
 
     def __init__(self, model):
         super().__init__(model)
-        self.seen, self.device, self.offloaded = set(), 0, 0
+        self.seen, self.device, self.offloaded, self.live, self.peak = set(), 0, 0, 0, 0
         self.offload = next((f.args[1] for f in [getattr(model, "forward", None)]
                              if isinstance(f, functools.partial) and f.func is offloaded), None)
 
@@ -225,6 +256,14 @@ class SavedBytes(Keep):
                 self.offloaded += storage.nbytes()
             else:
                 self.device += storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            # (freed once its backward has run: then its address may hold another)
+            weakref.finalize(storage, self.freed, storage.data_ptr(), storage.nbytes())
+
+    def freed(self, ptr, nbytes):
+        self.seen.discard(ptr)
+        self.live -= nbytes
 
     def add_output(self, out):
         for t in out if isinstance(out, (tuple, list)) else [out]:

@@ -1,8 +1,9 @@
 """
-The memory plan (`plan=True`): the bytes one rank holds in a step, counted from the config before
-anything is built: weights, gradients, optimizer state, the activations a step keeps for backward
-(as activations.SavedBytes measures them) and the peak. Megatron prints the same for a layout;
-here it also says what would fit instead when the run does not.
+The memory plan (`plan=True`): the bytes one rank holds in a step, counted from the config (and
+the shape of the model it trains) before anything is built: weights, gradients, optimizer
+state, the activations a step keeps for backward (as activations.SavedBytes measures them) and
+the peak. Megatron prints the same for a layout; here it also says what would fit instead when
+the run does not.
 
 What a dense block keeps per row of a micro-batch, in elements (e: the activations' bytes, 4 in
 float32, 2 under bf16 autocast; the norms' and the log-sum-exp stay float32), read off the
@@ -13,13 +14,20 @@ counter on this model:
   op    the block's input (C), q, k, v and the attention's output (2 (H + KV) hd), its
         log-sum-exp (H), gate and up (2F): the matmuls' outputs but wo's and w2's
   full  the block's input (C)
-tp divides H, KV and F (and with sp the rows of C); cp divides the rows; a pipeline stage keeps
-its layers' activations for each micro-batch in flight (1F1B: min(pp - stage, m); interleaved:
-the longer warmup's chunks; GPipe: all m). Dense blocks only: a mixture of experts' layer is
-counted as its top_k experts' SwiGLUs.
+tp divides H, KV and F (and with sp the rows of C); cp divides the rows, and its ring attention
+keeps under `none` its float32 output and the copy wo reads (H hd), the positions and RoPE
+tables of its rows, under `op` only q, k and v (the ring runs again in backward); a pipeline
+stage keeps its layers' activations for each micro-batch in flight (1F1B: min(pp - stage, m);
+GPipe: all m; interleaved: its chunks in flight, its order played). Dense blocks only: a
+mixture of experts' layer is counted as its top_k experts' SwiGLUs.
 """
 
 import math
+import os
+import sys
+
+from guards import guard_config
+from guards.guard_errors import check
 
 
 def shape_of(c):
@@ -34,13 +42,18 @@ def shape_of(c):
                 tie=c["tie_embeddings"])
 
 
-def block_bytes(s, rows, kind, e, tp=1, sp=False):
-    """What one block keeps for backward over `rows` rows under policy `kind`."""
+def block_bytes(s, rows, kind, e, tp=1, sp=False, ring=0):
+    """What one block keeps for backward over `rows` rows under policy `kind`; `ring`: the
+    tokens of one sequence on this rank under cp's ring attention (0: no cp)."""
     C, H, KV, hd, F = s["C"], s["H"] / tp, s["KV"] / tp, s["hd"], s["F"] / tp
     norm_rows = rows / tp if sp else rows
     if kind == "full":
         return norm_rows * C * 4
     attn = rows * (2 * (H + KV) * hd * e + 4 * H)
+    if ring and kind == "op":  # (the ring is no matmul of its own: recomputed, out and lse too)
+        attn = rows * (H + 2 * KV) * hd * e
+    elif ring:  # its output kept in float32 and copied for wo, its positions and RoPE tables
+        attn += rows * H * hd * 4 + ring * (8 + 8 * hd)
     # a mixture of experts: its tokens gathered in expert order (k C), their outputs back in
     # token order and weighted (2 k C), the router's logits and scores (2 E, float32)
     moe = rows * s["k"] * C * e * (1 if kind == "op" else 3) + rows * 8 * s["E"] * (kind != "op")
@@ -50,44 +63,68 @@ def block_bytes(s, rows, kind, e, tp=1, sp=False):
     return 2 * norm_rows * (8 * C + 4) + 2 * rows * C * e + attn + rows * 4 * F * e + moe
 
 
-def in_flight(c, dp):
-    """(micro-batches in flight at the first stage, layers of one) by the schedule."""
-    pp, v = c["pp"], c["pp_virtual"]
-    m = max(1, c["grad_accum_steps"] // dp)
+def in_flight(c, s, stage, dp):
+    """Each moment pipeline stage `stage` has most in flight, as the chunks (0 .. pp_virtual-1)
+    of the micro-batches whose forwards wait for their backwards, and the layers of each
+    chunk. 1F1B: min(pp - stage, m) micro-batches; GPipe: all m; interleaved: after each
+    forward, in its order (pipeline.interleaved_order: its longer warmup, then one forward
+    and one backward)."""
+    pp, v = c["pp"], c["pp_virtual"] if c["pp_schedule"] == "interleaved" else 1
     if pp == 1:
-        return 1, c["n_layer"]
+        return [[0]], [range(s["L"])]
+    from types import SimpleNamespace
+
+    from techniques import pipeline
+    m = max(1, c["grad_accum_steps"] // dp)
+    cfg = SimpleNamespace(n_layer=s["L"], n_embd=s["C"], n_head=s["H"], n_kv_head=s["KV"],
+                          head_dim=s["hd"], ffn_dim=s["F"], vocab_size=s["V"],
+                          block_size=c["block_size"])
+    counts = ([int(n) for n in c["pp_layers"].split(",")] if c["pp_layers"].strip()
+              else pipeline.pipeline_split(cfg, pp * v))
+    chunks = [pipeline.stage_layers(counts, j * pp + stage) for j in range(v)]
     if c["pp_schedule"] == "gpipe":
-        return m, c["n_layer"] / pp
-    if c["pp_schedule"] == "interleaved":
-        return min((pp - 1) * 2 + (v - 1) * pp + 1, m * v), c["n_layer"] / (pp * v)
-    return min(pp, m), c["n_layer"] / pp
+        return [[0] * m], chunks
+    if v == 1:
+        return [[0] * min(pp - stage, m)], chunks
+    alive, moments = [], []
+    for kind, chunk, k in pipeline.interleaved_order(pp, stage, v, m):
+        if kind == "F":
+            alive.append((chunk, k))
+            moments.append([j for j, _ in alive])
+        else:
+            alive.remove((chunk, k))
+    return moments, chunks
 
 
-def activation_bytes(c, world, s=None):
-    """What the rank that keeps most keeps for backward after its forwards: the bytes on the
-    device (offload_activations: only what `op` keeps stays)."""
+def activation_bytes(c, world, s=None, stage=None):
+    """What a rank of pipeline stage `stage` (None: the stage that keeps most) keeps for
+    backward at most: the bytes on the device (offload_activations: none of them)."""
+    if c["offload_activations"]:
+        return 0
     s = s or shape_of(c)
     tp, cp, pp = c["tp"], c["cp"], c["pp"]
+    if stage is None:
+        return max(activation_bytes(c, world, s, r) for r in range(pp))
     dp = max(1, world // (tp * cp * pp))
     rows = c["batch_size"] * c["block_size"] / cp
+    ring = c["block_size"] / cp if cp > 1 else 0
     e = 4 if c["dtype"] in ("float32", "auto") else 2
     kind, _, k = ("full" if c["grad_ckpt"] else c["ac"]).partition(":")
-    if kind == "layers":
-        per = [block_bytes(s, rows, "full" if i % int(k) == 0 else "none", e, tp, c["sp"])
-               for i in range(s["L"])]
-    else:
-        per = [block_bytes(s, rows, kind, e, tp, c["sp"])] * s["L"]
-    if c["offload_activations"]:
-        per = [p - block_bytes(s, rows, "full", e, tp, c["sp"]) if kind == "op" else 0
-               for p in per]
-    flight, layers = in_flight(c, dp)
-    blocks = flight * sum(per) / s["L"] * layers
-    # the embedding's ids, the last norm, the head's loss (log-softmax, or the chunks' sums)
+    per = [block_bytes(s, rows, "full" if kind == "layers" and i % int(k) == 0 else
+                       "none" if kind == "layers" else kind, e, tp, c["sp"], ring)
+           for i in range(s["L"])]
+    # the embedding's ids (whole rows) on the first stage; on the last the final norm and the
+    # head's loss (its log-softmax, or the chunks' sums)
     chunked = c["loss_chunk"] > 0
     loss = (14 + (0 if c["loss_recompute"] else 4 * s["V"] / tp) if chunked
             else 4 * s["V"] / tp + 8)
-    head = rows * (8 + 8 * s["C"] + 4 + s["C"] * e + loss)
-    return blocks + (0 if c["offload_activations"] else head)
+    ids = rows * cp * 8 + ring * 8  # (and cp's positions, which cut each row)
+    head = rows * (8 * s["C"] + 4 + s["C"] * e + loss)
+    moments, chunks = in_flight(c, s, stage, dp)
+    v = len(chunks)
+    held = [sum(per[i] for i in chunks[j]) + ids * (stage == 0 and j == 0)
+            + head * (stage == pp - 1 and j == v - 1) for j in range(v)]
+    return max(sum(held[j] for j in flight) for flight in moments)
 
 
 def plan(c, world, s=None):
@@ -134,3 +171,19 @@ def what_fits(c, world, have, s=None):
     tries += [f"{k}={n} (on {world * n} ranks)" for k in ("cp", "tp") for n in (2, 4, 8)
               if plan({**c, k: c[k] * n}, world * n, s)["peak"] <= have][:1]
     return ", or ".join(tries) or "a smaller model"
+
+
+def check_fits(c, world, print_only=False):
+    """train.py's memory-plan line, for the model this run trains (guard_config.model_shape: a
+    checkpoint's or a model directory's shape, read without its weights): with plan=True
+    prints the plan once (rank 0) and exits; else stops a run whose plan does not fit in a
+    rank's memory here, naming what would."""
+    c = guard_config.model_shape(c)
+    if print_only:
+        if os.environ.get("RANK", "0") == "0":
+            print(lines(c, world))
+        sys.exit(0)
+    have = guard_config.rank_memory(c, world)
+    fits = what_fits(c, world, have)
+    check(not fits, f"{lines(c, world)}: over the {have / 2 ** 30:,.1f} GiB a rank has here; "
+                    f"what would fit: {fits}")
