@@ -476,7 +476,8 @@ def local_dir_links(blob_name, repo="models--org--tiny"):
     """`huggingface-cli download --local-dir` (huggingface_hub before 0.23): each file a link to
     a blob of the cache, models--org--name/blobs/<digest>, read as the directory of real files."""
     def make(b, tmp):
-        blobs, local = os.path.join(tmp, "out", "hub", repo, "blobs"), os.path.join(tmp, "out", "m")
+        blobs = os.path.join(tmp, "out", "hub", repo, "blobs")
+        local = os.path.join(tmp, "out", "m")
         os.makedirs(blobs)
         os.makedirs(local)
         for i, name in enumerate(sorted(os.listdir(b["hf"]))):
