@@ -83,7 +83,7 @@ def _lines(path):
             for block in _blocks(path, raw):
                 *lines, last = block.split(b"\n")
                 for line in lines:
-                    yield b"".join(rest) + line + b"\n"
+                    yield b"".join([*rest, line, b"\n"])
                     rest, size, n = [], 0, n + 1
                 rest.append(last)
                 size += len(last)
@@ -305,11 +305,13 @@ def records(path, text_field, decode):
         return
     for lineno, raw in enumerate(_lines(path), 1):
         line, bad = decode(raw)
+        del raw  # (a long document: its bytes and its line freed before the record is used)
         if not line.strip():
             continue
         field = text_field if isinstance(text_field, str) else text_field[0]
         record = loads_json(line, f"{path}:{lineno}", f"each line must be one JSON object such as "
                                                        f"{{\"{field}\": \"...\"}}")
+        del line
         yield lineno, record, bad
 
 
