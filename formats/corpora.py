@@ -83,8 +83,9 @@ def _lines(path):
             for block in _blocks(path, raw):
                 *lines, last = block.split(b"\n")
                 for line in lines:
-                    yield b"".join([*rest, line, b"\n"])
-                    rest, size, n = [], 0, n + 1
+                    rest += (line, b"\n")
+                    yield _joined(rest)
+                    size, n = 0, n + 1
                 rest.append(last)
                 size += len(last)
                 if size > MAX_LINE_BYTES:
@@ -95,6 +96,13 @@ def _lines(path):
             raise _corrupt(path, e) from None
         if size:
             yield b"".join(rest)
+
+
+def _joined(parts):
+    """The parts as one bytes, the list emptied: a generator's locals outlive its yield."""
+    out = b"".join(parts)
+    parts.clear()
+    return out
 
 
 def _blocks(path, raw):
@@ -303,7 +311,9 @@ def records(path, text_field, decode):
         for row, record in enumerate(_arrow_rows(path, text_field), 1):
             yield row, record, 0
         return
-    for lineno, raw in enumerate(_lines(path), 1):
+    lineno = 0  # (enumerate's tuple, reused, would keep the last line's bytes alive)
+    for raw in _lines(path):
+        lineno += 1
         line, bad = decode(raw)
         del raw  # (a long document: its bytes and its line freed before the record is used)
         if not line.strip():
