@@ -482,4 +482,5 @@ def test_prepare_encodes_a_long_document_in_pieces_to_the_same_tokens(tmp_path, 
     prepare.prepare(str(src), str(tmp_path / "pieces"), "cl100k_base", 4096, 0.2, verbose=False)
     assert 0 < max(seen) < 4000, max(seen)
     for name in ("train.bin", "val.bin"):
-        assert (tmp_path / "pieces" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+        pieces, whole = (tmp_path / "pieces" / name), (tmp_path / "whole" / name)
+        assert pieces.read_bytes() == whole.read_bytes(), name
