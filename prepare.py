@@ -45,6 +45,7 @@ from tokenizer import (
     ROLES,
     encode_batch,
     encode_chat_contents,
+    encode_documents,
     get_tokenizer,
     load_extra_tokens,
     render_chat,
@@ -310,7 +311,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
         if own and eot in ids:  # (only the template can write it: in a message it is text)
             raise UserError(f"{doc_id}: the chat template wrote {enc.decode([eot])!r}, the token "
                             f"that ends conversations in packed data: remove it from the template")
-        np.asarray(bos + ids + [eot], dtype=dtype).tofile(out[f"{split}.bin"])
+        for part in (bos, ids, [eot]):  # (ids: a list, or encode_long's array, not copied)
+            np.asarray(part, dtype=dtype).tofile(out[f"{split}.bin"])
         if mask is not None:
             np.asarray([0] * len(bos) + mask + [0],
                        dtype=np.uint8).tofile(out[f"{split}.mask.bin"])
@@ -371,8 +373,8 @@ def prepare(source, out_dir, tokenizer="cl100k_base", vocab_size=0, val_fraction
                 write(doc_id, *render_chat(enc, messages, content))
         else:
             for (doc_id, _), ids in zip(batch,
-                                        encode_batch(enc, [t for _, t in batch],
-                                                     num_threads=workers)):
+                                        encode_documents(enc, [t for _, t in batch],
+                                                         num_threads=workers)):
                 write(doc_id, ids)
 
     def discard():

@@ -5,8 +5,11 @@ and conversations (the chat template's token layout); and the model's tokenizer 
 record it ("tokenizer_spec"), which the data a run trains on must match.
 """
 
+import itertools
 import os
+import re
 
+import numpy as np
 import tiktoken
 
 from guards.guard_errors import UserError
@@ -178,6 +181,62 @@ def encode(enc, text):
 def encode_batch(enc, texts, num_threads=8):
     """encode() of many texts on num_threads threads (tiktoken's Rust core releases the GIL)."""
     return _encode_batch(enc, texts, num_threads, _allowed(enc))
+
+
+# A document longer than PIECE_CHARS characters is encoded a piece at a time (encode_long)
+PIECE_CHARS = 1 << 20
+# where a piece may end: after a newline before a non-space, or after a space (a newline, a
+# tab) before the space that starts a word
+CUT = re.compile(r"(?<=\n)(?=\S)|(?<=\s)(?= \S)")
+# the characters each side of a cut encoded together to check it; the cuts checked each side of
+# a piece's end before the rest of the document is encoded whole
+CHECK_CHARS, MAX_TRIED = 256, 64
+
+
+def encode_long(enc, text):
+    """encode() of one document (a uint32 array), a piece of about PIECE_CHARS characters at a
+    time: a whole document's ids as a Python list cost ~36 bytes an id, about 9x its text (a
+    250 MB line peaked at 5.7 GB), a piece's only its own.
+
+    The ids are the whole document's. A tokenizer that splits text by a regex before merging
+    (tiktoken's; a tokenizer.json's ByteLevel or Split pre-tokenizer) encodes each side of a
+    boundary between its pre-tokens alone as it does together. In GPT-2's (SmolLM2's),
+    cl100k's, o200k's, Llama 3's and Qwen2's patterns none looks behind, and a whitespace run
+    before a word leaves the word its last space (`\s+(?!\S)`): so the space that starts an
+    indented line's first word is a boundary in all of them, and a newline before a non-space
+    in all but GPT-2's, where a run of newlines is one pre-token. Each cut is checked: the
+    CHECK_CHARS either side encoded together must give the two halves' ids, or another CUT is
+    tried. A tokenizer that marks where a text begins (SentencePiece's prefix, add_prefix_space)
+    fails that at every cut: the rest of the document is encoded whole, as is a document with no
+    CUT (one endless line), at the whole document's peak, as before."""
+    parts, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        p = _cut(enc, text, start)
+        if p is None:
+            break
+        parts.append(np.asarray(encode(enc, text[start:p]), dtype=np.uint32))
+        start = p
+    parts.append(np.asarray(encode(enc, text[start:]), dtype=np.uint32))
+    return np.concatenate(parts)
+
+
+def _cut(enc, text, start):
+    """Where the piece of `text` from `start` ends: a CUT the check holds at, among the last
+    MAX_TRIED of its first PIECE_CHARS characters, else the first MAX_TRIED after; None if
+    none of those does."""
+    near = [m.start() for m in CUT.finditer(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)]
+    far = itertools.islice(CUT.finditer(text, start + PIECE_CHARS), MAX_TRIED)
+    for p in [*near[::-1][:MAX_TRIED], *(m.start() for m in far)]:
+        left, right = text[max(start, p - CHECK_CHARS):p], text[p:p + CHECK_CHARS]
+        if encode(enc, left + right) == encode(enc, left) + encode(enc, right):
+            return p
+    return None
+
+
+def encode_documents(enc, texts, num_threads=8):
+    """encode_batch of documents, those longer than PIECE_CHARS a piece at a time (encode_long)."""
+    short = iter(encode_batch(enc, [t for t in texts if len(t) <= PIECE_CHARS], num_threads))
+    return [next(short) if len(t) <= PIECE_CHARS else encode_long(enc, t) for t in texts]
 
 
 def render_chat(enc, messages, contents=None):

@@ -72,7 +72,7 @@ SMOKE_ARGS = {"dp": dict(bucket_sizes=(1.0,)),
               "race": dict(recipes=("default (python train.py)",),
                            extra=dict(max_iters=2, eval_interval=1)),
               "profile": dict(steps=1), "long": dict(lengths=(64,)),
-              "tokenize": dict(max_mb=0.2, repeats=1),
+              "tokenize": dict(max_mb=0.2, repeats=1, long_mb=0.5),
               "mfu": dict(iters=3, skip=1, rounds=1, modes=(False,)), "moe": dict(max_iters=3),
               "real": dict(rounds=1, compile_at=((1, 16, True),)), "docmask": dict(lengths=(64,)),
               "activations": dict(batch=2, T=16, long=(32,))}

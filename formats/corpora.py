@@ -35,6 +35,8 @@ CHAT_COLUMNS = ("messages", "prompt", "response", "chosen", "rejected")
 MAX_LINE_BYTES = 256 << 20
 # an Arrow record batch's columns read at once (`datasets` writes 1,000 rows a batch)
 MAX_BATCH_BYTES = 1 << 30
+# the bytes of a Parquet row group's columns read at once (by its metadata; at least one row)
+BATCH_ROWS_BYTES = 64 << 20
 
 
 def is_records(path):
@@ -81,8 +83,9 @@ def _lines(path):
             for block in _blocks(path, raw):
                 *lines, last = block.split(b"\n")
                 for line in lines:
-                    yield b"".join(rest) + line + b"\n"
-                    rest, size, n = [], 0, n + 1
+                    rest += (line, b"\n")
+                    yield _joined(rest)
+                    size, n = 0, n + 1
                 rest.append(last)
                 size += len(last)
                 if size > MAX_LINE_BYTES:
@@ -93,6 +96,13 @@ def _lines(path):
             raise _corrupt(path, e) from None
         if size:
             yield b"".join(rest)
+
+
+def _joined(parts):
+    """The parts as one bytes, the list emptied: a generator's locals outlive its yield."""
+    out = b"".join(parts)
+    parts.clear()
+    return out
 
 
 def _blocks(path, raw):
@@ -146,19 +156,37 @@ def _columns(path, names, text_field):
 
 def _parquet_rows(path, text_field):
     """Each row of a Parquet file as a dict of the columns a record needs (text_field: the text
-    column, or a tuple of the columns to read; no other is read)."""
+    column, or a tuple of the columns to read; no other is read). A few kB of file can make
+    gigabytes: a value a dictionary page holds once and every row names, or pages that
+    decompress 10,000-fold. So text and bytes columns are read dictionary-encoded (a value that
+    rows repeat is in memory once), and a row group in batches of about BATCH_ROWS_BYTES of
+    its columns, by the sizes its metadata gives, each value bounded before it is decoded."""
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
         columns, first = _columns(path, pf.schema_arrow.names, text_field), 1
+        schema = pf.schema_arrow
+        strings = [n for n in (columns or schema.names) if _is_bytes(schema.field(n).type)]
+        pf = pq.ParquetFile(path, read_dictionary=strings)
         for i in range(pf.num_row_groups):
-            table = pf.read_row_group(i, columns=columns)
-            yield from _pylist(table, path, first)
-            first += table.num_rows
+            group = pf.metadata.row_group(i)
+            size = sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                       if columns is None or group.column(c).path_in_schema.split(".")[0]
+                       in columns)
+            rows = max(1, min(1024, group.num_rows * BATCH_ROWS_BYTES // max(size, 1)))
+            for batch in pf.iter_batches(rows, row_groups=[i], columns=columns):
+                yield from _pylist(batch, path, first)
+                first += batch.num_rows
     except (pyarrow.ArrowException, OSError, EOFError) as e:
         raise _corrupt(path, e) from None
+
+
+def _is_bytes(type_):
+    import pyarrow as pa
+    return any(f(type_) for f in (pa.types.is_string, pa.types.is_large_string,
+                                  pa.types.is_binary, pa.types.is_large_binary))
 
 
 def saved_dataset(root):
@@ -229,26 +257,38 @@ def _arrow_rows(path, text_field):
 
 
 def _pylist(table, path, first):
-    """A row group's rows (the first numbered `first`) as (dict, how many of its values had bytes
-    replaced), as JSONL's lines read: a value past MAX_LINE_BYTES refused, invalid UTF-8 as
-    U+FFFD, and a value Python cannot hold (a timestamp past year 9999) one line."""
+    """A batch's rows (the first numbered `first`) as (dict, how many of its values had bytes
+    replaced), as JSONL's lines read: a value past MAX_LINE_BYTES refused before it is decoded,
+    invalid UTF-8 as U+FFFD, and a value Python cannot hold (a timestamp past year 9999) one
+    line. A dictionary-encoded column's values are decoded once, each row naming its own."""
     import pyarrow as pa
     import pyarrow.compute as pc
     values, bad = {}, [0] * table.num_rows  # bad: values with bytes replaced, each row's
     for name, col in zip(table.column_names, table.columns):
-        text = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
-        if text or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
-            long = pc.greater(pc.binary_length(col), MAX_LINE_BYTES)
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        coded = pa.types.is_dictionary(col.type)
+        words, index = (col.dictionary, col.indices) if coded else (col, None)
+        if _is_bytes(words.type):
+            lengths = pc.binary_length(words)
+            long = pc.greater(lengths if index is None else pc.take(lengths, index),
+                              MAX_LINE_BYTES)
             if pc.any(long).as_py():
                 raise UserError(f"{path}: row {first + pc.index(long, True).as_py()}: a {name} "
                                 f"of over {MAX_LINE_BYTES >> 20} MB (no document is that long: "
                                 f"a decompression bomb?): leave the file out of the source")
         try:
-            if text:  # (as bytes: pyarrow's own decoding raises on invalid UTF-8)
-                raw = col.cast(pa.large_binary()).to_pylist()
-                values[name] = [v if v is None else v.decode("utf-8", "replace") for v in raw]
-                bad = [n + (v is not None and v.count(b"\xef\xbf\xbd") != t.count("\ufffd"))
-                       for n, v, t in zip(bad, raw, values[name])]
+            if _is_bytes(words.type):
+                # (as bytes: pyarrow's own decoding raises on invalid UTF-8)
+                raw = text = words.cast(pa.large_binary()).to_pylist()
+                if pa.types.is_string(words.type) or pa.types.is_large_string(words.type):
+                    text = [v if v is None else v.decode("utf-8", "replace") for v in raw]
+                replaced = [v is not None and v.count(b"\xef\xbf\xbd") != t.count("\ufffd")
+                            for v, t in zip(raw, text)] if text is not raw else [0] * len(raw)
+                if index is not None:
+                    at = index.to_pylist()
+                    text = [None if j is None else text[j] for j in at]
+                    replaced = [j is not None and replaced[j] for j in at]
+                values[name], bad = text, [n + r for n, r in zip(bad, replaced)]
             else:
                 values[name] = col.to_pylist()
         except (ValueError, OverflowError) as e:  # (UnicodeDecodeError is a ValueError)
@@ -271,13 +311,17 @@ def records(path, text_field, decode):
         for row, record in enumerate(_arrow_rows(path, text_field), 1):
             yield row, record, 0
         return
-    for lineno, raw in enumerate(_lines(path), 1):
+    lineno = 0  # (enumerate's tuple, reused, would keep the last line's bytes alive)
+    for raw in _lines(path):
+        lineno += 1
         line, bad = decode(raw)
+        del raw  # (a long document: its bytes and its line freed before the record is used)
         if not line.strip():
             continue
         field = text_field if isinstance(text_field, str) else text_field[0]
         record = loads_json(line, f"{path}:{lineno}", f"each line must be one JSON object such as "
                                                        f"{{\"{field}\": \"...\"}}")
+        del line
         yield lineno, record, bad
 
 

@@ -27,7 +27,7 @@ from formats.hf_safetensors import (
 from formats.hf_moe import (HF_MOE_NAMES, MOE_FAMILIES, config_fields, config_out,
                             index_experts, read_experts, tensors_out)
 from model import ROPE_TYPES, ModelConfig, Transformer
-from formats.hf_rope import rope_scaling_out, yarn_factor, yarn_fields
+from formats.hf_rope import original_len, rope_scaling_out, yarn_factor, yarn_fields
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face LLaMA checkpoints (LlamaForCausalLM, save_pretrained's directory layout).
@@ -160,8 +160,7 @@ def hf_config_to_ours(hf):
         numbers += [("rope_low_freq", rope.get("low_freq_factor")),
                     ("rope_high_freq", rope.get("high_freq_factor"))]
     if rope_type in ("llama3", "yarn"):
-        numbers.append(("rope_original_len", rope.get("original_max_position_embeddings",
-                                                      hf.get("max_position_embeddings"))))
+        numbers.append(("rope_original_len", original_len(rope, hf)))
     # rope's base, factor and length at least 1: a base of 1e-300 trains NaN
     for field, value in numbers:
         low = 1 if field in ("rope_theta", "rope_factor", "rope_original_len") else 0

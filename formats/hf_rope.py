@@ -13,12 +13,24 @@ from guards.guard_errors import check
 RUN_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
+def original_len(rope, hf):
+    """The context a llama3 or YaRN scaling stretches, as transformers' models read it: a
+    config.json's top-level original_max_position_embeddings first (Phi-3 writes it there), then
+    the rope dict's, then max_position_embeddings. transformers 5.24's config object shows the
+    dict's, but its rotary embedding standardizes the rope parameters again as it is built,
+    giving the top-level one priority; the logits follow the model, so ours do too."""
+    if "original_max_position_embeddings" in hf:
+        return hf["original_max_position_embeddings"]
+    return rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+
+
 def yarn_factor(rope, hf):
     """YaRN's factor, as transformers reads it: the dict's, else max_position_embeddings over
-    original_max_position_embeddings (DeepSeek-V3's files)."""
+    the original length (original_len; DeepSeek-V3's files)."""
     if rope.get("factor") is not None:
         return rope["factor"]
-    original = rope.get("original_max_position_embeddings")
+    original = hf.get("original_max_position_embeddings",
+                      rope.get("original_max_position_embeddings"))
     length = hf.get("max_position_embeddings")
     numbers = all(type(v) in (int, float) for v in (original, length))
     return length / original if numbers and original > 0 else None

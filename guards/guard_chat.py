@@ -4,7 +4,9 @@ directory and to a bounded cost, each a refusal in one line (chat_template.py re
 
 - A file read from a model directory (the template, tokenizer.json or .model, its config,
   config.json, the weights) resolves inside it: a link to /etc/passwd is refused, a Hugging
-  Face cache's links from snapshots/<rev>/ into the repository's blobs/ are followed. A
+  Face cache's links from snapshots/<rev>/ into the repository's blobs/ are followed, and so
+  are the links `huggingface-cli download --local-dir` made (huggingface_hub before 0.23)
+  from anywhere into a cache's models--ORG--NAME/blobs/<digest>. A
   directory or FIFO in its place, or a template past MAX_TEMPLATE_BYTES, is refused too (in
   its own file or in tokenizer_config.json).
 - One conversation's rendering runs at most MAX_RENDER_S seconds and produces at most
@@ -50,11 +52,24 @@ def _root(model_dir):
     return real
 
 
+# a blob of Hugging Face's cache: its git (40) or LFS (64) digest, in a repository's blobs/
+BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _is_blob(real):
+    """`real` is a file of a Hugging Face cache's blobs: models--ORG--NAME/blobs/<digest>. What
+    a blob holds is read as hostile as any file; only where it may lie is decided here."""
+    blobs = os.path.dirname(real)
+    return (BLOB.fullmatch(os.path.basename(real)) is not None
+            and os.path.basename(blobs) == "blobs"
+            and os.path.basename(os.path.dirname(blobs)).startswith("models--"))
+
+
 def check_in_model_dir(path, fix):
-    """`path` (a file of a model directory) resolves inside that directory (see _root) and is
-    a regular file, not a directory, FIFO or device."""
+    """`path` (a file of a model directory) resolves inside that directory (see _root), or to a
+    blob of a Hugging Face cache, and is a regular file, not a directory, FIFO or device."""
     root, real = _root(os.path.dirname(os.path.abspath(path))), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
+    if os.path.commonpath([root, real]) != root and not _is_blob(real):
         raise UserError(f"{path} is a link to {real}, outside its model directory {root}: "
                         f"replace the link with the file itself ({fix})")
     if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):

@@ -217,8 +217,8 @@ REFUSALS = [
      "model with export_hf= instead, or drop export_lora"),
     ("ep with ddp_impl=torch", lambda c, o: c["ep"] > 1 and c["ddp_impl"] == "torch",
      "ep={ep} with ddp_impl=torch: the experts of an ep rank are its own, and torch's DDP "
-     "averages every parameter "
-     "over all dp ranks; use ep with ddp_impl=bucketed or naive (or zero, fsdp)"),
+     "sums every parameter's gradient over all dp ranks; use ep with ddp_impl=bucketed or naive "
+     "(or zero, fsdp)"),
     ("cp with pp, tp or "
      "zero", lambda c, o: c["cp"] > 1 and (c["pp"] > 1 or c["tp"] > 1 or c["zero"]),
      "cp={cp} with pp={pp}, tp={tp}, zero={zero}: context parallelism does not yet split the "

@@ -294,6 +294,29 @@ def test_compressed_lines_are_read_whole_and_bounded(tmp_path, monkeypatch):
         assert "\n" not in str(e.value) and name in str(e.value)
 
 
+def test_a_parquet_value_rows_repeat_is_in_memory_once_and_bounded(tmp_path, monkeypatch):
+    """A dictionary page holds a value once and every row may name it: 200 rows of one 1 MB
+    value are a few kB of file and 200 MB decoded. Read as the file holds them, the value is in
+    memory once while the rows are read (Arrow's allocations under 20 MB); past the bound it is
+    refused, naming the file and the first row that names it, before a row is decoded."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from formats import corpora
+    value = "x" * ((1 << 20) + 1)
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"text": ["a", "b"] + [value] * 200}), path, compression="zstd")
+    assert os.path.getsize(path) < 20_000
+    base, peak, same = pa.total_allocated_bytes(), 0, 0
+    for row, record, _ in corpora.records(path, "text", None):
+        peak = max(peak, pa.total_allocated_bytes() - base)
+        same += record["text"] == (value if row > 2 else "ab"[row - 1])
+    assert same == 202 and peak < 20 << 20, peak
+    monkeypatch.setattr(corpora, "MAX_LINE_BYTES", 1 << 20)
+    with pytest.raises(UserError, match=r"d.parquet: row 3: a text of over 1 MB") as e:
+        list(corpora.records(path, "text", None))
+    assert "\n" not in str(e.value)
+
+
 def write_arrow(path, rows, stream=False, batch_rows=4):
     """rows as one Arrow IPC file, the file format or the stream format, in batches."""
     import pyarrow

@@ -165,6 +165,18 @@ def test_the_run_logs_bits_per_byte_and_task_scores_and_sample_py_agrees(dataset
         assert r["task/made/gold_ll"] < 0
     # each evaluation scores the weights of its iteration
     assert evals_[-1]["task/made/gold_ll"] != evals_[0]["task/made/gold_ll"]
+    # gold_ll: the mean over questions of the answer's log-likelihood summed over its tokens,
+    # by hand from the last checkpoint (a row's mean per token passed the acc checks)
+    import checkpoint
+    model = checkpoint.load_whole(checkpoint.find(out, None))[0].eval()
+    t, gold = evals.Task(task, enc, 32), []
+    for q, answer in enumerate(t.answers):
+        r = t.row_question.tolist().index(q) + answer
+        x, y, m = t.rows([r])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x)[0].double(), -1)
+        gold.append((logp[0].gather(1, y[0, :, None])[:, 0] * m[0]).sum().item())
+    assert abs(evals_[-1]["task/made/gold_ll"] - sum(gold) / len(gold)) < 1e-6, gold
     p = run_train([f"out_dir={out}", "eval=True", f"eval_tasks={task}", f"dataset={dataset}"],
                   cwd=tmp_path, script="sample.py")
     val_line, task_line = p.stdout.splitlines()[-2:]

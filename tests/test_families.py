@@ -410,3 +410,39 @@ def test_long_context_from_a_base(corpus, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf_logits(tmp_path / "hf", x),
                                    ours_from(str(tmp_path / "long"))(x)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, rope", [
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0}),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})])
+def test_a_top_level_original_length_is_read_as_transformers_models_read_it(
+        tmp_path, model_type, rope):
+    """original_max_position_embeddings at config.json's top level, beside the rope dict's or
+    instead of it: transformers 5.24's config object shows the dict's, but its models build the
+    rotary embedding from the top-level one (standardize_rope_params, Phi-3's habit). Ours
+    reads it so: the logits and the iteration-0 loss over 128 positions equal transformers'."""
+    import transformers
+    keys = dict(SIZE, vocab_size=256, model_type=model_type, rope_theta=1e4,
+                original_max_position_embeddings=16, rope_scaling={**rope, "rope_theta": 1e4},
+                **({"head_dim": 16} if model_type == "qwen3" else {}))
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(keys))
+    config = transformers.AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(keys))  # the file as given, whatever it saved
+    kwargs, weights = hf.load_hf(str(path))
+    assert kwargs["rope_original_len"] == 16
+    model = Transformer(ModelConfig(**kwargs, block_size=128)).eval()
+    model.load_state_dict(weights, strict=False)
+    x = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    theirs = hf_logits(path, x)
+    with torch.no_grad():
+        ours = model(x)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    loss = [torch.nn.functional.cross_entropy(z[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+            for z in (ours, theirs)]
+    assert abs(loss[0].item() - loss[1].item()) < 1e-6 * loss[1].item()

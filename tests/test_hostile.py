@@ -472,6 +472,21 @@ def hf_cache_links_load(b, tmp):
     return lambda: hf.hf_index(snap)[0] == hf.hf_index(b["hf"])[0]
 
 
+def local_dir_links(blob_name, repo="models--org--tiny"):
+    """`huggingface-cli download --local-dir` (huggingface_hub before 0.23): each file a link to
+    a blob of the cache, models--org--name/blobs/<digest>, read as the directory of real files."""
+    def make(b, tmp):
+        blobs = os.path.join(tmp, "out", "hub", repo, "blobs")
+        local = os.path.join(tmp, "out", "m")
+        os.makedirs(blobs)
+        os.makedirs(local)
+        for i, name in enumerate(sorted(os.listdir(b["hf"]))):
+            shutil.copy(os.path.join(b["hf"], name), os.path.join(blobs, blob_name(i)))
+            os.symlink(os.path.join(blobs, blob_name(i)), os.path.join(local, name))
+        return lambda: hf.hf_index(local)[0] == hf.hf_index(b["hf"])[0]
+    return make
+
+
 def adapter_file_outside(name):
     """A PEFT adapter directory whose `name` is a link to a file outside it."""
     return linked_outside("adapter", name, lora.load_peft_lora)
@@ -1687,6 +1702,12 @@ CASES = [
     (59, "model.safetensors a link out of its model directory", "raises",
      hf_file_outside("model.safetensors")),
     (59, "Hugging Face's cache: links into blobs/ load", "holds", hf_cache_links_load),
+    (71, "--local-dir: links into a cache's blobs/<digest> load", "holds",
+     local_dir_links(lambda i: f"{i:064x}")),
+    (71, "--local-dir: a link into blobs/ to a file named by no digest", "raises",
+     local_dir_links(lambda i: f"hash{i}")),
+    (71, "--local-dir: a link into a blobs/ of no models-- repository", "raises",
+     local_dir_links(lambda i: f"{i:040x}", repo="org--tiny")),
     (59, "adapter_config.json a link out of its adapter directory", "raises",
      adapter_file_outside("adapter_config.json")),
     (59, "adapter_model.safetensors a link out of its adapter directory", "raises",

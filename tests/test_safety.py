@@ -177,11 +177,16 @@ def test_pruning_keeps_the_resumed_checkpoint_and_counts_intact_ones_by_number(t
     # keep 1 intact: 9; the resumed-from 8 stays too; the corrupt one is left alone
     save(9, 1, resumed)
     assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000009", "iter_0000012", "latest"]
+    # an async save (ckpt_async.py) prunes as a plain one does: 9 goes, 8 stays
+    saves = ckpt_async.AsyncSaves(out, model, opt, mesh, 1, resumed)
+    saves.save(10, RNG, meta(10))
+    saves.finish(10)
+    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000010", "iter_0000012", "latest"]
     # 8-digit iterations sort by number, are found and prune the older ones
     save(12345678, 2)
     assert checkpoint.find(out, None) == os.path.join(root, "iter_12345678")
     assert sorted(d for d in os.listdir(root) if d.startswith("iter")) == [
-        "iter_0000009", "iter_0000012", "iter_12345678"]
+        "iter_0000010", "iter_0000012", "iter_12345678"]
     # a killed save's temporary directory is removed by the next run that locks out_dir
     os.makedirs(os.path.join(root, ".tmp_iter_0000010"))
     fd = guard_files.lock_out_dir(out)

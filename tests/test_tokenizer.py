@@ -435,3 +435,52 @@ def test_the_docs_workflow_base_cpt_sft_lora_export(hf_bpe, tmp_path, monkeypatc
     assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "docs/finetuning.md", "exec"), {})
+
+
+@pytest.mark.parametrize("family", ["cl100k_base", *hf_families.FAMILIES])
+def test_a_long_document_encoded_in_pieces_gives_the_whole_documents_ids(
+        tmp_path, monkeypatch, family):
+    """encode_long (prepare.py's way with a document past PIECE_CHARS, here 2,000 characters)
+    gives the ids of the whole text encoded at once: tiktoken with added tokens written in the
+    text, and each family's tokenizer.json (a BOS-adding post-processor, SentencePiece's prefix
+    and byte fallback, NFC); the regex tokenizers by pieces (their encoder never sees more than
+    about PIECE_CHARS), the others whole once their cuts fail the check."""
+    if family == "cl100k_base":
+        enc = tokenizer_py.get_tokenizer(family, 0, ["<|tool|>", "<|begin|>"])
+    else:
+        hf_families.write_tokenizer(family, str(tmp_path))
+        enc = tokenizer_py.get_tokenizer(str(tmp_path / "tokenizer.json"))
+    text = "\n".join(varied_lines() * 3)
+    assert len(text) > 20_000
+    seen, real = [], tokenizer_py.encode
+    monkeypatch.setattr(tokenizer_py, "encode", lambda e, t: seen.append(len(t)) or real(e, t))
+    monkeypatch.setattr(tokenizer_py, "PIECE_CHARS", 2000)
+    got = tokenizer_py.encode_long(enc, text)
+    assert got.dtype == np.uint32 and got.tolist() == real(enc, text), family
+    pieces = family in ("cl100k_base", "llama3", "qwen2", "qwen3")
+    assert (max(seen) < 4000) == pieces, (family, max(seen))
+
+
+def test_prepare_encodes_a_long_document_in_pieces_to_the_same_tokens(tmp_path, monkeypatch):
+    """prepare.py with a document of 100,000 characters among short ones: the train and val
+    files of PIECE_CHARS=2,000 (the encoder never given more than about that) equal the
+    default's, byte for byte."""
+    _, files = corpora.stdlib_files()
+    src = tmp_path / "src"
+    src.mkdir()
+    long = "".join(open(f, encoding="utf-8", errors="replace").read() for f in files[:40])
+    (src / "long.txt").write_text(long[:100_000], encoding="utf-8")
+    for i in range(12):
+        (src / f"short{i}.txt").write_text(f"document {i}\n" * (i + 3), encoding="utf-8")
+    prepare.prepare(str(src), str(tmp_path / "whole"), "cl100k_base", 4096, 0.2, verbose=False)
+    seen, real = [], tokenizer_py._encode_batch
+    monkeypatch.setattr(tokenizer_py, "_encode_batch", lambda e, texts, *a, **k: seen.extend(
+        map(len, texts)) or real(e, texts, *a, **k))
+    monkeypatch.setattr(tokenizer_py, "encode", lambda e, t: seen.append(len(t)) or (
+        e.encode_ordinary(t)))
+    monkeypatch.setattr(tokenizer_py, "PIECE_CHARS", 2000)
+    prepare.prepare(str(src), str(tmp_path / "pieces"), "cl100k_base", 4096, 0.2, verbose=False)
+    assert 0 < max(seen) < 4000, max(seen)
+    for name in ("train.bin", "val.bin"):
+        pieces, whole = (tmp_path / "pieces" / name), (tmp_path / "whole" / name)
+        assert pieces.read_bytes() == whole.read_bytes(), name
