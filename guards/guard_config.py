@@ -228,6 +228,10 @@ REFUSALS = [
 ]
 
 
+# what ModelConfig makes ffn_dim from (0: 8/3 n_embd)
+FFN_KEYS = ("n_embd", "n_head", "n_kv_head", "ffn_dim", "head_dim")
+
+
 def validate(c, overrides, world):
     """Checks the whole config `c` (`overrides`: the keys the user gave; grad_accum_steps as
     configurator.batch_for_layout makes it) for `world` processes, changing nothing."""
@@ -257,8 +261,7 @@ def validate(c, overrides, world):
     if c["datasets"] or c["phases"]:
         configurator.mixture_sources(c, note=False)
     # ModelConfig checks the shape's rules, and makes ffn_dim (0: n_embd's)
-    shape = ("n_embd", "n_head", "n_kv_head", "ffn_dim", "head_dim")
-    ffn_dim = ModelConfig(**{k: c[k] for k in shape}).ffn_dim
+    ffn_dim = ModelConfig(**{k: c[k] for k in FFN_KEYS}).ffn_dim
     if world > 1 or c["ep"] > 1 or any(c[k] != PLAIN_LAYOUT[k] for k in PLAIN_LAYOUT):
         _check_given_layout(c, world, ffn_dim)
     if not c["plan"]:  # (plan=True prints what a run needs, on any machine)
@@ -433,19 +436,16 @@ def rank_memory(c, world):
 
 
 def may_not_fit(c, world):
-    """False where a generous bound (16 bytes a parameter, 64 a row of each width of each
-    layer in flight, and of the vocabulary) fits in a rank's memory here; else True, and
-    the memory plan decides (train.py's line: memory_plan.check)."""
-    s = model_shape(c)
-    ffn_dim = ModelConfig(**{k: s[k] for k in ("n_embd", "n_head", "n_kv_head", "ffn_dim",
-                                               "head_dim")}).ffn_dim
-    C, vocab = s["n_embd"], s["vocab_size"] or 200_000
-    params = vocab * C * (1 if s["tie_embeddings"] else 2) + s["n_layer"] * (
-        4 * C * C + 3 * C * ffn_dim)
-    flight = c["grad_accum_steps"] if c["pp"] > 1 else 1
-    rows = c["batch_size"] * c["block_size"]
-    return 16 * params + 64 * rows * (flight * s["n_layer"] * (2 * C + ffn_dim) + vocab) >= (
-        rank_memory(c, world))
+    """Whether a generous bound (16 bytes a parameter, 64 a row of each width of each layer in
+    flight, and of the vocabulary) passes a rank's memory: then the plan decides (train.py)."""
+    saved = c["init_from"] not in ("auto", "scratch") or os.path.isdir(c["out_dir"] + "/ckpt")
+    s = model_shape(c) if saved else c  # (a fresh run's shape is its config's)
+    C, L, vocab = s["n_embd"], s["n_layer"], s["vocab_size"] or 200_000
+    ffn = ModelConfig(**{k: s[k] for k in FFN_KEYS}).ffn_dim
+    params = vocab * C * (1 if s["tie_embeddings"] else 2) + L * (4 * C * C + 3 * C * ffn)
+    flight = c["grad_accum_steps"] if c["pp"] > 1 else 1  # (micro-batches a stage holds)
+    act = 64 * c["batch_size"] * c["block_size"] * (flight * L * (2 * C + ffn) + vocab)
+    return 16 * params + act >= rank_memory(c, world)
 
 
 def model_shape(c):
