@@ -194,7 +194,7 @@ CHECK_CHARS, MAX_TRIED = 256, 64
 
 
 def encode_long(enc, text):
-    """encode() of one document (a uint32 array), a piece of about PIECE_CHARS characters at a
+    r"""encode() of one document (a uint32 array), a piece of about PIECE_CHARS characters at a
     time: a whole document's ids as a Python list cost ~36 bytes an id, about 9x its text (a
     250 MB line peaked at 5.7 GB), a piece's only its own.
 

@@ -93,6 +93,10 @@ PLAIN = {
     "guards.guard_config.check_layout": _layout,
     "guards.guard_config.memory_bytes_available": lambda: float("inf"),
     "guards.guard_config.rope_changes": lambda saved, c: {},
+    # (the run fits: the memory plan is not asked; a fresh run's shape is its config's)
+    "guards.guard_config.may_not_fit": lambda c, world: False,
+    "guards.guard_config.model_shape": lambda c: c,
+    "guards.guard_config.rank_memory": lambda c, world: float("inf"),
     "guards.guard_data.read_meta": lambda d: _load_json(os.path.join(d, "meta.json")),
     "guards.guard_data.map_tokens": lambda path, dtype, vocab_size: np.memmap(
         path, dtype=dtype, mode="r"),
